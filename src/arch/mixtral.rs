@@ -1,0 +1,66 @@
+//! Mixtral (`MixtralForCausalLM`), mirroring transformers'
+//! `models/mixtral/modeling_mixtral.py`.
+//!
+//! Quirks:
+//! - the MoE block is `block_sparse_moe`; experts are `w1` (gate), `w3` (up),
+//!   `w2` (down), and the router is `block_sparse_moe.gate`;
+//! - routing is softmax over all experts, top-k, renormalised over the k
+//!   (equal to a softmax over the k chosen logits);
+//! - every layer is MoE; no biases, no q/k norm;
+//! - `sliding_window` (null in the released checkpoints) masks every layer.
+
+use super::{Arch, HfConfig, llama_name};
+use crate::error::Result;
+use crate::model::config::*;
+use crate::model::tensors::{ExpertTensor, LayerTensor, TensorId};
+
+pub static ARCH: Arch = Arch { hf_class: "MixtralForCausalLM", model_type: "mixtral", config, hf_name };
+
+fn config(c: &HfConfig) -> Result<ModelConfig> {
+    c.require_silu("hidden_act")?;
+    let d = c.usize(&["hidden_size"])?;
+    let h = c.usize(&["num_attention_heads"])?;
+    let head_dim = c.head_dim(d, h)?;
+    let window = c.opt_usize("sliding_window")?;
+    let n = c.usize(&["num_hidden_layers"])?;
+    Ok(ModelConfig {
+        vocab_size: c.usize(&["vocab_size"])?,
+        hidden_size: d,
+        num_heads: h,
+        num_kv_heads: c.opt_usize("num_key_value_heads")?.unwrap_or(h),
+        head_dim,
+        max_seq_len: c.opt_usize("max_position_embeddings")?.unwrap_or(32768),
+        norm: NormSpec { eps: c.opt_f64("rms_norm_eps")?.unwrap_or(1e-5) as f32 },
+        rope: c.rope(head_dim, 1e6)?,
+        attention: AttentionSpec { qkv_bias: false, o_bias: false, qk_norm: QkNorm::None, clip_qkv: None },
+        moe: Some(MoeSpec {
+            num_experts: c.usize(&["num_local_experts", "num_experts"])?,
+            expert_ffn_dim: c.usize(&["intermediate_size"])?,
+            router: RouterSpec {
+                top_k: c.usize(&["num_experts_per_tok"])?,
+                score: RouterScore::Softmax,
+                renormalize: true,
+                scale: 1.0,
+            },
+            activation: Activation::Silu,
+            shared_expert: None,
+        }),
+        layers: (0..n).map(|_| LayerSpec { sliding_window: window, ffn: FfnSpec::Moe }).collect(),
+        tie_embeddings: c.bool_or("tie_word_embeddings", false)?,
+    })
+}
+
+fn hf_name(_: &ModelConfig, id: TensorId) -> String {
+    match id {
+        TensorId::Layer(l, LayerTensor::Router) => format!("model.layers.{l}.block_sparse_moe.gate.weight"),
+        TensorId::Expert(l, e, t) => {
+            let w = match t {
+                ExpertTensor::Gate => "w1",
+                ExpertTensor::Up => "w3",
+                ExpertTensor::Down => "w2",
+            };
+            format!("model.layers.{l}.block_sparse_moe.experts.{e}.{w}.weight")
+        }
+        other => llama_name(other).unwrap_or_else(|| format!("<{other} has no Mixtral name>")),
+    }
+}

@@ -1,0 +1,333 @@
+//! Architecture adapters: the ONLY code that knows Hugging Face names and quirks.
+//!
+//! Each supported `*ForCausalLM` class is one file here exporting an [`Arch`]:
+//! a function from `config.json` to the canonical [`ModelConfig`], and a
+//! function from a canonical [`TensorId`] to the tensor's name in the Hub
+//! checkpoint. [`REGISTRY`] is the single table keyed by class name; nothing
+//! else in the crate matches on the architecture.
+
+mod mixtral;
+mod olmoe;
+mod qwen2_moe;
+mod qwen3_moe;
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use crate::error::{Error, Result};
+use crate::model::config::{ModelConfig, RopeScaling, RopeSpec};
+use crate::model::tensors::{LayerTensor, TensorId};
+
+/// One supported Hugging Face architecture.
+pub struct Arch {
+    /// The class name in `config.json`'s `architectures` list.
+    pub hf_class: &'static str,
+    /// The `model_type` field, accepted when `architectures` is absent.
+    pub model_type: &'static str,
+    /// Maps config.json to the canonical config.
+    pub config: fn(&HfConfig) -> Result<ModelConfig>,
+    /// Name of a canonical tensor in the Hub checkpoint.
+    pub hf_name: fn(&ModelConfig, TensorId) -> String,
+}
+
+/// Every supported architecture.
+pub static REGISTRY: &[&Arch] = &[&mixtral::ARCH, &qwen2_moe::ARCH, &qwen3_moe::ARCH, &olmoe::ARCH];
+
+/// Comma-separated class names, for error messages and docs.
+pub fn supported_list() -> String {
+    REGISTRY.iter().map(|a| a.hf_class).collect::<Vec<_>>().join(", ")
+}
+
+/// Finds the adapter for a checkpoint's config.json.
+pub fn lookup(cfg: &HfConfig) -> Result<&'static Arch> {
+    let classes: Vec<&str> = match cfg.raw.get("architectures") {
+        Some(Value::Array(a)) => a.iter().filter_map(Value::as_str).collect(),
+        _ => Vec::new(),
+    };
+    let model_type = cfg.raw.get("model_type").and_then(Value::as_str);
+    for c in &classes {
+        if let Some(a) = REGISTRY.iter().find(|a| a.hf_class == *c) {
+            return Ok(a);
+        }
+    }
+    if classes.is_empty() {
+        if let Some(a) = REGISTRY.iter().find(|a| Some(a.model_type) == model_type) {
+            return Ok(a);
+        }
+    }
+    let named = if !classes.is_empty() {
+        classes.join(", ")
+    } else {
+        model_type.unwrap_or("(no `architectures` or `model_type` in config.json)").to_string()
+    };
+    Err(Error::Unsupported(format!(
+        "{}: architecture {named} is not supported; supported architectures: {}",
+        cfg.path.display(),
+        supported_list()
+    )))
+}
+
+/// A parsed config.json with typed accessors whose errors name the field and file.
+pub struct HfConfig {
+    /// The whole JSON object.
+    pub raw: Value,
+    /// Where it came from (for messages).
+    pub path: PathBuf,
+}
+
+impl HfConfig {
+    /// Parses config.json text.
+    pub fn parse(path: &Path, text: &str) -> Result<HfConfig> {
+        let raw: Value =
+            serde_json::from_str(text).map_err(|e| Error::checkpoint(path, format!("config.json is not valid JSON: {e}")))?;
+        if !raw.is_object() {
+            return Err(Error::checkpoint(path, "config.json is not a JSON object"));
+        }
+        Ok(HfConfig { raw, path: path.to_path_buf() })
+    }
+
+    fn err(&self, msg: String) -> Error {
+        Error::checkpoint(&self.path, msg)
+    }
+
+    /// The value of `key`, treating JSON null as absent.
+    pub fn get(&self, key: &str) -> Option<&Value> {
+        self.raw.get(key).filter(|v| !v.is_null())
+    }
+
+    /// An optional non-negative integer.
+    pub fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .and_then(|x| usize::try_from(x).ok())
+                .map(Some)
+                .ok_or_else(|| self.err(format!("config field `{key}` must be a non-negative integer, got {v}"))),
+        }
+    }
+
+    /// A required non-negative integer, looked up under the first present spelling.
+    pub fn usize(&self, keys: &[&str]) -> Result<usize> {
+        for k in keys {
+            if let Some(v) = self.opt_usize(k)? {
+                return Ok(v);
+            }
+        }
+        Err(self.err(format!("config.json has no `{}`", keys.join("` or `"))))
+    }
+
+    /// An optional number.
+    pub fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| self.err(format!("config field `{key}` must be a number, got {v}"))),
+        }
+    }
+
+    /// An optional boolean with a default.
+    pub fn bool_or(&self, key: &str, default: bool) -> Result<bool> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => v.as_bool().ok_or_else(|| self.err(format!("config field `{key}` must be true or false, got {v}"))),
+        }
+    }
+
+    /// A list of non-negative integers (absent = empty).
+    pub fn usize_list(&self, key: &str) -> Result<Vec<usize>> {
+        match self.get(key) {
+            None => Ok(Vec::new()),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| v.as_u64().map(|x| x as usize).ok_or_else(|| self.err(format!("`{key}` must list integers, got {v}"))))
+                .collect(),
+            Some(v) => Err(self.err(format!("config field `{key}` must be a list, got {v}"))),
+        }
+    }
+
+    /// Refuses an activation other than SiLU (the only one these families use).
+    pub fn require_silu(&self, key: &str) -> Result<()> {
+        match self.get(key).and_then(Value::as_str) {
+            None | Some("silu") | Some("swish") => Ok(()),
+            Some(other) => Err(Error::Unsupported(format!(
+                "{}: {key} = \"{other}\" is not supported (only silu)",
+                self.path.display()
+            ))),
+        }
+    }
+
+    /// The head width: `head_dim` when given, else hidden / heads.
+    pub fn head_dim(&self, hidden: usize, heads: usize) -> Result<usize> {
+        match self.opt_usize("head_dim")? {
+            Some(h) => Ok(h),
+            None if heads > 0 && hidden % heads == 0 => Ok(hidden / heads),
+            None => Err(self.err(format!("hidden_size {hidden} is not divisible by num_attention_heads {heads}"))),
+        }
+    }
+
+    /// RoPE parameters from either spelling: transformers 4 (`rope_theta` +
+    /// `rope_scaling`) or transformers 5 (`rope_parameters`).
+    pub fn rope(&self, head_dim: usize, default_theta: f64) -> Result<RopeSpec> {
+        let params = self.get("rope_parameters").filter(|v| v.is_object());
+        let scaling = self.get("rope_scaling").filter(|v| v.is_object());
+        let theta = params
+            .and_then(|p| p.get("rope_theta"))
+            .and_then(Value::as_f64)
+            .or(self.opt_f64("rope_theta")?)
+            .unwrap_or(default_theta);
+        let partial = params
+            .and_then(|p| p.get("partial_rotary_factor"))
+            .and_then(Value::as_f64)
+            .or(self.opt_f64("partial_rotary_factor")?)
+            .unwrap_or(1.0);
+        let rotary_dim = ((head_dim as f64 * partial) as usize) & !1;
+        let p = scaling.or(params);
+        let kind = p
+            .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
+            .and_then(Value::as_str)
+            .unwrap_or("default");
+        let num = |k: &str| p.and_then(|p| p.get(k)).and_then(Value::as_f64);
+        let need = |k: &str| num(k).ok_or_else(|| self.err(format!("rope scaling `{kind}` needs `{k}`")));
+        let max_pos = self.opt_usize("max_position_embeddings")?.unwrap_or(0);
+        let scaling = match kind {
+            "default" | "none" => RopeScaling::None,
+            "linear" => RopeScaling::Linear { factor: need("factor")? },
+            "yarn" => {
+                let factor = need("factor")?;
+                let omp = num("original_max_position_embeddings").map(|x| x as usize);
+                let original = omp.unwrap_or(max_pos);
+                // transformers: with an explicit original length, the default
+                // magnitude uses max_position_embeddings / original as the factor.
+                let mscale_factor = match omp {
+                    Some(o) if o > 0 && max_pos > 0 => max_pos as f64 / o as f64,
+                    _ => factor,
+                };
+                let get_mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+                let attention_factor = match (num("attention_factor"), num("mscale"), num("mscale_all_dim")) {
+                    (Some(a), _, _) => a,
+                    (None, Some(m), Some(ma)) => get_mscale(factor, m) / get_mscale(factor, ma),
+                    _ => get_mscale(mscale_factor, 1.0),
+                };
+                let truncate = p.and_then(|p| p.get("truncate")).and_then(Value::as_bool).unwrap_or(true);
+                RopeScaling::Yarn {
+                    factor,
+                    original_max_position_embeddings: original,
+                    beta_fast: num("beta_fast").unwrap_or(32.0),
+                    beta_slow: num("beta_slow").unwrap_or(1.0),
+                    attention_factor,
+                    truncate,
+                }
+            }
+            "llama3" => RopeScaling::Llama3 {
+                factor: need("factor")?,
+                low_freq_factor: need("low_freq_factor")?,
+                high_freq_factor: need("high_freq_factor")?,
+                original_max_position_embeddings: need("original_max_position_embeddings")? as usize,
+            },
+            other => {
+                return Err(Error::Unsupported(format!(
+                    "{}: rope scaling type \"{other}\" is not supported (supported: default, linear, yarn, llama3)",
+                    self.path.display()
+                )));
+            }
+        };
+        Ok(RopeSpec { theta, rotary_dim, scaling })
+    }
+}
+
+/// The Llama-family names shared by every supported architecture for the
+/// embedding, norms, attention and lm_head. `None` for MoE/FFN tensors, which
+/// each adapter names itself.
+pub(crate) fn llama_name(id: TensorId) -> Option<String> {
+    use LayerTensor as L;
+    Some(match id {
+        TensorId::Embed => "model.embed_tokens.weight".into(),
+        TensorId::FinalNorm => "model.norm.weight".into(),
+        TensorId::LmHead => "lm_head.weight".into(),
+        TensorId::Layer(l, t) => {
+            let p = format!("model.layers.{l}");
+            match t {
+                L::AttnNorm => format!("{p}.input_layernorm.weight"),
+                L::FfnNorm => format!("{p}.post_attention_layernorm.weight"),
+                L::Wq => format!("{p}.self_attn.q_proj.weight"),
+                L::Wk => format!("{p}.self_attn.k_proj.weight"),
+                L::Wv => format!("{p}.self_attn.v_proj.weight"),
+                L::Wo => format!("{p}.self_attn.o_proj.weight"),
+                L::Bq => format!("{p}.self_attn.q_proj.bias"),
+                L::Bk => format!("{p}.self_attn.k_proj.bias"),
+                L::Bv => format!("{p}.self_attn.v_proj.bias"),
+                L::Bo => format!("{p}.self_attn.o_proj.bias"),
+                L::QNorm => format!("{p}.self_attn.q_norm.weight"),
+                L::KNorm => format!("{p}.self_attn.k_norm.weight"),
+                L::Gate => format!("{p}.mlp.gate_proj.weight"),
+                L::Up => format!("{p}.mlp.up_proj.weight"),
+                L::Down => format!("{p}.mlp.down_proj.weight"),
+                _ => return None,
+            }
+        }
+        TensorId::Expert(..) => return None,
+    })
+}
+
+/// Names of the `mlp.gate` / `mlp.experts.E.{gate,up,down}_proj` MoE layout
+/// used by Qwen2-MoE, Qwen3-MoE and OLMoE.
+pub(crate) fn qwen_moe_name(id: TensorId) -> Option<String> {
+    use crate::model::tensors::ExpertTensor as X;
+    use LayerTensor as L;
+    Some(match id {
+        TensorId::Layer(l, L::Router) => format!("model.layers.{l}.mlp.gate.weight"),
+        TensorId::Layer(l, L::SharedGate) => format!("model.layers.{l}.mlp.shared_expert.gate_proj.weight"),
+        TensorId::Layer(l, L::SharedUp) => format!("model.layers.{l}.mlp.shared_expert.up_proj.weight"),
+        TensorId::Layer(l, L::SharedDown) => format!("model.layers.{l}.mlp.shared_expert.down_proj.weight"),
+        TensorId::Layer(l, L::SharedExpertGate) => format!("model.layers.{l}.mlp.shared_expert_gate.weight"),
+        TensorId::Expert(l, e, t) => {
+            let n = match t {
+                X::Gate => "gate_proj",
+                X::Up => "up_proj",
+                X::Down => "down_proj",
+            };
+            format!("model.layers.{l}.mlp.experts.{e}.{n}.weight")
+        }
+        _ => return None,
+    })
+}
+
+/// Which layers are MoE under Qwen's `mlp_only_layers` / `decoder_sparse_step` rule:
+/// layer `l` is sparse when it is not listed in `mlp_only_layers`, there are
+/// experts, and `(l + 1) % decoder_sparse_step == 0`.
+pub(crate) fn qwen_sparse_layers(cfg: &HfConfig, num_layers: usize, num_experts: usize) -> Result<Vec<bool>> {
+    let dense = cfg.usize_list("mlp_only_layers")?;
+    let step = cfg.opt_usize("decoder_sparse_step")?.unwrap_or(1);
+    Ok((0..num_layers).map(|l| !dense.contains(&l) && num_experts > 0 && step > 0 && (l + 1) % step == 0).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(text: &str) -> HfConfig {
+        HfConfig::parse(Path::new("config.json"), text).unwrap()
+    }
+
+    #[test]
+    fn unknown_architecture_names_itself_and_the_supported_ones() {
+        let c = cfg(r#"{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}"#);
+        let msg = lookup(&c).err().unwrap().to_string();
+        assert!(msg.contains("LlamaForCausalLM") && msg.contains("MixtralForCausalLM"), "{msg}");
+    }
+
+    #[test]
+    fn rope_both_spellings_agree() {
+        let v4 = cfg(r#"{"rope_theta": 5000.0, "rope_scaling": {"type": "linear", "factor": 2.0}}"#);
+        let v5 = cfg(r#"{"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0}}"#);
+        assert_eq!(v4.rope(8, 1.0).unwrap(), v5.rope(8, 1.0).unwrap());
+        assert_eq!(v4.rope(8, 1.0).unwrap().theta, 5000.0);
+    }
+
+    #[test]
+    fn unsupported_rope_type_is_refused() {
+        let c = cfg(r#"{"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}"#);
+        assert!(matches!(c.rope(8, 1e4), Err(Error::Unsupported(_))));
+    }
+}

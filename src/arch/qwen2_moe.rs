@@ -1,0 +1,76 @@
+//! Qwen2-MoE (`Qwen2MoeForCausalLM`), mirroring transformers'
+//! `models/qwen2_moe/modeling_qwen2_moe.py`.
+//!
+//! Quirks:
+//! - q, k and v projections carry biases (o does not);
+//! - a shared expert (`mlp.shared_expert`) runs on every token, scaled by
+//!   `sigmoid(mlp.shared_expert_gate · x)`;
+//! - layers listed in `mlp_only_layers`, or not on the `decoder_sparse_step`
+//!   grid, are dense MLPs of width `intermediate_size`; routed experts are
+//!   `moe_intermediate_size` wide;
+//! - softmax over all experts, top-k, renormalised only if `norm_topk_prob`;
+//! - `sliding_window` only applies when `use_sliding_window` is true, and then
+//!   only to layers at or beyond `max_window_layers`.
+
+use super::{Arch, HfConfig, llama_name, qwen_moe_name, qwen_sparse_layers};
+use crate::error::Result;
+use crate::model::config::*;
+use crate::model::tensors::TensorId;
+
+pub static ARCH: Arch = Arch { hf_class: "Qwen2MoeForCausalLM", model_type: "qwen2_moe", config, hf_name };
+
+fn config(c: &HfConfig) -> Result<ModelConfig> {
+    c.require_silu("hidden_act")?;
+    let d = c.usize(&["hidden_size"])?;
+    let h = c.usize(&["num_attention_heads"])?;
+    let head_dim = c.head_dim(d, h)?;
+    let n = c.usize(&["num_hidden_layers"])?;
+    let e = c.usize(&["num_experts"])?;
+    let sparse = qwen_sparse_layers(c, n, e)?;
+    let windows = qwen_windows(c, n)?;
+    let shared = c.opt_usize("shared_expert_intermediate_size")?.filter(|&f| f > 0);
+    let dense_ffn = c.usize(&["intermediate_size"])?;
+    Ok(ModelConfig {
+        vocab_size: c.usize(&["vocab_size"])?,
+        hidden_size: d,
+        num_heads: h,
+        num_kv_heads: c.opt_usize("num_key_value_heads")?.unwrap_or(h),
+        head_dim,
+        max_seq_len: c.opt_usize("max_position_embeddings")?.unwrap_or(8192),
+        norm: NormSpec { eps: c.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32 },
+        rope: c.rope(head_dim, 10000.0)?,
+        attention: AttentionSpec { qkv_bias: true, o_bias: false, qk_norm: QkNorm::None, clip_qkv: None },
+        moe: Some(MoeSpec {
+            num_experts: e,
+            expert_ffn_dim: c.usize(&["moe_intermediate_size"])?,
+            router: RouterSpec {
+                top_k: c.usize(&["num_experts_per_tok"])?,
+                score: RouterScore::Softmax,
+                renormalize: c.bool_or("norm_topk_prob", false)?,
+                scale: 1.0,
+            },
+            activation: Activation::Silu,
+            shared_expert: shared.map(|f| SharedExpertSpec { ffn_dim: f, sigmoid_gate: true }),
+        }),
+        layers: (0..n)
+            .map(|l| LayerSpec {
+                sliding_window: windows[l],
+                ffn: if sparse[l] { FfnSpec::Moe } else { FfnSpec::Dense { ffn_dim: dense_ffn } },
+            })
+            .collect(),
+        tie_embeddings: c.bool_or("tie_word_embeddings", false)?,
+    })
+}
+
+/// Per-layer window under Qwen's rule: only with `use_sliding_window`, and only
+/// for layers `>= max_window_layers`.
+pub(super) fn qwen_windows(c: &HfConfig, n: usize) -> Result<Vec<Option<usize>>> {
+    let on = c.bool_or("use_sliding_window", false)?;
+    let window = c.opt_usize("sliding_window")?;
+    let from = c.opt_usize("max_window_layers")?.unwrap_or(n);
+    Ok((0..n).map(|l| if on && l >= from { window } else { None }).collect())
+}
+
+fn hf_name(_: &ModelConfig, id: TensorId) -> String {
+    qwen_moe_name(id).or_else(|| llama_name(id)).unwrap_or_else(|| format!("<{id} has no Qwen2-MoE name>"))
+}

@@ -1,0 +1,67 @@
+//! Qwen3-MoE (`Qwen3MoeForCausalLM`), mirroring transformers'
+//! `models/qwen3_moe/modeling_qwen3_moe.py`.
+//!
+//! Quirks:
+//! - RMSNorm on each head of q and k (`self_attn.q_norm` / `k_norm`, width
+//!   head_dim) after projection, before RoPE;
+//! - `head_dim` is explicit and need not equal hidden / heads;
+//! - `attention_bias` switches q/k/v/o biases (off in released checkpoints);
+//! - no shared expert; `mlp_only_layers` / `decoder_sparse_step` as Qwen2-MoE;
+//! - softmax over all experts, top-k, renormalised if `norm_topk_prob`;
+//! - sliding window rule as Qwen2-MoE.
+
+use super::qwen2_moe::qwen_windows;
+use super::{Arch, HfConfig, llama_name, qwen_moe_name, qwen_sparse_layers};
+use crate::error::Result;
+use crate::model::config::*;
+use crate::model::tensors::TensorId;
+
+pub static ARCH: Arch = Arch { hf_class: "Qwen3MoeForCausalLM", model_type: "qwen3_moe", config, hf_name };
+
+fn config(c: &HfConfig) -> Result<ModelConfig> {
+    c.require_silu("hidden_act")?;
+    let d = c.usize(&["hidden_size"])?;
+    let h = c.usize(&["num_attention_heads"])?;
+    let head_dim = c.head_dim(d, h)?;
+    let n = c.usize(&["num_hidden_layers"])?;
+    let e = c.usize(&["num_experts"])?;
+    let sparse = qwen_sparse_layers(c, n, e)?;
+    let windows = qwen_windows(c, n)?;
+    let bias = c.bool_or("attention_bias", false)?;
+    let dense_ffn = c.opt_usize("intermediate_size")?.unwrap_or(0);
+    let layers = (0..n)
+        .map(|l| LayerSpec {
+            sliding_window: windows[l],
+            ffn: if sparse[l] { FfnSpec::Moe } else { FfnSpec::Dense { ffn_dim: dense_ffn } },
+        })
+        .collect();
+    Ok(ModelConfig {
+        vocab_size: c.usize(&["vocab_size"])?,
+        hidden_size: d,
+        num_heads: h,
+        num_kv_heads: c.opt_usize("num_key_value_heads")?.unwrap_or(h),
+        head_dim,
+        max_seq_len: c.opt_usize("max_position_embeddings")?.unwrap_or(32768),
+        norm: NormSpec { eps: c.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32 },
+        rope: c.rope(head_dim, 10000.0)?,
+        attention: AttentionSpec { qkv_bias: bias, o_bias: bias, qk_norm: QkNorm::PerHead, clip_qkv: None },
+        moe: Some(MoeSpec {
+            num_experts: e,
+            expert_ffn_dim: c.usize(&["moe_intermediate_size"])?,
+            router: RouterSpec {
+                top_k: c.usize(&["num_experts_per_tok"])?,
+                score: RouterScore::Softmax,
+                renormalize: c.bool_or("norm_topk_prob", false)?,
+                scale: 1.0,
+            },
+            activation: Activation::Silu,
+            shared_expert: None,
+        }),
+        layers,
+        tie_embeddings: c.bool_or("tie_word_embeddings", false)?,
+    })
+}
+
+fn hf_name(_: &ModelConfig, id: TensorId) -> String {
+    qwen_moe_name(id).or_else(|| llama_name(id)).unwrap_or_else(|| format!("<{id} has no Qwen3-MoE name>"))
+}

@@ -1,0 +1,92 @@
+//! The one error type of the crate.
+//!
+//! Every variant says what went wrong and where (which file, which tensor,
+//! which argument). The Python layer maps each variant to exactly one
+//! exception class in `python/colibri/_errors.py`; that mapping lives in
+//! `src/python/mod.rs` and nowhere else.
+
+use std::path::{Path, PathBuf};
+
+/// Result alias used throughout the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in colibri, grouped by who has to act on it.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A `.colibri` file is malformed, truncated or of an unknown version.
+    #[error("{path}: {msg}")]
+    Format {
+        /// The file being read.
+        path: PathBuf,
+        /// What is wrong with it.
+        msg: String,
+    },
+
+    /// The Hugging Face checkpoint names an architecture or a feature that is
+    /// not implemented.
+    #[error("{0}")]
+    Unsupported(String),
+
+    /// The Hugging Face checkpoint is inconsistent: a tensor is missing, has
+    /// the wrong shape or dtype, a config field is absent or out of range.
+    #[error("{path}: {msg}")]
+    Checkpoint {
+        /// The checkpoint folder or file.
+        path: PathBuf,
+        /// What is wrong with it.
+        msg: String,
+    },
+
+    /// The caller passed something unusable (token id out of range, empty
+    /// prompt, bad option value).
+    #[error("{0}")]
+    InvalidInput(String),
+
+    /// The sequence does not fit in the context window.
+    #[error("{0}")]
+    ContextOverflow(String),
+
+    /// The output of a conversion already exists and overwriting was not asked for.
+    #[error("{}: already exists; pass force=True (CLI: --force) to overwrite it", .0.display())]
+    OutputExists(PathBuf),
+
+    /// A file or folder the caller named does not exist.
+    #[error("{}: no such file or directory", .0.display())]
+    NotFound(PathBuf),
+
+    /// Any other operating-system error, with the path it happened on.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file the operation was on.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// The caller interrupted a long operation (Ctrl-C).
+    #[error("interrupted")]
+    Interrupted,
+}
+
+impl Error {
+    /// A format error about `path`.
+    pub fn format(path: &Path, msg: impl Into<String>) -> Self {
+        Error::Format { path: path.to_path_buf(), msg: msg.into() }
+    }
+
+    /// A checkpoint error about `path`.
+    pub fn checkpoint(path: &Path, msg: impl Into<String>) -> Self {
+        Error::Checkpoint { path: path.to_path_buf(), msg: msg.into() }
+    }
+
+    /// Wraps an I/O error with the path it happened on; a missing file gets
+    /// its own variant so callers can tell it apart.
+    pub fn io(path: &Path, source: std::io::Error) -> Self {
+        if source.kind() == std::io::ErrorKind::NotFound {
+            Error::NotFound(path.to_path_buf())
+        } else {
+            Error::Io { path: path.to_path_buf(), source }
+        }
+    }
+}

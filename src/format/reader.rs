@@ -1,0 +1,230 @@
+//! Opening a `.colibri` file: mmap, then validate every field before use.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+
+use super::{FileMeta, HEADER_LEN, MAGIC, PAGE, TENSOR_ALIGN, VERSION};
+use crate::error::{Error, Result};
+use crate::model::tensors::{Role, TensorId, tensor_plan};
+use crate::quant::DType;
+
+/// A borrowed view of one tensor's bytes inside the mapped file.
+#[derive(Clone, Copy, Debug)]
+pub struct TensorView<'a> {
+    /// Storage type.
+    pub dtype: DType,
+    /// Shape, outermost first.
+    pub shape: &'a [usize],
+    /// The raw little-endian bytes (`dtype.tensor_bytes(shape)` of them).
+    pub bytes: &'a [u8],
+}
+
+/// An open, validated `.colibri` file.
+pub struct ColibriFile {
+    path: PathBuf,
+    map: Mmap,
+    meta: FileMeta,
+    data_off: usize,
+    by_name: HashMap<String, usize>,
+}
+
+impl std::fmt::Debug for ColibriFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ColibriFile").field("path", &self.path).finish_non_exhaustive()
+    }
+}
+
+fn read_u32(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+
+fn read_u64(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
+impl ColibriFile {
+    /// Maps `path` and validates header, metadata and tensor table.
+    pub fn open(path: &Path) -> Result<ColibriFile> {
+        let file = File::open(path).map_err(|e| Error::io(path, e))?;
+        let md = file.metadata().map_err(|e| Error::io(path, e))?;
+        if md.is_dir() {
+            return Err(Error::format(
+                path,
+                "is a directory, not a .colibri file (convert a Hugging Face folder with `colibri convert` first)",
+            ));
+        }
+        if md.len() < HEADER_LEN as u64 {
+            return Err(Error::format(path, format!("file is {} bytes, too short for a .colibri header", md.len())));
+        }
+        // SAFETY: the map is read-only and lives as long as `self`. The usual
+        // mmap caveat applies: if another process truncates or rewrites the
+        // file while it is mapped, reads may fault or see new bytes. colibri
+        // never writes to a file it has open, and `convert` writes to a
+        // temporary name and renames, which leaves existing maps intact.
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+        Self::from_map(path, map)
+    }
+
+    fn from_map(path: &Path, map: Mmap) -> Result<ColibriFile> {
+        let bad = |m: String| Error::format(path, m);
+        let b: &[u8] = &map;
+        let len = b.len() as u64;
+        if b[..8] != MAGIC {
+            return Err(bad("not a .colibri file (bad magic bytes)".into()));
+        }
+        let version = read_u32(b, 8);
+        if version != VERSION {
+            return Err(bad(format!("format version {version} is not supported by this build (it reads version {VERSION})")));
+        }
+        let flags = read_u32(b, 12);
+        if flags != 0 {
+            return Err(bad(format!("unknown header flags {flags:#x}")));
+        }
+        let meta_len = read_u64(b, 16);
+        let data_off = read_u64(b, 24);
+        let meta_end = (HEADER_LEN as u64)
+            .checked_add(meta_len)
+            .filter(|&e| e <= len)
+            .ok_or_else(|| bad(format!("metadata length {meta_len} runs past the end of the file ({len} bytes); truncated?")))?;
+        if data_off % PAGE != 0 || data_off < meta_end || data_off > len {
+            return Err(bad(format!(
+                "data offset {data_off} is invalid (must be a multiple of {PAGE}, after the metadata at {meta_end}, within the {len}-byte file)"
+            )));
+        }
+        let meta: FileMeta = serde_json::from_slice(&b[HEADER_LEN..meta_end as usize])
+            .map_err(|e| bad(format!("metadata is not valid: {e}")))?;
+        meta.config.validate().map_err(|e| bad(e.to_string()))?;
+        let data_len = len - data_off;
+
+        // Every tensor: known size for its dtype and shape, aligned, inside the file.
+        let mut by_name = HashMap::with_capacity(meta.tensors.len());
+        for (i, t) in meta.tensors.iter().enumerate() {
+            let want = t.dtype.tensor_bytes(&t.shape).map(|n| n as u64);
+            if want != Some(t.nbytes) {
+                return Err(bad(format!(
+                    "tensor {}: {} bytes recorded, but a {} tensor of shape {:?} needs {:?}",
+                    t.name, t.nbytes, t.dtype, t.shape, want
+                )));
+            }
+            if t.offset % TENSOR_ALIGN != 0 {
+                return Err(bad(format!("tensor {}: offset {} is not {TENSOR_ALIGN}-byte aligned", t.name, t.offset)));
+            }
+            if t.offset.checked_add(t.nbytes).is_none_or(|e| e > data_len) {
+                return Err(bad(format!(
+                    "tensor {}: bytes {}..{} lie outside the {data_len} bytes of tensor data; truncated file?",
+                    t.name,
+                    t.offset,
+                    t.offset.saturating_add(t.nbytes)
+                )));
+            }
+            if by_name.insert(t.name.clone(), i).is_some() {
+                return Err(bad(format!("tensor {} is listed twice", t.name)));
+            }
+        }
+        // No two tensors share bytes.
+        let mut spans: Vec<(u64, u64, &str)> =
+            meta.tensors.iter().map(|t| (t.offset, t.offset + t.nbytes, t.name.as_str())).collect();
+        spans.sort_unstable();
+        for w in spans.windows(2) {
+            if w[1].0 < w[0].1 {
+                return Err(bad(format!("tensors {} and {} overlap", w[0].2, w[1].2)));
+            }
+        }
+
+        // The tensor table matches what the config implies, name by name.
+        let plan = tensor_plan(&meta.config);
+        if plan.len() != meta.tensors.len() {
+            return Err(bad(format!(
+                "the config implies {} tensors but the file lists {}",
+                plan.len(),
+                meta.tensors.len()
+            )));
+        }
+        for p in &plan {
+            let name = p.id.to_string();
+            let t = by_name.get(&name).map(|&i| &meta.tensors[i]).ok_or_else(|| bad(format!("tensor {name} is missing")))?;
+            if t.shape != p.shape {
+                return Err(bad(format!("tensor {name}: shape {:?}, but the config implies {:?}", t.shape, p.shape)));
+            }
+            if p.role == Role::Small && t.dtype != DType::F32 {
+                return Err(bad(format!("tensor {name}: stored as {}, but small tensors must be f32", t.dtype)));
+            }
+        }
+
+        // Expert slabs: one per (layer, expert) of every MoE layer, page aligned,
+        // inside the data, holding exactly that expert's three matrices.
+        let mut seen = std::collections::HashSet::new();
+        for s in &meta.experts {
+            let end = s.offset.checked_add(s.nbytes).filter(|&e| e <= data_len);
+            if s.offset % PAGE != 0 || end.is_none() {
+                return Err(bad(format!("expert slab ({}, {}) has a bad range {}+{}", s.layer, s.expert, s.offset, s.nbytes)));
+            }
+            if !seen.insert((s.layer, s.expert)) {
+                return Err(bad(format!("expert slab ({}, {}) is listed twice", s.layer, s.expert)));
+            }
+            for which in crate::model::tensors::ExpertTensor::ALL {
+                let name = TensorId::Expert(s.layer, s.expert, which).to_string();
+                let t = by_name
+                    .get(&name)
+                    .map(|&i| &meta.tensors[i])
+                    .ok_or_else(|| bad(format!("expert slab ({}, {}) has no tensor {name}", s.layer, s.expert)))?;
+                if t.offset < s.offset || t.offset + t.nbytes > s.offset + s.nbytes {
+                    return Err(bad(format!("tensor {name} lies outside its expert slab")));
+                }
+            }
+        }
+        let want_slabs = plan.iter().filter(|p| matches!(p.id, TensorId::Expert(_, _, crate::model::tensors::ExpertTensor::Gate))).count();
+        if seen.len() != want_slabs {
+            return Err(bad(format!("the file has {} expert slabs, the config implies {want_slabs}", seen.len())));
+        }
+
+        Ok(ColibriFile { path: path.to_path_buf(), data_off: data_off as usize, meta, map, by_name })
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The validated metadata.
+    pub fn meta(&self) -> &FileMeta {
+        &self.meta
+    }
+
+    /// Total file size in bytes.
+    pub fn file_len(&self) -> u64 {
+        self.map.len() as u64
+    }
+
+    /// The bytes of tensor `name`, or a format error naming it if absent.
+    pub fn tensor(&self, name: &str) -> Result<TensorView<'_>> {
+        let &i = self.by_name.get(name).ok_or_else(|| Error::format(&self.path, format!("tensor {name} is missing")))?;
+        Ok(self.tensor_at(i))
+    }
+
+    /// Index of tensor `name` in the metadata's tensor table.
+    pub fn index_of(&self, name: &str) -> Option<usize> {
+        self.by_name.get(name).copied()
+    }
+
+    /// The bytes of the `i`-th tensor of the table. Panics if `i` is out of range.
+    pub fn tensor_at(&self, i: usize) -> TensorView<'_> {
+        let t = &self.meta.tensors[i];
+        let start = self.data_off + t.offset as usize;
+        // In range: checked against the file length in `from_map`.
+        let bytes = &self.map[start..start + t.nbytes as usize];
+        TensorView { dtype: t.dtype, shape: &t.shape, bytes }
+    }
+
+    /// Absolute byte range of expert (layer, e)'s slab in the file.
+    pub fn expert_slab(&self, layer: usize, expert: usize) -> Option<(u64, u64)> {
+        self.meta
+            .experts
+            .iter()
+            .find(|s| s.layer == layer && s.expert == expert)
+            .map(|s| (self.data_off as u64 + s.offset, s.nbytes))
+    }
+}

@@ -1,0 +1,49 @@
+//! colibri-moe: a CPU inference engine for Mixture-of-Experts language models.
+//!
+//! ```text
+//! HF folder ──convert──► model.colibri ──mmap──► Model (shared, read-only)
+//! ids ─► Session (KV cache + workspace) ─► embed → N × [norm → attention → +
+//!        norm → MoE block → +] → norm → lm_head ─► logits ─► sampler
+//! ```
+//!
+//! Modules, in the order data flows: [`arch`] (Hugging Face adapters) and
+//! [`convert`] write the [`format`]; [`model`] loads it and runs the forward
+//! pass from [`model::config::ModelConfig`] alone, with matrix work in
+//! [`kernels`] and weight types in [`quant`]; [`engine`] holds sessions,
+//! sampling and generation; `python` is the thin PyO3 layer.
+//!
+//! Glossary of dimension letters used in shape comments:
+//!
+//! | letter | meaning |
+//! | --- | --- |
+//! | T | tokens in the current chunk |
+//! | S | positions held by the KV cache |
+//! | D | hidden size |
+//! | H, Hkv | query heads, key/value heads |
+//! | Dh | head width |
+//! | R | rotary width (≤ Dh) |
+//! | E | routed experts per MoE layer |
+//! | K | experts chosen per token |
+//! | F | intermediate width of an MLP or expert |
+//! | V | vocabulary size |
+//! | L | decoder layers |
+#![deny(missing_docs)]
+
+#[cfg(target_endian = "big")]
+compile_error!("colibri reads little-endian files through typed views; big-endian targets are not supported");
+
+pub mod arch;
+pub mod convert;
+pub mod engine;
+pub mod error;
+pub mod format;
+pub mod kernels;
+pub mod model;
+pub mod quant;
+pub mod threads;
+
+#[cfg(feature = "python")]
+mod python;
+
+pub use engine::{Engine, EngineOptions, GenerateOptions};
+pub use error::{Error, Result};

@@ -1,0 +1,120 @@
+//! Causal grouped-query attention over the KV cache.
+//!
+//! One task per (token, head) pair: the task streams that head's keys and
+//! values once with an online softmax (running max and sum), so no score
+//! buffer is needed and the result does not depend on how tasks are spread
+//! over threads.
+
+use rayon::prelude::*;
+
+/// Head layout of one attention call.
+#[derive(Clone, Copy, Debug)]
+pub struct Heads {
+    /// H: query heads.
+    pub h: usize,
+    /// Hkv: key/value heads.
+    pub hkv: usize,
+    /// Dh: head width.
+    pub dh: usize,
+    /// Sliding window: a query at position p sees keys p-w+1..=p.
+    pub window: Option<usize>,
+}
+
+/// `out[t, h] = softmax(q[t,h] · K[..=p]ᵀ / √Dh) · V[..=p]` for the T tokens at
+/// positions `pos0..pos0+T`, where `k_cache`/`v_cache` are `[S, Hkv·Dh]` rows
+/// already holding every position up to `pos0+T-1`.
+pub fn attend(q: &[f32], k_cache: &[f32], v_cache: &[f32], pos0: usize, hd: Heads, out: &mut [f32]) {
+    let Heads { h, hkv, dh, window } = hd;
+    let kv_dim = hkv * dh;
+    let group = h / hkv;
+    let scale = 1.0 / (dh as f32).sqrt();
+    debug_assert_eq!(q.len(), out.len());
+    debug_assert!(k_cache.len() >= (pos0 + q.len() / (h * dh)) * kv_dim);
+    // [T·H, Dh] chunks: chunk i is token i / H, head i % H.
+    out.par_chunks_mut(dh).enumerate().with_min_len(8).for_each(|(i, o)| {
+        let (t, head) = (i / h, i % h);
+        let pos = pos0 + t;
+        let kvh = head / group;
+        let qv = &q[i * dh..(i + 1) * dh];
+        let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        o.fill(0.0);
+        let (mut m, mut l) = (f32::NEG_INFINITY, 0.0f32);
+        for j in first..=pos {
+            let kj = &k_cache[j * kv_dim + kvh * dh..j * kv_dim + (kvh + 1) * dh];
+            let s = qv.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
+            if s > m {
+                // A new maximum: rescale what was accumulated so far.
+                let c = (m - s).exp();
+                l *= c;
+                o.iter_mut().for_each(|x| *x *= c);
+                m = s;
+            }
+            let p = (s - m).exp();
+            l += p;
+            let vj = &v_cache[j * kv_dim + kvh * dh..j * kv_dim + (kvh + 1) * dh];
+            o.iter_mut().zip(vj).for_each(|(x, v)| *x += p * v);
+        }
+        let inv = 1.0 / l;
+        o.iter_mut().for_each(|x| *x *= inv);
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Textbook attention with an explicit mask and a two-pass softmax.
+    fn naive(q: &[f32], k: &[f32], v: &[f32], pos0: usize, hd: Heads) -> Vec<f32> {
+        let Heads { h, hkv, dh, window } = hd;
+        let t_n = q.len() / (h * dh);
+        let mut out = vec![0.0; q.len()];
+        for t in 0..t_n {
+            let p = pos0 + t;
+            for head in 0..h {
+                let kvh = head / (h / hkv);
+                let scores: Vec<f64> = (0..=p)
+                    .map(|j| {
+                        let visible = window.is_none_or(|w| p - j < w);
+                        if !visible {
+                            return f64::NEG_INFINITY;
+                        }
+                        (0..dh).map(|d| (q[(t * h + head) * dh + d] * k[j * hkv * dh + kvh * dh + d]) as f64).sum::<f64>()
+                            / (dh as f64).sqrt()
+                    })
+                    .collect();
+                let mx = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for d in 0..dh {
+                    out[(t * h + head) * dh + d] =
+                        (0..=p).map(|j| e[j] / z * v[j * hkv * dh + kvh * dh + d] as f64).sum::<f64>() as f32;
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn matches_naive_attention_with_gqa_window_and_offset() {
+        let mut s = 1u32;
+        let mut rnd = || {
+            s = s.wrapping_mul(1664525).wrapping_add(1013904223);
+            (s >> 8) as f32 / (1 << 24) as f32 * 4.0 - 2.0
+        };
+        for &(h, hkv, dh, window, pos0, t) in
+            &[(4, 2, 6, None, 0, 7), (6, 3, 5, Some(3), 2, 9), (2, 2, 12, Some(1), 0, 4), (8, 1, 3, None, 5, 1)]
+        {
+            let hd = Heads { h, hkv, dh, window };
+            let s_len = pos0 + t;
+            let k: Vec<f32> = (0..s_len * hkv * dh).map(|_| rnd()).collect();
+            let v: Vec<f32> = (0..s_len * hkv * dh).map(|_| rnd()).collect();
+            let q: Vec<f32> = (0..t * h * dh).map(|_| rnd()).collect();
+            let mut out = vec![0.0; q.len()];
+            attend(&q, &k, &v, pos0, hd, &mut out);
+            let want = naive(&q, &k, &v, pos0, hd);
+            for (a, b) in out.iter().zip(&want) {
+                assert!((a - b).abs() < 1e-5, "{a} vs {b} for {hd:?}");
+            }
+        }
+    }
+}

@@ -1,0 +1,230 @@
+//! The MoE block: route, group tokens by expert, run each chosen expert once
+//! on its group, and combine.
+//!
+//! ```text
+//! logits = router · x                 [T, E]
+//! (ids, w) = top-k of softmax(logits)  [T, K] each, optionally renormalised
+//! for each expert e with tokens:       gather rows → gated MLP → [n_e, D]
+//! out[t] = Σ_r w[t, r] · y[slot(t, r)]  in rank order r = 0..K, fixed
+//! ```
+//!
+//! The router only produces (expert ids, weights); the experts never see the
+//! router. Expert weights come from the [`ExpertStore`].
+
+use super::ffn::gated_mlp;
+use crate::error::Result;
+use crate::kernels::{Matrix, matmul};
+use crate::model::config::{RouterScore, RouterSpec};
+use crate::model::store::ExpertStore;
+
+/// Indices of the `k` largest `scores`, best first, by partial selection
+/// (O(E·K), no sort of all E). Ties go to the lower index.
+pub fn top_k(scores: &[f32], k: usize, idx: &mut [u32]) {
+    debug_assert!(k <= scores.len() && idx.len() == k);
+    let mut len = 0;
+    for (e, &s) in scores.iter().enumerate() {
+        if len == k && s <= scores[idx[k - 1] as usize] {
+            continue;
+        }
+        // Insert e into the sorted prefix, dropping the last if full.
+        let mut pos = len.min(k - 1);
+        if len < k {
+            len += 1;
+        }
+        while pos > 0 && scores[idx[pos - 1] as usize] < s {
+            idx[pos] = idx[pos - 1];
+            pos -= 1;
+        }
+        idx[pos] = e as u32;
+    }
+}
+
+/// Turns one token's router logits into K expert ids and weights.
+/// `probs` is scratch of length E.
+pub fn route(logits: &[f32], spec: &RouterSpec, probs: &mut [f32], ids: &mut [u32], w: &mut [f32]) {
+    match spec.score {
+        RouterScore::Softmax => {
+            let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let mut z = 0.0f32;
+            for (p, &l) in probs.iter_mut().zip(logits) {
+                *p = (l - m).exp();
+                z += *p;
+            }
+            probs.iter_mut().for_each(|p| *p /= z);
+        }
+    }
+    top_k(probs, spec.top_k, ids);
+    for (wi, &e) in w.iter_mut().zip(ids.iter()) {
+        *wi = probs[e as usize];
+    }
+    if spec.renormalize {
+        let s: f32 = w.iter().sum();
+        w.iter_mut().for_each(|x| *x /= s);
+    }
+    if spec.scale != 1.0 {
+        w.iter_mut().for_each(|x| *x *= spec.scale);
+    }
+}
+
+/// Scratch for one MoE call over up to C tokens, allocated once per session.
+pub struct MoeScratch {
+    /// [C, E] router logits.
+    pub logits: Vec<f32>,
+    /// [E] softmax scratch.
+    pub probs: Vec<f32>,
+    /// [C, K] chosen experts.
+    pub ids: Vec<u32>,
+    /// [C, K] their weights.
+    pub weights: Vec<f32>,
+    /// [E + 1] start of each expert's group in `order`.
+    pub starts: Vec<usize>,
+    /// [E + 1] fill cursor for the counting sort.
+    pub cursor: Vec<usize>,
+    /// [C·K] (t, r) pairs grouped by expert: entry = t·K + r.
+    pub order: Vec<u32>,
+    /// [C·K] position of (t, r) within `order`.
+    pub slot: Vec<u32>,
+    /// [C, D] gathered inputs of one expert.
+    pub gathered: Vec<f32>,
+    /// [C·K, D] every (t, r) pair's expert output.
+    pub outs: Vec<f32>,
+    /// [C, F] gate scratch.
+    pub g: Vec<f32>,
+    /// [C, F] up scratch.
+    pub u: Vec<f32>,
+}
+
+impl MoeScratch {
+    /// Scratch for up to `c` tokens, `e` experts, top-`k`, width `d`, expert ffn `f`.
+    pub fn new(c: usize, e: usize, k: usize, d: usize, f: usize) -> MoeScratch {
+        MoeScratch {
+            logits: vec![0.0; c * e],
+            probs: vec![0.0; e],
+            ids: vec![0; c * k],
+            weights: vec![0.0; c * k],
+            starts: vec![0; e + 1],
+            cursor: vec![0; e + 1],
+            order: vec![0; c * k],
+            slot: vec![0; c * k],
+            gathered: vec![0.0; c * d],
+            outs: vec![0.0; c * k * d],
+            g: vec![0.0; c * f],
+            u: vec![0.0; c * f],
+        }
+    }
+}
+
+/// Routed-expert output for `n` tokens of `x` ([n, D]) into `out` ([n, D]).
+/// The chosen expert ids stay in `s.ids[..n*K]` for telemetry.
+pub fn moe_forward(
+    layer: usize,
+    router: &Matrix,
+    spec: &RouterSpec,
+    store: &dyn ExpertStore,
+    x: &[f32],
+    n: usize,
+    s: &mut MoeScratch,
+    out: &mut [f32],
+) -> Result<()> {
+    let (e_n, k, d) = (router.rows, spec.top_k, router.cols);
+    let logits = &mut s.logits[..n * e_n];
+    matmul(router, x, n, logits); // [n, E]
+    for t in 0..n {
+        route(
+            &logits[t * e_n..(t + 1) * e_n],
+            spec,
+            &mut s.probs,
+            &mut s.ids[t * k..(t + 1) * k],
+            &mut s.weights[t * k..(t + 1) * k],
+        );
+    }
+    // Counting sort of the n·K (token, rank) pairs by expert.
+    s.starts.fill(0);
+    for &e in &s.ids[..n * k] {
+        s.starts[e as usize + 1] += 1;
+    }
+    for e in 0..e_n {
+        s.starts[e + 1] += s.starts[e];
+    }
+    s.cursor.copy_from_slice(&s.starts);
+    for (pair, &e) in s.ids[..n * k].iter().enumerate() {
+        let at = s.cursor[e as usize];
+        s.order[at] = pair as u32;
+        s.slot[pair] = at as u32;
+        s.cursor[e as usize] += 1;
+    }
+    // Each expert with tokens runs once on its whole group.
+    for e in 0..e_n {
+        let (a, b) = (s.starts[e], s.starts[e + 1]);
+        if a == b {
+            continue;
+        }
+        let rows = b - a;
+        for (i, &pair) in s.order[a..b].iter().enumerate() {
+            let t = pair as usize / k;
+            s.gathered[i * d..(i + 1) * d].copy_from_slice(&x[t * d..(t + 1) * d]);
+        }
+        let w = store.expert(layer, e)?;
+        gated_mlp(&w.gate, &w.up, &w.down, &s.gathered[..rows * d], rows, &mut s.g, &mut s.u, &mut s.outs[a * d..b * d]);
+    }
+    // Combine in rank order, independent of expert or thread order.
+    for t in 0..n {
+        let o = &mut out[t * d..(t + 1) * d];
+        o.fill(0.0);
+        for r in 0..k {
+            let pair = t * k + r;
+            let wt = s.weights[pair];
+            let y = &s.outs[s.slot[pair] as usize * d..(s.slot[pair] as usize + 1) * d];
+            o.iter_mut().zip(y).for_each(|(a, b)| *a += wt * b);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_k_matches_a_full_sort() {
+        let mut seed = 3u64;
+        for e in [1usize, 2, 5, 7, 31, 64, 129] {
+            for k in 1..=e.min(9) {
+                let scores: Vec<f32> = (0..e)
+                    .map(|_| {
+                        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+                        (seed >> 33) as f32
+                    })
+                    .collect();
+                let mut idx = vec![0u32; k];
+                top_k(&scores, k, &mut idx);
+                let mut all: Vec<u32> = (0..e as u32).collect();
+                all.sort_by(|a, b| scores[*b as usize].total_cmp(&scores[*a as usize]).then(a.cmp(b)));
+                assert_eq!(idx, all[..k], "e={e} k={k}");
+            }
+        }
+    }
+
+    #[test]
+    fn ties_go_to_the_lower_index() {
+        let mut idx = [0u32; 2];
+        top_k(&[1.0, 3.0, 3.0, 0.0, 3.0], 2, &mut idx);
+        assert_eq!(idx, [1, 2]);
+    }
+
+    #[test]
+    fn routing_weights_follow_the_spec() {
+        let logits = [0.5f32, 2.0, -1.0, 1.0];
+        let mut probs = [0.0; 4];
+        let (mut ids, mut w) = ([0u32; 2], [0.0f32; 2]);
+        let spec = RouterSpec { top_k: 2, score: RouterScore::Softmax, renormalize: false, scale: 1.0 };
+        route(&logits, &spec, &mut probs, &mut ids, &mut w);
+        assert_eq!(ids, [1, 3]);
+        let z: f32 = logits.iter().map(|l| l.exp()).sum();
+        assert!((w[0] - 2f32.exp() / z).abs() < 1e-6 && (w[1] - 1f32.exp() / z).abs() < 1e-6);
+        let spec = RouterSpec { renormalize: true, ..spec };
+        route(&logits, &spec, &mut probs, &mut ids, &mut w);
+        assert!((w[0] + w[1] - 1.0).abs() < 1e-6);
+        assert!((w[0] / w[1] - 1f32.exp()).abs() < 1e-5);
+    }
+}

@@ -1,0 +1,149 @@
+//! Rotary position embedding, "rotate half" layout (as transformers'
+//! `rotate_half`): dimension i of a head pairs with dimension i + R/2, where R
+//! is the rotary width; dimensions past R pass through unchanged.
+
+use crate::model::config::{RopeScaling, RopeSpec};
+
+/// Inverse frequencies and magnitude for one model, computed at load.
+#[derive(Clone, Debug)]
+pub struct Rope {
+    /// R/2 inverse frequencies.
+    pub inv_freq: Vec<f32>,
+    /// Multiplier on cos and sin (YaRN's attention factor; 1 otherwise).
+    pub magnitude: f32,
+}
+
+impl Rope {
+    /// Builds the frequency ladder for `spec`, following the variant's rule.
+    pub fn new(spec: &RopeSpec) -> Rope {
+        let r = spec.rotary_dim;
+        // θ^(2i/R) in f32, as transformers computes it.
+        let base: Vec<f32> = (0..r / 2).map(|i| (spec.theta as f32).powf((2 * i) as f32 / r as f32)).collect();
+        let plain: Vec<f32> = base.iter().map(|b| 1.0 / b).collect();
+        match &spec.scaling {
+            RopeScaling::None => Rope { inv_freq: plain, magnitude: 1.0 },
+            RopeScaling::Linear { factor } => {
+                Rope { inv_freq: plain.iter().map(|f| f / *factor as f32).collect(), magnitude: 1.0 }
+            }
+            RopeScaling::Yarn { factor, original_max_position_embeddings, beta_fast, beta_slow, attention_factor, truncate } => {
+                // The dimension whose wavelength completes `rot` rotations over the original context.
+                let dim_for = |rot: f64| {
+                    (r as f64 * (*original_max_position_embeddings as f64 / (rot * 2.0 * std::f64::consts::PI)).ln())
+                        / (2.0 * spec.theta.ln())
+                };
+                let (mut lo, mut hi) = (dim_for(*beta_fast), dim_for(*beta_slow));
+                if *truncate {
+                    lo = lo.floor();
+                    hi = hi.ceil();
+                }
+                let lo = lo.max(0.0);
+                let hi = hi.min(r as f64 - 1.0);
+                let hi = if lo == hi { hi + 0.001 } else { hi };
+                let inv_freq = (0..r / 2)
+                    .map(|i| {
+                        let ramp = ((i as f64 - lo) / (hi - lo)).clamp(0.0, 1.0) as f32;
+                        let extrapolate = 1.0 - ramp;
+                        let interp = 1.0 / (*factor as f32 * base[i]);
+                        interp * (1.0 - extrapolate) + plain[i] * extrapolate
+                    })
+                    .collect();
+                Rope { inv_freq, magnitude: *attention_factor as f32 }
+            }
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+                let old = *original_max_position_embeddings as f64;
+                let low_wavelen = old / low_freq_factor;
+                let high_wavelen = old / high_freq_factor;
+                let inv_freq = plain
+                    .iter()
+                    .map(|&f| {
+                        let f = f as f64;
+                        let wavelen = 2.0 * std::f64::consts::PI / f;
+                        if wavelen < high_wavelen {
+                            f
+                        } else if wavelen > low_wavelen {
+                            f / factor
+                        } else {
+                            let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                            (1.0 - smooth) * f / factor + smooth * f
+                        }
+                    })
+                    .map(|f| f as f32)
+                    .collect();
+                Rope { inv_freq, magnitude: 1.0 }
+            }
+        }
+    }
+
+    /// Fills `cos` and `sin` (each R/2 long) for position `pos`.
+    pub fn angles(&self, pos: usize, cos: &mut [f32], sin: &mut [f32]) {
+        for ((c, s), &f) in cos.iter_mut().zip(sin.iter_mut()).zip(&self.inv_freq) {
+            let a = (pos as f32 * f) as f64;
+            *c = a.cos() as f32 * self.magnitude;
+            *s = a.sin() as f32 * self.magnitude;
+        }
+    }
+}
+
+/// Rotates one head vector in place with precomputed `cos`/`sin` (R/2 each).
+#[inline]
+pub fn apply(head: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let half = cos.len();
+    let (a, b) = head[..2 * half].split_at_mut(half);
+    for i in 0..half {
+        let (x1, x2) = (a[i], b[i]);
+        a[i] = x1 * cos[i] - x2 * sin[i];
+        b[i] = x2 * cos[i] + x1 * sin[i];
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(scaling: RopeScaling) -> RopeSpec {
+        RopeSpec { theta: 10000.0, rotary_dim: 8, scaling }
+    }
+
+    #[test]
+    fn rotation_preserves_norm_and_position_zero_is_identity() {
+        let rope = Rope::new(&spec(RopeScaling::None));
+        let (mut c, mut s) = (vec![0.0; 4], vec![0.0; 4]);
+        let x: Vec<f32> = (0..10).map(|i| i as f32 * 0.3 - 1.0).collect();
+        rope.angles(0, &mut c, &mut s);
+        let mut y = x.clone();
+        apply(&mut y, &c, &s);
+        assert_eq!(x, y);
+        rope.angles(17, &mut c, &mut s);
+        apply(&mut y, &c, &s);
+        let n = |v: &[f32]| v.iter().map(|a| a * a).sum::<f32>();
+        assert!((n(&x) - n(&y)).abs() < 1e-4);
+        assert_eq!(x[8..], y[8..], "dims past the rotary width pass through");
+    }
+
+    #[test]
+    fn relative_positions_give_equal_dot_products() {
+        // <R(p)q, R(p+k)k> depends only on the offset, the property RoPE exists for.
+        let rope = Rope::new(&spec(RopeScaling::None));
+        let q: Vec<f32> = (0..8).map(|i| (i as f32).sin()).collect();
+        let k: Vec<f32> = (0..8).map(|i| (i as f32 * 0.7).cos()).collect();
+        let dot_at = |p: usize| {
+            let (mut c, mut s) = (vec![0.0; 4], vec![0.0; 4]);
+            let (mut a, mut b) = (q.clone(), k.clone());
+            rope.angles(p, &mut c, &mut s);
+            apply(&mut a, &c, &s);
+            rope.angles(p + 3, &mut c, &mut s);
+            apply(&mut b, &c, &s);
+            a.iter().zip(&b).map(|(x, y)| x * y).sum::<f32>()
+        };
+        assert!((dot_at(0) - dot_at(11)).abs() < 1e-4);
+    }
+
+    #[test]
+    fn linear_scaling_divides_frequencies() {
+        let a = Rope::new(&spec(RopeScaling::None));
+        let b = Rope::new(&spec(RopeScaling::Linear { factor: 4.0 }));
+        for (x, y) in a.inv_freq.iter().zip(&b.inv_freq) {
+            assert!((x / 4.0 - y).abs() < 1e-9);
+        }
+    }
+}

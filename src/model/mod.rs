@@ -1,0 +1,208 @@
+//! A loaded model: the validated file, its canonical config, and typed
+//! references to every dense weight. Read-only after load and shared by every
+//! session (`Send + Sync`); per-conversation state lives in
+//! [`crate::engine::session::Session`].
+
+pub mod blocks;
+pub mod config;
+pub mod forward;
+pub mod store;
+pub mod tensors;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::format::reader::ColibriFile;
+use crate::kernels::Matrix;
+use config::{FfnSpec, ModelConfig};
+use store::{ExpertStore, ResidentStore};
+use tensors::{LayerTensor as L, TensorId};
+
+/// Where a tensor lives in the mapped file; resolved to a view on use, which
+/// costs a bounds-checked slice and no allocation.
+#[derive(Clone, Copy, Debug)]
+pub struct TensorRef {
+    idx: usize,
+    /// Rows (1 for a vector).
+    pub rows: usize,
+    /// Columns.
+    pub cols: usize,
+}
+
+/// A dense gated MLP: `down(silu(gate · x) * (up · x))`.
+#[derive(Clone, Copy, Debug)]
+pub struct MlpRefs {
+    /// [F, D]
+    pub gate: TensorRef,
+    /// [F, D]
+    pub up: TensorRef,
+    /// [D, F]
+    pub down: TensorRef,
+}
+
+/// The feed-forward half of a layer.
+#[derive(Clone, Copy, Debug)]
+pub enum FfnRefs {
+    /// A dense MLP.
+    Dense(MlpRefs),
+    /// The MoE block: router, optional shared expert and its gate; the routed
+    /// experts themselves are fetched through the [`ExpertStore`].
+    Moe {
+        /// [E, D] router (f32).
+        router: TensorRef,
+        /// Shared expert, if the model has one.
+        shared: Option<MlpRefs>,
+        /// [1, D] sigmoid gate of the shared expert (f32).
+        shared_gate: Option<TensorRef>,
+    },
+}
+
+/// References to one layer's dense weights.
+#[derive(Clone, Copy, Debug)]
+pub struct LayerRefs {
+    /// [D]
+    pub attn_norm: TensorRef,
+    /// [H·Dh, D]
+    pub wq: TensorRef,
+    /// [Hkv·Dh, D]
+    pub wk: TensorRef,
+    /// [Hkv·Dh, D]
+    pub wv: TensorRef,
+    /// [D, H·Dh]
+    pub wo: TensorRef,
+    /// q, k, v biases.
+    pub qkv_bias: Option<[TensorRef; 3]>,
+    /// o bias.
+    pub o_bias: Option<TensorRef>,
+    /// q and k norm scales.
+    pub qk_norm: Option<[TensorRef; 2]>,
+    /// [D]
+    pub ffn_norm: TensorRef,
+    /// Dense MLP or MoE.
+    pub ffn: FfnRefs,
+}
+
+/// A model ready to run.
+pub struct Model {
+    file: Arc<ColibriFile>,
+    /// The canonical config.
+    pub config: ModelConfig,
+    /// [V, D]
+    pub embed: TensorRef,
+    /// [D]
+    pub final_norm: TensorRef,
+    /// [V, D]; the embedding when tied.
+    pub lm_head: TensorRef,
+    /// One per decoder layer.
+    pub layers: Vec<LayerRefs>,
+    /// Source of the routed experts' weights.
+    pub experts: Box<dyn ExpertStore>,
+    /// Precomputed RoPE inverse frequencies and magnitude.
+    pub rope: blocks::rope::Rope,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model").field("file", &self.file.path()).finish_non_exhaustive()
+    }
+}
+
+impl Model {
+    /// Opens and validates a `.colibri` file.
+    pub fn open(path: &Path) -> Result<Model> {
+        let file = Arc::new(ColibriFile::open(path)?);
+        Self::from_file(file)
+    }
+
+    /// Builds the typed references over an already-validated file.
+    pub fn from_file(file: Arc<ColibriFile>) -> Result<Model> {
+        let cfg = file.meta().config.clone();
+        let r = |id: TensorId| tensor_ref(&file, id);
+        let mut layers = Vec::with_capacity(cfg.layers.len());
+        for (l, spec) in cfg.layers.iter().enumerate() {
+            let t = |x| r(TensorId::Layer(l, x));
+            let mlp = |g, u, d| -> Result<MlpRefs> { Ok(MlpRefs { gate: t(g)?, up: t(u)?, down: t(d)? }) };
+            let has_shared = cfg.moe.as_ref().and_then(|m| m.shared_expert.as_ref());
+            let ffn = match spec.ffn {
+                FfnSpec::Dense { .. } => FfnRefs::Dense(mlp(L::Gate, L::Up, L::Down)?),
+                FfnSpec::Moe => FfnRefs::Moe {
+                    router: t(L::Router)?,
+                    shared: has_shared.map(|_| mlp(L::SharedGate, L::SharedUp, L::SharedDown)).transpose()?,
+                    shared_gate: has_shared.filter(|s| s.sigmoid_gate).map(|_| t(L::SharedExpertGate)).transpose()?,
+                },
+            };
+            layers.push(LayerRefs {
+                attn_norm: t(L::AttnNorm)?,
+                wq: t(L::Wq)?,
+                wk: t(L::Wk)?,
+                wv: t(L::Wv)?,
+                wo: t(L::Wo)?,
+                qkv_bias: if cfg.attention.qkv_bias { Some([t(L::Bq)?, t(L::Bk)?, t(L::Bv)?]) } else { None },
+                o_bias: if cfg.attention.o_bias { Some(t(L::Bo)?) } else { None },
+                qk_norm: match cfg.attention.qk_norm {
+                    config::QkNorm::None => None,
+                    _ => Some([t(L::QNorm)?, t(L::KNorm)?]),
+                },
+                ffn_norm: t(L::FfnNorm)?,
+                ffn,
+            });
+        }
+        let embed = r(TensorId::Embed)?;
+        let lm_head = if cfg.tie_embeddings { embed } else { r(TensorId::LmHead)? };
+        let rope = blocks::rope::Rope::new(&cfg.rope);
+        Ok(Model {
+            experts: Box::new(ResidentStore::new(file.clone(), &cfg)?),
+            final_norm: r(TensorId::FinalNorm)?,
+            embed,
+            lm_head,
+            layers,
+            rope,
+            config: cfg,
+            file,
+        })
+    }
+
+    /// The underlying file.
+    pub fn file(&self) -> &ColibriFile {
+        &self.file
+    }
+
+    /// A weight matrix view.
+    #[inline]
+    pub fn mat(&self, t: TensorRef) -> Matrix<'_> {
+        matrix(&self.file, t)
+    }
+
+    /// An f32 vector view (norm scales, biases).
+    #[inline]
+    pub fn vec(&self, t: TensorRef) -> &[f32] {
+        let m = self.mat(t);
+        // Small tensors are f32 (checked by the reader) and 64-byte aligned.
+        bytemuck::cast_slice(m.bytes)
+    }
+}
+
+/// Resolves a canonical tensor to a reference, checking it can be viewed.
+pub(crate) fn tensor_ref(file: &ColibriFile, id: TensorId) -> Result<TensorRef> {
+    let name = id.to_string();
+    let idx = file.index_of(&name).ok_or_else(|| Error::format(file.path(), format!("tensor {name} is missing")))?;
+    let t = &file.meta().tensors[idx];
+    let (rows, cols) = match t.shape.as_slice() {
+        [c] => (1, *c),
+        [r, c] => (*r, *c),
+        s => return Err(Error::format(file.path(), format!("tensor {name}: expected 1 or 2 dimensions, got {s:?}"))),
+    };
+    let tr = TensorRef { idx, rows, cols };
+    let view = file.tensor_at(idx);
+    if Matrix::new(view.dtype, rows, cols, view.bytes).is_none() {
+        return Err(Error::format(file.path(), format!("tensor {name}: misaligned or wrongly sized data")));
+    }
+    Ok(tr)
+}
+
+/// The matrix view of a reference (validated when the reference was made).
+pub(crate) fn matrix(file: &ColibriFile, t: TensorRef) -> Matrix<'_> {
+    let view = file.tensor_at(t.idx);
+    Matrix::new(view.dtype, t.rows, t.cols, view.bytes).expect("validated at load")
+}

@@ -1,0 +1,219 @@
+//! The canonical tensor set of a model: names, shapes and roles.
+//!
+//! The converter, the file writer and the weight loader all derive the list
+//! of tensors from the config through [`tensor_plan`], so the three can never
+//! disagree about which tensors exist or what shape they have.
+//!
+//! Matrices are `[out, in]`, row-major, one output per row (as `nn.Linear`).
+
+use super::config::{FfnSpec, ModelConfig, QkNorm};
+
+/// Which tensor of a layer's attention or FFN.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LayerTensor {
+    /// [D] RMSNorm scale before attention.
+    AttnNorm,
+    /// [H·Dh, D]
+    Wq,
+    /// [Hkv·Dh, D]
+    Wk,
+    /// [Hkv·Dh, D]
+    Wv,
+    /// [D, H·Dh]
+    Wo,
+    /// [H·Dh]
+    Bq,
+    /// [Hkv·Dh]
+    Bk,
+    /// [Hkv·Dh]
+    Bv,
+    /// [D]
+    Bo,
+    /// [Dh] (per head) or [H·Dh] (full)
+    QNorm,
+    /// [Dh] (per head) or [Hkv·Dh] (full)
+    KNorm,
+    /// [D] RMSNorm scale before the FFN.
+    FfnNorm,
+    /// Dense MLP [F, D]
+    Gate,
+    /// Dense MLP [F, D]
+    Up,
+    /// Dense MLP [D, F]
+    Down,
+    /// [E, D] router
+    Router,
+    /// Shared expert [Fs, D]
+    SharedGate,
+    /// Shared expert [Fs, D]
+    SharedUp,
+    /// Shared expert [D, Fs]
+    SharedDown,
+    /// [1, D] sigmoid gate of the shared expert
+    SharedExpertGate,
+}
+
+/// Which matrix of a routed expert.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ExpertTensor {
+    /// [F, D]
+    Gate,
+    /// [F, D]
+    Up,
+    /// [D, F]
+    Down,
+}
+
+impl ExpertTensor {
+    /// The three, in slab order.
+    pub const ALL: [ExpertTensor; 3] = [ExpertTensor::Gate, ExpertTensor::Up, ExpertTensor::Down];
+}
+
+/// Identity of one canonical tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TensorId {
+    /// [V, D]
+    Embed,
+    /// [D] final norm
+    FinalNorm,
+    /// [V, D] (absent when tied)
+    LmHead,
+    /// A per-layer tensor.
+    Layer(usize, LayerTensor),
+    /// (layer, expert, which)
+    Expert(usize, usize, ExpertTensor),
+}
+
+impl std::fmt::Display for TensorId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use LayerTensor as L;
+        match self {
+            TensorId::Embed => f.write_str("embed"),
+            TensorId::FinalNorm => f.write_str("final_norm"),
+            TensorId::LmHead => f.write_str("lm_head"),
+            TensorId::Layer(l, t) => {
+                let n = match t {
+                    L::AttnNorm => "attn_norm",
+                    L::Wq => "attn.wq",
+                    L::Wk => "attn.wk",
+                    L::Wv => "attn.wv",
+                    L::Wo => "attn.wo",
+                    L::Bq => "attn.bq",
+                    L::Bk => "attn.bk",
+                    L::Bv => "attn.bv",
+                    L::Bo => "attn.bo",
+                    L::QNorm => "attn.q_norm",
+                    L::KNorm => "attn.k_norm",
+                    L::FfnNorm => "ffn_norm",
+                    L::Gate => "ffn.gate",
+                    L::Up => "ffn.up",
+                    L::Down => "ffn.down",
+                    L::Router => "moe.router",
+                    L::SharedGate => "moe.shared.gate",
+                    L::SharedUp => "moe.shared.up",
+                    L::SharedDown => "moe.shared.down",
+                    L::SharedExpertGate => "moe.shared_gate",
+                };
+                write!(f, "layers.{l}.{n}")
+            }
+            TensorId::Expert(l, e, t) => {
+                let n = match t {
+                    ExpertTensor::Gate => "gate",
+                    ExpertTensor::Up => "up",
+                    ExpertTensor::Down => "down",
+                };
+                write!(f, "layers.{l}.moe.experts.{e}.{n}")
+            }
+        }
+    }
+}
+
+/// What a tensor is used for, which decides its storage type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// A large matrix: stored in the requested weight type.
+    Matrix,
+    /// Norm scales, biases, the router and the shared-expert gate: always f32,
+    /// because they are small and (for the router) decide which experts run.
+    Small,
+}
+
+/// One entry of the plan.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlannedTensor {
+    /// Identity.
+    pub id: TensorId,
+    /// Shape, outermost first.
+    pub shape: Vec<usize>,
+    /// Storage role.
+    pub role: Role,
+}
+
+/// Every tensor the config implies, in file order: embedding, then each layer
+/// (attention, FFN, and each routed expert's gate/up/down in a row so one
+/// expert is one contiguous slab), then the final norm and lm_head.
+pub fn tensor_plan(cfg: &ModelConfig) -> Vec<PlannedTensor> {
+    use LayerTensor as L;
+    let (v, d, q, kv, dh) = (cfg.vocab_size, cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
+    let mut out = Vec::new();
+    let mut push = |id, shape: Vec<usize>, role| out.push(PlannedTensor { id, shape, role });
+    push(TensorId::Embed, vec![v, d], Role::Matrix);
+    for (l, layer) in cfg.layers.iter().enumerate() {
+        let t = |x| TensorId::Layer(l, x);
+        push(t(L::AttnNorm), vec![d], Role::Small);
+        push(t(L::Wq), vec![q, d], Role::Matrix);
+        push(t(L::Wk), vec![kv, d], Role::Matrix);
+        push(t(L::Wv), vec![kv, d], Role::Matrix);
+        push(t(L::Wo), vec![d, q], Role::Matrix);
+        if cfg.attention.qkv_bias {
+            push(t(L::Bq), vec![q], Role::Small);
+            push(t(L::Bk), vec![kv], Role::Small);
+            push(t(L::Bv), vec![kv], Role::Small);
+        }
+        if cfg.attention.o_bias {
+            push(t(L::Bo), vec![d], Role::Small);
+        }
+        match cfg.attention.qk_norm {
+            QkNorm::None => {}
+            QkNorm::PerHead => {
+                push(t(L::QNorm), vec![dh], Role::Small);
+                push(t(L::KNorm), vec![dh], Role::Small);
+            }
+            QkNorm::Full => {
+                push(t(L::QNorm), vec![q], Role::Small);
+                push(t(L::KNorm), vec![kv], Role::Small);
+            }
+        }
+        push(t(L::FfnNorm), vec![d], Role::Small);
+        match layer.ffn {
+            FfnSpec::Dense { ffn_dim: f } => {
+                push(t(L::Gate), vec![f, d], Role::Matrix);
+                push(t(L::Up), vec![f, d], Role::Matrix);
+                push(t(L::Down), vec![d, f], Role::Matrix);
+            }
+            FfnSpec::Moe => {
+                let moe = cfg.moe.as_ref().expect("validated: MoE layer has a MoE spec");
+                let (e, f) = (moe.num_experts, moe.expert_ffn_dim);
+                push(t(L::Router), vec![e, d], Role::Small);
+                if let Some(s) = &moe.shared_expert {
+                    push(t(L::SharedGate), vec![s.ffn_dim, d], Role::Matrix);
+                    push(t(L::SharedUp), vec![s.ffn_dim, d], Role::Matrix);
+                    push(t(L::SharedDown), vec![d, s.ffn_dim], Role::Matrix);
+                    if s.sigmoid_gate {
+                        push(t(L::SharedExpertGate), vec![1, d], Role::Small);
+                    }
+                }
+                for x in 0..e {
+                    push(TensorId::Expert(l, x, ExpertTensor::Gate), vec![f, d], Role::Matrix);
+                    push(TensorId::Expert(l, x, ExpertTensor::Up), vec![f, d], Role::Matrix);
+                    push(TensorId::Expert(l, x, ExpertTensor::Down), vec![d, f], Role::Matrix);
+                }
+            }
+        }
+    }
+    push(TensorId::FinalNorm, vec![d], Role::Small);
+    if !cfg.tie_embeddings {
+        push(TensorId::LmHead, vec![v, d], Role::Matrix);
+    }
+    out
+}

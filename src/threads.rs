@@ -1,0 +1,42 @@
+//! The thread pool: one rayon pool per engine, sized by the user's `threads=`
+//! setting (default: physical cores). Work is split by output rows or by
+//! (token, head) pairs, never one dot product across threads, so results do
+//! not depend on the pool size.
+
+use crate::error::{Error, Result};
+
+/// Physical cores of this machine (hyper-threads share a core's FMA units and
+/// memory port, so more threads than cores only adds contention). Falls back
+/// to the logical count where the topology is not readable.
+pub fn physical_cores() -> usize {
+    let logical = std::thread::available_parallelism().map_or(1, |n| n.get());
+    #[cfg(target_os = "linux")]
+    {
+        let mut cores = std::collections::HashSet::new();
+        for cpu in 0..logical.max(1) * 2 {
+            let p = format!("/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list");
+            if let Ok(s) = std::fs::read_to_string(&p) {
+                cores.insert(s.trim().to_string());
+            }
+        }
+        if !cores.is_empty() {
+            return cores.len().min(logical);
+        }
+    }
+    logical
+}
+
+/// Builds the pool for an engine.
+pub fn pool(threads: Option<usize>) -> Result<rayon::ThreadPool> {
+    let n = match threads {
+        Some(0) => return Err(Error::InvalidInput("threads must be at least 1".into())),
+        Some(n) if n > 1024 => return Err(Error::InvalidInput(format!("threads = {n} is more than this engine supports (1024)"))),
+        Some(n) => n,
+        None => physical_cores(),
+    };
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .thread_name(|i| format!("colibri-{i}"))
+        .build()
+        .map_err(|e| Error::InvalidInput(format!("cannot start {n} threads: {e}")))
+}
