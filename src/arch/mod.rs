@@ -194,27 +194,30 @@ impl HfConfig {
             "default" | "none" => RopeScaling::None,
             "linear" => RopeScaling::Linear { factor: need("factor")? },
             "yarn" => {
-                let factor = need("factor")?;
-                let omp = num("original_max_position_embeddings").map(|x| x as usize);
-                let original = omp.unwrap_or(max_pos);
-                // transformers: with an explicit original length, the default
-                // magnitude uses max_position_embeddings / original as the factor.
-                let mscale_factor = match omp {
-                    Some(o) if o > 0 && max_pos > 0 => max_pos as f64 / o as f64,
-                    _ => factor,
+                // A top-level `original_max_position_embeddings` wins over the
+                // one inside the scaling dict (transformers, for Phi-3 style configs).
+                let original = match (self.opt_usize("original_max_position_embeddings")?, num("original_max_position_embeddings")) {
+                    (Some(o), _) => o,
+                    (None, Some(o)) => o as usize,
+                    (None, None) => max_pos,
                 };
+                if original == 0 {
+                    return Err(self.err("yarn rope scaling needs original_max_position_embeddings or max_position_embeddings".into()));
+                }
+                let factor = num("factor").unwrap_or(max_pos as f64 / original as f64);
                 let get_mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
                 let attention_factor = match (num("attention_factor"), num("mscale"), num("mscale_all_dim")) {
                     (Some(a), _, _) => a,
-                    (None, Some(m), Some(ma)) => get_mscale(factor, m) / get_mscale(factor, ma),
-                    _ => get_mscale(mscale_factor, 1.0),
+                    (None, Some(m), Some(ma)) if m != 0.0 && ma != 0.0 => get_mscale(factor, m) / get_mscale(factor, ma),
+                    _ => get_mscale(factor, 1.0),
                 };
                 let truncate = p.and_then(|p| p.get("truncate")).and_then(Value::as_bool).unwrap_or(true);
+                let beta = |k: &str, d: f64| num(k).filter(|&b| b != 0.0).unwrap_or(d);
                 RopeScaling::Yarn {
                     factor,
                     original_max_position_embeddings: original,
-                    beta_fast: num("beta_fast").unwrap_or(32.0),
-                    beta_slow: num("beta_slow").unwrap_or(1.0),
+                    beta_fast: beta("beta_fast", 32.0),
+                    beta_slow: beta("beta_slow", 1.0),
                     attention_factor,
                     truncate,
                 }
@@ -300,6 +303,23 @@ pub(crate) fn qwen_sparse_layers(cfg: &HfConfig, num_layers: usize, num_experts:
     let dense = cfg.usize_list("mlp_only_layers")?;
     let step = cfg.opt_usize("decoder_sparse_step")?.unwrap_or(1);
     Ok((0..num_layers).map(|l| !dense.contains(&l) && num_experts > 0 && step > 0 && (l + 1) % step == 0).collect())
+}
+
+/// `layer_types` as "slides?" flags, if the config lists them.
+pub(crate) fn layer_types(cfg: &HfConfig, n: usize) -> Result<Option<Vec<bool>>> {
+    let Some(v) = cfg.get("layer_types") else { return Ok(None) };
+    let list = v.as_array().ok_or_else(|| cfg.err(format!("`layer_types` must be a list, got {v}")))?;
+    if list.len() != n {
+        return Err(cfg.err(format!("`layer_types` lists {} layers, but num_hidden_layers is {n}", list.len())));
+    }
+    list.iter()
+        .map(|t| match t.as_str() {
+            Some("sliding_attention") => Ok(true),
+            Some("full_attention") => Ok(false),
+            _ => Err(Error::Unsupported(format!("{}: layer type {t} is not supported", cfg.path.display()))),
+        })
+        .collect::<Result<Vec<_>>>()
+        .map(Some)
 }
 
 #[cfg(test)]

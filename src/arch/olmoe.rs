@@ -38,7 +38,7 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
             clip_qkv: c.opt_f64("clip_qkv")?.map(|x| x as f32),
         },
         moe: Some(MoeSpec {
-            num_experts: c.usize(&["num_experts"])?,
+            num_experts: c.usize(&["num_experts", "num_local_experts"])?,
             expert_ffn_dim: c.usize(&["intermediate_size"])?,
             router: RouterSpec {
                 top_k: c.usize(&["num_experts_per_tok"])?,

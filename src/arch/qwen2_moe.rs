@@ -9,10 +9,12 @@
 //!   grid, are dense MLPs of width `intermediate_size`; routed experts are
 //!   `moe_intermediate_size` wide;
 //! - softmax over all experts, top-k, renormalised only if `norm_topk_prob`;
-//! - `sliding_window` only applies when `use_sliding_window` is true, and then
-//!   only to layers at or beyond `max_window_layers`.
+//! - `sliding_window` only applies when `use_sliding_window` is true; then the
+//!   layers marked `sliding_attention` in `layer_types` slide, or, without
+//!   that list, the even-indexed layers below `max_window_layers`
+//!   (transformers 5's `Qwen2MoeConfig.__post_init__`).
 
-use super::{Arch, HfConfig, llama_name, qwen_moe_name, qwen_sparse_layers};
+use super::{Arch, HfConfig, layer_types, llama_name, qwen_moe_name, qwen_sparse_layers};
 use crate::error::Result;
 use crate::model::config::*;
 use crate::model::tensors::TensorId;
@@ -25,7 +27,7 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
     let h = c.usize(&["num_attention_heads"])?;
     let head_dim = c.head_dim(d, h)?;
     let n = c.usize(&["num_hidden_layers"])?;
-    let e = c.usize(&["num_experts"])?;
+    let e = c.usize(&["num_experts", "num_local_experts"])?;
     let sparse = qwen_sparse_layers(c, n, e)?;
     let windows = qwen_windows(c, n)?;
     let shared = c.opt_usize("shared_expert_intermediate_size")?.filter(|&f| f > 0);
@@ -62,13 +64,17 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
     })
 }
 
-/// Per-layer window under Qwen's rule: only with `use_sliding_window`, and only
-/// for layers `>= max_window_layers`.
-pub(super) fn qwen_windows(c: &HfConfig, n: usize) -> Result<Vec<Option<usize>>> {
-    let on = c.bool_or("use_sliding_window", false)?;
-    let window = c.opt_usize("sliding_window")?;
-    let from = c.opt_usize("max_window_layers")?.unwrap_or(n);
-    Ok((0..n).map(|l| if on && l >= from { window } else { None }).collect())
+/// Per-layer window under Qwen2-MoE's rule (see the module note).
+fn qwen_windows(c: &HfConfig, n: usize) -> Result<Vec<Option<usize>>> {
+    let window = c.opt_usize("sliding_window")?.filter(|&w| w > 0);
+    if !c.bool_or("use_sliding_window", false)? || window.is_none() {
+        return Ok(vec![None; n]);
+    }
+    if let Some(types) = layer_types(c, n)? {
+        return Ok(types.iter().map(|&slides| if slides { window } else { None }).collect());
+    }
+    let below = c.opt_usize("max_window_layers")?.unwrap_or(n);
+    Ok((0..n).map(|l| if l % 2 == 0 && l < below { window } else { None }).collect())
 }
 
 fn hf_name(_: &ModelConfig, id: TensorId) -> String {

@@ -8,10 +8,10 @@
 //! - `attention_bias` switches q/k/v/o biases (off in released checkpoints);
 //! - no shared expert; `mlp_only_layers` / `decoder_sparse_step` as Qwen2-MoE;
 //! - softmax over all experts, top-k, renormalised if `norm_topk_prob`;
-//! - sliding window rule as Qwen2-MoE.
+//! - `sliding_window` applies only when `use_sliding_window` is true, and then
+//!   to every layer (or to those `layer_types` marks `sliding_attention`).
 
-use super::qwen2_moe::qwen_windows;
-use super::{Arch, HfConfig, llama_name, qwen_moe_name, qwen_sparse_layers};
+use super::{Arch, HfConfig, layer_types, llama_name, qwen_moe_name, qwen_sparse_layers};
 use crate::error::Result;
 use crate::model::config::*;
 use crate::model::tensors::TensorId;
@@ -24,7 +24,7 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
     let h = c.usize(&["num_attention_heads"])?;
     let head_dim = c.head_dim(d, h)?;
     let n = c.usize(&["num_hidden_layers"])?;
-    let e = c.usize(&["num_experts"])?;
+    let e = c.usize(&["num_experts", "num_local_experts"])?;
     let sparse = qwen_sparse_layers(c, n, e)?;
     let windows = qwen_windows(c, n)?;
     let bias = c.bool_or("attention_bias", false)?;
@@ -64,4 +64,17 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
 
 fn hf_name(_: &ModelConfig, id: TensorId) -> String {
     qwen_moe_name(id).or_else(|| llama_name(id)).unwrap_or_else(|| format!("<{id} has no Qwen3-MoE name>"))
+}
+
+/// Per-layer window: every layer (or those `layer_types` marks) when
+/// `use_sliding_window` is on, none otherwise.
+fn qwen_windows(c: &HfConfig, n: usize) -> Result<Vec<Option<usize>>> {
+    let window = c.opt_usize("sliding_window")?.filter(|&w| w > 0);
+    if !c.bool_or("use_sliding_window", false)? || window.is_none() {
+        return Ok(vec![None; n]);
+    }
+    Ok(match layer_types(c, n)? {
+        Some(types) => types.iter().map(|&slides| if slides { window } else { None }).collect(),
+        None => vec![window; n],
+    })
 }

@@ -78,7 +78,7 @@ impl Drop for TempGuard {
 /// Converts the Hugging Face checkpoint in `src` into the `.colibri` file `dst`.
 /// `interrupted` is polled between tensors; when it returns true the
 /// conversion stops with [`Error::Interrupted`] and removes its partial output.
-pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &(dyn Fn() -> bool + Sync)) -> Result<ConvertReport> {
+pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn Fn() -> bool) -> Result<ConvertReport> {
     if !src.exists() {
         return Err(Error::NotFound(src.to_path_buf()));
     }

@@ -88,7 +88,7 @@ impl Engine {
     }
 
     /// Logits of every position for a fresh sequence: `[T, V]` row-major.
-    pub fn logits(&self, ids: &[u32], interrupted: &(dyn Fn() -> bool + Sync)) -> Result<Vec<f32>> {
+    pub fn logits(&self, ids: &[u32], interrupted: &dyn Fn() -> bool) -> Result<Vec<f32>> {
         self.check_len(ids.len())?;
         let mut s = self.session(ids.len());
         crate::model::forward::check_tokens(&self.model, &s, ids)?;
@@ -98,7 +98,7 @@ impl Engine {
     }
 
     /// Hidden states `[L+1, T, D]` for a fresh sequence (see [`Capture::hidden`]).
-    pub fn hidden_states(&self, ids: &[u32], interrupted: &(dyn Fn() -> bool + Sync)) -> Result<Vec<f32>> {
+    pub fn hidden_states(&self, ids: &[u32], interrupted: &dyn Fn() -> bool) -> Result<Vec<f32>> {
         self.check_len(ids.len())?;
         let mut s = self.session(ids.len());
         crate::model::forward::check_tokens(&self.model, &s, ids)?;
@@ -109,8 +109,8 @@ impl Engine {
     }
 
     /// Runs `ids` through the session on this engine's pool.
-    pub fn run(&self, s: &mut Session, ids: &[u32], cap: Capture, interrupted: &(dyn Fn() -> bool + Sync)) -> Result<()> {
-        self.pool.install(|| forward(&self.model, s, ids, cap, interrupted))
+    pub fn run(&self, s: &mut Session, ids: &[u32], cap: Capture, interrupted: &dyn Fn() -> bool) -> Result<()> {
+        forward(&self.model, s, ids, cap, Some(&self.pool), interrupted)
     }
 
     /// Continues `prompt` with up to `opts.max_new_tokens` new tokens and
@@ -121,7 +121,7 @@ impl Engine {
         &self,
         prompt: &[u32],
         opts: &GenerateOptions,
-        interrupted: &(dyn Fn() -> bool + Sync),
+        interrupted: &dyn Fn() -> bool,
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<Vec<u32>> {
         self.check_len(prompt.len())?;

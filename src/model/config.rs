@@ -117,7 +117,8 @@ pub struct AttentionSpec {
     pub o_bias: bool,
     /// Normalisation of q and k.
     pub qk_norm: QkNorm,
-    /// Clamp q, k and v to `[-c, c]` after projection (OLMoE's clip_qkv).
+    /// Clamp q, k and v to `[-c, c]` after projection and q/k norm, before
+    /// RoPE (OLMoE's clip_qkv).
     pub clip_qkv: Option<f32>,
 }
 

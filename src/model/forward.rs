@@ -47,9 +47,18 @@ pub fn check_tokens(model: &Model, s: &Session, tokens: &[u32]) -> Result<()> {
     Ok(())
 }
 
-/// Appends `tokens` to the session's sequence and runs the model over them.
-/// `interrupted` is polled between chunks.
-pub fn forward(model: &Model, s: &mut Session, tokens: &[u32], mut cap: Capture, interrupted: &(dyn Fn() -> bool + Sync)) -> Result<()> {
+/// Appends `tokens` to the session's sequence and runs the model over them,
+/// each chunk on `pool` (or the current rayon pool when `None`).
+/// `interrupted` is polled between chunks on the calling thread, so a Python
+/// caller's Ctrl-C is seen even during a long prompt.
+pub fn forward(
+    model: &Model,
+    s: &mut Session,
+    tokens: &[u32],
+    mut cap: Capture,
+    pool: Option<&rayon::ThreadPool>,
+    interrupted: &dyn Fn() -> bool,
+) -> Result<()> {
     check_tokens(model, s, tokens)?;
     let total = tokens.len();
     let mut done = 0;
@@ -58,7 +67,11 @@ pub fn forward(model: &Model, s: &mut Session, tokens: &[u32], mut cap: Capture,
             return Err(Error::Interrupted);
         }
         let n = (total - done).min(s.chunk);
-        forward_chunk(model, s, &tokens[done..done + n], done, total, &mut cap)?;
+        let chunk = &tokens[done..done + n];
+        match pool {
+            Some(p) => p.install(|| forward_chunk(model, s, chunk, done, total, &mut cap))?,
+            None => forward_chunk(model, s, chunk, done, total, &mut cap)?,
+        }
         done += n;
     }
     Ok(())
@@ -92,7 +105,7 @@ fn forward_chunk(model: &Model, s: &mut Session, tokens: &[u32], off: usize, tot
     }
 
     for (l, (lw, spec)) in model.layers.iter().zip(&c.layers).enumerate() {
-        // Attention: norm → q, k, v projections (+ bias, clip, q/k norm, RoPE).
+        // Attention: norm → q, k, v projections (+ bias, q/k norm, clip, RoPE).
         let x = &s.x[..n * d];
         let xn = &mut s.xn[..n * d];
         for t in 0..n {
@@ -107,17 +120,17 @@ fn forward_chunk(model: &Model, s: &mut Session, tokens: &[u32], off: usize, tot
             add_rows(k, model.vec(bk));
             add_rows(v, model.vec(bv));
         }
-        if let Some(clip) = c.attention.clip_qkv {
-            for a in q.iter_mut().chain(k.iter_mut()).chain(v.iter_mut()) {
-                *a = a.clamp(-clip, clip);
-            }
-        }
         if let Some([qn, kn]) = lw.qk_norm {
             // Per head: rows of Dh; full: rows of the whole projection.
             let (wq, wk) = (model.vec(qn), model.vec(kn));
             debug_assert!(c.attention.qk_norm == QkNorm::PerHead || wq.len() == qd);
             rmsnorm_rows_inplace(q, wq, eps);
             rmsnorm_rows_inplace(k, wk, eps);
+        }
+        if let Some(clip) = c.attention.clip_qkv {
+            for a in q.iter_mut().chain(k.iter_mut()).chain(v.iter_mut()) {
+                *a = a.clamp(-clip, clip);
+            }
         }
         for t in 0..n {
             let (cs, sn) = (&s.cos[t * half..(t + 1) * half], &s.sin[t * half..(t + 1) * half]);
