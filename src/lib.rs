@@ -42,6 +42,9 @@ pub mod model;
 pub mod quant;
 pub mod threads;
 
+#[cfg(test)]
+mod testutil;
+
 #[cfg(feature = "python")]
 mod python;
 

@@ -6,6 +6,9 @@
 pub mod sampling;
 pub mod session;
 
+#[cfg(test)]
+mod tests;
+
 use std::path::Path;
 
 use crate::error::{Error, Result};
@@ -114,7 +117,8 @@ impl Engine {
     }
 
     /// Continues `prompt` with up to `opts.max_new_tokens` new tokens and
-    /// returns them. Stops early on a stop id or when the context is full.
+    /// returns them. Stops early on a stop id or when prompt plus output fill
+    /// the context.
     /// `on_token` sees each new token as it is produced and may stop the
     /// generation by returning `false`.
     pub fn generate(
@@ -138,7 +142,7 @@ impl Engine {
             let next = sample(&s.logits, opts.temperature, &mut rng);
             out.push(next);
             let keep_going = on_token(next);
-            if !keep_going || out.len() >= opts.max_new_tokens || opts.stop_ids.contains(&next) || s.pos >= s.max_seq {
+            if !keep_going || out.len() >= opts.max_new_tokens || opts.stop_ids.contains(&next) || s.pos + 1 >= s.max_seq {
                 break;
             }
             if interrupted() {

@@ -22,6 +22,9 @@
 pub mod reader;
 pub mod writer;
 
+#[cfg(test)]
+mod tests;
+
 use serde::{Deserialize, Serialize};
 
 use crate::model::config::ModelConfig;

@@ -1,0 +1,160 @@
+"""The converter: what it accepts, what it refuses, and that it never loses data."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+import colibri
+from conftest import GOLDEN, copy_case_single_file, load_tensors, write_safetensors
+
+
+def leftovers(folder):
+    return sorted(p.name for p in folder.iterdir() if ".partial" in p.name)
+
+
+def test_converts_sharded_checkpoint_and_reports(tmp_path):
+    out = tmp_path / "q.colibri"
+    report = colibri.convert(GOLDEN / "qwen3_moe", out, progress=False)
+    assert report["architecture"] == "Qwen3MoeForCausalLM"
+    assert report["dtype"] == "f32"
+    assert report["bytes"] == out.stat().st_size
+    engine = colibri.Engine(out)
+    assert engine.architecture == "Qwen3MoeForCausalLM"
+    assert engine.source_config["model_type"] == "qwen3_moe"
+    assert engine.config["rope"]["scaling"]["type"] == "yarn"
+
+
+def test_refuses_to_overwrite_unless_forced(tmp_path):
+    out = tmp_path / "m.colibri"
+    out.write_bytes(b"precious")
+    with pytest.raises(colibri.OutputExistsError, match="already exists") as e:
+        colibri.convert(GOLDEN / "mixtral", out, progress=False)
+    assert isinstance(e.value, FileExistsError)
+    assert out.read_bytes() == b"precious"
+    colibri.convert(GOLDEN / "mixtral", out, force=True, progress=False)
+    assert colibri.Engine(out).architecture == "MixtralForCausalLM"
+    assert leftovers(tmp_path) == []
+
+
+def test_unknown_architecture_is_named_with_the_supported_list(tmp_path):
+    src = copy_case_single_file("mixtral", tmp_path / "llama")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["architectures"], cfg["model_type"] = ["LlamaForCausalLM"], "llama"
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(colibri.UnsupportedModelError) as e:
+        colibri.convert(src, tmp_path / "x.colibri", progress=False)
+    msg = str(e.value)
+    assert "LlamaForCausalLM" in msg
+    for name in colibri.supported_architectures():
+        assert name in msg
+    assert not (tmp_path / "x.colibri").exists()
+
+
+def test_missing_tensor_is_named_and_nothing_is_left_behind(tmp_path):
+    src = copy_case_single_file("olmoe", tmp_path / "src")
+    tensors = load_tensors(src)
+    gone = "model.layers.1.mlp.experts.3.down_proj.weight"
+    del tensors[gone]
+    write_safetensors(src / "model.safetensors", tensors)
+    out = tmp_path / "o.colibri"
+    with pytest.raises(colibri.CheckpointError, match=gone.replace(".", r"\.")):
+        colibri.convert(src, out, progress=False)
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_wrong_shape_is_reported_with_both_shapes(tmp_path):
+    src = copy_case_single_file("qwen2_moe", tmp_path / "src")
+    tensors = load_tensors(src)
+    name = "model.layers.0.self_attn.k_proj.weight"
+    dtype, shape, data = tensors[name]
+    assert shape[0] != shape[1]
+    tensors[name] = (dtype, [shape[1], shape[0]], data)
+    write_safetensors(src / "model.safetensors", tensors)
+    with pytest.raises(colibri.CheckpointError) as e:
+        colibri.convert(src, tmp_path / "o.colibri", progress=False)
+    assert name in str(e.value) and str(shape) in str(e.value).replace(" ", "").replace(",", ", ")
+
+
+def test_unconsumed_tensor_is_an_error(tmp_path):
+    src = copy_case_single_file("mixtral", tmp_path / "src")
+    tensors = load_tensors(src)
+    tensors["model.layers.0.block_sparse_moe.experts.99.w1.weight"] = tensors[
+        "model.layers.0.block_sparse_moe.experts.0.w1.weight"
+    ]
+    write_safetensors(src / "model.safetensors", tensors)
+    with pytest.raises(colibri.CheckpointError, match="not consumed"):
+        colibri.convert(src, tmp_path / "o.colibri", progress=False)
+
+
+def test_truncated_safetensors_is_a_checkpoint_error(tmp_path):
+    src = copy_case_single_file("mixtral", tmp_path / "src")
+    f = src / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1000])
+    with pytest.raises(colibri.CheckpointError, match="truncated"):
+        colibri.convert(src, tmp_path / "o.colibri", progress=False)
+
+
+def test_integer_tensor_dtype_is_refused(tmp_path):
+    src = copy_case_single_file("mixtral", tmp_path / "src")
+    tensors = load_tensors(src)
+    name = "model.norm.weight"
+    _, shape, data = tensors[name]
+    tensors[name] = ("I32", shape, data)
+    write_safetensors(src / "model.safetensors", tensors)
+    with pytest.raises(colibri.UnsupportedModelError, match="I32"):
+        colibri.convert(src, tmp_path / "o.colibri", progress=False)
+
+
+@pytest.mark.parametrize(
+    "edit, error, needle",
+    [
+        (lambda c: c.pop("hidden_size"), colibri.CheckpointError, "hidden_size"),
+        (lambda c: c.update(num_experts_per_tok=99), colibri.CheckpointError, "top_k"),
+        (lambda c: c.update(hidden_act="gelu"), colibri.UnsupportedModelError, "gelu"),
+        (lambda c: c.update(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), colibri.UnsupportedModelError, "dynamic"),
+        (lambda c: c.update(num_attention_heads="four"), colibri.CheckpointError, "num_attention_heads"),
+    ],
+)
+def test_bad_config_values_are_explained(tmp_path, edit, error, needle):
+    src = tmp_path / "src"
+    shutil.copytree(GOLDEN / "mixtral", src)
+    cfg = json.loads((src / "config.json").read_text())
+    edit(cfg)
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(error, match=needle):
+        colibri.convert(src, tmp_path / "o.colibri", progress=False)
+
+
+def test_missing_folder_and_missing_config(tmp_path):
+    with pytest.raises(colibri.ModelNotFoundError) as e:
+        colibri.convert(tmp_path / "nope", tmp_path / "o.colibri")
+    assert isinstance(e.value, FileNotFoundError)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(colibri.CheckpointError, match="config.json"):
+        colibri.convert(tmp_path / "empty", tmp_path / "o.colibri")
+    with pytest.raises(colibri.CheckpointError, match="not valid JSON"):
+        (tmp_path / "empty" / "config.json").write_text("{")
+        colibri.convert(tmp_path / "empty", tmp_path / "o.colibri")
+
+
+def test_bad_dtype_name(tmp_path):
+    with pytest.raises(colibri.InvalidInputError, match="q9"):
+        colibri.convert(GOLDEN / "mixtral", tmp_path / "o.colibri", dtype="q9")
+
+
+def test_embeds_tokenizer_files_when_present(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(GOLDEN / "mixtral", src)
+    tok = {"version": "1.0", "model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}}
+    (src / "tokenizer.json").write_text(json.dumps(tok))
+    (src / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}", "bos_token": "<s>"}))
+    out = tmp_path / "o.colibri"
+    colibri.convert(src, out, progress=False)
+    raw = out.read_bytes()
+    meta = json.loads(raw[32 : 32 + int.from_bytes(raw[16:24], "little")])
+    assert meta["source"]["tokenizer"] == tok
+    assert meta["source"]["chat_template"] == "{{ messages }}"
+    assert meta["source"]["generation_config"] is not None
