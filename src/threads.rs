@@ -30,7 +30,9 @@ pub fn physical_cores() -> usize {
 pub fn pool(threads: Option<usize>) -> Result<rayon::ThreadPool> {
     let n = match threads {
         Some(0) => return Err(Error::InvalidInput("threads must be at least 1".into())),
-        Some(n) if n > 1024 => return Err(Error::InvalidInput(format!("threads = {n} is more than this engine supports (1024)"))),
+        Some(n) if n > 1024 => {
+            return Err(Error::InvalidInput(format!("threads = {n} is more than this engine supports (1024)")));
+        }
         Some(n) => n,
         None => physical_cores(),
     };

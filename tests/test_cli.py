@@ -9,7 +9,9 @@ from conftest import GOLDEN
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "colibri", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "colibri", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_convert_then_info(tmp_path):

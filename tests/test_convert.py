@@ -114,7 +114,11 @@ def test_integer_tensor_dtype_is_refused(tmp_path):
         (lambda c: c.pop("hidden_size"), colibri.CheckpointError, "hidden_size"),
         (lambda c: c.update(num_experts_per_tok=99), colibri.CheckpointError, "top_k"),
         (lambda c: c.update(hidden_act="gelu"), colibri.UnsupportedModelError, "gelu"),
-        (lambda c: c.update(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), colibri.UnsupportedModelError, "dynamic"),
+        (
+            lambda c: c.update(rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+            colibri.UnsupportedModelError,
+            "dynamic",
+        ),
         (lambda c: c.update(num_attention_heads="four"), colibri.CheckpointError, "num_attention_heads"),
     ],
 )
@@ -150,7 +154,9 @@ def test_embeds_tokenizer_files_when_present(tmp_path):
     shutil.copytree(GOLDEN / "mixtral", src)
     tok = {"version": "1.0", "model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}}
     (src / "tokenizer.json").write_text(json.dumps(tok))
-    (src / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}", "bos_token": "<s>"}))
+    (src / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": "{{ messages }}", "bos_token": "<s>"})
+    )
     out = tmp_path / "o.colibri"
     colibri.convert(src, out, progress=False)
     raw = out.read_bytes()

@@ -62,7 +62,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
     engine = Engine(args.model, threads=1)
     cfg = engine.config
     if args.json:
-        print(json.dumps({"architecture": engine.architecture, "dtype": engine.dtype, "config": cfg}, indent=2))
+        print(
+            json.dumps({"architecture": engine.architecture, "dtype": engine.dtype, "config": cfg}, indent=2)
+        )
         return 0
     total, active = _params(cfg)
     moe = cfg.get("moe") or {}
@@ -73,9 +75,15 @@ def _cmd_info(args: argparse.Namespace) -> int:
         ("weights", engine.dtype),
         ("parameters", f"{total / 1e6:.2f}M total, {active / 1e6:.2f}M active per token"),
         ("layers", f"{len(cfg['layers'])} ({n_moe} MoE)"),
-        ("experts", f"{moe.get('num_experts', 0)} routed, top-{moe.get('router', {}).get('top_k', 0)}"
-         + (", 1 shared" if moe.get("shared_expert") else "")),
-        ("hidden", f"{cfg['hidden_size']}, heads {cfg['num_heads']}/{cfg['num_kv_heads']} x {cfg['head_dim']}"),
+        (
+            "experts",
+            f"{moe.get('num_experts', 0)} routed, top-{moe.get('router', {}).get('top_k', 0)}"
+            + (", 1 shared" if moe.get("shared_expert") else ""),
+        ),
+        (
+            "hidden",
+            f"{cfg['hidden_size']}, heads {cfg['num_heads']}/{cfg['num_kv_heads']} x {cfg['head_dim']}",
+        ),
         ("context", str(engine.context_length)),
         ("vocabulary", str(engine.vocab_size)),
     ]
@@ -86,7 +94,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="colibri", description="Fast, exact CPU inference for MoE language models.")
+    p = argparse.ArgumentParser(
+        prog="colibri", description="Fast, exact CPU inference for MoE language models."
+    )
     p.add_argument("--version", action="version", version=f"colibri-moe {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True

@@ -79,8 +79,8 @@ pub struct HfConfig {
 impl HfConfig {
     /// Parses config.json text.
     pub fn parse(path: &Path, text: &str) -> Result<HfConfig> {
-        let raw: Value =
-            serde_json::from_str(text).map_err(|e| Error::checkpoint(path, format!("config.json is not valid JSON: {e}")))?;
+        let raw: Value = serde_json::from_str(text)
+            .map_err(|e| Error::checkpoint(path, format!("config.json is not valid JSON: {e}")))?;
         if !raw.is_object() {
             return Err(Error::checkpoint(path, "config.json is not a JSON object"));
         }
@@ -122,7 +122,9 @@ impl HfConfig {
     pub fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v.as_f64().map(Some).ok_or_else(|| self.err(format!("config field `{key}` must be a number, got {v}"))),
+            Some(v) => {
+                v.as_f64().map(Some).ok_or_else(|| self.err(format!("config field `{key}` must be a number, got {v}")))
+            }
         }
     }
 
@@ -130,7 +132,9 @@ impl HfConfig {
     pub fn bool_or(&self, key: &str, default: bool) -> Result<bool> {
         match self.get(key) {
             None => Ok(default),
-            Some(v) => v.as_bool().ok_or_else(|| self.err(format!("config field `{key}` must be true or false, got {v}"))),
+            Some(v) => {
+                v.as_bool().ok_or_else(|| self.err(format!("config field `{key}` must be true or false, got {v}")))
+            }
         }
     }
 
@@ -140,7 +144,11 @@ impl HfConfig {
             None => Ok(Vec::new()),
             Some(Value::Array(a)) => a
                 .iter()
-                .map(|v| v.as_u64().map(|x| x as usize).ok_or_else(|| self.err(format!("`{key}` must list integers, got {v}"))))
+                .map(|v| {
+                    v.as_u64()
+                        .map(|x| x as usize)
+                        .ok_or_else(|| self.err(format!("`{key}` must list integers, got {v}")))
+                })
                 .collect(),
             Some(v) => Err(self.err(format!("config field `{key}` must be a list, got {v}"))),
         }
@@ -183,10 +191,8 @@ impl HfConfig {
             .unwrap_or(1.0);
         let rotary_dim = ((head_dim as f64 * partial) as usize) & !1;
         let p = scaling.or(params);
-        let kind = p
-            .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
-            .and_then(Value::as_str)
-            .unwrap_or("default");
+        let kind =
+            p.and_then(|p| p.get("rope_type").or_else(|| p.get("type"))).and_then(Value::as_str).unwrap_or("default");
         let num = |k: &str| p.and_then(|p| p.get(k)).and_then(Value::as_f64);
         let need = |k: &str| num(k).ok_or_else(|| self.err(format!("rope scaling `{kind}` needs `{k}`")));
         let max_pos = self.opt_usize("max_position_embeddings")?.unwrap_or(0);
@@ -196,19 +202,26 @@ impl HfConfig {
             "yarn" => {
                 // A top-level `original_max_position_embeddings` wins over the
                 // one inside the scaling dict (transformers, for Phi-3 style configs).
-                let original = match (self.opt_usize("original_max_position_embeddings")?, num("original_max_position_embeddings")) {
+                let original = match (
+                    self.opt_usize("original_max_position_embeddings")?,
+                    num("original_max_position_embeddings"),
+                ) {
                     (Some(o), _) => o,
                     (None, Some(o)) => o as usize,
                     (None, None) => max_pos,
                 };
                 if original == 0 {
-                    return Err(self.err("yarn rope scaling needs original_max_position_embeddings or max_position_embeddings".into()));
+                    return Err(self.err(
+                        "yarn rope scaling needs original_max_position_embeddings or max_position_embeddings".into(),
+                    ));
                 }
                 let factor = num("factor").unwrap_or(max_pos as f64 / original as f64);
                 let get_mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
                 let attention_factor = match (num("attention_factor"), num("mscale"), num("mscale_all_dim")) {
                     (Some(a), _, _) => a,
-                    (None, Some(m), Some(ma)) if m != 0.0 && ma != 0.0 => get_mscale(factor, m) / get_mscale(factor, ma),
+                    (None, Some(m), Some(ma)) if m != 0.0 && ma != 0.0 => {
+                        get_mscale(factor, m) / get_mscale(factor, ma)
+                    }
                     _ => get_mscale(factor, 1.0),
                 };
                 let truncate = p.and_then(|p| p.get("truncate")).and_then(Value::as_bool).unwrap_or(true);

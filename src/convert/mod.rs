@@ -83,7 +83,10 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
         return Err(Error::NotFound(src.to_path_buf()));
     }
     if !src.is_dir() {
-        return Err(Error::checkpoint(src, "is not a folder; expected a Hugging Face checkpoint folder with config.json"));
+        return Err(Error::checkpoint(
+            src,
+            "is not a folder; expected a Hugging Face checkpoint folder with config.json",
+        ));
     }
     if dst.is_dir() {
         return Err(Error::InvalidInput(format!("output {} is a directory; give a file name", dst.display())));
@@ -126,7 +129,12 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
         let more = if missing.len() > 5 { format!(" and {} more", missing.len() - 5) } else { String::new() };
         return Err(Error::checkpoint(
             src,
-            format!("{} is missing {} tensor(s): {}{more}", arch.hf_class, missing.len(), missing[..missing.len().min(5)].join(", ")),
+            format!(
+                "{} is missing {} tensor(s): {}{more}",
+                arch.hf_class,
+                missing.len(),
+                missing[..missing.len().min(5)].join(", ")
+            ),
         ));
     }
     let used: std::collections::HashSet<&str> = sources.iter().map(|(_, n, _)| n.as_str()).collect();
@@ -178,10 +186,18 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
         chat_template,
         generation_config: read_json(&src.join("generation_config.json"))?,
     };
-    let meta = FileMeta { architecture: arch.hf_class.to_string(), config: cfg.clone(), weight_dtype, source, tensors, experts };
+    let meta = FileMeta {
+        architecture: arch.hf_class.to_string(),
+        config: cfg.clone(),
+        weight_dtype,
+        source,
+        tensors,
+        experts,
+    };
 
     // Write to a hidden temporary beside the output, then rename.
-    let file_name = dst.file_name().ok_or_else(|| Error::InvalidInput(format!("output {} has no file name", dst.display())))?;
+    let file_name =
+        dst.file_name().ok_or_else(|| Error::InvalidInput(format!("output {} has no file name", dst.display())))?;
     let tmp = dst.with_file_name(format!(".{}.partial-{}", file_name.to_string_lossy(), std::process::id()));
     let _ = std::fs::remove_file(&tmp);
     let mut guard = TempGuard(Some(tmp.clone()));
@@ -235,5 +251,11 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
     std::fs::rename(&tmp, dst).map_err(|e| Error::io(dst, e))?;
     guard.0 = None;
     let bytes = std::fs::metadata(dst).map_err(|e| Error::io(dst, e))?.len();
-    Ok(ConvertReport { path: dst.to_path_buf(), architecture: arch.hf_class.into(), dtype: weight_dtype, tensors: meta.tensors.len(), bytes })
+    Ok(ConvertReport {
+        path: dst.to_path_buf(),
+        architecture: arch.hf_class.into(),
+        dtype: weight_dtype,
+        tensors: meta.tensors.len(),
+        bytes,
+    })
 }

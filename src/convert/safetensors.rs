@@ -52,7 +52,8 @@ impl Checkpoint {
         let index = dir.join("model.safetensors.index.json");
         let names: Vec<PathBuf> = if index.exists() {
             let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
-            let v: Value = serde_json::from_str(&text).map_err(|e| Error::checkpoint(&index, format!("not valid JSON: {e}")))?;
+            let v: Value =
+                serde_json::from_str(&text).map_err(|e| Error::checkpoint(&index, format!("not valid JSON: {e}")))?;
             let map = v
                 .get("weight_map")
                 .and_then(Value::as_object)
@@ -81,7 +82,10 @@ impl Checkpoint {
             }
         };
         if names.is_empty() {
-            return Err(Error::checkpoint(dir, "no *.safetensors weights found (only safetensors checkpoints are supported)"));
+            return Err(Error::checkpoint(
+                dir,
+                "no *.safetensors weights found (only safetensors checkpoints are supported)",
+            ));
         }
         let mut ck = Checkpoint { dir: dir.to_path_buf(), files: Vec::new(), tensors: BTreeMap::new() };
         for p in names {
@@ -114,7 +118,10 @@ impl Checkpoint {
             }
             let dt = v.get("dtype").and_then(Value::as_str).unwrap_or("?");
             let dtype = st_dtype(dt).ok_or_else(|| {
-                Error::Unsupported(format!("{}: tensor {name} has dtype {dt}; supported source dtypes are F32, BF16, F16", path.display()))
+                Error::Unsupported(format!(
+                    "{}: tensor {name} has dtype {dt}; supported source dtypes are F32, BF16, F16",
+                    path.display()
+                ))
             })?;
             let shape: Vec<usize> = v
                 .get("shape")

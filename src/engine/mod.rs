@@ -85,7 +85,9 @@ impl Engine {
     fn check_len(&self, n: usize) -> Result<()> {
         let ctx = self.model.config.max_seq_len;
         if n > ctx {
-            return Err(Error::ContextOverflow(format!("sequence of {n} tokens is longer than the model's context of {ctx}")));
+            return Err(Error::ContextOverflow(format!(
+                "sequence of {n} tokens is longer than the model's context of {ctx}"
+            )));
         }
         Ok(())
     }
@@ -142,7 +144,11 @@ impl Engine {
             let next = sample(&s.logits, opts.temperature, &mut rng);
             out.push(next);
             let keep_going = on_token(next);
-            if !keep_going || out.len() >= opts.max_new_tokens || opts.stop_ids.contains(&next) || s.pos + 1 >= s.max_seq {
+            if !keep_going
+                || out.len() >= opts.max_new_tokens
+                || opts.stop_ids.contains(&next)
+                || s.pos + 1 >= s.max_seq
+            {
                 break;
             }
             if interrupted() {

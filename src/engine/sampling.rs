@@ -76,8 +76,14 @@ mod tests {
         assert_eq!(counts[2], 0);
         let frac = counts[1] as f64 / 20000.0;
         assert!((frac - 0.75).abs() < 0.02, "{frac}");
-        let a: Vec<u32> = { let mut r = Rng::new(7); (0..20).map(|_| sample(&logits, 1.0, &mut r)).collect() };
-        let b: Vec<u32> = { let mut r = Rng::new(7); (0..20).map(|_| sample(&logits, 1.0, &mut r)).collect() };
+        let a: Vec<u32> = {
+            let mut r = Rng::new(7);
+            (0..20).map(|_| sample(&logits, 1.0, &mut r)).collect()
+        };
+        let b: Vec<u32> = {
+            let mut r = Rng::new(7);
+            (0..20).map(|_| sample(&logits, 1.0, &mut r)).collect()
+        };
         assert_eq!(a, b);
     }
 }

@@ -84,7 +84,10 @@ fn bad_inputs_are_errors_not_panics() {
     let msg = e.logits(&[1, 2, 53], &never).unwrap_err().to_string();
     assert!(msg.contains("53") && msg.contains("position 2"), "{msg}");
     assert!(matches!(e.logits(&ids(65), &never), Err(Error::ContextOverflow(_))));
-    assert!(matches!(e.generate(&ids(65), &GenerateOptions::default(), &never, &mut |_| true), Err(Error::ContextOverflow(_))));
+    assert!(matches!(
+        e.generate(&ids(65), &GenerateOptions::default(), &never, &mut |_| true),
+        Err(Error::ContextOverflow(_))
+    ));
     // Generation stops when the context is full instead of failing.
     let opts = GenerateOptions { max_new_tokens: 100, ..Default::default() };
     assert_eq!(e.generate(&ids(60), &opts, &never, &mut |_| true).unwrap().len(), 4);

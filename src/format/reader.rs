@@ -77,7 +77,9 @@ impl ColibriFile {
         }
         let version = read_u32(b, 8);
         if version != VERSION {
-            return Err(bad(format!("format version {version} is not supported by this build (it reads version {VERSION})")));
+            return Err(bad(format!(
+                "format version {version} is not supported by this build (it reads version {VERSION})"
+            )));
         }
         let flags = read_u32(b, 12);
         if flags != 0 {
@@ -85,10 +87,9 @@ impl ColibriFile {
         }
         let meta_len = read_u64(b, 16);
         let data_off = read_u64(b, 24);
-        let meta_end = (HEADER_LEN as u64)
-            .checked_add(meta_len)
-            .filter(|&e| e <= len)
-            .ok_or_else(|| bad(format!("metadata length {meta_len} runs past the end of the file ({len} bytes); truncated?")))?;
+        let meta_end = (HEADER_LEN as u64).checked_add(meta_len).filter(|&e| e <= len).ok_or_else(|| {
+            bad(format!("metadata length {meta_len} runs past the end of the file ({len} bytes); truncated?"))
+        })?;
         if data_off % PAGE != 0 || data_off < meta_end || data_off > len {
             return Err(bad(format!(
                 "data offset {data_off} is invalid (must be a multiple of {PAGE}, after the metadata at {meta_end}, within the {len}-byte file)"
@@ -145,7 +146,10 @@ impl ColibriFile {
         }
         for p in &plan {
             let name = p.id.to_string();
-            let t = by_name.get(&name).map(|&i| &meta.tensors[i]).ok_or_else(|| bad(format!("tensor {name} is missing")))?;
+            let t = by_name
+                .get(&name)
+                .map(|&i| &meta.tensors[i])
+                .ok_or_else(|| bad(format!("tensor {name} is missing")))?;
             if t.shape != p.shape {
                 return Err(bad(format!("tensor {name}: shape {:?}, but the config implies {:?}", t.shape, p.shape)));
             }
@@ -160,7 +164,10 @@ impl ColibriFile {
         for s in &meta.experts {
             let end = s.offset.checked_add(s.nbytes).filter(|&e| e <= data_len);
             if s.offset % PAGE != 0 || end.is_none() {
-                return Err(bad(format!("expert slab ({}, {}) has a bad range {}+{}", s.layer, s.expert, s.offset, s.nbytes)));
+                return Err(bad(format!(
+                    "expert slab ({}, {}) has a bad range {}+{}",
+                    s.layer, s.expert, s.offset, s.nbytes
+                )));
             }
             if !seen.insert((s.layer, s.expert)) {
                 return Err(bad(format!("expert slab ({}, {}) is listed twice", s.layer, s.expert)));
@@ -176,7 +183,10 @@ impl ColibriFile {
                 }
             }
         }
-        let want_slabs = plan.iter().filter(|p| matches!(p.id, TensorId::Expert(_, _, crate::model::tensors::ExpertTensor::Gate))).count();
+        let want_slabs = plan
+            .iter()
+            .filter(|p| matches!(p.id, TensorId::Expert(_, _, crate::model::tensors::ExpertTensor::Gate)))
+            .count();
         if seen.len() != want_slabs {
             return Err(bad(format!("the file has {} expert slabs, the config implies {want_slabs}", seen.len())));
         }
@@ -201,7 +211,8 @@ impl ColibriFile {
 
     /// The bytes of tensor `name`, or a format error naming it if absent.
     pub fn tensor(&self, name: &str) -> Result<TensorView<'_>> {
-        let &i = self.by_name.get(name).ok_or_else(|| Error::format(&self.path, format!("tensor {name} is missing")))?;
+        let &i =
+            self.by_name.get(name).ok_or_else(|| Error::format(&self.path, format!("tensor {name} is missing")))?;
         Ok(self.tensor_at(i))
     }
 

@@ -70,8 +70,12 @@ fn expert_slabs_hold_gate_up_down_adjacent() {
         let names = ["gate", "up", "down"].map(|w| format!("layers.{}.moe.experts.{}.{w}", s.layer, s.expert));
         let ts: Vec<_> = names.iter().map(|n| meta.tensors.iter().find(|t| &t.name == n).unwrap()).collect();
         assert_eq!(ts[0].offset, s.offset, "slab starts with the gate matrix");
-        assert!(ts[1].offset >= ts[0].offset + ts[0].nbytes && ts[1].offset - (ts[0].offset + ts[0].nbytes) < TENSOR_ALIGN);
-        assert!(ts[2].offset >= ts[1].offset + ts[1].nbytes && ts[2].offset - (ts[1].offset + ts[1].nbytes) < TENSOR_ALIGN);
+        assert!(
+            ts[1].offset >= ts[0].offset + ts[0].nbytes && ts[1].offset - (ts[0].offset + ts[0].nbytes) < TENSOR_ALIGN
+        );
+        assert!(
+            ts[2].offset >= ts[1].offset + ts[1].nbytes && ts[2].offset - (ts[1].offset + ts[1].nbytes) < TENSOR_ALIGN
+        );
         assert_eq!(ts[2].offset + ts[2].nbytes, s.offset + s.nbytes);
     }
 }
@@ -123,13 +127,25 @@ fn rejects_truncation_anywhere_in_the_data() {
 #[test]
 fn rejects_inconsistent_tensor_tables() {
     let dir = tempfile::tempdir().unwrap();
-    let cases: Vec<(Box<dyn Fn(&mut serde_json::Value)>, &str)> = vec![
+    type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+    let cases: Vec<(Edit, &str)> = vec![
         (Box::new(|v| v["tensors"][3]["offset"] = (1u64 << 50).into()), "outside"),
         (Box::new(|v| v["tensors"][3]["offset"] = 65.into()), "aligned"),
         (Box::new(|v| v["tensors"][3]["nbytes"] = 4.into()), "needs"),
         (Box::new(|v| v["tensors"][3]["shape"] = serde_json::json!([2, 2])), "needs"),
-        (Box::new(|v| { let t = v["tensors"][2].clone(); v["tensors"][3]["offset"] = t["offset"].clone(); }), "overlap"),
-        (Box::new(|v| { v["tensors"].as_array_mut().unwrap().pop(); }), "tensors"),
+        (
+            Box::new(|v| {
+                let t = v["tensors"][2].clone();
+                v["tensors"][3]["offset"] = t["offset"].clone();
+            }),
+            "overlap",
+        ),
+        (
+            Box::new(|v| {
+                v["tensors"].as_array_mut().unwrap().pop();
+            }),
+            "tensors",
+        ),
         (Box::new(|v| v["tensors"][1]["dtype"] = "bf16".into()), "bytes"),
         (Box::new(|v| v["tensors"][1]["name"] = "layers.0.nonsense".into()), "missing"),
         (Box::new(|v| v["tensors"][1]["dtype"] = "q9".into()), "not valid"),
@@ -137,7 +153,12 @@ fn rejects_inconsistent_tensor_tables() {
         (Box::new(|v| v["config"]["moe"]["router"]["top_k"] = 9.into()), "top_k"),
         (Box::new(|v| v["config"]["hidden_size"] = 23.into()), "shape"),
         (Box::new(|v| v["experts"][0]["offset"] = 64.into()), "slab"),
-        (Box::new(|v| { v["experts"].as_array_mut().unwrap().pop(); }), "slabs"),
+        (
+            Box::new(|v| {
+                v["experts"].as_array_mut().unwrap().pop();
+            }),
+            "slabs",
+        ),
     ];
     for (edit, needle) in cases {
         let (p, _) = fresh(&dir, DType::F32);

@@ -33,11 +33,9 @@ pub fn layout(items: &[ToPlace]) -> Result<(Vec<TensorEntry>, Vec<ExpertSlab>)> 
     let mut slabs: Vec<ExpertSlab> = Vec::new();
     let mut current: Option<(usize, usize)> = None;
     for it in items {
-        let nbytes = it
-            .dtype
-            .tensor_bytes(&it.shape)
-            .ok_or_else(|| Error::InvalidInput(format!("{}: shape {:?} is not storable as {}", it.name, it.shape, it.dtype)))?
-            as u64;
+        let nbytes = it.dtype.tensor_bytes(&it.shape).ok_or_else(|| {
+            Error::InvalidInput(format!("{}: shape {:?} is not storable as {}", it.name, it.shape, it.dtype))
+        })? as u64;
         if it.expert.is_some() && it.expert != current {
             pos = align_up(pos, PAGE).ok_or_else(overflow)?;
             let (layer, expert) = it.expert.unwrap_or_default();
@@ -46,7 +44,13 @@ pub fn layout(items: &[ToPlace]) -> Result<(Vec<TensorEntry>, Vec<ExpertSlab>)> 
             pos = align_up(pos, TENSOR_ALIGN).ok_or_else(overflow)?;
         }
         current = it.expert;
-        tensors.push(TensorEntry { name: it.name.clone(), dtype: it.dtype, shape: it.shape.clone(), offset: pos, nbytes });
+        tensors.push(TensorEntry {
+            name: it.name.clone(),
+            dtype: it.dtype,
+            shape: it.shape.clone(),
+            offset: pos,
+            nbytes,
+        });
         pos = pos.checked_add(nbytes).ok_or_else(overflow)?;
         if it.expert.is_some() {
             let slab = slabs.last_mut().expect("slab opened above");

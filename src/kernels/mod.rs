@@ -31,7 +31,12 @@ impl<'a> Matrix<'a> {
     /// length or alignment does not fit.
     pub fn new(dtype: DType, rows: usize, cols: usize, bytes: &'a [u8]) -> Option<Matrix<'a>> {
         let want = dtype.row_bytes(cols)?.checked_mul(rows)?;
-        (bytes.len() == want && (bytes.as_ptr() as usize) % dtype.align() == 0).then_some(Matrix { dtype, rows, cols, bytes })
+        (bytes.len() == want && (bytes.as_ptr() as usize) % dtype.align() == 0).then_some(Matrix {
+            dtype,
+            rows,
+            cols,
+            bytes,
+        })
     }
 
     fn row_bytes(&self) -> usize {
@@ -60,6 +65,14 @@ impl<'a> Matrix<'a> {
 /// A raw pointer that may cross threads; see the SAFETY notes where it is used.
 #[derive(Clone, Copy)]
 struct SendPtr(*mut f32);
+
+impl SendPtr {
+    /// Taking the pointer through a method makes closures capture the whole
+    /// wrapper (which is Send) rather than its raw-pointer field.
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
 // SAFETY: only used by `matmul`, whose tasks write disjoint elements.
 unsafe impl Send for SendPtr {}
 // SAFETY: as above.
@@ -94,7 +107,6 @@ pub fn matmul(w: &Matrix, x: &[f32], n: usize, y: &mut [f32]) {
     let (rows, cols) = (w.rows, w.cols);
     let yp = SendPtr(y.as_mut_ptr());
     (0..rows.div_ceil(chunk)).into_par_iter().for_each(|ci| {
-        let yp = yp;
         for r in ci * chunk..((ci + 1) * chunk).min(rows) {
             for t in 0..n {
                 let v = w.dot_row(r, &x[t * cols..(t + 1) * cols]);
@@ -102,7 +114,7 @@ pub fn matmul(w: &Matrix, x: &[f32], n: usize, y: &mut [f32]) {
                 // and row `r` belongs to exactly one task, so no two threads
                 // write the same element; `y` is exclusively borrowed for the
                 // whole call, so nothing else reads it meanwhile.
-                unsafe { *yp.0.add(t * rows + r) = v };
+                unsafe { *yp.get().add(t * rows + r) = v };
             }
         }
     });
@@ -137,10 +149,12 @@ mod tests {
                 matmul(&m, &x, n, &mut y);
                 for t in 0..n {
                     for r in 0..rows {
-                        let want: f64 =
-                            (0..cols).map(|c| wd[r * cols + c] as f64 * x[t * cols + c] as f64).sum();
+                        let want: f64 = (0..cols).map(|c| wd[r * cols + c] as f64 * x[t * cols + c] as f64).sum();
                         let got = y[t * rows + r] as f64;
-                        assert!((want - got).abs() <= 1e-5 * (cols as f64).sqrt().max(1.0), "{dt} {rows}x{cols}: {want} vs {got}");
+                        assert!(
+                            (want - got).abs() <= 1e-5 * (cols as f64).sqrt().max(1.0),
+                            "{dt} {rows}x{cols}: {want} vs {got}"
+                        );
                     }
                 }
             }

@@ -248,16 +248,16 @@ impl ModelConfig {
         if rd == 0 || rd % 2 != 0 || rd > self.head_dim {
             return bad(format!("rotary_dim {rd} must be even and in 2..=head_dim {}", self.head_dim));
         }
-        if !(self.rope.theta > 0.0) {
+        if self.rope.theta.is_nan() || self.rope.theta <= 0.0 {
             return bad(format!("rope theta {} must be > 0", self.rope.theta));
         }
-        if !(self.norm.eps >= 0.0) {
+        if self.norm.eps.is_nan() || self.norm.eps < 0.0 {
             return bad(format!("norm eps {} must be >= 0", self.norm.eps));
         }
         match &self.rope.scaling {
             RopeScaling::None => {}
             RopeScaling::Linear { factor } | RopeScaling::Yarn { factor, .. } | RopeScaling::Llama3 { factor, .. } => {
-                if !(*factor > 0.0) {
+                if factor.is_nan() || *factor <= 0.0 {
                     return bad(format!("rope scaling factor {factor} must be > 0"));
                 }
             }
@@ -278,9 +278,7 @@ impl ModelConfig {
                     };
                     let (e, k, f) = (moe.num_experts, moe.router.top_k, moe.expert_ffn_dim);
                     if e == 0 || e > 4096 || k == 0 || k > e || f == 0 || f > LIMIT {
-                        return bad(format!(
-                            "MoE block: num_experts {e}, top_k {k}, expert_ffn_dim {f} out of range"
-                        ));
+                        return bad(format!("MoE block: num_experts {e}, top_k {k}, expert_ffn_dim {f} out of range"));
                     }
                     if let Some(s) = &moe.shared_expert {
                         if s.ffn_dim == 0 || s.ffn_dim > LIMIT {

@@ -7,8 +7,8 @@
 
 use super::Model;
 use super::blocks::attention::{Heads, attend};
-use super::blocks::ffn::{gated_mlp, sigmoid};
-use super::blocks::moe::moe_forward;
+use super::blocks::ffn::{Mlp, gated_mlp, sigmoid};
+use super::blocks::moe::{MoeLayer, moe_forward};
 use super::blocks::norm::{rmsnorm, rmsnorm_rows_inplace};
 use super::blocks::rope;
 use super::config::QkNorm;
@@ -35,7 +35,9 @@ pub fn check_tokens(model: &Model, s: &Session, tokens: &[u32]) -> Result<()> {
         return Err(Error::InvalidInput("empty token sequence: give at least one token id".into()));
     }
     if let Some((i, &t)) = tokens.iter().enumerate().find(|(_, t)| **t as usize >= v) {
-        return Err(Error::InvalidInput(format!("token id {t} at position {i} is out of range for a vocabulary of {v}")));
+        return Err(Error::InvalidInput(format!(
+            "token id {t} at position {i} is out of range for a vocabulary of {v}"
+        )));
     }
     let end = s.pos + tokens.len();
     if end > s.max_seq {
@@ -79,7 +81,14 @@ pub fn forward(
 
 /// One chunk of `n <= C` tokens at positions `s.pos..s.pos+n`; `off` is the
 /// chunk's index within the call's `total` tokens (for the captures).
-fn forward_chunk(model: &Model, s: &mut Session, tokens: &[u32], off: usize, total: usize, cap: &mut Capture) -> Result<()> {
+fn forward_chunk(
+    model: &Model,
+    s: &mut Session,
+    tokens: &[u32],
+    off: usize,
+    total: usize,
+    cap: &mut Capture,
+) -> Result<()> {
     let c = &model.config;
     let (n, d, pos0) = (tokens.len(), c.hidden_size, s.pos);
     let (qd, kvd, dh, eps) = (c.q_dim(), c.kv_dim(), c.head_dim, c.norm.eps);
@@ -166,7 +175,9 @@ fn forward_chunk(model: &Model, s: &mut Session, tokens: &[u32], off: usize, tot
             FfnRefs::Dense(m) => run_mlp(model, m, xn, n, &mut s.g, &mut s.u, proj),
             FfnRefs::Moe { router, shared, shared_gate } => {
                 let moe = c.moe.as_ref().expect("validated: MoE layer has a spec");
-                moe_forward(l, &model.mat(router), &moe.router, model.experts.as_ref(), xn, n, &mut s.moe, proj)?;
+                let layer =
+                    MoeLayer { layer: l, router: model.mat(router), spec: &moe.router, store: model.experts.as_ref() };
+                moe_forward(&layer, xn, n, &mut s.moe, proj)?;
                 if let Some(m) = shared {
                     let sh = &mut s.shared[..n * d];
                     run_mlp(model, m, xn, n, &mut s.g, &mut s.u, sh); // [T, D]
@@ -206,7 +217,7 @@ fn forward_chunk(model: &Model, s: &mut Session, tokens: &[u32], off: usize, tot
 }
 
 fn run_mlp(model: &Model, m: MlpRefs, x: &[f32], n: usize, g: &mut [f32], u: &mut [f32], out: &mut [f32]) {
-    gated_mlp(&model.mat(m.gate), &model.mat(m.up), &model.mat(m.down), x, n, g, u, out);
+    gated_mlp(&Mlp { gate: model.mat(m.gate), up: model.mat(m.up), down: model.mat(m.down) }, x, n, g, u, out);
 }
 
 fn add(a: &mut [f32], b: &[f32]) {

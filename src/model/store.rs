@@ -9,23 +9,15 @@
 
 use std::sync::Arc;
 
+use super::blocks::ffn::Mlp;
 use super::config::{FfnSpec, ModelConfig};
 use super::tensors::{ExpertTensor, TensorId};
 use super::{TensorRef, matrix, tensor_ref};
 use crate::error::Result;
 use crate::format::reader::ColibriFile;
-use crate::kernels::Matrix;
 
 /// The three matrices of one routed expert.
-#[derive(Clone, Copy, Debug)]
-pub struct ExpertView<'a> {
-    /// [F, D]
-    pub gate: Matrix<'a>,
-    /// [F, D]
-    pub up: Matrix<'a>,
-    /// [D, F]
-    pub down: Matrix<'a>,
-}
+pub type ExpertView<'a> = Mlp<'a>;
 
 /// Supplies routed experts' weights to the MoE block.
 pub trait ExpertStore: Send + Sync {

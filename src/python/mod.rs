@@ -103,7 +103,9 @@ impl NativeEngine {
     ) -> PyResult<Vec<u32>> {
         let ids = to_ids(token_ids).map_err(to_py)?;
         if !temperature.is_finite() || temperature < 0.0 {
-            return Err(to_py(Error::InvalidInput(format!("temperature must be a finite number >= 0, got {temperature}"))));
+            return Err(to_py(Error::InvalidInput(format!(
+                "temperature must be a finite number >= 0, got {temperature}"
+            ))));
         }
         let stop_ids = stop_ids.into_iter().filter_map(|t| u32::try_from(t).ok()).collect();
         let opts = GenerateOptions { max_new_tokens, temperature, seed, stop_ids };

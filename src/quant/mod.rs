@@ -56,9 +56,7 @@ impl DType {
     /// Bytes taken by a tensor of `numel` elements laid out as rows of `cols`.
     pub fn tensor_bytes(self, shape: &[usize]) -> Option<usize> {
         let cols = *shape.last().unwrap_or(&1);
-        let rows = shape[..shape.len().saturating_sub(1)]
-            .iter()
-            .try_fold(1usize, |a, &d| a.checked_mul(d))?;
+        let rows = shape[..shape.len().saturating_sub(1)].iter().try_fold(1usize, |a, &d| a.checked_mul(d))?;
         self.row_bytes(cols)?.checked_mul(rows)
     }
 

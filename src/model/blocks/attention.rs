@@ -78,7 +78,9 @@ mod tests {
                         if !visible {
                             return f64::NEG_INFINITY;
                         }
-                        (0..dh).map(|d| (q[(t * h + head) * dh + d] * k[j * hkv * dh + kvh * dh + d]) as f64).sum::<f64>()
+                        (0..dh)
+                            .map(|d| (q[(t * h + head) * dh + d] * k[j * hkv * dh + kvh * dh + d]) as f64)
+                            .sum::<f64>()
                             / (dh as f64).sqrt()
                     })
                     .collect();

@@ -114,18 +114,22 @@ impl MoeScratch {
     }
 }
 
+/// One MoE layer's router and where its experts come from.
+pub struct MoeLayer<'a> {
+    /// Layer index (the store's key).
+    pub layer: usize,
+    /// [E, D] router weights.
+    pub router: Matrix<'a>,
+    /// Routing rule.
+    pub spec: &'a RouterSpec,
+    /// Source of the experts' weights.
+    pub store: &'a dyn ExpertStore,
+}
+
 /// Routed-expert output for `n` tokens of `x` ([n, D]) into `out` ([n, D]).
 /// The chosen expert ids stay in `s.ids[..n*K]` for telemetry.
-pub fn moe_forward(
-    layer: usize,
-    router: &Matrix,
-    spec: &RouterSpec,
-    store: &dyn ExpertStore,
-    x: &[f32],
-    n: usize,
-    s: &mut MoeScratch,
-    out: &mut [f32],
-) -> Result<()> {
+pub fn moe_forward(m: &MoeLayer, x: &[f32], n: usize, s: &mut MoeScratch, out: &mut [f32]) -> Result<()> {
+    let (router, spec) = (&m.router, m.spec);
     let (e_n, k, d) = (router.rows, spec.top_k, router.cols);
     let logits = &mut s.logits[..n * e_n];
     matmul(router, x, n, logits); // [n, E]
@@ -164,8 +168,8 @@ pub fn moe_forward(
             let t = pair as usize / k;
             s.gathered[i * d..(i + 1) * d].copy_from_slice(&x[t * d..(t + 1) * d]);
         }
-        let w = store.expert(layer, e)?;
-        gated_mlp(&w.gate, &w.up, &w.down, &s.gathered[..rows * d], rows, &mut s.g, &mut s.u, &mut s.outs[a * d..b * d]);
+        let w = m.store.expert(m.layer, e)?;
+        gated_mlp(&w, &s.gathered[..rows * d], rows, &mut s.g, &mut s.u, &mut s.outs[a * d..b * d]);
     }
     // Combine in rank order, independent of expert or thread order.
     for t in 0..n {

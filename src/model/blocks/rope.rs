@@ -25,7 +25,14 @@ impl Rope {
             RopeScaling::Linear { factor } => {
                 Rope { inv_freq: plain.iter().map(|f| f / *factor as f32).collect(), magnitude: 1.0 }
             }
-            RopeScaling::Yarn { factor, original_max_position_embeddings, beta_fast, beta_slow, attention_factor, truncate } => {
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                attention_factor,
+                truncate,
+            } => {
                 // The dimension whose wavelength completes `rot` rotations over the original context.
                 let dim_for = |rot: f64| {
                     (r as f64 * (*original_max_position_embeddings as f64 / (rot * 2.0 * std::f64::consts::PI)).ln())
