@@ -1,12 +1,13 @@
 """Type stubs of the native extension (src/python/mod.rs)."""
 
 from os import PathLike
-from typing import Any
+from typing import Any, final
 
 __version__: str
 
+@final
 class NativeEngine:
-    def __init__(self, path: str | PathLike[str], threads: int | None = None) -> None: ...
+    def __new__(cls, path: str | PathLike[str], threads: int | None = None) -> NativeEngine: ...
     def logits(self, token_ids: list[int]) -> bytearray: ...
     def hidden_states(self, token_ids: list[int]) -> bytearray: ...
     def generate(
