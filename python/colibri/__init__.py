@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from ._colibri import __version__, supported_architectures
+from ._colibri import __version__, supported_architectures, supported_dtypes
 from ._engine import Engine, convert
 from ._errors import (
     CheckpointError,
@@ -36,4 +36,5 @@ __all__ = [
     "__version__",
     "convert",
     "supported_architectures",
+    "supported_dtypes",
 ]

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from . import __version__
+from ._colibri import supported_dtypes
 from ._engine import Engine, convert
 from ._errors import ColibriError
 
@@ -106,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output", required=True, help="the .colibri file to write")
     c.add_argument(
         "--dtype",
-        choices=["auto", "f32", "bf16", "f16"],
+        choices=["auto", *supported_dtypes()],
         default="auto",
         help="storage type of the weight matrices (default: keep the checkpoint's)",
     )

@@ -162,6 +162,12 @@ fn convert_checkpoint<'py>(
     Ok(d)
 }
 
+/// Weight types `convert` can write, by name.
+#[pyfunction]
+fn supported_dtypes() -> Vec<&'static str> {
+    DType::ALL.iter().map(|d| d.name()).collect()
+}
+
 /// Architectures the converter accepts.
 #[pyfunction]
 fn supported_architectures() -> Vec<&'static str> {
@@ -173,6 +179,7 @@ fn _colibri(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativeEngine>()?;
     m.add_function(wrap_pyfunction!(convert_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(supported_architectures, m)?)?;
+    m.add_function(wrap_pyfunction!(supported_dtypes, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
