@@ -40,10 +40,8 @@ pub mod format;
 pub mod kernels;
 pub mod model;
 pub mod quant;
+pub mod synth;
 pub mod threads;
-
-#[cfg(test)]
-mod testutil;
 
 #[cfg(feature = "python")]
 mod python;

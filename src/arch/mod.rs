@@ -51,10 +51,10 @@ pub fn lookup(cfg: &HfConfig) -> Result<&'static Arch> {
             return Ok(a);
         }
     }
-    if classes.is_empty() {
-        if let Some(a) = REGISTRY.iter().find(|a| Some(a.model_type) == model_type) {
-            return Ok(a);
-        }
+    if classes.is_empty()
+        && let Some(a) = REGISTRY.iter().find(|a| Some(a.model_type) == model_type)
+    {
+        return Ok(a);
     }
     let named = if !classes.is_empty() {
         classes.join(", ")
@@ -169,7 +169,7 @@ impl HfConfig {
     pub fn head_dim(&self, hidden: usize, heads: usize) -> Result<usize> {
         match self.opt_usize("head_dim")? {
             Some(h) => Ok(h),
-            None if heads > 0 && hidden % heads == 0 => Ok(hidden / heads),
+            None if heads > 0 && hidden.is_multiple_of(heads) => Ok(hidden / heads),
             None => Err(self.err(format!("hidden_size {hidden} is not divisible by num_attention_heads {heads}"))),
         }
     }

@@ -1,6 +1,7 @@
 //! Per-conversation state: the KV cache and every activation buffer, sized
 //! once at creation so the forward pass never allocates.
 
+use crate::kernels::BlockQ8;
 use crate::model::Model;
 use crate::model::blocks::moe::MoeScratch;
 use crate::model::config::FfnSpec;
@@ -40,6 +41,12 @@ pub struct Session {
     pub g: Vec<f32>,
     /// [C, Fmax] up scratch.
     pub u: Vec<f32>,
+    /// Some matrix is block-quantised, so activations are quantised too.
+    pub quantize: bool,
+    /// [C, max(D, H·Dh)/32] quantised copy of the current matmul input.
+    pub xq: Vec<BlockQ8>,
+    /// [C, Fmax/32] quantised MLP hidden activations.
+    pub hq: Vec<BlockQ8>,
     /// [C, R/2] RoPE cosines of this chunk's positions.
     pub cos: Vec<f32>,
     /// [C, R/2] RoPE sines.
@@ -90,6 +97,9 @@ impl Session {
             shared: vec![0.0; chunk * d],
             g: vec![0.0; chunk * fmax],
             u: vec![0.0; chunk * fmax],
+            quantize: model.has_block_weights(),
+            xq: vec![BlockQ8::default(); chunk * d.max(c.q_dim()) / 32],
+            hq: vec![BlockQ8::default(); chunk * fmax / 32],
             cos: vec![0.0; chunk * half],
             sin: vec![0.0; chunk * half],
             moe: MoeScratch::new(chunk, e, k, d, fe),

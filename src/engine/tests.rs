@@ -4,12 +4,12 @@
 use super::*;
 use crate::model::forward::{Capture, forward};
 use crate::quant::DType;
-use crate::testutil::{tiny_config, write_random_model};
+use crate::synth::{config_for, write_random_model};
 
 fn engine(dtype: DType, threads: usize) -> (tempfile::TempDir, Engine) {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("m.colibri");
-    write_random_model(&p, &tiny_config(), dtype, 9);
+    write_random_model(&p, &config_for(dtype), dtype, 9);
     let e = Engine::open(&p, &EngineOptions { threads: Some(threads) }).unwrap();
     (dir, e)
 }
@@ -58,9 +58,22 @@ fn thread_count_does_not_change_a_single_bit() {
     let want = one.logits(&toks, &never).unwrap();
     assert_eq!(two.logits(&toks, &never).unwrap(), want);
     assert_eq!(three.logits(&toks, &never).unwrap(), want);
-    let opts = GenerateOptions { max_new_tokens: 9, temperature: 0.8, seed: 5, stop_ids: vec![] };
+    // Every sampling knob at once: the same seed gives the same tokens.
+    let sampling = SamplingParams {
+        temperature: 0.8,
+        top_k: 20,
+        top_p: 0.95,
+        min_p: 0.01,
+        repetition_penalty: 1.2,
+        presence_penalty: 0.3,
+        frequency_penalty: 0.2,
+        seed: 5,
+    };
+    let opts = GenerateOptions { max_new_tokens: 9, sampling, stop_ids: vec![] };
     let g1 = one.generate(&toks[..4], &opts, &never, &mut |_| true).unwrap();
+    assert_eq!(g1.len(), 9);
     assert_eq!(two.generate(&toks[..4], &opts, &never, &mut |_| true).unwrap(), g1);
+    assert_eq!(three.generate(&toks[..4], &opts, &never, &mut |_| true).unwrap(), g1);
 }
 
 #[test]
@@ -108,4 +121,79 @@ fn hidden_states_end_with_the_final_norm_of_the_last_layer() {
     assert_eq!(&h[2 * d..3 * d], &row[..]);
     // The last slot has unit RMS up to the norm weights: not the raw residual.
     assert_ne!(&h[l * toks.len() * d..], &h[(l - 1) * toks.len() * d..l * toks.len() * d]);
+}
+
+#[test]
+fn a_generation_reports_why_it_ended_and_how_long_it_took() {
+    let (_d, e) = engine(DType::F32, 2);
+    let prompt = ids(7);
+    let greedy =
+        e.generate(&prompt, &GenerateOptions { max_new_tokens: 6, ..Default::default() }, &never, &mut |_| true);
+    let greedy = greedy.unwrap();
+
+    let mut g = e.start(&prompt, &GenerateOptions { max_new_tokens: 6, ..Default::default() }).unwrap();
+    assert_eq!(g.finish_reason(), None);
+    let mut got = Vec::new();
+    while let Some(t) = g.next_token(&never).unwrap() {
+        got.push(t);
+    }
+    assert_eq!(got, greedy);
+    assert_eq!(g.finish_reason(), Some(FinishReason::Length));
+    assert_eq!(g.next_token(&never).unwrap(), None, "a finished generation stays finished");
+    let t = g.timings();
+    assert_eq!((t.prompt_tokens, t.generated_tokens), (7, 6));
+    assert!(t.prefill > std::time::Duration::ZERO && t.decode > std::time::Duration::ZERO);
+    assert!(t.prefill_tokens_per_second() > 0.0 && t.decode_tokens_per_second() > 0.0);
+
+    // A stop id ends it with "stop" and is kept.
+    let stop = greedy[2];
+    let opts = GenerateOptions { max_new_tokens: 6, stop_ids: vec![stop], ..Default::default() };
+    let mut g = e.start(&prompt, &opts).unwrap();
+    while g.next_token(&never).unwrap().is_some() {}
+    let first = greedy.iter().position(|&t| t == stop).unwrap();
+    assert_eq!(g.tokens(), &greedy[..=first]);
+    assert_eq!(g.finish_reason(), Some(FinishReason::Stop));
+
+    // Zero new tokens: finished at once, nothing computed.
+    let mut g = e.start(&prompt, &GenerateOptions { max_new_tokens: 0, ..Default::default() }).unwrap();
+    assert_eq!(g.next_token(&never).unwrap(), None);
+    assert_eq!(g.finish_reason(), Some(FinishReason::Length));
+}
+
+#[test]
+fn an_interrupted_generation_fails_and_the_engine_goes_on() {
+    let (_d, e) = engine(DType::F32, 2);
+    let opts = GenerateOptions { max_new_tokens: 5, ..Default::default() };
+    let want = e.generate(&ids(9), &opts, &never, &mut |_| true).unwrap();
+    let mut g = e.start(&ids(9), &opts).unwrap();
+    g.next_token(&never).unwrap();
+    assert!(matches!(g.next_token(&|| true), Err(Error::Interrupted)));
+    assert!(matches!(g.next_token(&never), Err(Error::InvalidInput(_))), "no resuming a half-run step");
+    assert_eq!(e.generate(&ids(9), &opts, &never, &mut |_| true).unwrap(), want);
+}
+
+#[test]
+fn bad_sampling_options_are_refused_before_any_work() {
+    let (_d, e) = engine(DType::F32, 1);
+    let opts = GenerateOptions {
+        sampling: SamplingParams { top_p: 2.0, temperature: 1.0, ..Default::default() },
+        ..Default::default()
+    };
+    let err = e.start(&ids(3), &opts).unwrap_err();
+    assert!(matches!(&err, Error::InvalidInput(m) if m.contains("top_p")), "{err}");
+    assert!(matches!(e.start(&[], &GenerateOptions::default()), Err(Error::InvalidInput(_))));
+}
+
+#[test]
+fn a_generation_outlives_the_engine_handle_that_started_it() {
+    let (_d, e) = engine(DType::F32, 1);
+    let opts = GenerateOptions { max_new_tokens: 3, ..Default::default() };
+    let want = e.generate(&ids(4), &opts, &never, &mut |_| true).unwrap();
+    let mut g = e.start(&ids(4), &opts).unwrap();
+    drop(e);
+    let mut got = Vec::new();
+    while let Some(t) = g.next_token(&never).unwrap() {
+        got.push(t);
+    }
+    assert_eq!(got, want);
 }

@@ -90,7 +90,7 @@ impl ColibriFile {
         let meta_end = (HEADER_LEN as u64).checked_add(meta_len).filter(|&e| e <= len).ok_or_else(|| {
             bad(format!("metadata length {meta_len} runs past the end of the file ({len} bytes); truncated?"))
         })?;
-        if data_off % PAGE != 0 || data_off < meta_end || data_off > len {
+        if !data_off.is_multiple_of(PAGE) || data_off < meta_end || data_off > len {
             return Err(bad(format!(
                 "data offset {data_off} is invalid (must be a multiple of {PAGE}, after the metadata at {meta_end}, within the {len}-byte file)"
             )));

@@ -5,12 +5,12 @@ use std::path::{Path, PathBuf};
 use super::reader::ColibriFile;
 use super::*;
 use crate::error::Error;
-use crate::testutil::{tiny_config, write_random_model};
+use crate::synth::{config_for, tiny_config, write_random_model};
 
 fn fresh(dir: &tempfile::TempDir, dtype: DType) -> (PathBuf, FileMeta) {
     let p = dir.path().join("m.colibri");
     let _ = std::fs::remove_file(&p);
-    let meta = write_random_model(&p, &tiny_config(), dtype, 1);
+    let meta = write_random_model(&p, &config_for(dtype), dtype, 1);
     (p, meta)
 }
 

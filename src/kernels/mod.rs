@@ -1,17 +1,122 @@
 //! Matrix kernels: `y = W · x` for every weight type, split across threads.
 //!
-//! Model code calls [`matmul`] with a [`Matrix`] and never names a dtype or an
-//! ISA. Work is split by output rows only (never one dot product across
-//! threads), so results do not depend on the thread count.
+//! Model code calls [`matmul`] (or [`matmul_many`]) with [`Matrix`] views and
+//! an [`Input`], and never names a dtype or an ISA. The dot product for each
+//! dtype comes from a table chosen once at start-up by run-time feature
+//! detection: AVX2+FMA+F16C on x86_64, NEON on aarch64, the scalar reference
+//! everywhere else or when `COLIBRI_ISA=scalar` is set.
 //!
-//! The scalar kernels in [`scalar`] are the reference; SIMD kernels chosen
-//! once at start-up by feature detection slot in beside them.
+//! Block-quantised weights are multiplied with the activation quantised to
+//! 8 bits ([`BlockQ8`]); an [`Input`] carries both forms so one quantisation
+//! serves every matrix that reads the same activation (q, k and v; the K
+//! experts' gate and up projections).
+//!
+//! Work is split by output rows only (never one dot product across threads),
+//! so results do not depend on the thread count.
 
+#[cfg(target_arch = "aarch64")]
+mod aarch64;
 pub mod scalar;
+#[cfg(target_arch = "x86_64")]
+mod x86_64;
+
+use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
 use crate::quant::DType;
+
+/// 32 activations quantised to signed bytes: `x ≈ d · qs`, and `s = d · Σ qs`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct BlockQ8 {
+    /// Scale.
+    pub d: f32,
+    /// Scale times the sum of the codes (for weight types with an offset).
+    pub s: f32,
+    /// Codes.
+    pub qs: [i8; 32],
+}
+const _: () = assert!(std::mem::size_of::<BlockQ8>() == 40);
+
+/// A dot product of one weight row (raw bytes of its dtype) with an
+/// activation row given both as f32 and, for block types, quantised.
+pub type DotFn = fn(row: &[u8], x: &[f32], q: &[BlockQ8]) -> f32;
+
+/// Which instruction set the kernel table uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// Portable reference kernels.
+    Scalar,
+    /// x86_64 AVX2 + FMA + F16C.
+    Avx2,
+    /// aarch64 NEON.
+    Neon,
+}
+
+struct Table {
+    isa: Isa,
+    /// Indexed like `DType::ALL`.
+    dot: [DotFn; 6],
+}
+
+fn scalar_f32(row: &[u8], x: &[f32], _: &[BlockQ8]) -> f32 {
+    scalar::dot_f32(bytemuck::cast_slice(row), x)
+}
+fn scalar_bf16(row: &[u8], x: &[f32], _: &[BlockQ8]) -> f32 {
+    scalar::dot_bf16(bytemuck::cast_slice(row), x)
+}
+fn scalar_f16(row: &[u8], x: &[f32], _: &[BlockQ8]) -> f32 {
+    scalar::dot_f16(bytemuck::cast_slice(row), x)
+}
+fn scalar_q8_0(row: &[u8], _: &[f32], q: &[BlockQ8]) -> f32 {
+    scalar::dot_q8_0(bytemuck::cast_slice(row), q)
+}
+fn scalar_q4_0(row: &[u8], _: &[f32], q: &[BlockQ8]) -> f32 {
+    scalar::dot_q4_0(bytemuck::cast_slice(row), q)
+}
+fn scalar_q4_1(row: &[u8], _: &[f32], q: &[BlockQ8]) -> f32 {
+    scalar::dot_q4_1(bytemuck::cast_slice(row), q)
+}
+
+const SCALAR: [DotFn; 6] = [scalar_f32, scalar_bf16, scalar_f16, scalar_q8_0, scalar_q4_0, scalar_q4_1];
+
+fn dtype_index(d: DType) -> usize {
+    DType::ALL.iter().position(|&x| x == d).expect("every dtype is in ALL")
+}
+
+fn table() -> &'static Table {
+    static TABLE: OnceLock<Table> = OnceLock::new();
+    TABLE.get_or_init(|| {
+        let forced_scalar = std::env::var("COLIBRI_ISA").is_ok_and(|v| v.eq_ignore_ascii_case("scalar"));
+        if !forced_scalar {
+            #[cfg(target_arch = "x86_64")]
+            if let Some(dot) = x86_64::avx2_table() {
+                return Table { isa: Isa::Avx2, dot };
+            }
+            #[cfg(target_arch = "aarch64")]
+            if let Some(dot) = aarch64::neon_table() {
+                return Table { isa: Isa::Neon, dot };
+            }
+        }
+        Table { isa: Isa::Scalar, dot: SCALAR }
+    })
+}
+
+/// The instruction set in use (decided on first use).
+pub fn isa() -> Isa {
+    table().isa
+}
+
+/// The dot product the current table uses for `dtype`.
+pub fn dot_fn(dtype: DType) -> DotFn {
+    table().dot[dtype_index(dtype)]
+}
+
+/// The scalar reference dot product for `dtype` (the test oracle).
+pub fn scalar_dot_fn(dtype: DType) -> DotFn {
+    SCALAR[dtype_index(dtype)]
+}
 
 /// A borrowed `[rows, cols]` weight matrix, row-major, in any storage type.
 #[derive(Clone, Copy, Debug)]
@@ -31,7 +136,7 @@ impl<'a> Matrix<'a> {
     /// length or alignment does not fit.
     pub fn new(dtype: DType, rows: usize, cols: usize, bytes: &'a [u8]) -> Option<Matrix<'a>> {
         let want = dtype.row_bytes(cols)?.checked_mul(rows)?;
-        (bytes.len() == want && (bytes.as_ptr() as usize) % dtype.align() == 0).then_some(Matrix {
+        (bytes.len() == want && (bytes.as_ptr() as usize).is_multiple_of(dtype.align())).then_some(Matrix {
             dtype,
             rows,
             cols,
@@ -43,18 +148,6 @@ impl<'a> Matrix<'a> {
         self.dtype.row_bytes(self.cols).expect("checked in new")
     }
 
-    /// Dot product of row `r` with `x` (length `cols`).
-    #[inline]
-    pub fn dot_row(&self, r: usize, x: &[f32]) -> f32 {
-        let rb = self.row_bytes();
-        let raw = &self.bytes[r * rb..(r + 1) * rb];
-        match self.dtype {
-            DType::F32 => scalar::dot_f32(bytemuck::cast_slice(raw), x),
-            DType::Bf16 => scalar::dot_bf16(bytemuck::cast_slice(raw), x),
-            DType::F16 => scalar::dot_f16(bytemuck::cast_slice(raw), x),
-        }
-    }
-
     /// Decodes row `r` into `out` (length `cols`), e.g. an embedding lookup.
     pub fn decode_row(&self, r: usize, out: &mut [f32]) {
         let rb = self.row_bytes();
@@ -62,102 +155,149 @@ impl<'a> Matrix<'a> {
     }
 }
 
-/// A raw pointer that may cross threads; see the SAFETY notes where it is used.
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
+/// The activation rows a matmul reads: `[n, cols]` f32 and, when `cols` is a
+/// multiple of 32 and some weight needs it, the same rows quantised.
+#[derive(Clone, Copy, Debug)]
+pub struct Input<'a> {
+    /// `[n, cols]` f32.
+    pub x: &'a [f32],
+    /// `[n, cols / 32]` quantised blocks (empty when not prepared).
+    pub q: &'a [BlockQ8],
+    /// Row length.
+    pub cols: usize,
+}
 
-impl SendPtr {
-    /// Taking the pointer through a method makes closures capture the whole
-    /// wrapper (which is Send) rather than its raw-pointer field.
-    fn get(self) -> *mut f32 {
-        self.0
+impl<'a> Input<'a> {
+    /// Rows as they are, without a quantised copy (enough for f32/bf16/f16 weights).
+    pub fn plain(x: &'a [f32], cols: usize) -> Input<'a> {
+        Input { x, q: &[], cols }
+    }
+
+    /// Quantises `x` into `buf` (when `quantize` and `cols` is a whole number
+    /// of blocks) and returns the input over both. `buf` needs `x.len() / 32` blocks.
+    pub fn prepare(x: &'a [f32], cols: usize, quantize: bool, buf: &'a mut [BlockQ8]) -> Input<'a> {
+        if !quantize || !cols.is_multiple_of(32) {
+            return Input::plain(x, cols);
+        }
+        let nb = x.len() / 32;
+        let q = &mut buf[..nb];
+        for (xr, qr) in x.chunks_exact(cols).zip(q.chunks_exact_mut(cols / 32)) {
+            scalar::quantize_act(xr, qr);
+        }
+        Input { x, q, cols }
+    }
+
+    fn rows(&self) -> usize {
+        self.x.len() / self.cols
+    }
+
+    #[inline]
+    fn row(&self, t: usize) -> (&[f32], &[BlockQ8]) {
+        let x = &self.x[t * self.cols..(t + 1) * self.cols];
+        let nb = self.cols / 32;
+        let q = if self.q.is_empty() { &[][..] } else { &self.q[t * nb..(t + 1) * nb] };
+        (x, q)
     }
 }
-// SAFETY: only used by `matmul`, whose tasks write disjoint elements.
-unsafe impl Send for SendPtr {}
-// SAFETY: as above.
-unsafe impl Sync for SendPtr {}
 
-/// Rows handed to one task: enough work to amortise scheduling (about 64 KiB
-/// of weights), few enough that every thread gets several tasks.
-fn rows_per_task(m: &Matrix, threads: usize) -> usize {
-    let by_bytes = (64 * 1024 / m.row_bytes().max(1)).max(1);
-    let by_threads = m.rows.div_ceil(threads * 4).max(1);
+fn check(w: &Matrix, inp: &Input, y: &[f32]) -> usize {
+    assert_eq!(inp.cols, w.cols, "matmul: input width {} vs matrix cols {}", inp.cols, w.cols);
+    let n = inp.rows();
+    assert_eq!(y.len(), n * w.rows, "matmul: y is not [n, rows]");
+    assert!(!w.dtype.is_quantized() || inp.q.len() == n * w.cols / 32, "matmul: block weights need a quantised input");
+    n
+}
+
+/// Rows `r0..r1` of `W · x` for every input row, into `y` (`[n, rows]`).
+fn rows_into(w: &Matrix, inp: &Input, dot: DotFn, r0: usize, r1: usize, y: YOut) {
+    let rb = w.row_bytes();
+    for r in r0..r1 {
+        let row = &w.bytes[r * rb..(r + 1) * rb];
+        for t in 0..inp.rows() {
+            let (x, q) = inp.row(t);
+            y.set(t * w.rows + r, dot(row, x, q));
+        }
+    }
+}
+
+/// Where a task writes its results: a raw pointer to a `[n, rows]` output.
+#[derive(Clone, Copy)]
+struct YOut(*mut f32, usize);
+
+// SAFETY: `YOut` is only created by the matmul functions below over an
+// exclusively borrowed output, and their tasks write disjoint rows.
+unsafe impl Send for YOut {}
+// SAFETY: as above.
+unsafe impl Sync for YOut {}
+
+impl YOut {
+    fn new(y: &mut [f32]) -> YOut {
+        YOut(y.as_mut_ptr(), y.len())
+    }
+
+    #[inline(always)]
+    fn set(self, i: usize, v: f32) {
+        assert!(i < self.1);
+        // SAFETY: `i` is in bounds (checked above); the output is exclusively
+        // borrowed for the whole matmul call, and each element is written by
+        // exactly one task because tasks own disjoint weight rows.
+        unsafe { *self.0.add(i) = v };
+    }
+}
+
+/// Rows per task: about 32 KiB of weights, and at least four tasks per thread.
+fn rows_per_task(w: &Matrix, threads: usize) -> usize {
+    let by_bytes = (32 * 1024 / w.row_bytes().max(1)).max(1);
+    let by_threads = w.rows.div_ceil(threads * 4).max(1);
     by_bytes.min(by_threads).max(1)
 }
 
-/// `y[t, r] = Σ_c W[r, c] · x[t, c]` for `t < n` tokens: `x` is `[n, cols]`,
-/// `y` is `[n, rows]`, both row-major. Runs on the current rayon pool.
-pub fn matmul(w: &Matrix, x: &[f32], n: usize, y: &mut [f32]) {
-    assert_eq!(x.len(), n * w.cols, "matmul: x is not [n, cols]");
-    assert_eq!(y.len(), n * w.rows, "matmul: y is not [n, rows]");
-    if n == 0 || w.rows == 0 {
+/// `y[t, r] = Σ_c W[r, c] · x[t, c]` for every row `t` of the input, split by
+/// output rows over the current rayon pool.
+pub fn matmul(w: &Matrix, inp: &Input, y: &mut [f32]) {
+    matmul_many(&mut [(*w, y)], inp);
+}
+
+/// Several matrices reading the same input, as ONE parallel region (e.g.
+/// q, k and v; or an MLP's gate and up): fewer fork-joins per token.
+pub fn matmul_many(jobs: &mut [(Matrix, &mut [f32])], inp: &Input) {
+    let threads = rayon::current_num_threads();
+    let mut tasks = 0;
+    for (w, y) in jobs.iter() {
+        check(w, inp, y);
+        tasks += w.rows.div_ceil(rows_per_task(w, threads));
+    }
+    if threads == 1 || tasks <= 1 {
+        for (w, y) in jobs.iter_mut() {
+            rows_into(w, inp, dot_fn(w.dtype), 0, w.rows, YOut::new(y));
+        }
         return;
     }
-    let chunk = rows_per_task(w, rayon::current_num_threads());
-    if n == 1 {
-        y.par_chunks_mut(chunk).enumerate().for_each(|(ci, ys)| {
-            let r0 = ci * chunk;
-            for (i, yv) in ys.iter_mut().enumerate() {
-                *yv = w.dot_row(r0 + i, x);
-            }
-        });
-        return;
+    // A fixed-size plan: no allocation on the hot path.
+    const MAX_JOBS: usize = 4;
+    assert!(jobs.len() <= MAX_JOBS, "matmul_many takes at most {MAX_JOBS} matrices");
+    let mut plan: [Option<(Matrix, YOut, usize)>; MAX_JOBS] = [None; MAX_JOBS];
+    for (slot, (w, y)) in plan.iter_mut().zip(jobs.iter_mut()) {
+        *slot = Some((*w, YOut::new(y), rows_per_task(w, threads)));
     }
-    let (rows, cols) = (w.rows, w.cols);
-    let yp = SendPtr(y.as_mut_ptr());
-    (0..rows.div_ceil(chunk)).into_par_iter().for_each(|ci| {
-        for r in ci * chunk..((ci + 1) * chunk).min(rows) {
-            for t in 0..n {
-                let v = w.dot_row(r, &x[t * cols..(t + 1) * cols]);
-                // SAFETY: `t * rows + r < n * rows == y.len()` (asserted above),
-                // and row `r` belongs to exactly one task, so no two threads
-                // write the same element; `y` is exclusively borrowed for the
-                // whole call, so nothing else reads it meanwhile.
-                unsafe { *yp.get().add(t * rows + r) = v };
+    (0..tasks).into_par_iter().for_each(|mut i| {
+        for (w, y, chunk) in plan.iter().flatten() {
+            let n = w.rows.div_ceil(*chunk);
+            if i < n {
+                rows_into(w, inp, dot_fn(w.dtype), i * chunk, ((i + 1) * chunk).min(w.rows), *y);
+                return;
             }
+            i -= n;
         }
     });
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-
-    #[test]
-    fn matmul_matches_naive_for_every_type_and_awkward_shapes() {
-        let mut s = 7u64;
-        for dt in DType::ALL {
-            for &(rows, cols, n) in &[(1, 1, 1), (3, 7, 2), (31, 33, 5), (255, 17, 1), (64, 1023, 3)] {
-                let wf: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut s)).collect();
-                let mut wb = vec![0u8; dt.row_bytes(cols).unwrap() * rows];
-                // Encode row by row into an aligned buffer.
-                crate::quant::encode(dt, &wf, &mut wb);
-                let mut aligned = vec![0f32; wb.len().div_ceil(4)];
-                bytemuck::cast_slice_mut::<f32, u8>(&mut aligned)[..wb.len()].copy_from_slice(&wb);
-                let bytes = &bytemuck::cast_slice::<f32, u8>(&aligned)[..wb.len()];
-                let m = Matrix::new(dt, rows, cols, bytes).unwrap();
-                let mut wd = vec![0f32; rows * cols];
-                crate::quant::decode(dt, bytes, &mut wd);
-                let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s)).collect();
-                let mut y = vec![0f32; n * rows];
-                matmul(&m, &x, n, &mut y);
-                for t in 0..n {
-                    for r in 0..rows {
-                        let want: f64 = (0..cols).map(|c| wd[r * cols + c] as f64 * x[t * cols + c] as f64).sum();
-                        let got = y[t * rows + r] as f64;
-                        assert!(
-                            (want - got).abs() <= 1e-5 * (cols as f64).sqrt().max(1.0),
-                            "{dt} {rows}x{cols}: {want} vs {got}"
-                        );
-                    }
-                }
-            }
-        }
-    }
+/// As [`matmul`], on the calling thread only (for work already split across
+/// threads at a coarser grain, such as one expert per task).
+pub fn matmul_serial(w: &Matrix, inp: &Input, y: &mut [f32]) {
+    check(w, inp, y);
+    rows_into(w, inp, dot_fn(w.dtype), 0, w.rows, YOut::new(y));
 }
+
+#[cfg(test)]
+mod tests;

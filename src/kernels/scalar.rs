@@ -71,3 +71,63 @@ pub fn dot_f16(w: &[u16], x: &[f32]) -> f32 {
     }
     s
 }
+
+use super::BlockQ8;
+use crate::quant::q4_0::BlockQ4_0;
+use crate::quant::q4_1::BlockQ4_1;
+use crate::quant::q8_0::BlockQ8_0;
+
+/// Quantises one activation row (a multiple of 32 long) to 8-bit blocks:
+/// `x ≈ d · q`, with the block sum `s = d · Σq` kept for offset types.
+pub fn quantize_act(x: &[f32], out: &mut [BlockQ8]) {
+    for (xs, b) in x.chunks_exact(32).zip(out.iter_mut()) {
+        let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, v) in b.qs.iter_mut().zip(xs) {
+            *q = (v * id).round() as i8;
+            sum += *q as i32;
+        }
+        b.d = d;
+        b.s = d * sum as f32;
+    }
+}
+
+/// q8_0 weight row · quantised activation.
+pub fn dot_q8_0(w: &[BlockQ8_0], a: &[BlockQ8]) -> f32 {
+    let mut s = 0f32;
+    for (bw, ba) in w.iter().zip(a) {
+        let dot: i32 = bw.qs.iter().zip(&ba.qs).map(|(&x, &y)| x as i32 * y as i32).sum();
+        s += half::f16::from_bits(bw.d).to_f32() * ba.d * dot as f32;
+    }
+    s
+}
+
+/// q4_0 weight row · quantised activation.
+pub fn dot_q4_0(w: &[BlockQ4_0], a: &[BlockQ8]) -> f32 {
+    let mut s = 0f32;
+    for (bw, ba) in w.iter().zip(a) {
+        let mut dot = 0i32;
+        for j in 0..16 {
+            dot += ((bw.qs[j] & 0xF) as i32 - 8) * ba.qs[j] as i32;
+            dot += ((bw.qs[j] >> 4) as i32 - 8) * ba.qs[j + 16] as i32;
+        }
+        s += half::f16::from_bits(bw.d).to_f32() * ba.d * dot as f32;
+    }
+    s
+}
+
+/// q4_1 weight row · quantised activation: `Σ (d·c + m)·x = d·dₐ·Σ c·q + m·s`.
+pub fn dot_q4_1(w: &[BlockQ4_1], a: &[BlockQ8]) -> f32 {
+    let mut s = 0f32;
+    for (bw, ba) in w.iter().zip(a) {
+        let mut dot = 0i32;
+        for j in 0..16 {
+            dot += (bw.qs[j] & 0xF) as i32 * ba.qs[j] as i32;
+            dot += (bw.qs[j] >> 4) as i32 * ba.qs[j + 16] as i32;
+        }
+        s += half::f16::from_bits(bw.d).to_f32() * ba.d * dot as f32 + half::f16::from_bits(bw.m).to_f32() * ba.s;
+    }
+    s
+}

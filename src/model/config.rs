@@ -238,14 +238,14 @@ impl ModelConfig {
                 return bad(format!("{name} = {v} is implausibly large"));
             }
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return bad(format!(
                 "num_heads {} is not a multiple of num_kv_heads {}",
                 self.num_heads, self.num_kv_heads
             ));
         }
         let rd = self.rope.rotary_dim;
-        if rd == 0 || rd % 2 != 0 || rd > self.head_dim {
+        if rd == 0 || !rd.is_multiple_of(2) || rd > self.head_dim {
             return bad(format!("rotary_dim {rd} must be even and in 2..=head_dim {}", self.head_dim));
         }
         if self.rope.theta.is_nan() || self.rope.theta <= 0.0 {
@@ -280,10 +280,10 @@ impl ModelConfig {
                     if e == 0 || e > 4096 || k == 0 || k > e || f == 0 || f > LIMIT {
                         return bad(format!("MoE block: num_experts {e}, top_k {k}, expert_ffn_dim {f} out of range"));
                     }
-                    if let Some(s) = &moe.shared_expert {
-                        if s.ffn_dim == 0 || s.ffn_dim > LIMIT {
-                            return bad(format!("shared expert ffn_dim {} out of range", s.ffn_dim));
-                        }
+                    if let Some(s) = &moe.shared_expert
+                        && (s.ffn_dim == 0 || s.ffn_dim > LIMIT)
+                    {
+                        return bad(format!("shared expert ffn_dim {} out of range", s.ffn_dim));
                     }
                 }
             }

@@ -7,7 +7,7 @@
 
 use super::Model;
 use super::blocks::attention::{Heads, attend};
-use super::blocks::ffn::{Mlp, gated_mlp, sigmoid};
+use super::blocks::ffn::{Mlp, MlpScratch, gated_mlp, sigmoid};
 use super::blocks::moe::{MoeLayer, moe_forward};
 use super::blocks::norm::{rmsnorm, rmsnorm_rows_inplace};
 use super::blocks::rope;
@@ -15,7 +15,7 @@ use super::config::QkNorm;
 use super::{FfnRefs, MlpRefs};
 use crate::engine::session::Session;
 use crate::error::{Error, Result};
-use crate::kernels::matmul;
+use crate::kernels::{Input, matmul, matmul_many};
 
 /// Optional outputs beyond the last token's logits (always left in
 /// `Session::logits`).
@@ -121,9 +121,8 @@ fn forward_chunk(
             rmsnorm(&x[t * d..(t + 1) * d], model.vec(lw.attn_norm), eps, &mut xn[t * d..(t + 1) * d]);
         }
         let (q, k, v) = (&mut s.q[..n * qd], &mut s.k[..n * kvd], &mut s.v[..n * kvd]);
-        matmul(&model.mat(lw.wq), xn, n, q); // [T, H·Dh]
-        matmul(&model.mat(lw.wk), xn, n, k); // [T, Hkv·Dh]
-        matmul(&model.mat(lw.wv), xn, n, v); // [T, Hkv·Dh]
+        let inp = Input::prepare(xn, d, s.quantize, &mut s.xq); // quantised once for q, k and v
+        matmul_many(&mut [(model.mat(lw.wq), &mut *q), (model.mat(lw.wk), &mut *k), (model.mat(lw.wv), &mut *v)], &inp); // [T, H·Dh], [T, Hkv·Dh], [T, Hkv·Dh]
         if let Some([bq, bk, bv]) = lw.qkv_bias {
             add_rows(q, model.vec(bq));
             add_rows(k, model.vec(bk));
@@ -159,7 +158,7 @@ fn forward_chunk(
         let vc = &s.v_cache[base..base + (pos0 + n) * kvd];
         attend(q, kc, vc, pos0, heads, &mut s.att[..n * qd]); // [T, H·Dh]
         let proj = &mut s.proj[..n * d];
-        matmul(&model.mat(lw.wo), &s.att[..n * qd], n, proj); // [T, D]
+        matmul(&model.mat(lw.wo), &Input::prepare(&s.att[..n * qd], qd, s.quantize, &mut s.xq), proj); // [T, D]
         if let Some(bo) = lw.o_bias {
             add_rows(proj, model.vec(bo));
         }
@@ -171,16 +170,18 @@ fn forward_chunk(
             rmsnorm(&x[t * d..(t + 1) * d], model.vec(lw.ffn_norm), eps, &mut xn[t * d..(t + 1) * d]);
         }
         let proj = &mut s.proj[..n * d];
+        let inp = Input::prepare(xn, d, s.quantize, &mut s.xq); // shared by router, experts, shared expert
+        let scratch = MlpScratch { g: &mut s.g, u: &mut s.u, hq: &mut s.hq };
         match lw.ffn {
-            FfnRefs::Dense(m) => run_mlp(model, m, xn, n, &mut s.g, &mut s.u, proj),
+            FfnRefs::Dense(m) => gated_mlp(&mlp(model, m), &inp, scratch, proj, true),
             FfnRefs::Moe { router, shared, shared_gate } => {
                 let moe = c.moe.as_ref().expect("validated: MoE layer has a spec");
                 let layer =
                     MoeLayer { layer: l, router: model.mat(router), spec: &moe.router, store: model.experts.as_ref() };
-                moe_forward(&layer, xn, n, &mut s.moe, proj)?;
+                moe_forward(&layer, &inp, &mut s.moe, proj)?;
                 if let Some(m) = shared {
                     let sh = &mut s.shared[..n * d];
-                    run_mlp(model, m, xn, n, &mut s.g, &mut s.u, sh); // [T, D]
+                    gated_mlp(&mlp(model, m), &inp, scratch, sh, true); // [T, D]
                     let gate = shared_gate.map(|g| model.vec(g));
                     for t in 0..n {
                         let row = t * d..(t + 1) * d;
@@ -205,19 +206,21 @@ fn forward_chunk(
     let head = model.mat(model.lm_head);
     let vocab = c.vocab_size;
     if let Some(all) = cap.logits.as_deref_mut() {
-        matmul(&head, xn, n, &mut all[off * vocab..(off + n) * vocab]); // [T, V]
+        let inp = Input::prepare(xn, d, s.quantize, &mut s.xq);
+        matmul(&head, &inp, &mut all[off * vocab..(off + n) * vocab]); // [T, V]
         if off + n == total {
             s.logits.copy_from_slice(&all[(off + n - 1) * vocab..(off + n) * vocab]);
         }
     } else if off + n == total {
-        matmul(&head, &xn[(n - 1) * d..n * d], 1, &mut s.logits); // [V]
+        let inp = Input::prepare(&xn[(n - 1) * d..n * d], d, s.quantize, &mut s.xq);
+        matmul(&head, &inp, &mut s.logits); // [V]
     }
     s.pos += n;
     Ok(())
 }
 
-fn run_mlp(model: &Model, m: MlpRefs, x: &[f32], n: usize, g: &mut [f32], u: &mut [f32], out: &mut [f32]) {
-    gated_mlp(&Mlp { gate: model.mat(m.gate), up: model.mat(m.up), down: model.mat(m.down) }, x, n, g, u, out);
+fn mlp(model: &Model, m: MlpRefs) -> Mlp<'_> {
+    Mlp { gate: model.mat(m.gate), up: model.mat(m.up), down: model.mat(m.down) }
 }
 
 fn add(a: &mut [f32], b: &[f32]) {

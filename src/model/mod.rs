@@ -163,6 +163,11 @@ impl Model {
         })
     }
 
+    /// True when any weight matrix is stored in a block-quantised type.
+    pub fn has_block_weights(&self) -> bool {
+        self.file.meta().tensors.iter().any(|t| t.dtype.is_quantized())
+    }
+
     /// The underlying file.
     pub fn file(&self) -> &ColibriFile {
         &self.file

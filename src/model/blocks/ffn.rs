@@ -1,7 +1,7 @@
 //! The gated feed-forward network used by dense layers, routed experts and
 //! shared experts alike: `down(silu(gate · x) ⊙ (up · x))`.
 
-use crate::kernels::{Matrix, matmul};
+use crate::kernels::{BlockQ8, Input, Matrix, matmul, matmul_many, matmul_serial};
 
 /// x · sigmoid(x), written to saturate cleanly for large |x|.
 #[inline]
@@ -26,15 +26,36 @@ pub struct Mlp<'a> {
     pub down: Matrix<'a>,
 }
 
-/// Runs the gated MLP on `n` rows: `x` is [n, D], `out` is [n, D]; `g` and `u`
-/// are scratch of at least [n, F].
-pub fn gated_mlp(m: &Mlp, x: &[f32], n: usize, g: &mut [f32], u: &mut [f32], out: &mut [f32]) {
+/// Scratch for one gated-MLP call over n rows.
+pub struct MlpScratch<'a> {
+    /// ≥ [n, F] gate activations.
+    pub g: &'a mut [f32],
+    /// ≥ [n, F] up activations.
+    pub u: &'a mut [f32],
+    /// ≥ [n, F/32] quantised hidden activations (used when `down` is block-quantised).
+    pub hq: &'a mut [BlockQ8],
+}
+
+/// Runs the gated MLP on the n rows of `x` ([n, D]) into `out` ([n, D]).
+/// `parallel`: split each matrix across the pool (false when the caller
+/// already runs several MLPs side by side, one per thread).
+pub fn gated_mlp(m: &Mlp, x: &Input, s: MlpScratch, out: &mut [f32], parallel: bool) {
     let f = m.gate.rows;
-    let (g, u) = (&mut g[..n * f], &mut u[..n * f]);
-    matmul(&m.gate, x, n, g); // [n, F]
-    matmul(&m.up, x, n, u); // [n, F]
+    let n = x.x.len() / x.cols;
+    let (g, u) = (&mut s.g[..n * f], &mut s.u[..n * f]);
+    if parallel {
+        matmul_many(&mut [(m.gate, &mut *g), (m.up, &mut *u)], x); // [n, F] each
+    } else {
+        matmul_serial(&m.gate, x, g); // [n, F]
+        matmul_serial(&m.up, x, u); // [n, F]
+    }
     for (a, b) in g.iter_mut().zip(u.iter()) {
         *a = silu(*a) * b; // [n, F]
     }
-    matmul(&m.down, g, n, out); // [n, D]
+    let h = Input::prepare(g, f, m.down.dtype.is_quantized(), s.hq);
+    if parallel {
+        matmul(&m.down, &h, out); // [n, D]
+    } else {
+        matmul_serial(&m.down, &h, out); // [n, D]
+    }
 }

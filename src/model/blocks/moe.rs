@@ -11,9 +11,9 @@
 //! The router only produces (expert ids, weights); the experts never see the
 //! router. Expert weights come from the [`ExpertStore`].
 
-use super::ffn::gated_mlp;
+use super::ffn::{MlpScratch, gated_mlp};
 use crate::error::Result;
-use crate::kernels::{Matrix, matmul};
+use crate::kernels::{BlockQ8, Input, Matrix, matmul};
 use crate::model::config::{RouterScore, RouterSpec};
 use crate::model::store::ExpertStore;
 
@@ -84,32 +84,39 @@ pub struct MoeScratch {
     pub order: Vec<u32>,
     /// [C·K] position of (t, r) within `order`.
     pub slot: Vec<u32>,
-    /// [C, D] gathered inputs of one expert.
+    /// [C·K, D] input rows in `order`.
     pub gathered: Vec<f32>,
-    /// [C·K, D] every (t, r) pair's expert output.
-    pub outs: Vec<f32>,
-    /// [C, F] gate scratch.
+    /// [C·K, D/32] the same rows quantised (when the experts are block-quantised).
+    pub gathered_q: Vec<BlockQ8>,
+    /// [C·K, F] gate activations.
     pub g: Vec<f32>,
-    /// [C, F] up scratch.
+    /// [C·K, F] up activations.
     pub u: Vec<f32>,
+    /// [C·K, F/32] quantised hidden activations.
+    pub hq: Vec<BlockQ8>,
+    /// [C·K, D] every (t, r) pair's expert output, in `order`.
+    pub outs: Vec<f32>,
 }
 
 impl MoeScratch {
     /// Scratch for up to `c` tokens, `e` experts, top-`k`, width `d`, expert ffn `f`.
     pub fn new(c: usize, e: usize, k: usize, d: usize, f: usize) -> MoeScratch {
+        let ck = c * k;
         MoeScratch {
             logits: vec![0.0; c * e],
             probs: vec![0.0; e],
-            ids: vec![0; c * k],
-            weights: vec![0.0; c * k],
+            ids: vec![0; ck],
+            weights: vec![0.0; ck],
             starts: vec![0; e + 1],
             cursor: vec![0; e + 1],
-            order: vec![0; c * k],
-            slot: vec![0; c * k],
-            gathered: vec![0.0; c * d],
-            outs: vec![0.0; c * k * d],
-            g: vec![0.0; c * f],
-            u: vec![0.0; c * f],
+            order: vec![0; ck],
+            slot: vec![0; ck],
+            gathered: vec![0.0; ck * d],
+            gathered_q: vec![BlockQ8::default(); ck * d / 32],
+            g: vec![0.0; ck * f],
+            u: vec![0.0; ck * f],
+            hq: vec![BlockQ8::default(); ck * f / 32],
+            outs: vec![0.0; ck * d],
         }
     }
 }
@@ -126,13 +133,93 @@ pub struct MoeLayer<'a> {
     pub store: &'a dyn ExpertStore,
 }
 
-/// Routed-expert output for `n` tokens of `x` ([n, D]) into `out` ([n, D]).
+/// The per-assignment buffers of a contiguous range of experts; splitting at
+/// an expert boundary gives two disjoint halves that can run on two threads.
+struct Groups<'a> {
+    x: &'a [f32],
+    xq: &'a [BlockQ8],
+    g: &'a mut [f32],
+    u: &'a mut [f32],
+    hq: &'a mut [BlockQ8],
+    outs: &'a mut [f32],
+    /// Widths per assignment: D, D/32 (0 if unquantised), F, F/32.
+    d: usize,
+    dq: usize,
+    f: usize,
+    fq: usize,
+}
+
+impl<'a> Groups<'a> {
+    fn split(self, rows: usize) -> (Groups<'a>, Groups<'a>) {
+        let (x0, x1) = self.x.split_at(rows * self.d);
+        let (q0, q1) = self.xq.split_at(rows * self.dq);
+        let (g0, g1) = self.g.split_at_mut(rows * self.f);
+        let (u0, u1) = self.u.split_at_mut(rows * self.f);
+        let (h0, h1) = self.hq.split_at_mut(rows * self.fq);
+        let (o0, o1) = self.outs.split_at_mut(rows * self.d);
+        let (d, dq, f, fq) = (self.d, self.dq, self.f, self.fq);
+        (
+            Groups { x: x0, xq: q0, g: g0, u: u0, hq: h0, outs: o0, d, dq, f, fq },
+            Groups { x: x1, xq: q1, g: g1, u: u1, hq: h1, outs: o1, d, dq, f, fq },
+        )
+    }
+}
+
+/// Relative cost of running expert groups: streaming an expert's weights is
+/// worth a couple of rows of compute.
+fn cost(rows: usize) -> usize {
+    if rows == 0 { 0 } else { rows + 2 }
+}
+
+/// Runs experts `lo..hi` (whose assignments `g` covers). With `par`, the range
+/// is halved by cost and the halves run on two threads (`rayon::join`), so in
+/// decode each worker streams whole experts, one core per expert; without it,
+/// experts run one after another with each matrix split across threads.
+fn run_experts(m: &MoeLayer, starts: &[usize], lo: usize, hi: usize, g: Groups, par: bool) -> Result<()> {
+    let active = (lo..hi).filter(|&e| starts[e + 1] > starts[e]).count();
+    if par && active > 1 {
+        // Split where the left half first reaches half the cost, keeping at
+        // least one active expert on each side.
+        let total: usize = (lo..hi).map(|e| cost(starts[e + 1] - starts[e])).sum();
+        let (mut mid, mut acc, mut left) = (lo, 0, 0);
+        for e in lo..hi {
+            let rows = starts[e + 1] - starts[e];
+            acc += cost(rows);
+            left += (rows > 0) as usize;
+            if left >= 1 && (acc * 2 >= total || left == active - 1) {
+                mid = e + 1;
+                break;
+            }
+        }
+        let (a, b) = g.split(starts[mid] - starts[lo]);
+        let (ra, rb) =
+            rayon::join(|| run_experts(m, starts, lo, mid, a, par), || run_experts(m, starts, mid, hi, b, par));
+        return ra.and(rb);
+    }
+    let mut rest = g;
+    for e in lo..hi {
+        let rows = starts[e + 1] - starts[e];
+        let (mine, next) = rest.split(rows);
+        rest = next;
+        if rows == 0 {
+            continue;
+        }
+        let w = m.store.expert(m.layer, e)?;
+        let x = Input { x: mine.x, q: mine.xq, cols: mine.d };
+        let scratch = MlpScratch { g: mine.g, u: mine.u, hq: mine.hq };
+        gated_mlp(&w, &x, scratch, mine.outs, !par); // [rows, D]
+    }
+    Ok(())
+}
+
+/// Routed-expert output for the n rows of `x` ([n, D]) into `out` ([n, D]).
 /// The chosen expert ids stay in `s.ids[..n*K]` for telemetry.
-pub fn moe_forward(m: &MoeLayer, x: &[f32], n: usize, s: &mut MoeScratch, out: &mut [f32]) -> Result<()> {
+pub fn moe_forward(m: &MoeLayer, x: &Input, s: &mut MoeScratch, out: &mut [f32]) -> Result<()> {
     let (router, spec) = (&m.router, m.spec);
     let (e_n, k, d) = (router.rows, spec.top_k, router.cols);
+    let n = x.x.len() / d;
     let logits = &mut s.logits[..n * e_n];
-    matmul(router, x, n, logits); // [n, E]
+    matmul(router, x, logits); // [n, E]
     for t in 0..n {
         route(
             &logits[t * e_n..(t + 1) * e_n],
@@ -157,20 +244,34 @@ pub fn moe_forward(m: &MoeLayer, x: &[f32], n: usize, s: &mut MoeScratch, out: &
         s.slot[pair] = at as u32;
         s.cursor[e as usize] += 1;
     }
-    // Each expert with tokens runs once on its whole group.
-    for e in 0..e_n {
-        let (a, b) = (s.starts[e], s.starts[e + 1]);
-        if a == b {
-            continue;
+    // Gather each assignment's input row (and its quantised twin, prepared
+    // once per token and shared by all K experts' gate and up projections).
+    let dq = if x.q.is_empty() { 0 } else { d / 32 };
+    for (pos, &pair) in s.order[..n * k].iter().enumerate() {
+        let t = pair as usize / k;
+        s.gathered[pos * d..(pos + 1) * d].copy_from_slice(&x.x[t * d..(t + 1) * d]);
+        if dq > 0 {
+            s.gathered_q[pos * dq..(pos + 1) * dq].copy_from_slice(&x.q[t * dq..(t + 1) * dq]);
         }
-        let rows = b - a;
-        for (i, &pair) in s.order[a..b].iter().enumerate() {
-            let t = pair as usize / k;
-            s.gathered[i * d..(i + 1) * d].copy_from_slice(&x[t * d..(t + 1) * d]);
-        }
-        let w = m.store.expert(m.layer, e)?;
-        gated_mlp(&w, &s.gathered[..rows * d], rows, &mut s.g, &mut s.u, &mut s.outs[a * d..b * d]);
     }
+    let f = s.g.len() / s.order.len().max(1);
+    let fq = f / 32;
+    let nk = n * k;
+    let groups = Groups {
+        x: &s.gathered[..nk * d],
+        xq: &s.gathered_q[..nk * dq],
+        g: &mut s.g[..nk * f],
+        u: &mut s.u[..nk * f],
+        hq: &mut s.hq[..nk * fq],
+        outs: &mut s.outs[..nk * d],
+        d,
+        dq,
+        f,
+        fq,
+    };
+    let active = (0..e_n).filter(|&e| s.starts[e + 1] > s.starts[e]).count();
+    let par = rayon::current_num_threads() > 1 && active > 1;
+    run_experts(m, &s.starts, 0, e_n, groups, par)?;
     // Combine in rank order, independent of expert or thread order.
     for t in 0..n {
         let o = &mut out[t * d..(t + 1) * d];
@@ -178,8 +279,8 @@ pub fn moe_forward(m: &MoeLayer, x: &[f32], n: usize, s: &mut MoeScratch, out: &
         for r in 0..k {
             let pair = t * k + r;
             let wt = s.weights[pair];
-            let y = &s.outs[s.slot[pair] as usize * d..(s.slot[pair] as usize + 1) * d];
-            o.iter_mut().zip(y).for_each(|(a, b)| *a += wt * b);
+            let at = s.slot[pair] as usize;
+            o.iter_mut().zip(&s.outs[at * d..(at + 1) * d]).for_each(|(a, b)| *a += wt * b);
         }
     }
     Ok(())

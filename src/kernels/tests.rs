@@ -1,0 +1,149 @@
+//! Every kernel of the active table against the scalar reference, over every
+//! weight type at awkward lengths, and matmul against a naive product.
+
+use super::*;
+use crate::quant;
+
+fn lcg(seed: &mut u64) -> f32 {
+    *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+}
+
+/// Encodes `vals` as `dtype` into a buffer aligned for any type.
+fn encoded(dtype: DType, vals: &[f32], cols: usize) -> Vec<u64> {
+    let rows = vals.len() / cols;
+    let nbytes = dtype.row_bytes(cols).unwrap() * rows;
+    let mut buf = vec![0u64; nbytes.div_ceil(8)];
+    quant::encode(dtype, vals, &mut bytemuck::cast_slice_mut(&mut buf)[..nbytes]);
+    buf
+}
+
+fn lengths(dtype: DType) -> Vec<usize> {
+    if dtype.is_quantized() {
+        vec![32, 64, 96, 160, 1024, 2048 + 32]
+    } else {
+        vec![1, 3, 7, 8, 31, 33, 255, 1023, 2048]
+    }
+}
+
+/// Allowed |simd - scalar| relative to Σ|w·x|: the two sum in different
+/// orders (and the SIMD kernels use FMA), so they agree to f32 rounding of a
+/// sum of n terms.
+const REL_TOL: f32 = 2e-6;
+
+#[test]
+fn active_kernels_match_the_scalar_reference() {
+    eprintln!("kernel table: {:?}", isa());
+    let mut s = 17u64;
+    for dtype in DType::ALL {
+        for n in lengths(dtype) {
+            let w: Vec<f32> = (0..n).map(|_| lcg(&mut s)).collect();
+            let x: Vec<f32> = (0..n).map(|_| lcg(&mut s) * 3.0).collect();
+            let buf = encoded(dtype, &w, n);
+            let row = &bytemuck::cast_slice::<u64, u8>(&buf)[..dtype.row_bytes(n).unwrap()];
+            let mut q = vec![BlockQ8::default(); n / 32];
+            let inp = Input::prepare(&x, n, dtype.is_quantized(), &mut q);
+            let (xr, qr) = inp.row(0);
+            let want = scalar_dot_fn(dtype)(row, xr, qr);
+            let got = dot_fn(dtype)(row, xr, qr);
+            let mut wd = vec![0f32; n];
+            quant::decode(dtype, row, &mut wd);
+            let scale: f32 = wd.iter().zip(&x).map(|(a, b)| (a * b).abs()).sum::<f32>().max(1e-6);
+            assert!((got - want).abs() <= REL_TOL * scale * (n as f32).sqrt(), "{dtype} n={n}: {got} vs {want}");
+        }
+    }
+}
+
+#[test]
+fn quantised_dots_approximate_the_exact_product() {
+    // Against the f64 product of the DEQUANTISED weights with the f32
+    // activation: the only remaining error is the 8-bit activation rounding,
+    // ~ |w|·|x| / 254 per term in the worst case, far less on average.
+    let mut s = 5u64;
+    for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+        let n = 1024;
+        let w: Vec<f32> = (0..n).map(|_| lcg(&mut s)).collect();
+        let x: Vec<f32> = (0..n).map(|_| lcg(&mut s)).collect();
+        let buf = encoded(dtype, &w, n);
+        let row = &bytemuck::cast_slice::<u64, u8>(&buf)[..dtype.row_bytes(n).unwrap()];
+        let mut wd = vec![0f32; n];
+        quant::decode(dtype, row, &mut wd);
+        let exact: f64 = wd.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
+        let mut q = vec![BlockQ8::default(); n / 32];
+        let inp = Input::prepare(&x, n, true, &mut q);
+        let (xr, qr) = inp.row(0);
+        let got = dot_fn(dtype)(row, xr, qr) as f64;
+        let l1: f64 = wd.iter().zip(&x).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+        assert!((got - exact).abs() < 0.01 * l1, "{dtype}: {got} vs {exact} (l1 {l1})");
+    }
+}
+
+#[test]
+fn matmul_matches_naive_for_every_type_and_shape() {
+    let mut s = 7u64;
+    for dtype in DType::ALL {
+        let shapes: &[(usize, usize, usize)] = if dtype.is_quantized() {
+            &[(1, 32, 1), (3, 64, 2), (31, 96, 5), (255, 32, 1), (64, 1024, 3)]
+        } else {
+            &[(1, 1, 1), (3, 7, 2), (31, 33, 5), (255, 17, 1), (64, 1023, 3)]
+        };
+        for &(rows, cols, n) in shapes {
+            let wf: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut s)).collect();
+            let buf = encoded(dtype, &wf, cols);
+            let bytes = &bytemuck::cast_slice::<u64, u8>(&buf)[..dtype.row_bytes(cols).unwrap() * rows];
+            let m = Matrix::new(dtype, rows, cols, bytes).unwrap();
+            let mut wd = vec![0f32; rows * cols];
+            quant::decode(dtype, bytes, &mut wd);
+            let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s)).collect();
+            let mut q = vec![BlockQ8::default(); n * cols / 32];
+            let inp = Input::prepare(&x, cols, dtype.is_quantized(), &mut q);
+            let mut y = vec![0f32; n * rows];
+            matmul(&m, &inp, &mut y);
+            let mut y2 = vec![0f32; n * rows];
+            matmul_serial(&m, &inp, &mut y2);
+            assert_eq!(y, y2, "{dtype}: parallel and serial differ");
+            // Quantised inputs lose ~1/254 of each term; element types only rounding.
+            let tol = if dtype.is_quantized() { 0.01 } else { 1e-5 };
+            for t in 0..n {
+                for r in 0..rows {
+                    let terms = (0..cols).map(|c| wd[r * cols + c] as f64 * x[t * cols + c] as f64);
+                    let (want, l1) = terms.fold((0.0, 0.0), |(s, a), v| (s + v, a + v.abs()));
+                    let got = y[t * rows + r] as f64;
+                    assert!((want - got).abs() <= tol * l1.max(1e-3), "{dtype} {rows}x{cols} n={n}: {want} vs {got}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_many_equals_separate_matmuls() {
+    let mut s = 3u64;
+    let (cols, n) = (64, 3);
+    let mats: Vec<(Vec<u64>, usize)> = [(DType::Q8_0, 40), (DType::Bf16, 17), (DType::Q4_1, 64)]
+        .iter()
+        .map(|&(d, rows)| (encoded(d, &(0..rows * cols).map(|_| lcg(&mut s)).collect::<Vec<_>>(), cols), rows))
+        .collect();
+    let dts = [DType::Q8_0, DType::Bf16, DType::Q4_1];
+    let ms: Vec<Matrix> = mats
+        .iter()
+        .zip(dts)
+        .map(|((b, rows), d)| {
+            Matrix::new(d, *rows, cols, &bytemuck::cast_slice::<u64, u8>(b)[..d.row_bytes(cols).unwrap() * rows])
+                .unwrap()
+        })
+        .collect();
+    let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s)).collect();
+    let mut q = vec![BlockQ8::default(); n * cols / 32];
+    let inp = Input::prepare(&x, cols, true, &mut q);
+    let mut ys: Vec<Vec<f32>> = ms.iter().map(|m| vec![0.0; n * m.rows]).collect();
+    {
+        let mut jobs: Vec<(Matrix, &mut [f32])> = ms.iter().copied().zip(ys.iter_mut().map(|v| &mut v[..])).collect();
+        matmul_many(&mut jobs, &inp);
+    }
+    for (m, y) in ms.iter().zip(&ys) {
+        let mut one = vec![0.0; n * m.rows];
+        matmul(m, &inp, &mut one);
+        assert_eq!(&one, y);
+    }
+}

@@ -1,0 +1,219 @@
+//! AVX2 + FMA + F16C dot products. Each `unsafe fn` requires those three CPU
+//! features (checked once by the caller); slices are read with unaligned
+//! loads, and the lengths the kernel relies on are `debug_assert!`ed.
+//!
+//! Integer kernels use the sign trick: `maddubs` multiplies unsigned by
+//! signed bytes, so `|w|` is paired with `sign(w)·a`; pair sums stay below
+//! 2·127·127 < 2^15, so the 16-bit intermediate never saturates (weights are
+//! in [-127, 127], activations in [-127, 127]).
+//!
+//! The whole body of each `unsafe fn` here is the unsafe operation (raw
+//! loads and `AVX2, FMA and F16C` intrinsics), justified once by the function's
+//! `# Safety` section rather than by one `unsafe {}` block per intrinsic.
+#![allow(unsafe_op_in_unsafe_fn)]
+
+use std::arch::x86_64::*;
+
+use crate::kernels::BlockQ8;
+use crate::quant::q4_0::BlockQ4_0;
+use crate::quant::q4_1::BlockQ4_1;
+use crate::quant::q8_0::BlockQ8_0;
+
+#[inline(always)]
+unsafe fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    _mm_cvtss_f32(s)
+}
+
+/// An f16 scale as a broadcast f32 vector. Built from a broadcast (not an
+/// insert into some register), so it never waits on an unrelated register:
+/// an insert let the compiler merge into the accumulator, chaining every
+/// block's scale conversion behind the previous block's FMA (5x slower).
+#[inline(always)]
+unsafe fn f16_to_f32(bits: u16) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_set1_epi16(bits as i16)))
+}
+
+/// Signed bytes x · signed bytes y, summed in groups of four into 8 f32 lanes.
+#[inline(always)]
+unsafe fn dot_i8(x: __m256i, y: __m256i) -> __m256 {
+    let ax = _mm256_sign_epi8(x, x);
+    let sy = _mm256_sign_epi8(y, x);
+    let pairs = _mm256_maddubs_epi16(ax, sy);
+    _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+}
+
+/// Unsigned bytes x (< 128) · signed bytes y, summed into 8 f32 lanes.
+#[inline(always)]
+unsafe fn dot_u8_i8(x: __m256i, y: __m256i) -> __m256 {
+    let pairs = _mm256_maddubs_epi16(x, y);
+    _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+}
+
+/// 16 bytes of packed nibbles → 32 bytes: low nibbles, then high nibbles.
+#[inline(always)]
+unsafe fn unpack_nibbles(p: *const u8) -> __m256i {
+    let raw = _mm_loadu_si128(p as *const __m128i);
+    let mask = _mm_set1_epi8(0x0F);
+    let lo = _mm_and_si128(raw, mask);
+    let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    _mm256_set_m128i(hi, lo)
+}
+
+/// # Safety
+/// AVX2 and FMA must be available; `row` holds `x.len()` f32 values.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_f32(row: &[u8], x: &[f32], _q: &[BlockQ8]) -> f32 {
+    let n = x.len();
+    debug_assert_eq!(row.len(), n * 4);
+    let w = row.as_ptr() as *const f32;
+    let xp = x.as_ptr();
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    while i + 32 <= n {
+        for (k, a) in acc.iter_mut().enumerate() {
+            *a = _mm256_fmadd_ps(_mm256_loadu_ps(w.add(i + 8 * k)), _mm256_loadu_ps(xp.add(i + 8 * k)), *a);
+        }
+        i += 32;
+    }
+    while i + 8 <= n {
+        acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(w.add(i)), _mm256_loadu_ps(xp.add(i)), acc[0]);
+        i += 8;
+    }
+    let mut s = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+    while i < n {
+        s += *w.add(i) * x[i];
+        i += 1;
+    }
+    s
+}
+
+#[inline(always)]
+unsafe fn load_bf16x8(p: *const u16) -> __m256 {
+    let h = _mm_loadu_si128(p as *const __m128i);
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+}
+
+#[inline(always)]
+unsafe fn load_f16x8(p: *const u16) -> __m256 {
+    _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+}
+
+macro_rules! half_dot {
+    ($name:ident, $load:ident, $scalar:expr) => {
+        /// # Safety
+        /// AVX2, FMA and F16C must be available; `row` holds `x.len()` 16-bit values.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub unsafe fn $name(row: &[u8], x: &[f32], _q: &[BlockQ8]) -> f32 {
+            let n = x.len();
+            debug_assert_eq!(row.len(), n * 2);
+            let w = row.as_ptr() as *const u16;
+            let xp = x.as_ptr();
+            let mut acc = [_mm256_setzero_ps(); 4];
+            let mut i = 0;
+            while i + 32 <= n {
+                for (k, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps($load(w.add(i + 8 * k)), _mm256_loadu_ps(xp.add(i + 8 * k)), *a);
+                }
+                i += 32;
+            }
+            while i + 8 <= n {
+                acc[0] = _mm256_fmadd_ps($load(w.add(i)), _mm256_loadu_ps(xp.add(i)), acc[0]);
+                i += 8;
+            }
+            let mut s = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+            let conv: fn(u16) -> f32 = $scalar;
+            while i < n {
+                s += conv(w.add(i).read_unaligned()) * x[i];
+                i += 1;
+            }
+            s
+        }
+    };
+}
+
+half_dot!(dot_bf16, load_bf16x8, |b| f32::from_bits((b as u32) << 16));
+half_dot!(dot_f16, load_f16x8, |b| half::f16::from_bits(b).to_f32());
+
+/// Σ over blocks of scale · products, as two interleaved FMA chains (even and
+/// odd blocks) so the 4-cycle FMA latency is not paid once per block.
+#[inline(always)]
+unsafe fn two_chains(nb: usize, mut block: impl FnMut(usize) -> (__m256, __m256)) -> f32 {
+    let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let mut i = 0;
+    while i + 2 <= nb {
+        let (d0, p0) = block(i);
+        let (d1, p1) = block(i + 1);
+        a0 = _mm256_fmadd_ps(d0, p0, a0);
+        a1 = _mm256_fmadd_ps(d1, p1, a1);
+        i += 2;
+    }
+    if i < nb {
+        let (d0, p0) = block(i);
+        a0 = _mm256_fmadd_ps(d0, p0, a0);
+    }
+    hsum(_mm256_add_ps(a0, a1))
+}
+
+/// # Safety
+/// AVX2, FMA and F16C must be available; `row` holds whole q8_0 blocks and
+/// `q` at least as many activation blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q8_0(row: &[u8], _x: &[f32], q: &[BlockQ8]) -> f32 {
+    let nb = row.len() / std::mem::size_of::<BlockQ8_0>();
+    debug_assert!(q.len() >= nb);
+    let w = row.as_ptr() as *const BlockQ8_0;
+    // Two accumulators (even and odd blocks) halve the FMA dependency chain.
+    let block = |i: usize| {
+        let bw = &*w.add(i);
+        let ba = q.get_unchecked(i);
+        let d = _mm256_set1_ps(f16_to_f32(bw.d) * ba.d);
+        let x = _mm256_loadu_si256(bw.qs.as_ptr() as *const __m256i);
+        let y = _mm256_loadu_si256(ba.qs.as_ptr() as *const __m256i);
+        (d, dot_i8(x, y))
+    };
+    two_chains(nb, block)
+}
+
+/// # Safety
+/// As [`dot_q8_0`], for q4_0 blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q4_0(row: &[u8], _x: &[f32], q: &[BlockQ8]) -> f32 {
+    let nb = row.len() / std::mem::size_of::<BlockQ4_0>();
+    debug_assert!(q.len() >= nb);
+    let w = row.as_ptr() as *const BlockQ4_0;
+    let eight = _mm256_set1_epi8(8);
+    let block = |i: usize| {
+        let bw = &*w.add(i);
+        let ba = q.get_unchecked(i);
+        let d = _mm256_set1_ps(f16_to_f32(bw.d) * ba.d);
+        let x = _mm256_sub_epi8(unpack_nibbles(bw.qs.as_ptr()), eight);
+        let y = _mm256_loadu_si256(ba.qs.as_ptr() as *const __m256i);
+        (d, dot_i8(x, y))
+    };
+    two_chains(nb, block)
+}
+
+/// # Safety
+/// As [`dot_q8_0`], for q4_1 blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q4_1(row: &[u8], _x: &[f32], q: &[BlockQ8]) -> f32 {
+    let nb = row.len() / std::mem::size_of::<BlockQ4_1>();
+    debug_assert!(q.len() >= nb);
+    let w = row.as_ptr() as *const BlockQ4_1;
+    let mut offsets = 0f32;
+    for i in 0..nb {
+        offsets += f16_to_f32((*w.add(i)).m) * q.get_unchecked(i).s;
+    }
+    let block = |i: usize| {
+        let bw = &*w.add(i);
+        let ba = q.get_unchecked(i);
+        let d = _mm256_set1_ps(f16_to_f32(bw.d) * ba.d);
+        let x = unpack_nibbles(bw.qs.as_ptr());
+        let y = _mm256_loadu_si256(ba.qs.as_ptr() as *const __m256i);
+        (d, dot_u8_i8(x, y))
+    };
+    two_chains(nb, block) + offsets
+}

@@ -1,0 +1,37 @@
+//! x86_64 kernels: AVX2 + FMA + F16C. Each public function here is a safe
+//! wrapper that may only be reached through the table built by
+//! [`super::table`], which installs them only after run-time detection of
+//! all three features.
+
+mod avx2;
+
+use super::{BlockQ8, DotFn};
+
+/// True when this CPU has everything the AVX2 kernels use.
+pub fn has_avx2() -> bool {
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+}
+
+macro_rules! safe_wrapper {
+    ($name:ident, $inner:path) => {
+        fn $name(row: &[u8], x: &[f32], q: &[BlockQ8]) -> f32 {
+            // SAFETY: this wrapper is only stored in the kernel table after
+            // `has_avx2()` returned true on this CPU (see `avx2_table`), so
+            // the target features the inner function enables are present.
+            unsafe { $inner(row, x, q) }
+        }
+    };
+}
+
+safe_wrapper!(f32_dot, avx2::dot_f32);
+safe_wrapper!(bf16_dot, avx2::dot_bf16);
+safe_wrapper!(f16_dot, avx2::dot_f16);
+safe_wrapper!(q8_0_dot, avx2::dot_q8_0);
+safe_wrapper!(q4_0_dot, avx2::dot_q4_0);
+safe_wrapper!(q4_1_dot, avx2::dot_q4_1);
+
+/// The AVX2 dot products by dtype order of `DType::ALL`, or `None` when the
+/// CPU lacks a required feature.
+pub fn avx2_table() -> Option<[DotFn; 6]> {
+    has_avx2().then_some([f32_dot, bf16_dot, f16_dot, q8_0_dot, q4_0_dot, q4_1_dot])
+}

@@ -1,0 +1,171 @@
+//! Synthetic models: random `.colibri` files built without any checkpoint,
+//! for tests (tiny configs with awkward sizes) and benchmarks (real MoE
+//! widths, see `examples/decode.rs`).
+
+use std::path::Path;
+
+use crate::format::writer::{ToPlace, Writer, layout};
+use crate::format::{FileMeta, SourceInfo};
+use crate::model::config::*;
+use crate::model::tensors::{TensorId, tensor_plan};
+use crate::quant::{self, DType};
+
+/// A small MoE config with awkward sizes: every feature of the canonical
+/// config that the forward pass branches on is switched on somewhere.
+pub fn tiny_config() -> ModelConfig {
+    ModelConfig {
+        vocab_size: 53,
+        hidden_size: 22,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 6,
+        max_seq_len: 64,
+        norm: NormSpec { eps: 1e-5 },
+        rope: RopeSpec { theta: 10000.0, rotary_dim: 6, scaling: RopeScaling::None },
+        attention: AttentionSpec { qkv_bias: true, o_bias: false, qk_norm: QkNorm::PerHead, clip_qkv: None },
+        moe: Some(MoeSpec {
+            num_experts: 5,
+            expert_ffn_dim: 10,
+            router: RouterSpec { top_k: 2, score: RouterScore::Softmax, renormalize: true, scale: 1.0 },
+            activation: Activation::Silu,
+            shared_expert: Some(SharedExpertSpec { ffn_dim: 7, sigmoid_gate: true }),
+        }),
+        layers: vec![
+            LayerSpec { sliding_window: None, ffn: FfnSpec::Moe },
+            LayerSpec { sliding_window: Some(5), ffn: FfnSpec::Dense { ffn_dim: 9 } },
+            LayerSpec { sliding_window: None, ffn: FfnSpec::Moe },
+        ],
+        tie_embeddings: false,
+    }
+}
+
+/// The same features with every matrix width a multiple of 32, so the
+/// block-quantised types can store every matrix.
+pub fn tiny_config_blocks() -> ModelConfig {
+    let mut c = tiny_config();
+    c.vocab_size = 61;
+    c.hidden_size = 64;
+    c.head_dim = 16;
+    c.rope.rotary_dim = 16;
+    if let Some(m) = c.moe.as_mut() {
+        m.expert_ffn_dim = 96;
+        if let Some(s) = m.shared_expert.as_mut() {
+            s.ffn_dim = 32;
+        }
+    }
+    c.layers[1].ffn = FfnSpec::Dense { ffn_dim: 64 };
+    c
+}
+
+/// The config to test `dtype` with: block types need widths in whole blocks.
+pub fn config_for(dtype: DType) -> ModelConfig {
+    if dtype.is_quantized() { tiny_config_blocks() } else { tiny_config() }
+}
+
+/// Writes a `.colibri` file for `cfg` with deterministic pseudo-random weights.
+///
+/// # Panics
+/// On any I/O error: this is a test and benchmark helper.
+pub fn write_random_model(path: &Path, cfg: &ModelConfig, dtype: DType, seed: u64) -> FileMeta {
+    let plan = tensor_plan(cfg);
+    let items: Vec<ToPlace> = plan
+        .iter()
+        .map(|p| ToPlace {
+            name: p.id.to_string(),
+            dtype: crate::convert::storage_dtype(p.role, dtype, *p.shape.last().unwrap()),
+            shape: p.shape.clone(),
+            expert: match p.id {
+                TensorId::Expert(l, e, _) => Some((l, e)),
+                _ => None,
+            },
+        })
+        .collect();
+    let (tensors, experts) = layout(&items).unwrap();
+    let meta = FileMeta {
+        architecture: "TestForCausalLM".into(),
+        config: cfg.clone(),
+        weight_dtype: dtype,
+        source: SourceInfo::default(),
+        tensors,
+        experts,
+    };
+    let mut w = Writer::create(path, &meta).unwrap();
+    let mut s = seed.wrapping_mul(2862933555777941757).wrapping_add(3037000493);
+    let mut vals: Vec<f32> = Vec::new();
+    let mut buf: Vec<u16> = Vec::new();
+    for (p, e) in plan.iter().zip(&meta.tensors) {
+        let n: usize = p.shape.iter().product();
+        let fan_in = *p.shape.last().unwrap() as f32;
+        let is_norm = p.shape.len() == 1 && !e.name.contains(".b");
+        vals.clear();
+        vals.extend((0..n).map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let u = ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
+            if is_norm {
+                1.0 + 0.3 * u
+            } else if p.id == TensorId::Embed {
+                u
+            } else {
+                u * 2.0 / fan_in.sqrt()
+            }
+        }));
+        buf.resize((e.nbytes as usize).div_ceil(2), 0);
+        let bytes = &mut bytemuck::cast_slice_mut::<u16, u8>(&mut buf)[..e.nbytes as usize];
+        quant::encode(e.dtype, &vals, bytes);
+        w.begin(&e.name).unwrap();
+        w.write(bytes).unwrap();
+        w.end();
+    }
+    w.finish().unwrap();
+    meta
+}
+
+/// OLMoE-1B-7B widths with `layers` decoder layers (hidden 2048, 16 heads of
+/// 128, 64 experts of width 1024, top-8, vocabulary 50304).
+pub fn olmoe_width(layers: usize) -> ModelConfig {
+    ModelConfig {
+        vocab_size: 50304,
+        hidden_size: 2048,
+        num_heads: 16,
+        num_kv_heads: 16,
+        head_dim: 128,
+        max_seq_len: 4096,
+        norm: NormSpec { eps: 1e-5 },
+        rope: RopeSpec { theta: 10000.0, rotary_dim: 128, scaling: RopeScaling::None },
+        attention: AttentionSpec { qkv_bias: false, o_bias: false, qk_norm: QkNorm::Full, clip_qkv: None },
+        moe: Some(MoeSpec {
+            num_experts: 64,
+            expert_ffn_dim: 1024,
+            router: RouterSpec { top_k: 8, score: RouterScore::Softmax, renormalize: false, scale: 1.0 },
+            activation: Activation::Silu,
+            shared_expert: None,
+        }),
+        layers: vec![LayerSpec { sliding_window: None, ffn: FfnSpec::Moe }; layers],
+        tie_embeddings: false,
+    }
+}
+
+/// Qwen3-30B-A3B widths with `layers` decoder layers (hidden 2048, GQA 32/4
+/// heads of 128, 128 experts of width 768, top-8, vocabulary 151936).
+pub fn qwen3_30b_width(layers: usize) -> ModelConfig {
+    ModelConfig {
+        vocab_size: 151936,
+        hidden_size: 2048,
+        num_heads: 32,
+        num_kv_heads: 4,
+        head_dim: 128,
+        max_seq_len: 4096,
+        norm: NormSpec { eps: 1e-6 },
+        rope: RopeSpec { theta: 1e6, rotary_dim: 128, scaling: RopeScaling::None },
+        attention: AttentionSpec { qkv_bias: false, o_bias: false, qk_norm: QkNorm::PerHead, clip_qkv: None },
+        moe: Some(MoeSpec {
+            num_experts: 128,
+            expert_ffn_dim: 768,
+            router: RouterSpec { top_k: 8, score: RouterScore::Softmax, renormalize: true, scale: 1.0 },
+            activation: Activation::Silu,
+            shared_expert: None,
+        }),
+        layers: vec![LayerSpec { sliding_window: None, ffn: FfnSpec::Moe }; layers],
+        tie_embeddings: false,
+    }
+}
