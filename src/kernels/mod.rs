@@ -43,6 +43,9 @@ const _: () = assert!(std::mem::size_of::<BlockQ8>() == 40);
 /// activation row given both as f32 and, for block types, quantised.
 pub type DotFn = fn(row: &[u8], x: &[f32], q: &[BlockQ8]) -> f32;
 
+/// One weight row against four activation rows (block types only).
+pub type Dot4Fn = fn(row: &[u8], q: [&[BlockQ8]; 4]) -> [f32; 4];
+
 /// Which instruction set the kernel table uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
@@ -58,6 +61,8 @@ struct Table {
     isa: Isa,
     /// Indexed like `DType::ALL`.
     dot: [DotFn; 6],
+    /// 1×4 tiles for q8_0, q4_0, q4_1 (`None`: four single dots).
+    tile: Option<[Dot4Fn; 3]>,
 }
 
 fn scalar_f32(row: &[u8], x: &[f32], _: &[BlockQ8]) -> f32 {
@@ -92,14 +97,14 @@ fn table() -> &'static Table {
         if !forced_scalar {
             #[cfg(target_arch = "x86_64")]
             if let Some(dot) = x86_64::avx2_table() {
-                return Table { isa: Isa::Avx2, dot };
+                return Table { isa: Isa::Avx2, dot, tile: x86_64::avx2_tiles() };
             }
             #[cfg(target_arch = "aarch64")]
             if let Some(dot) = aarch64::neon_table() {
-                return Table { isa: Isa::Neon, dot };
+                return Table { isa: Isa::Neon, dot, tile: None };
             }
         }
-        Table { isa: Isa::Scalar, dot: SCALAR }
+        Table { isa: Isa::Scalar, dot: SCALAR, tile: None }
     })
 }
 
@@ -111,6 +116,12 @@ pub fn isa() -> Isa {
 /// The dot product the current table uses for `dtype`.
 pub fn dot_fn(dtype: DType) -> DotFn {
     table().dot[dtype_index(dtype)]
+}
+
+/// The 1×4 tile for `dtype`, if the active table has one.
+pub fn tile_fn(dtype: DType) -> Option<Dot4Fn> {
+    let i = dtype_index(dtype).checked_sub(3)?;
+    table().tile.map(|t| t[i])
 }
 
 /// The scalar reference dot product for `dtype` (the test oracle).
@@ -209,13 +220,29 @@ fn check(w: &Matrix, inp: &Input, y: &[f32]) -> usize {
 }
 
 /// Rows `r0..r1` of `W · x` for every input row, into `y` (`[n, rows]`).
+/// With several input rows and a tile kernel, four input rows share each
+/// weight block load (the row stays in L1 across the token loop anyway; the
+/// tile saves the unpacking).
 fn rows_into(w: &Matrix, inp: &Input, dot: DotFn, r0: usize, r1: usize, y: YOut) {
     let rb = w.row_bytes();
+    let n = inp.rows();
+    let tile = if n >= 4 { tile_fn(w.dtype) } else { None };
     for r in r0..r1 {
         let row = &w.bytes[r * rb..(r + 1) * rb];
-        for t in 0..inp.rows() {
+        let mut t = 0;
+        if let Some(tile) = tile {
+            while t + 4 <= n {
+                let q = [inp.row(t).1, inp.row(t + 1).1, inp.row(t + 2).1, inp.row(t + 3).1];
+                for (k, v) in tile(row, q).into_iter().enumerate() {
+                    y.set((t + k) * w.rows + r, v);
+                }
+                t += 4;
+            }
+        }
+        while t < n {
             let (x, q) = inp.row(t);
             y.set(t * w.rows + r, dot(row, x, q));
+            t += 1;
         }
     }
 }

@@ -147,3 +147,28 @@ fn matmul_many_equals_separate_matmuls() {
         assert_eq!(&one, y);
     }
 }
+
+#[test]
+fn tiles_match_single_dots() {
+    let mut s = 23u64;
+    for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+        let Some(tile) = tile_fn(dtype) else { continue };
+        for n in [32, 96, 2048] {
+            let w: Vec<f32> = (0..n).map(|_| lcg(&mut s)).collect();
+            let buf = encoded(dtype, &w, n);
+            let row = &bytemuck::cast_slice::<u64, u8>(&buf)[..dtype.row_bytes(n).unwrap()];
+            let x: Vec<f32> = (0..4 * n).map(|_| lcg(&mut s)).collect();
+            let mut q = vec![BlockQ8::default(); 4 * n / 32];
+            let inp = Input::prepare(&x, n, true, &mut q);
+            let got = tile(row, [inp.row(0).1, inp.row(1).1, inp.row(2).1, inp.row(3).1]);
+            for (t, g) in got.iter().enumerate() {
+                let (xr, qr) = inp.row(t);
+                assert_eq!(*g, dot_fn(dtype)(row, xr, qr), "{dtype}: tile and single dot must agree bit for bit");
+                let (xr, qr) = inp.row(t);
+                let want = scalar_dot_fn(dtype)(row, xr, qr);
+                let scale: f32 = (0..n).map(|i| (w[i] * xr[i]).abs()).sum::<f32>().max(1e-6);
+                assert!((g - want).abs() <= REL_TOL * scale * (n as f32).sqrt(), "{dtype} n={n} t={t}: {g} vs {want}");
+            }
+        }
+    }
+}

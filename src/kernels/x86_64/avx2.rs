@@ -217,3 +217,97 @@ pub unsafe fn dot_q4_1(row: &[u8], _x: &[f32], q: &[BlockQ8]) -> f32 {
     };
     two_chains(nb, block) + offsets
 }
+
+/// One weight row against four activation rows: the weight block is loaded,
+/// unpacked and sign-split once and used four times (a 1×4 GEMM tile).
+/// Each token keeps the even/odd chains of [`two_chains`], so a tile gives
+/// the same bits as four single dots (prefill and decode agree exactly).
+#[inline(always)]
+unsafe fn tile4(
+    nb: usize,
+    q: [&[BlockQ8]; 4],
+    mut weights: impl FnMut(usize) -> (f32, __m256i, __m256i),
+    signed: bool,
+) -> [f32; 4] {
+    let mut acc = [[_mm256_setzero_ps(); 2]; 4];
+    for i in 0..nb {
+        // (scale, |w| or w, sign source)
+        let (dw, wabs, wsign) = weights(i);
+        for (t, a) in acc.iter_mut().enumerate() {
+            let ba = q[t].get_unchecked(i);
+            let y = _mm256_loadu_si256(ba.qs.as_ptr() as *const __m256i);
+            let y = if signed { _mm256_sign_epi8(y, wsign) } else { y };
+            let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wabs, y), _mm256_set1_epi16(1)));
+            a[i & 1] = _mm256_fmadd_ps(_mm256_set1_ps(dw * ba.d), p, a[i & 1]);
+        }
+    }
+    acc.map(|a| hsum(_mm256_add_ps(a[0], a[1])))
+}
+
+/// # Safety
+/// AVX2, FMA and F16C must be available; `row` holds whole q8_0 blocks and
+/// every `q[t]` at least as many activation blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot4_q8_0(row: &[u8], q: [&[BlockQ8]; 4]) -> [f32; 4] {
+    let nb = row.len() / std::mem::size_of::<BlockQ8_0>();
+    debug_assert!(q.iter().all(|r| r.len() >= nb));
+    let w = row.as_ptr() as *const BlockQ8_0;
+    tile4(
+        nb,
+        q,
+        |i| {
+            let bw = &*w.add(i);
+            let x = _mm256_loadu_si256(bw.qs.as_ptr() as *const __m256i);
+            (f16_to_f32(bw.d), _mm256_sign_epi8(x, x), x)
+        },
+        true,
+    )
+}
+
+/// # Safety
+/// As [`dot4_q8_0`], for q4_0 blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot4_q4_0(row: &[u8], q: [&[BlockQ8]; 4]) -> [f32; 4] {
+    let nb = row.len() / std::mem::size_of::<BlockQ4_0>();
+    debug_assert!(q.iter().all(|r| r.len() >= nb));
+    let w = row.as_ptr() as *const BlockQ4_0;
+    let eight = _mm256_set1_epi8(8);
+    tile4(
+        nb,
+        q,
+        |i| {
+            let bw = &*w.add(i);
+            let x = _mm256_sub_epi8(unpack_nibbles(bw.qs.as_ptr()), eight);
+            (f16_to_f32(bw.d), _mm256_sign_epi8(x, x), x)
+        },
+        true,
+    )
+}
+
+/// # Safety
+/// As [`dot4_q8_0`], for q4_1 blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot4_q4_1(row: &[u8], q: [&[BlockQ8]; 4]) -> [f32; 4] {
+    let nb = row.len() / std::mem::size_of::<BlockQ4_1>();
+    debug_assert!(q.iter().all(|r| r.len() >= nb));
+    let w = row.as_ptr() as *const BlockQ4_1;
+    let mut out = tile4(
+        nb,
+        q,
+        |i| {
+            let bw = &*w.add(i);
+            let x = unpack_nibbles(bw.qs.as_ptr());
+            (f16_to_f32(bw.d), x, x)
+        },
+        false,
+    );
+    // Offsets summed separately, then added, exactly as `dot_q4_1` does.
+    for (t, o) in out.iter_mut().enumerate() {
+        let mut offsets = 0f32;
+        for i in 0..nb {
+            offsets += f16_to_f32((*w.add(i)).m) * q[t].get_unchecked(i).s;
+        }
+        *o += offsets;
+    }
+    out
+}

@@ -5,7 +5,7 @@
 
 mod avx2;
 
-use super::{BlockQ8, DotFn};
+use super::{BlockQ8, Dot4Fn, DotFn};
 
 /// True when this CPU has everything the AVX2 kernels use.
 pub fn has_avx2() -> bool {
@@ -29,6 +29,24 @@ safe_wrapper!(f16_dot, avx2::dot_f16);
 safe_wrapper!(q8_0_dot, avx2::dot_q8_0);
 safe_wrapper!(q4_0_dot, avx2::dot_q4_0);
 safe_wrapper!(q4_1_dot, avx2::dot_q4_1);
+
+macro_rules! safe_wrapper4 {
+    ($name:ident, $inner:path) => {
+        fn $name(row: &[u8], q: [&[BlockQ8]; 4]) -> [f32; 4] {
+            // SAFETY: as `safe_wrapper`: installed only after `has_avx2()`.
+            unsafe { $inner(row, q) }
+        }
+    };
+}
+
+safe_wrapper4!(q8_0_dot4, avx2::dot4_q8_0);
+safe_wrapper4!(q4_0_dot4, avx2::dot4_q4_0);
+safe_wrapper4!(q4_1_dot4, avx2::dot4_q4_1);
+
+/// The AVX2 1×4 tiles for the block types (q8_0, q4_0, q4_1).
+pub fn avx2_tiles() -> Option<[Dot4Fn; 3]> {
+    has_avx2().then_some([q8_0_dot4, q4_0_dot4, q4_1_dot4])
+}
 
 /// The AVX2 dot products by dtype order of `DType::ALL`, or `None` when the
 /// CPU lacks a required feature.
