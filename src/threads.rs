@@ -1,7 +1,14 @@
 //! The thread pool: one rayon pool per engine, sized by the user's `threads=`
-//! setting (default: physical cores). Work is split by output rows or by
-//! (token, head) pairs, never one dot product across threads, so results do
-//! not depend on the pool size.
+//! setting (default: physical cores). Work is split by output rows, by
+//! (token, head) pairs or by experts, never one dot product across threads,
+//! so results do not depend on the pool size.
+//!
+//! Pinning workers to cores is opt-in (`COLIBRI_PIN=1`): on a quiet machine
+//! it keeps each expert's weights streaming through one core's caches, but
+//! with another process busy on a core a pinned worker cannot move away from
+//! it, and the MoE block's even split then waits on the slowed worker. Rayon
+//! workers park after a short spin, so an unpinned pool shares the machine
+//! gracefully (see docs/benchmarks.md for the noisy-neighbour measurement).
 
 use crate::error::{Error, Result};
 
@@ -36,9 +43,17 @@ pub fn pool(threads: Option<usize>) -> Result<rayon::ThreadPool> {
         Some(n) => n,
         None => physical_cores(),
     };
+    let pin = std::env::var("COLIBRI_PIN").is_ok_and(|v| v == "1");
+    let cores = if pin { core_affinity::get_core_ids().unwrap_or_default() } else { Vec::new() };
     rayon::ThreadPoolBuilder::new()
         .num_threads(n)
         .thread_name(|i| format!("colibri-{i}"))
+        .start_handler(move |i| {
+            if !cores.is_empty() {
+                // Best effort: a refused affinity request leaves the thread unpinned.
+                let _ = core_affinity::set_for_current(cores[i % cores.len()]);
+            }
+        })
         .build()
         .map_err(|e| Error::InvalidInput(format!("cannot start {n} threads: {e}")))
 }
