@@ -1,9 +1,10 @@
 """colibri-moe: fast, exact CPU inference for Mixture-of-Experts language models.
 
 >>> import colibri
->>> colibri.convert("path/to/hf-folder", "model.colibri")
->>> engine = colibri.Engine("model.colibri")
->>> engine.generate([1, 2, 3], max_new_tokens=8)
+>>> engine = colibri.Engine.demo()                      # or Engine("model.colibri"),
+>>> print(engine.generate("Once upon a time", max_new_tokens=32))  # Engine.from_pretrained("hf-folder")
+>>> for piece in engine.stream("Once upon a time"):
+...     print(piece, end="", flush=True)
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from ._colibri import __version__, supported_architectures, supported_dtypes
 from ._engine import Engine, convert
 from ._errors import (
+    ChatTemplateError,
     CheckpointError,
     ColibriError,
     ColibriIOError,
@@ -19,19 +21,27 @@ from ._errors import (
     InvalidInputError,
     ModelNotFoundError,
     OutputExistsError,
+    TokenizerError,
     UnsupportedModelError,
 )
+from ._generation import Completion, Stream, Timings, TokenCompletion
 
 __all__ = [
+    "ChatTemplateError",
     "CheckpointError",
     "ColibriError",
     "ColibriIOError",
+    "Completion",
     "ContextLengthError",
     "Engine",
     "FormatError",
     "InvalidInputError",
     "ModelNotFoundError",
     "OutputExistsError",
+    "Stream",
+    "Timings",
+    "TokenCompletion",
+    "TokenizerError",
     "UnsupportedModelError",
     "__version__",
     "convert",

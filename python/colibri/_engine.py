@@ -1,6 +1,8 @@
-"""The Python face of the native engine: argument checking and NumPy arrays.
+"""The Python face of the native engine: argument checking, NumPy arrays,
+text (tokenizer, chat template) and the generation API.
 
-No maths happens here; every call goes to the Rust core with the GIL released.
+No maths happens here; every forward pass and every sampling step runs in the
+Rust core with the GIL released.
 """
 
 from __future__ import annotations
@@ -9,16 +11,24 @@ import json
 import os
 import random
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Union
 
 import numpy as np
 
 from . import _colibri
-from ._errors import InvalidInputError
+from ._errors import ChatTemplateError, InvalidInputError, ModelNotFoundError, TokenizerError
+from ._generation import Completion, Result, Stream, TokenCompletion
+from ._text import ChatTemplate, TextCodec, template_from_metadata
 
 TokenIds = Union[Sequence[int], "np.ndarray"]
 PathLike = Union[str, "os.PathLike[str]"]
+Prompt = Union[str, TokenIds]
+
+#: Used when the model's generation_config.json does not say.
+DEFAULT_MAX_NEW_TOKENS = 256
 
 
 def _as_ids(token_ids: Any, what: str = "token_ids") -> list[int]:
@@ -26,7 +36,7 @@ def _as_ids(token_ids: Any, what: str = "token_ids") -> list[int]:
     if isinstance(token_ids, (str, bytes)):
         raise InvalidInputError(
             f"{what} must be a sequence of integer token ids, got {type(token_ids).__name__} "
-            "(text prompts need a tokenizer, which this version does not expose yet)"
+            "(pass text to generate(), stream() or tokenize())"
         )
     if isinstance(token_ids, np.ndarray):
         if token_ids.ndim != 1:
@@ -48,11 +58,74 @@ def _as_ids(token_ids: Any, what: str = "token_ids") -> list[int]:
     return out
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _ints(value: Any) -> list[int]:
+    """Token ids as config files write them: one int, a list of ints, or null."""
+    if _is_int(value):
+        return [int(value)]
+    if isinstance(value, list):
+        return [int(v) for v in value if _is_int(v)]
+    return []
+
+
+def generation_defaults(generation_config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Sampling defaults: neutral values (greedy, 256 new tokens) overridden by
+    what the checkpoint's generation_config.json says. Its temperature counts
+    only with ``do_sample: true`` (transformers' rule); out-of-range values are
+    ignored rather than turned into errors the caller did not cause."""
+    d: dict[str, Any] = {
+        "max_new_tokens": DEFAULT_MAX_NEW_TOKENS,
+        "temperature": 0.0,
+        "top_k": 0,
+        "top_p": 1.0,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+    }
+    gc = generation_config if isinstance(generation_config, Mapping) else {}
+    t = gc.get("temperature", 1.0)
+    if gc.get("do_sample") is True and _is_number(t) and t >= 0:
+        d["temperature"] = float(t)
+    if _is_int(gc.get("top_k")) and gc["top_k"] >= 0:
+        d["top_k"] = int(gc["top_k"])
+    if _is_number(gc.get("top_p")) and 0 < gc["top_p"] <= 1:
+        d["top_p"] = float(gc["top_p"])
+    if _is_number(gc.get("min_p")) and 0 <= gc["min_p"] <= 1:
+        d["min_p"] = float(gc["min_p"])
+    if _is_number(gc.get("repetition_penalty")) and gc["repetition_penalty"] > 0:
+        d["repetition_penalty"] = float(gc["repetition_penalty"])
+    if _is_int(gc.get("max_new_tokens")) and gc["max_new_tokens"] > 0:
+        d["max_new_tokens"] = int(gc["max_new_tokens"])
+    return d
+
+
+def _demo_path() -> Path:
+    from importlib.resources import files
+
+    return Path(str(files("colibri") / "data" / "demo.colibri"))
+
+
+def _is_batch(prompt: Any) -> bool:
+    """A list or tuple of prompts (strings or token-id sequences), not one token-id list."""
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        return False
+    return all(isinstance(p, (str, list, tuple, np.ndarray)) for p in prompt)
+
+
 class Engine:
     """A `.colibri` model opened for inference.
 
     Opening maps the file (nothing is copied) and validates it. One engine can
-    be shared by several Python threads: each call runs in its own session.
+    be shared by several Python threads: each call runs in its own session
+    over the shared weights, and gives the same result as it would alone.
 
     Args:
         path: a ``.colibri`` file made by :func:`colibri.convert`.
@@ -67,12 +140,56 @@ class Engine:
         self._path = os.fspath(path)
         self._native = _colibri.NativeEngine(self._path, threads)
         self._meta = json.loads(self._native.metadata_json())
+        self._lock = threading.Lock()
+        self._codec: TextCodec | None = None
+        self._template: ChatTemplate | None = None
+        self._defaults = generation_defaults(self._meta.get("generation_config"))
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: PathLike,
+        *,
+        dtype: str | None = None,
+        cache_dir: PathLike | None = None,
+        threads: int | None = None,
+        progress: bool | None = None,
+    ) -> Engine:
+        """Opens a Hugging Face checkpoint folder, converting it once.
+
+        The converted file is kept under ``cache_dir`` (default:
+        ``$COLIBRI_CACHE``, else ``~/.cache/colibri``) and reused while the
+        folder's files (names, sizes, modification times), the ``dtype`` and
+        the colibri version stay the same; a stale conversion of the same
+        folder and dtype is removed. A ``.colibri`` file is opened as is.
+        """
+        from ._cache import cached_conversion
+
+        src = Path(os.fspath(model_dir))
+        if src.is_file():
+            return cls(src, threads=threads)
+        path = cached_conversion(src, dtype=dtype, cache_dir=cache_dir, progress=progress)
+        return cls(path, threads=threads)
+
+    @classmethod
+    def demo(cls, *, threads: int | None = None) -> Engine:
+        """The small demo model that ships inside the package."""
+        path = _demo_path()
+        if not path.is_file():
+            raise ModelNotFoundError(
+                f"the demo model is not part of this installation (expected {path}); "
+                "reinstall colibri-moe from a wheel or a full checkout"
+            )
+        return cls(path, threads=threads)
 
     def __repr__(self) -> str:
         return (
             f"Engine({self._path!r}, architecture={self.architecture!r}, "
             f"dtype={self._meta['weight_dtype']!r}, threads={self.threads})"
         )
+
+    # ------------------------------------------------------------------
+    # What the model is
 
     @property
     def path(self) -> str:
@@ -96,7 +213,7 @@ class Engine:
 
     @property
     def dtype(self) -> str:
-        """Storage type of the weight matrices (``f32``, ``bf16`` or ``f16``)."""
+        """Storage type of the weight matrices (one of :func:`colibri.supported_dtypes`)."""
         return str(self._meta["weight_dtype"])
 
     @property
@@ -118,6 +235,139 @@ class Engine:
     def threads(self) -> int:
         """Worker threads used for compute."""
         return int(self._native.threads)
+
+    @property
+    def file_size(self) -> int:
+        """Size of the .colibri file in bytes."""
+        return int(self._meta["file_bytes"])
+
+    def tensors(self) -> list[tuple[str, str, tuple[int, ...], int]]:
+        """Every stored tensor as ``(name, dtype, shape, bytes)``, in file order."""
+        return [(n, d, tuple(s), b) for n, d, s, b in self._native.tensors()]
+
+    @property
+    def generation_defaults(self) -> dict[str, Any]:
+        """The sampling values used for options a call leaves out (a copy)."""
+        return dict(self._defaults)
+
+    # ------------------------------------------------------------------
+    # Text
+
+    @property
+    def has_tokenizer(self) -> bool:
+        """Whether the file embeds a tokenizer (text in and out needs one)."""
+        return bool(self._meta.get("has_tokenizer"))
+
+    def _text(self) -> TextCodec:
+        if self._codec is None:
+            with self._lock:
+                if self._codec is None:
+                    text = self._native.tokenizer_json()
+                    if text is None:
+                        raise TokenizerError(
+                            f"{self._path} has no tokenizer, so it takes and returns token ids only; "
+                            "convert a checkpoint folder that has tokenizer.json to use text"
+                        )
+                    self._codec = TextCodec(text, self._meta.get("tokenizer_config"))
+        return self._codec
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's ``tokenizers.Tokenizer`` (raises :class:`TokenizerError` if it has none)."""
+        return self._text().tokenizer
+
+    @property
+    def bos_token_id(self) -> int | None:
+        """Beginning-of-sequence id (tokenizer_config.json, else generation_config/config.json)."""
+        if self.has_tokenizer:
+            tid = self._text().token_id("bos_token")
+            if tid is not None:
+                return tid
+        for source in (self._meta.get("generation_config"), self.source_config):
+            ids = _ints((source or {}).get("bos_token_id"))
+            if ids:
+                return ids[0]
+        return None
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Every end-of-sequence id: generation_config.json's, config.json's and the
+        tokenizer's ``eos_token``. Generation stops on any of them."""
+        found = _ints((self._meta.get("generation_config") or {}).get("eos_token_id"))
+        found += _ints((self.source_config or {}).get("eos_token_id"))
+        if self.has_tokenizer:
+            tid = self._text().token_id("eos_token")
+            if tid is not None:
+                found.append(tid)
+        out: list[int] = []
+        for t in found:
+            if 0 <= t < self.vocab_size and t not in out:
+                out.append(t)
+        return out
+
+    @property
+    def pad_token_id(self) -> int | None:
+        """Padding id, if the checkpoint names one."""
+        if self.has_tokenizer:
+            tid = self._text().token_id("pad_token")
+            if tid is not None:
+                return tid
+        for source in (self._meta.get("generation_config"), self.source_config):
+            ids = _ints((source or {}).get("pad_token_id"))
+            if ids:
+                return ids[0]
+        return None
+
+    def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``. With ``add_special_tokens`` the tokenizer adds
+        what the checkpoint asks for (typically a beginning-of-sequence token)."""
+        if not isinstance(text, str):
+            raise InvalidInputError(f"text must be a str, got {type(text).__name__}")
+        return self._text().encode(text, add_special_tokens=bool(add_special_tokens))
+
+    def detokenize(self, token_ids: TokenIds, *, skip_special_tokens: bool = False) -> str:
+        """The text of ``token_ids``."""
+        ids = _as_ids(token_ids)
+        bad = [t for t in ids if not 0 <= t < 2**32]
+        if bad:
+            raise InvalidInputError(f"token id {bad[0]} is out of range")
+        return self._text().decode(ids, skip_special_tokens=bool(skip_special_tokens))
+
+    @property
+    def chat_template(self) -> str | None:
+        """The checkpoint's chat template (Jinja source), if it has one."""
+        return template_from_metadata(self._meta.get("chat_template"), self._meta.get("tokenizer_config"))
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Renders a conversation with the model's chat template, as
+        transformers does: sandboxed Jinja, the special tokens as variables,
+        and ``chat_template_kwargs`` as extra variables (``enable_thinking``,
+        ``tools`` ...)."""
+        if self._template is None:
+            source = self.chat_template
+            if source is None:
+                raise ChatTemplateError(
+                    f"{self._path} has no chat template; use generate() with a prompt you format yourself"
+                )
+            with self._lock:
+                if self._template is None:
+                    self._template = ChatTemplate(source)
+        specials = self._text().special_tokens if self.has_tokenizer else {}
+        return self._template.render(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            special_tokens=specials,
+            extra=chat_template_kwargs,
+        )
+
+    # ------------------------------------------------------------------
+    # Forward passes
 
     def logits(self, token_ids: TokenIds) -> np.ndarray:
         """Logits of every position of a fresh forward pass over ``token_ids``.
@@ -142,31 +392,237 @@ class Engine:
         d = int(self._meta["config"]["hidden_size"])
         return np.frombuffer(buf, dtype=np.float32).reshape(self.num_layers + 1, len(ids), d)
 
+    # ------------------------------------------------------------------
+    # Generation
+
     def generate(
         self,
-        token_ids: TokenIds,
+        prompt: Prompt | Sequence[Prompt],
         *,
-        max_new_tokens: int = 32,
-        temperature: float = 0.0,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
         seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
         stop_token_ids: Sequence[int] | None = None,
-    ) -> list[int]:
-        """Continues ``token_ids`` and returns only the new token ids.
+        ignore_eos: bool = False,
+        add_special_tokens: bool = True,
+        skip_special_tokens: bool = True,
+    ) -> Result | list[Result]:
+        """Continues a prompt.
 
-        Greedy at ``temperature=0`` (the default); otherwise samples from the
-        tempered distribution, reproducibly for a given ``seed``. Stops after
-        ``max_new_tokens``, after producing any id in ``stop_token_ids`` (which
-        is kept in the output), or when the context is full.
+        Text in, text out: a ``str`` prompt gives a :class:`Completion` (a
+        ``str`` with ``finish_reason``, ``stop_reason``, ``token_ids`` and
+        ``timings``). Token ids in, token ids out: a sequence of ints gives a
+        :class:`TokenCompletion` (a ``list`` of the new ids with the same
+        attributes). A list of prompts gives a list of results, each the same as
+        its prompt would give alone.
+
+        Sampling (every option left out takes the model's default, see
+        :attr:`generation_defaults`):
+            max_new_tokens: most tokens to generate.
+            temperature: 0 = greedy (argmax); otherwise softmax temperature.
+            top_k: keep the k most likely tokens (0 = off).
+            top_p: keep the most likely tokens holding this much probability (1 = off).
+            min_p: drop tokens less likely than ``min_p`` times the most likely (0 = off).
+            repetition_penalty: transformers' penalty on every token of prompt and output (1 = off).
+            presence_penalty, frequency_penalty: OpenAI's penalties on generated tokens (0 = off).
+            seed: makes sampling reproducible; the same seed gives the same
+                tokens whatever the thread count. ``None`` = a fresh random seed.
+
+        Stopping: on any end-of-sequence id of the model (unless
+        ``ignore_eos``) and any id in ``stop_token_ids`` (kept in the token ids,
+        never in the text); on any of the ``stop`` strings, also one spanning
+        tokens (not included in the text); after ``max_new_tokens``; or when
+        prompt plus output fill the context.
+
+        Text: ``add_special_tokens`` lets the tokenizer add its
+        beginning-of-sequence token to a text prompt; ``skip_special_tokens``
+        leaves special tokens out of the returned text.
         """
-        ids = _as_ids(token_ids)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise InvalidInputError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        opts: dict[str, Any] = dict(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            seed=seed,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            add_special_tokens=add_special_tokens,
+            skip_special_tokens=skip_special_tokens,
+        )
+        if _is_batch(prompt):
+            return [self._start(p, **opts).result() for p in prompt]  # type: ignore[union-attr]
+        return self._start(prompt, **opts).result()
+
+    def stream(
+        self,
+        prompt: Prompt,
+        *,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+        add_special_tokens: bool = True,
+        skip_special_tokens: bool = True,
+    ) -> Stream[Any]:
+        """Like :meth:`generate` for one prompt, but yields the output as it is
+        produced: text pieces for a text prompt (never a broken character;
+        joined they equal what :meth:`generate` returns), token ids for a
+        token-id prompt. The returned :class:`Stream` tells ``finish_reason``
+        and ``timings`` once exhausted; leaving the loop early stops the work."""
+        return self._start(
+            prompt,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            seed=seed,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            add_special_tokens=add_special_tokens,
+            skip_special_tokens=skip_special_tokens,
+        )
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> Completion:
+        """The assistant's reply to a conversation.
+
+        ``messages`` is a list of ``{"role": ..., "content": ...}`` dicts; it is
+        rendered with the model's chat template (see :meth:`apply_chat_template`)
+        and continued as :meth:`generate` does, with the same options.
+        """
+        text = self.apply_chat_template(messages, chat_template_kwargs=chat_template_kwargs)
+        result = self._start(
+            text,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            seed=seed,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+            # The template writes the special tokens it wants itself.
+            add_special_tokens=False,
+            skip_special_tokens=skip_special_tokens,
+        ).result()
+        assert isinstance(result, Completion)
+        return result
+
+    def _start(
+        self,
+        prompt: Any,
+        *,
+        stop: Any,
+        stop_token_ids: Any,
+        ignore_eos: bool,
+        add_special_tokens: bool,
+        skip_special_tokens: bool,
+        seed: Any,
+        **sampling: Any,
+    ) -> Stream[Any]:
+        text_mode = isinstance(prompt, str)
+        if text_mode:
+            ids = self.tokenize(prompt, add_special_tokens=add_special_tokens)
+            if not ids:
+                raise InvalidInputError("the prompt is empty: it gives no tokens")
+        elif _is_batch(prompt) and isinstance(prompt[0], str):
+            raise InvalidInputError("stream() takes one prompt; call it once per prompt")
+        else:
+            ids = _as_ids(prompt, "prompt")
+        if stop is None:
+            stops: list[str] = []
+        elif isinstance(stop, str):
+            stops = [stop]
+        elif isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop):
+            stops = list(stop)
+        else:
+            raise InvalidInputError(f"stop must be a string or a list of strings, got {stop!r}")
+        codec = self._text() if text_mode or stops else None
+        stop_ids = _as_ids(stop_token_ids or [], "stop_token_ids")
+        if any(not 0 <= t < 2**32 for t in stop_ids):
+            raise InvalidInputError(f"stop_token_ids must be token ids >= 0, got {stop_ids}")
+        if not ignore_eos:
+            stop_ids += [t for t in self.eos_token_ids if t not in stop_ids]
+        values = dict(self._defaults)
+        for name, value in sampling.items():
+            if value is not None:
+                values[name] = value
+        for name in ("max_new_tokens", "top_k"):
+            v = values[name]
+            if not _is_int(v) or v < 0:
+                raise InvalidInputError(f"{name} must be an integer >= 0, got {v!r}")
+            values[name] = min(int(v), 2**32)  # the context bounds both long before that
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
+            v = values[name]
+            if not _is_number(v):
+                raise InvalidInputError(f"{name} must be a number, got {v!r}")
+            values[name] = float(v)
         if seed is None:
             seed = random.SystemRandom().getrandbits(64)
-        elif isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        elif not _is_int(seed) or not 0 <= seed < 2**64:
             raise InvalidInputError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-        stops = _as_ids(stop_token_ids or [], "stop_token_ids")
-        return list(self._native.generate(ids, max_new_tokens, float(temperature), seed, stops))
+        native = self._native.start(ids, stop_ids=stop_ids, seed=int(seed), **values)
+        return Stream(
+            native,
+            codec=codec,
+            text_mode=text_mode,
+            stop=stops,
+            skip_special_tokens=bool(skip_special_tokens),
+            context=ids,
+        )
 
 
 def convert(
@@ -180,11 +636,13 @@ def convert(
     """Converts a Hugging Face checkpoint folder into one ``.colibri`` file.
 
     Args:
-        src: folder with ``config.json`` and ``*.safetensors`` (sharded or not).
+        src: folder with ``config.json`` and ``*.safetensors`` (sharded or not),
+            and usually the tokenizer files, which are embedded too.
         dst: output file. Refused if it exists, unless ``force=True``.
-        dtype: storage type of the weight matrices: ``"f32"``, ``"bf16"``, ``"f16"``,
-            or ``None`` to keep the checkpoint's own type. Norms, biases and the
-            router are always stored in f32.
+        dtype: storage type of the weight matrices, one of
+            :func:`colibri.supported_dtypes`, or ``None`` to keep the
+            checkpoint's own type. Norms, biases and the router are always
+            stored in f32.
         progress: draw a progress bar on stderr (default: when stderr is a terminal).
 
     Returns a summary: ``path``, ``architecture``, ``dtype``, ``tensors``, ``bytes``.
@@ -195,3 +653,6 @@ def convert(
     return dict(
         _colibri.convert_checkpoint(os.fspath(src), os.fspath(dst), dtype, bool(force), bool(progress))
     )
+
+
+__all__ = ["Completion", "Engine", "Stream", "TokenCompletion", "convert", "generation_defaults"]

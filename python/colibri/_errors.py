@@ -9,6 +9,7 @@ built-in category also derive from it, so ``except ValueError`` or
 from __future__ import annotations
 
 __all__ = [
+    "ChatTemplateError",
     "CheckpointError",
     "ColibriError",
     "ColibriIOError",
@@ -17,6 +18,7 @@ __all__ = [
     "InvalidInputError",
     "ModelNotFoundError",
     "OutputExistsError",
+    "TokenizerError",
     "UnsupportedModelError",
 ]
 
@@ -43,6 +45,14 @@ class InvalidInputError(ColibriError, ValueError):
 
 class ContextLengthError(InvalidInputError):
     """The sequence does not fit in the model's context window."""
+
+
+class TokenizerError(InvalidInputError):
+    """Text was given to a model that has no tokenizer, or its tokenizer cannot be loaded."""
+
+
+class ChatTemplateError(InvalidInputError):
+    """The model has no chat template, or rendering it failed (bad messages, template error)."""
 
 
 class OutputExistsError(ColibriError, FileExistsError):

@@ -1,21 +1,36 @@
 """The ``colibri`` command line.
 
-Subcommands: ``convert`` (Hugging Face folder -> .colibri) and ``info``
-(what a .colibri file holds). Errors are printed as one line on stderr with
-a non-zero exit status; Ctrl-C exits with status 130.
+Subcommands: ``convert`` (Hugging Face folder -> .colibri), ``generate``
+(one prompt, streamed to stdout), ``chat`` (an interactive conversation) and
+``info`` (what a .colibri file holds). Every error is one line on stderr with
+a non-zero exit status (2 for bad arguments, 1 for everything else); Ctrl-C
+exits with status 130, or in ``chat`` cuts the reply short.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from . import __version__
 from ._colibri import supported_dtypes
 from ._engine import Engine, convert
 from ._errors import ColibriError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: the message and where to find help."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _UsageError(Exception):
+    """A bad combination of arguments found after parsing (exit status 2)."""
 
 
 def _human(n: float) -> str:
@@ -24,6 +39,10 @@ def _human(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n} B"
+
+
+# ---------------------------------------------------------------------------
+# convert
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
@@ -36,13 +55,17 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------
+# info
+
+
 def _params(cfg: dict) -> tuple[int, int]:
     """Total and active-per-token parameter counts from the canonical config."""
     d, v = cfg["hidden_size"], cfg["vocab_size"]
     q, kv = cfg["num_heads"] * cfg["head_dim"], cfg["num_kv_heads"] * cfg["head_dim"]
     attn = d * q * 2 + d * kv * 2
     total = active = v * d * (1 if cfg["tie_embeddings"] else 2)
-    moe = cfg.get("moe")
+    moe: dict[str, Any] = cfg.get("moe") or {}
     for layer in cfg["layers"]:
         total += attn
         active += attn
@@ -62,16 +85,28 @@ def _params(cfg: dict) -> tuple[int, int]:
 def _cmd_info(args: argparse.Namespace) -> int:
     engine = Engine(args.model, threads=1)
     cfg = engine.config
-    if args.json:
-        print(
-            json.dumps({"architecture": engine.architecture, "dtype": engine.dtype, "config": cfg}, indent=2)
-        )
-        return 0
     total, active = _params(cfg)
+    if args.json:
+        out: dict[str, Any] = {
+            "architecture": engine.architecture,
+            "dtype": engine.dtype,
+            "file_bytes": engine.file_size,
+            "context_length": engine.context_length,
+            "parameters": {"total": total, "active_per_token": active},
+            "tokenizer": engine.has_tokenizer,
+            "chat_template": engine.chat_template is not None,
+            "config": cfg,
+        }
+        if args.tensors:
+            out["tensors"] = [
+                {"name": n, "dtype": d, "shape": list(s), "bytes": b} for n, d, s, b in engine.tensors()
+            ]
+        print(json.dumps(out, indent=2))
+        return 0
     moe = cfg.get("moe") or {}
     n_moe = sum(1 for layer in cfg["layers"] if layer["ffn"]["kind"] == "moe")
     rows = [
-        ("file", engine.path),
+        ("file", f"{engine.path} ({_human(engine.file_size)})"),
         ("architecture", engine.architecture),
         ("weights", engine.dtype),
         ("parameters", f"{total / 1e6:.2f}M total, {active / 1e6:.2f}M active per token"),
@@ -87,22 +122,190 @@ def _cmd_info(args: argparse.Namespace) -> int:
         ),
         ("context", str(engine.context_length)),
         ("vocabulary", str(engine.vocab_size)),
+        ("tokenizer", "yes" if engine.has_tokenizer else "no (token ids only)"),
+        ("chat template", "yes" if engine.chat_template is not None else "no"),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    if args.tensors:
+        tensors = engine.tensors()
+        name_w = max(len(n) for n, _, _, _ in tensors)
+        print(f"\n{'tensor':<{name_w}}  {'dtype':<6}  {'shape':<16}  bytes")
+        for name, dtype, shape, nbytes in tensors:
+            dims = " x ".join(str(s) for s in shape)
+            print(f"{name:<{name_w}}  {dtype:<6}  {dims:<16}  {nbytes}")
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="colibri", description="Fast, exact CPU inference for MoE language models."
+# ---------------------------------------------------------------------------
+# generate and chat
+
+
+def _open_model(args: argparse.Namespace, positional: list[str]) -> tuple[Engine, list[str]]:
+    """The engine named by ``--demo`` or the first positional (a .colibri file
+    or a Hugging Face folder, converted once into the cache); returns the
+    positionals left over."""
+    if args.demo:
+        return Engine.demo(threads=args.threads), positional
+    if not positional:
+        raise _UsageError("give a model (a .colibri file or a Hugging Face folder), or --demo")
+    model, rest = positional[0], positional[1:]
+    if os.path.isdir(model):
+        return Engine.from_pretrained(model, threads=args.threads), rest
+    return Engine(model, threads=args.threads), rest
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    names = (
+        "max_new_tokens",
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
     )
+    out = {n: getattr(args, n) for n in names}
+    out["stop"] = args.stop or None
+    out["ignore_eos"] = args.ignore_eos
+    return out
+
+
+def _report(args: argparse.Namespace, stream: Any) -> None:
+    if args.verbose:
+        reason = stream.finish_reason
+        if isinstance(stream.stop_reason, str):
+            reason += f" (stop string {stream.stop_reason!r})"
+        print(f"[{stream.timings}; finish: {reason}]", file=sys.stderr, flush=True)
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    if len(args.args) > (1 if args.demo else 2):
+        raise _UsageError("too many arguments; quote a prompt that has spaces")
+    engine, rest = _open_model(args, list(args.args))
+    if rest and rest[0] != "-":
+        prompt = rest[0]
+    elif sys.stdin is None or sys.stdin.isatty():
+        raise _UsageError("give a prompt as an argument, or pipe one to stdin")
+    else:
+        prompt = sys.stdin.read()
+        if prompt.endswith("\n"):
+            prompt = prompt[:-1]  # the newline `echo` adds is not part of the prompt
+    if not prompt:
+        raise _UsageError("the prompt is empty")
+    stream = engine.stream(prompt, add_special_tokens=not args.no_special_tokens, **_sampling(args))
+    if args.echo:
+        _write(prompt)
+    for piece in stream:
+        _write(piece)
+    _write("\n")
+    _report(args, stream)
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    if len(args.args) > (0 if args.demo else 1):
+        raise _UsageError("chat takes only a model; type the messages once it starts")
+    engine, _ = _open_model(args, list(args.args))
+    if engine.chat_template is None:
+        raise ColibriError(f"{engine.path} has no chat template; use colibri generate instead")
+    interactive = sys.stdin is not None and sys.stdin.isatty()
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    if interactive:
+        print(
+            "colibri chat: Ctrl-D or /exit quits, /reset forgets the conversation, Ctrl-C cuts a reply short"
+        )
+    sampling = _sampling(args)
+    while True:
+        if interactive:
+            try:
+                line = input(">>> ")
+            except EOFError:  # Ctrl-D
+                print()
+                break
+        else:
+            line = sys.stdin.readline()
+            if line == "":
+                break  # end of piped input
+        message = line.rstrip("\n")
+        if not message.strip():
+            continue
+        if message.strip() == "/exit":
+            break
+        if message.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        history.append({"role": "user", "content": message})
+        prompt = engine.apply_chat_template(history)
+        stream = engine.stream(prompt, add_special_tokens=False, **sampling)
+        try:
+            for piece in stream:
+                _write(piece)
+        except KeyboardInterrupt:
+            stream.close()
+            history.pop()  # the turn never happened
+            _write("\n")
+            print("[reply interrupted]", file=sys.stderr, flush=True)
+            continue
+        _write("\n")
+        _report(args, stream)
+        history.append({"role": "assistant", "content": stream.text})
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# the parser
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (defaults: the model's generation_config.json, else greedy)")
+    g.add_argument(
+        "-n", "--max-new-tokens", type=int, metavar="N", help="most tokens to generate (default 256)"
+    )
+    g.add_argument("-t", "--temperature", type=float, metavar="T", help="0 = greedy")
+    g.add_argument("--top-k", type=int, metavar="K", help="keep the K most likely tokens (0 = off)")
+    g.add_argument(
+        "--top-p", type=float, metavar="P", help="keep the most likely tokens up to mass P (1 = off)"
+    )
+    g.add_argument("--min-p", type=float, metavar="P", help="drop tokens below P x the most likely (0 = off)")
+    g.add_argument("--repetition-penalty", type=float, metavar="R", help="transformers' penalty (1 = off)")
+    g.add_argument("--presence-penalty", type=float, metavar="X", help="OpenAI presence penalty (0 = off)")
+    g.add_argument("--frequency-penalty", type=float, metavar="X", help="OpenAI frequency penalty (0 = off)")
+    g.add_argument("--seed", type=int, help="seed of the sampler, for reproducible output")
+    g.add_argument(
+        "--stop", action="append", metavar="TEXT", help="stop at this text (not printed); repeatable"
+    )
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--demo", action="store_true", help="use the small demo model that ships with colibri")
+    p.add_argument("--threads", type=int, metavar="N", help="worker threads (default: physical cores)")
+    p.add_argument("-v", "--verbose", action="store_true", help="timings and finish reason on stderr")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="colibri", description="Fast, exact CPU inference for MoE language models.")
     p.add_argument("--version", action="version", version=f"colibri-moe {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
-    c = sub.add_parser("convert", help="convert a Hugging Face checkpoint folder to a .colibri file")
+    c = sub.add_parser(
+        "convert",
+        help="convert a Hugging Face checkpoint folder to a .colibri file",
+        description="Convert a Hugging Face checkpoint folder (config.json, *.safetensors, "
+        "tokenizer files) into one .colibri file.",
+    )
     c.add_argument("src", help="folder with config.json and *.safetensors")
     c.add_argument("-o", "--output", required=True, help="the .colibri file to write")
     c.add_argument(
@@ -115,22 +318,84 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
     c.set_defaults(func=_cmd_convert)
 
-    i = sub.add_parser("info", help="describe a .colibri file")
+    g = sub.add_parser(
+        "generate",
+        help="continue a prompt, streaming the text to stdout",
+        usage="colibri generate (MODEL | --demo) [PROMPT] [options]",
+        description="Continue PROMPT (or stdin when PROMPT is missing or '-') and stream the "
+        "text to stdout. MODEL is a .colibri file or a Hugging Face folder (converted once "
+        "and cached).",
+    )
+    g.add_argument("args", nargs="*", metavar="MODEL PROMPT", help=argparse.SUPPRESS)
+    _add_model_flags(g)
+    g.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
+    g.add_argument(
+        "--no-special-tokens", action="store_true", help="do not add the beginning-of-sequence token"
+    )
+    _add_sampling_flags(g)
+    g.set_defaults(func=_cmd_generate)
+
+    ch = sub.add_parser(
+        "chat",
+        help="talk to a model through its chat template",
+        usage="colibri chat (MODEL | --demo) [options]",
+        description="An interactive conversation using the model's chat template; the "
+        "history is kept. One message per line; piped stdin works too. Ctrl-D or /exit "
+        "quits, /reset forgets the history, Ctrl-C cuts a reply short.",
+    )
+    ch.add_argument("args", nargs="*", metavar="MODEL", help=argparse.SUPPRESS)
+    _add_model_flags(ch)
+    ch.add_argument("--system", metavar="TEXT", help="a system message to start the conversation")
+    _add_sampling_flags(ch)
+    ch.set_defaults(func=_cmd_chat)
+
+    i = sub.add_parser(
+        "info",
+        help="describe a .colibri file",
+        description="Architecture, parameters (total and active per token), weight type, file "
+        "size, context length; --tensors lists every tensor.",
+    )
     i.add_argument("model", help="a .colibri file")
-    i.add_argument("--json", action="store_true", help="print the canonical config as JSON")
+    i.add_argument("--tensors", action="store_true", help="list every tensor with its type, shape and size")
+    i.add_argument("--json", action="store_true", help="print as JSON (with the canonical config)")
     i.set_defaults(func=_cmd_info)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    for stream in (sys.stdout, sys.stderr):
+        # A console that cannot show some character prints a replacement, not a traceback.
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors="replace")
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    prog = f"colibri {args.command}"
+    if extra:
+        # `colibri generate MODEL -n 8 PROMPT`: positionals after options.
+        if args.command not in ("generate", "chat") or any(e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.args += extra
     try:
         return int(args.func(args))
+    except _UsageError as e:
+        print(f"{prog}: error: {e} (see {prog} --help)", file=sys.stderr)
+        return 2
     except ColibriError as e:
-        print(f"colibri {args.command}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        # The reader went away (e.g. `| head`): stop quietly, as Unix tools do.
+        try:
+            sys.stdout = open(os.devnull, "w")  # silences the flush at exit
+        except OSError:
+            pass
+        return 0
+    except OSError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"colibri {args.command}: interrupted", file=sys.stderr)
+        print(f"\n{prog}: interrupted", file=sys.stderr)
         return 130
 
 

@@ -1,8 +1,11 @@
 //! The Rust-facing engine: a model plus its thread pool, and the calls the
 //! Python layer wraps (logits, hidden states, generation). Usable without
 //! Python; every call makes its own [`Session`], so one `Engine` serves many
-//! threads at once.
+//! threads at once. An `Engine` is two `Arc`s: cloning it is cheap and shares
+//! the weights and the pool, which is how a [`Generation`] outlives the call
+//! that started it.
 
+pub mod generation;
 pub mod sampling;
 pub mod session;
 
@@ -10,11 +13,13 @@ pub mod session;
 mod tests;
 
 use std::path::Path;
+use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::model::Model;
 use crate::model::forward::{Capture, forward};
-use sampling::{Rng, sample};
+pub use generation::{FinishReason, GenerateOptions, Generation, Timings};
+pub use sampling::SamplingParams;
 use session::{DEFAULT_CHUNK, Session};
 
 /// Options for opening an engine.
@@ -24,29 +29,11 @@ pub struct EngineOptions {
     pub threads: Option<usize>,
 }
 
-/// Options for [`Engine::generate`].
-#[derive(Clone, Debug)]
-pub struct GenerateOptions {
-    /// Stop after this many new tokens.
-    pub max_new_tokens: usize,
-    /// 0 = greedy.
-    pub temperature: f32,
-    /// Seed of the sampler (ignored when greedy).
-    pub seed: u64,
-    /// Stop when one of these ids is produced (it is included in the output).
-    pub stop_ids: Vec<u32>,
-}
-
-impl Default for GenerateOptions {
-    fn default() -> Self {
-        GenerateOptions { max_new_tokens: 16, temperature: 0.0, seed: 0, stop_ids: Vec::new() }
-    }
-}
-
 /// A loaded model ready to run.
+#[derive(Clone)]
 pub struct Engine {
-    model: Model,
-    pool: rayon::ThreadPool,
+    model: Arc<Model>,
+    pool: Arc<rayon::ThreadPool>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -64,7 +51,7 @@ impl Engine {
     /// Opens a `.colibri` file.
     pub fn open(path: &Path, opts: &EngineOptions) -> Result<Engine> {
         let pool = crate::threads::pool(opts.threads)?;
-        Ok(Engine { model: Model::open(path)?, pool })
+        Ok(Engine { model: Arc::new(Model::open(path)?), pool: Arc::new(pool) })
     }
 
     /// The loaded model.
@@ -118,9 +105,15 @@ impl Engine {
         forward(&self.model, s, ids, cap, Some(&self.pool), interrupted)
     }
 
+    /// Starts a generation continuing `prompt`: checks the prompt and the
+    /// options and allocates the session, without computing anything yet.
+    pub fn start(&self, prompt: &[u32], opts: &GenerateOptions) -> Result<Generation> {
+        Generation::new(self, prompt, opts)
+    }
+
     /// Continues `prompt` with up to `opts.max_new_tokens` new tokens and
-    /// returns them. Stops early on a stop id or when prompt plus output fill
-    /// the context.
+    /// returns them. Stops early on a stop id (kept in the output) or when
+    /// prompt plus output fill the context.
     /// `on_token` sees each new token as it is produced and may stop the
     /// generation by returning `false`.
     pub fn generate(
@@ -130,32 +123,12 @@ impl Engine {
         interrupted: &dyn Fn() -> bool,
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<Vec<u32>> {
-        self.check_len(prompt.len())?;
-        let max_seq = (prompt.len() + opts.max_new_tokens).min(self.model.config.max_seq_len);
-        let mut s = self.session(max_seq);
-        crate::model::forward::check_tokens(&self.model, &s, prompt)?;
-        let mut rng = Rng::new(opts.seed);
-        let mut out = Vec::with_capacity(opts.max_new_tokens);
-        if opts.max_new_tokens == 0 {
-            return Ok(out);
-        }
-        self.run(&mut s, prompt, Capture::default(), interrupted)?;
-        loop {
-            let next = sample(&s.logits, opts.temperature, &mut rng);
-            out.push(next);
-            let keep_going = on_token(next);
-            if !keep_going
-                || out.len() >= opts.max_new_tokens
-                || opts.stop_ids.contains(&next)
-                || s.pos + 1 >= s.max_seq
-            {
+        let mut g = self.start(prompt, opts)?;
+        while let Some(t) = g.next_token(interrupted)? {
+            if !on_token(t) {
                 break;
             }
-            if interrupted() {
-                return Err(Error::Interrupted);
-            }
-            self.run(&mut s, &[next], Capture::default(), interrupted)?;
         }
-        Ok(out)
+        Ok(g.into_tokens())
     }
 }

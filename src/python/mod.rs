@@ -1,18 +1,22 @@
 //! The PyO3 layer: thin wrappers over [`crate::engine`] and [`crate::convert`].
 //!
 //! Compute runs with the interpreter detached (other Python threads keep
-//! running); Ctrl-C is polled between tokens and chunks. Every Rust error
+//! running); Ctrl-C is polled between tokens and chunks. A generation is a
+//! native iterator ([`NativeGeneration`]) that runs one step per `__next__`,
+//! so the Python side can detokenise, match stop strings and see Ctrl-C
+//! between tokens. Every Rust error
 //! becomes one class of the hierarchy in `colibri/_errors.py`, mapped in
 //! [`to_py`] and nowhere else.
 
 use std::path::PathBuf;
+use std::sync::Mutex;
 
 use pyo3::exceptions::{PyKeyboardInterrupt, PyRuntimeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyDict};
 
 use crate::convert::{ConvertOptions, convert};
-use crate::engine::{Engine, EngineOptions, GenerateOptions};
+use crate::engine::{Engine, EngineOptions, GenerateOptions, Generation, SamplingParams};
 use crate::error::Error;
 use crate::quant::DType;
 
@@ -91,45 +95,136 @@ impl NativeEngine {
         Ok(f32_bytes(py, &out))
     }
 
-    #[pyo3(signature = (token_ids, max_new_tokens, temperature, seed, stop_ids))]
-    fn generate(
+    /// Starts a generation (no compute until the first `__next__`).
+    #[pyo3(signature = (
+        token_ids, *, max_new_tokens, stop_ids, temperature, top_k, top_p, min_p,
+        repetition_penalty, presence_penalty, frequency_penalty, seed,
+    ))]
+    #[allow(clippy::too_many_arguments)] // keyword-only on the Python side
+    fn start(
         &self,
         py: Python<'_>,
         token_ids: Vec<i64>,
         max_new_tokens: usize,
-        temperature: f32,
-        seed: u64,
         stop_ids: Vec<i64>,
-    ) -> PyResult<Vec<u32>> {
+        temperature: f32,
+        top_k: usize,
+        top_p: f32,
+        min_p: f32,
+        repetition_penalty: f32,
+        presence_penalty: f32,
+        frequency_penalty: f32,
+        seed: u64,
+    ) -> PyResult<NativeGeneration> {
         let ids = to_ids(token_ids).map_err(to_py)?;
-        if !temperature.is_finite() || temperature < 0.0 {
-            return Err(to_py(Error::InvalidInput(format!(
-                "temperature must be a finite number >= 0, got {temperature}"
-            ))));
-        }
+        // An id no token can have never matches; dropping it is harmless.
         let stop_ids = stop_ids.into_iter().filter_map(|t| u32::try_from(t).ok()).collect();
-        let opts = GenerateOptions { max_new_tokens, temperature, seed, stop_ids };
-        py.detach(|| self.inner.generate(&ids, &opts, &interrupted, &mut |_| true)).map_err(to_py)
+        let sampling = SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            repetition_penalty,
+            presence_penalty,
+            frequency_penalty,
+            seed,
+        };
+        let opts = GenerateOptions { max_new_tokens, sampling, stop_ids };
+        let g = py.detach(|| self.inner.start(&ids, &opts)).map_err(to_py)?;
+        Ok(NativeGeneration { inner: Mutex::new(g) })
     }
 
-    /// The metadata block as JSON text.
+    /// The metadata block as JSON text, without the tokenizer (see
+    /// `tokenizer_json`) and the tensor table (see `tensors`), which can be
+    /// large and are fetched only when needed.
     fn metadata_json(&self) -> String {
-        let meta = self.inner.model().file().meta();
+        let file = self.inner.model().file();
+        let meta = file.meta();
+        let src = &meta.source;
         serde_json::json!({
             "architecture": meta.architecture,
             "config": meta.config,
             "weight_dtype": meta.weight_dtype,
-            "source_config": meta.source.config,
-            "generation_config": meta.source.generation_config,
+            "source_config": src.config,
+            "source_dtype": src.dtype,
+            "generation_config": src.generation_config,
+            "tokenizer_config": src.tokenizer_config,
+            "chat_template": src.chat_template,
+            "has_tokenizer": src.tokenizer.is_some(),
             "tensors": meta.tensors.len(),
-            "file_bytes": self.inner.model().file().file_len(),
+            "file_bytes": file.file_len(),
         })
         .to_string()
+    }
+
+    /// The embedded tokenizer.json as text, if the file has one.
+    fn tokenizer_json(&self, py: Python<'_>) -> Option<String> {
+        let tok = self.inner.model().file().meta().source.tokenizer.as_ref()?;
+        Some(py.detach(|| tok.to_string()))
+    }
+
+    /// Every tensor as (name, dtype, shape, bytes), in file order.
+    fn tensors(&self) -> Vec<(String, &'static str, Vec<usize>, u64)> {
+        let meta = self.inner.model().file().meta();
+        meta.tensors.iter().map(|t| (t.name.clone(), t.dtype.name(), t.shape.clone(), t.nbytes)).collect()
     }
 
     #[getter]
     fn threads(&self) -> usize {
         self.inner.threads()
+    }
+}
+
+/// One generation in progress: an iterator of new token ids. Each
+/// `__next__` runs one step with the interpreter detached. The lock makes a
+/// second thread calling `__next__` on the same object at the same time an
+/// error rather than a data race; distinct generations never contend.
+#[pyclass(frozen, module = "colibri._colibri", name = "NativeGeneration")]
+struct NativeGeneration {
+    inner: Mutex<Generation>,
+}
+
+impl NativeGeneration {
+    fn lock(&self) -> PyResult<std::sync::MutexGuard<'_, Generation>> {
+        self.inner.try_lock().map_err(|e| match e {
+            std::sync::TryLockError::WouldBlock => to_py(Error::InvalidInput(
+                "this generation is being advanced by another thread; use one generation per thread".into(),
+            )),
+            std::sync::TryLockError::Poisoned(_) => {
+                PyRuntimeError::new_err("this generation failed in an earlier step and cannot go on")
+            }
+        })
+    }
+}
+
+#[pymethods]
+impl NativeGeneration {
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __next__(&self, py: Python<'_>) -> PyResult<Option<u32>> {
+        let mut guard = self.lock()?;
+        let g: &mut Generation = &mut guard;
+        py.detach(|| g.next_token(&interrupted)).map_err(to_py)
+    }
+
+    /// "stop", "length", or None while the generation can go on.
+    #[getter]
+    fn finish_reason(&self) -> PyResult<Option<&'static str>> {
+        Ok(self.lock()?.finish_reason().map(|r| r.as_str()))
+    }
+
+    /// The tokens generated so far.
+    #[getter]
+    fn token_ids(&self) -> PyResult<Vec<u32>> {
+        Ok(self.lock()?.tokens().to_vec())
+    }
+
+    /// (prompt tokens, generated tokens, prefill seconds, decode seconds).
+    fn timings(&self) -> PyResult<(usize, usize, f64, f64)> {
+        let t = self.lock()?.timings();
+        Ok((t.prompt_tokens, t.generated_tokens, t.prefill.as_secs_f64(), t.decode.as_secs_f64()))
     }
 }
 
@@ -177,6 +272,7 @@ fn supported_architectures() -> Vec<&'static str> {
 #[pymodule]
 fn _colibri(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativeEngine>()?;
+    m.add_class::<NativeGeneration>()?;
     m.add_function(wrap_pyfunction!(convert_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(supported_architectures, m)?)?;
     m.add_function(wrap_pyfunction!(supported_dtypes, m)?)?;

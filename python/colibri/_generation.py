@@ -1,0 +1,231 @@
+"""Generation results and the per-call driver that turns native token steps
+into text: incremental detokenisation, stop strings, finish reasons, timings.
+
+The native side (``NativeGeneration``) runs one model step per ``next()`` with
+the GIL released; everything here runs between steps, which is also where a
+KeyboardInterrupt lands.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar, Union
+
+from ._text import IncrementalDetokenizer, StopMatcher, TextCodec
+
+T = TypeVar("T", str, int)
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Counts and wall-clock times of one generation."""
+
+    prompt_tokens: int
+    """Tokens in the prompt."""
+    generated_tokens: int
+    """Tokens generated (including a final end-of-sequence token)."""
+    prefill_seconds: float
+    """Time to run the prompt and choose the first token."""
+    decode_seconds: float
+    """Time to produce every later token."""
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        """Prompt tokens per second of prefill (0 if nothing was run)."""
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens per second after the first (which prefill produced); 0 with fewer than two."""
+        steps = self.generated_tokens - 1
+        return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else 0.0
+
+    def __str__(self) -> str:
+        return (
+            f"prompt {self.prompt_tokens} tokens ({self.prefill_tokens_per_second:.1f} tok/s), "
+            f"generated {self.generated_tokens} tokens ({self.decode_tokens_per_second:.1f} tok/s)"
+        )
+
+
+class Completion(str):
+    """Generated text: a ``str``, with what produced it.
+
+    Attributes:
+        token_ids: every generated token id (a final end-of-sequence id included).
+        finish_reason: ``"stop"`` (an end-of-sequence id, a stop id or a stop
+            string), ``"length"`` (``max_new_tokens`` or the context was reached),
+            or ``None`` for a stream closed before its end.
+        stop_reason: the stop string or token id that ended it, else ``None``.
+        timings: :class:`Timings`.
+    """
+
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str | int | None
+    timings: Timings
+
+    def __new__(
+        cls,
+        text: str,
+        token_ids: list[int],
+        finish_reason: str | None,
+        stop_reason: str | int | None,
+        timings: Timings,
+    ) -> Completion:
+        self = super().__new__(cls, text)
+        self.token_ids = token_ids
+        self.finish_reason = finish_reason
+        self.stop_reason = stop_reason
+        self.timings = timings
+        return self
+
+    @property
+    def text(self) -> str:
+        """The text as a plain ``str``."""
+        return str.__str__(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # str's own pickling would call __new__ with the text alone.
+        return (Completion, (self.text, self.token_ids, self.finish_reason, self.stop_reason, self.timings))
+
+    def __repr__(self) -> str:
+        return f"Completion({str.__repr__(self)}, finish_reason={self.finish_reason!r})"
+
+
+class TokenCompletion(list):  # type: ignore[type-arg]
+    """Generated token ids: a ``list`` of int, with ``finish_reason``,
+    ``stop_reason`` and ``timings`` as :class:`Completion` has them."""
+
+    finish_reason: str | None
+    stop_reason: str | int | None
+    timings: Timings
+
+    def __init__(
+        self, token_ids: list[int], finish_reason: str | None, stop_reason: str | int | None, timings: Timings
+    ) -> None:
+        super().__init__(token_ids)
+        self.finish_reason = finish_reason
+        self.stop_reason = stop_reason
+        self.timings = timings
+
+    def __repr__(self) -> str:
+        return f"TokenCompletion({list.__repr__(self)}, finish_reason={self.finish_reason!r})"
+
+
+Result = Union[Completion, TokenCompletion]
+
+
+class Stream(Generic[T]):
+    """An iterator over a generation as it is produced: text pieces for a text
+    prompt, token ids for a token-id prompt.
+
+    After the last piece, ``finish_reason``, ``stop_reason``, ``timings``,
+    ``token_ids`` and ``result()`` tell how it went. Leaving the loop early (or
+    ``close()``) stops the generation; ``finish_reason`` then stays ``None``.
+    Usable as a context manager, which closes it.
+    """
+
+    def __init__(
+        self,
+        native: Any,
+        *,
+        codec: TextCodec | None,
+        text_mode: bool,
+        stop: Sequence[str],
+        skip_special_tokens: bool,
+        context: Sequence[int] = (),
+    ) -> None:
+        self._native = native
+        self._text_mode = text_mode
+        self._detok = None if codec is None else IncrementalDetokenizer(codec, skip_special_tokens, context)
+        self._matcher = StopMatcher(stop) if stop else None
+        self._pieces: list[str] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self._it: Generator[Any, None, None] = self._run()
+
+    def __iter__(self) -> Stream[T]:
+        return self
+
+    def __next__(self) -> T:
+        return next(self._it)  # type: ignore[no-any-return]
+
+    def __enter__(self) -> Stream[T]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stops the generation (nothing more is computed)."""
+        self._it.close()
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token generated so far."""
+        return list(self._native.token_ids)
+
+    @property
+    def text(self) -> str:
+        """The text emitted so far (for a text prompt)."""
+        return "".join(self._pieces)
+
+    @property
+    def timings(self) -> Timings:
+        """Counts and times so far."""
+        return Timings(*self._native.timings())
+
+    def result(self) -> Result:
+        """Runs the generation to its end and returns the whole result."""
+        for _ in self:
+            pass
+        reason = self.finish_reason
+        if self._text_mode:
+            return Completion(self.text, self.token_ids, reason, self.stop_reason, self.timings)
+        return TokenCompletion(self.token_ids, reason, self.stop_reason, self.timings)
+
+    def _text(self, piece: str) -> str:
+        """Passes decoded text through the stop matcher; records what is emitted."""
+        if self._matcher is not None and piece:
+            piece = self._matcher.push(piece)
+        if piece:
+            self._pieces.append(piece)
+        return piece
+
+    def _stopped_by_string(self) -> bool:
+        if self._matcher is None or self._matcher.matched is None:
+            return False
+        self.finish_reason, self.stop_reason = "stop", self._matcher.matched
+        return True
+
+    def _run(self) -> Generator[Any, None, None]:
+        native, detok = self._native, self._detok
+        for tok in native:
+            if native.finish_reason == "stop":
+                # An end-of-sequence or stop id: kept in the ids, never in the text.
+                self.stop_reason = tok
+                if not self._text_mode:
+                    yield tok
+                break
+            if not self._text_mode:
+                yield tok
+            if detok is None:
+                continue
+            out = self._text(detok.push(tok))
+            if self._text_mode and out:
+                yield out
+            if self._stopped_by_string():
+                return
+        if detok is not None:
+            out = self._text(detok.flush())
+            if not self._stopped_by_string() and self._matcher is not None:
+                rest = self._matcher.flush()
+                if rest:
+                    self._pieces.append(rest)
+                    out += rest
+            if self._text_mode and out:
+                yield out
+            if self.finish_reason is not None:
+                return
+        self.finish_reason = native.finish_reason
