@@ -64,6 +64,23 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    /// Reading a routed expert from the model file failed while streaming
+    /// (an I/O error, a short read because the file was truncated, or the
+    /// file gone). The call that needed the expert fails; the engine stays
+    /// usable, and a later call works again once the file is back.
+    #[error("{}: cannot read expert {expert} of layer {layer}: {source}", path.display())]
+    ExpertRead {
+        /// The model file.
+        path: PathBuf,
+        /// Layer of the expert.
+        layer: usize,
+        /// Expert index within the layer.
+        expert: usize,
+        /// The OS error (`UnexpectedEof` for a short read).
+        #[source]
+        source: std::io::Error,
+    },
+
     /// The caller interrupted a long operation (Ctrl-C).
     #[error("interrupted")]
     Interrupted,

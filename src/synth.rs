@@ -62,6 +62,26 @@ pub fn config_for(dtype: DType) -> ModelConfig {
     if dtype.is_quantized() { tiny_config_blocks() } else { tiny_config() }
 }
 
+/// More experts than the tiny configs (3 MoE layers of 16, top-3, a dense
+/// layer between them, a shared expert), every width a multiple of 32 so
+/// every dtype applies: small enough for tests, large enough that a budget of
+/// 10% of the experts still holds the K + 1 the store needs.
+pub fn many_experts_config() -> ModelConfig {
+    let mut c = tiny_config_blocks();
+    if let Some(m) = c.moe.as_mut() {
+        m.num_experts = 16;
+        m.expert_ffn_dim = 32;
+        m.router.top_k = 3;
+    }
+    c.layers = vec![
+        LayerSpec { sliding_window: None, ffn: FfnSpec::Moe },
+        LayerSpec { sliding_window: Some(5), ffn: FfnSpec::Moe },
+        LayerSpec { sliding_window: None, ffn: FfnSpec::Dense { ffn_dim: 64 } },
+        LayerSpec { sliding_window: None, ffn: FfnSpec::Moe },
+    ];
+    c
+}
+
 /// Writes a `.colibri` file for `cfg` with deterministic pseudo-random weights.
 ///
 /// # Panics

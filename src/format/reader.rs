@@ -204,6 +204,17 @@ impl ColibriFile {
         &self.meta
     }
 
+    /// Byte offset of the tensor data (a multiple of [`PAGE`]).
+    pub fn data_offset(&self) -> u64 {
+        self.data_off as u64
+    }
+
+    /// Everything before the tensor data (header, metadata, padding), as
+    /// mapped at open.
+    pub fn head_bytes(&self) -> &[u8] {
+        &self.map[..self.data_off]
+    }
+
     /// Total file size in bytes.
     pub fn file_len(&self) -> u64 {
         self.map.len() as u64

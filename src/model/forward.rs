@@ -8,7 +8,7 @@
 use super::Model;
 use super::blocks::attention::{Heads, attend};
 use super::blocks::ffn::{Mlp, MlpScratch, gated_mlp, sigmoid};
-use super::blocks::moe::{MoeLayer, moe_forward};
+use super::blocks::moe::{MoeLayer, moe_forward, predict};
 use super::blocks::norm::{rmsnorm, rmsnorm_rows_inplace};
 use super::blocks::rope;
 use super::config::QkNorm;
@@ -164,6 +164,25 @@ fn forward_chunk(
         }
         add(&mut s.x[..n * d], proj); // residual
 
+        // Prefetch: when the next layer is a MoE block and experts stream,
+        // run its router on this residual, normed as the next layer will
+        // norm its own, and queue the experts it picks for background reads
+        // while this layer's FFN and the next attention compute. Only the
+        // store's reads change; the numbers below do not depend on it.
+        if model.experts.wants_prefetch()
+            && let Some(next) = model.layers.get(l + 1)
+            && let FfnRefs::Moe { router, .. } = next.ffn
+        {
+            let moe = c.moe.as_ref().expect("validated: MoE layer has a spec");
+            let x = &s.x[..n * d];
+            for t in 0..n {
+                let row = t * d..(t + 1) * d;
+                rmsnorm(&x[row.clone()], model.vec(next.ffn_norm), eps, &mut s.moe.pred_x[row]);
+            }
+            let experts = predict(&model.mat(router), &moe.router, n, &mut s.moe);
+            model.experts.prefetch(l + 1, experts);
+        }
+
         // Feed-forward: norm → dense MLP or MoE block (+ shared expert).
         let (x, xn) = (&s.x[..n * d], &mut s.xn[..n * d]);
         for t in 0..n {
@@ -176,8 +195,13 @@ fn forward_chunk(
             FfnRefs::Dense(m) => gated_mlp(&mlp(model, m), &inp, scratch, proj, true),
             FfnRefs::Moe { router, shared, shared_gate } => {
                 let moe = c.moe.as_ref().expect("validated: MoE layer has a spec");
-                let layer =
-                    MoeLayer { layer: l, router: model.mat(router), spec: &moe.router, store: model.experts.as_ref() };
+                let layer = MoeLayer {
+                    layer: l,
+                    router: model.mat(router),
+                    spec: &moe.router,
+                    store: model.experts.as_ref(),
+                    telemetry: model.telemetry.layers.get(l),
+                };
                 moe_forward(&layer, &inp, &mut s.moe, proj)?;
                 if let Some(m) = shared {
                     let sh = &mut s.shared[..n * d];
@@ -216,6 +240,7 @@ fn forward_chunk(
         matmul(&head, &inp, &mut s.logits); // [V]
     }
     s.pos += n;
+    model.telemetry.tokens.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
     Ok(())
 }
 

@@ -9,14 +9,15 @@ pub mod forward;
 pub mod store;
 pub mod tensors;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::format::reader::ColibriFile;
 use crate::kernels::Matrix;
 use config::{FfnSpec, ModelConfig};
-use store::{ExpertStore, ResidentStore};
+use store::telemetry::Telemetry;
+use store::{DenseCopy, ExpertStore, HeatState, RoutingStats, StoreOptions, StoreStats};
 use tensors::{LayerTensor as L, TensorId};
 
 /// Where a tensor lives in the mapped file; resolved to a view on use, which
@@ -100,6 +101,14 @@ pub struct Model {
     pub experts: Box<dyn ExpertStore>,
     /// Precomputed RoPE inverse frequencies and magnitude.
     pub rope: blocks::rope::Rope,
+    /// The dense weights copied out of the file (only when experts stream).
+    dense: Option<DenseCopy>,
+    /// Routing counters.
+    pub(crate) telemetry: Telemetry,
+    /// Where routing heat is saved (only when experts stream).
+    heat: Option<HeatState>,
+    /// Notes from opening (e.g. an ignored heat file).
+    warnings: Vec<String>,
 }
 
 impl std::fmt::Debug for Model {
@@ -109,14 +118,29 @@ impl std::fmt::Debug for Model {
 }
 
 impl Model {
-    /// Opens and validates a `.colibri` file.
+    /// Opens and validates a `.colibri` file, every expert resident.
     pub fn open(path: &Path) -> Result<Model> {
-        let file = Arc::new(ColibriFile::open(path)?);
-        Self::from_file(file)
+        Self::open_with(path, &StoreOptions::default())
     }
 
-    /// Builds the typed references over an already-validated file.
+    /// Opens and validates a `.colibri` file, placing its routed experts as
+    /// `opts` says (see [`StoreOptions`]): with a RAM budget smaller than the
+    /// experts, the dense part is read into memory and experts stream from
+    /// the file into a fixed pool of slots.
+    pub fn open_with(path: &Path, opts: &StoreOptions) -> Result<Model> {
+        let file = Arc::new(ColibriFile::open(path)?);
+        Self::from_file_with(file, opts)
+    }
+
+    /// Builds the typed references over an already-validated file, every
+    /// expert resident.
     pub fn from_file(file: Arc<ColibriFile>) -> Result<Model> {
+        Self::from_file_with(file, &StoreOptions::default())
+    }
+
+    /// Builds the typed references over an already-validated file, placing
+    /// the routed experts as `opts` says.
+    pub fn from_file_with(file: Arc<ColibriFile>, opts: &StoreOptions) -> Result<Model> {
         let cfg = file.meta().config.clone();
         let r = |id: TensorId| tensor_ref(&file, id);
         let mut layers = Vec::with_capacity(cfg.layers.len());
@@ -151,8 +175,17 @@ impl Model {
         let embed = r(TensorId::Embed)?;
         let lm_head = if cfg.tie_embeddings { embed } else { r(TensorId::LmHead)? };
         let rope = blocks::rope::Rope::new(&cfg.rope);
+        let placed = store::place(&file, opts)?;
+        let experts_per_layer = cfg.layers.iter().map(|l| match (&l.ffn, &cfg.moe) {
+            (FfnSpec::Moe, Some(m)) => m.num_experts,
+            _ => 0,
+        });
         Ok(Model {
-            experts: Box::new(ResidentStore::new(file.clone(), &cfg)?),
+            experts: placed.experts,
+            dense: placed.dense,
+            heat: placed.heat,
+            warnings: placed.warnings,
+            telemetry: Telemetry::new(experts_per_layer),
             final_norm: r(TensorId::FinalNorm)?,
             embed,
             lm_head,
@@ -161,6 +194,50 @@ impl Model {
             config: cfg,
             file,
         })
+    }
+
+    /// True when routed experts stream from the file under a RAM budget.
+    pub fn streams(&self) -> bool {
+        self.dense.is_some()
+    }
+
+    /// Routing telemetry since open: per MoE layer and expert, how often it
+    /// was chosen (heat), utilisation entropy, top-1/top-2 margins.
+    pub fn routing_stats(&self) -> RoutingStats {
+        self.telemetry.snapshot()
+    }
+
+    /// What the expert store did since open: hits, bytes read per token,
+    /// prefetch accuracy, time waiting on I/O.
+    pub fn store_stats(&self) -> StoreStats {
+        let mut s = self.experts.stats();
+        s.tokens = self.telemetry.tokens.load(std::sync::atomic::Ordering::Relaxed);
+        s.bytes_read_per_token = store::telemetry::ratio(s.bytes_read, s.tokens);
+        s.warnings.extend(self.warnings.iter().cloned());
+        s
+    }
+
+    /// Writes the routing heat (what the heat file held at open plus this
+    /// run's counts) to the heat file, atomically. Returns its path, or
+    /// `None` when there is nothing to save: experts do not stream, heat
+    /// files are off, or no token has run. Also done when the model drops.
+    pub fn save_heat(&self) -> Result<Option<PathBuf>> {
+        let Some(h) = &self.heat else { return Ok(None) };
+        let tokens = self.telemetry.tokens.load(std::sync::atomic::Ordering::Relaxed);
+        if tokens == 0 {
+            return Ok(None);
+        }
+        let (layers, experts) = (self.config.num_layers(), self.config.moe.as_ref().map_or(0, |m| m.num_experts));
+        let mut heat = h.base.clone().unwrap_or_else(|| store::Heat::zeros(layers, experts));
+        heat.tokens = heat.tokens.saturating_add(tokens);
+        for (l, t) in self.telemetry.layers.iter().enumerate() {
+            for e in 0..t.counts.len() {
+                let c = &mut heat.counts[l * experts + e];
+                *c = c.saturating_add(self.telemetry.count(l, e));
+            }
+        }
+        store::heat::save_heat(&h.path, h.identity, &heat)?;
+        Ok(Some(h.path.clone()))
     }
 
     /// True when any weight matrix is stored in a block-quantised type.
@@ -173,10 +250,14 @@ impl Model {
         &self.file
     }
 
-    /// A weight matrix view.
+    /// A weight matrix view (of a dense tensor: routed experts come from
+    /// [`Model::experts`]).
     #[inline]
     pub fn mat(&self, t: TensorRef) -> Matrix<'_> {
-        matrix(&self.file, t)
+        match &self.dense {
+            Some(d) => d.matrix(&self.file, t),
+            None => matrix(&self.file, t),
+        }
     }
 
     /// An f32 vector view (norm scales, biases).
@@ -185,6 +266,16 @@ impl Model {
         let m = self.mat(t);
         // Small tensors are f32 (checked by the reader) and 64-byte aligned.
         bytemuck::cast_slice(m.bytes)
+    }
+}
+
+impl Drop for Model {
+    fn drop(&mut self) {
+        // Persist what this run learnt about routing; failing to is not an
+        // error of anything the caller asked for.
+        if let Err(e) = self.save_heat() {
+            eprintln!("colibri: warning: could not save routing heat: {e}");
+        }
     }
 }
 

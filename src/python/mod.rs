@@ -30,7 +30,7 @@ fn to_py(e: Error) -> PyErr {
         Error::ContextOverflow(_) => "ContextLengthError",
         Error::OutputExists(_) => "OutputExistsError",
         Error::NotFound(_) => "ModelNotFoundError",
-        Error::Io { .. } => "ColibriIOError",
+        Error::Io { .. } | Error::ExpertRead { .. } => "ColibriIOError",
         Error::Interrupted => return PyKeyboardInterrupt::new_err("generation interrupted"),
     };
     let msg = e.to_string();

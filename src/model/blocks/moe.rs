@@ -9,13 +9,17 @@
 //! ```
 //!
 //! The router only produces (expert ids, weights); the experts never see the
-//! router. Expert weights come from the [`ExpertStore`].
+//! router. Expert weights come from the [`ExpertStore`], leased in waves: all
+//! of a chunk's experts at once when the store has the room (always, for a
+//! resident model), otherwise as many as it can hold at a time. Each unique
+//! expert is leased, and so read, once per chunk for all of its tokens.
 
 use super::ffn::{MlpScratch, gated_mlp};
 use crate::error::Result;
 use crate::kernels::{BlockQ8, Input, Matrix, matmul};
 use crate::model::config::{RouterScore, RouterSpec};
-use crate::model::store::ExpertStore;
+use crate::model::store::telemetry::LayerTelemetry;
+use crate::model::store::{Busy, ExpertStore, Lease};
 
 /// Indices of the `k` largest `scores`, best first, by partial selection
 /// (O(E·K), no sort of all E). Ties go to the lower index.
@@ -96,6 +100,18 @@ pub struct MoeScratch {
     pub hq: Vec<BlockQ8>,
     /// [C·K, D] every (t, r) pair's expert output, in `order`.
     pub outs: Vec<f32>,
+    /// [E] experts with tokens in this chunk, ascending.
+    pub active: Vec<u32>,
+    /// Up to [E] leases of the wave being run.
+    pub leases: Vec<Lease>,
+    /// [E] index into `leases` of each expert of the wave.
+    pub lease_of: Vec<u32>,
+    /// [C, D] the input of the next layer's router for prefetch prediction.
+    pub pred_x: Vec<f32>,
+    /// [E] experts predicted for the next layer, ascending.
+    pub pred: Vec<u32>,
+    /// [E] membership marks for building `pred`.
+    pub mark: Vec<bool>,
 }
 
 impl MoeScratch {
@@ -117,6 +133,12 @@ impl MoeScratch {
             u: vec![0.0; ck * f],
             hq: vec![BlockQ8::default(); ck * f / 32],
             outs: vec![0.0; ck * d],
+            active: Vec::with_capacity(e),
+            leases: Vec::with_capacity(e),
+            lease_of: vec![0; e],
+            pred_x: vec![0.0; c * d],
+            pred: Vec::with_capacity(e),
+            mark: vec![false; e],
         }
     }
 }
@@ -131,6 +153,15 @@ pub struct MoeLayer<'a> {
     pub spec: &'a RouterSpec,
     /// Source of the experts' weights.
     pub store: &'a dyn ExpertStore,
+    /// Where routing decisions are counted, if anywhere.
+    pub(crate) telemetry: Option<&'a LayerTelemetry>,
+}
+
+/// The leases of the wave being run.
+struct Wave<'a> {
+    leases: &'a [Lease],
+    /// Expert → index into `leases`.
+    lease_of: &'a [u32],
 }
 
 /// The per-assignment buffers of a contiguous range of experts; splitting at
@@ -175,7 +206,9 @@ fn cost(rows: usize) -> usize {
 /// is halved by cost and the halves run on two threads (`rayon::join`), so in
 /// decode each worker streams whole experts, one core per expert; without it,
 /// experts run one after another with each matrix split across threads.
-fn run_experts(m: &MoeLayer, starts: &[usize], lo: usize, hi: usize, g: Groups, par: bool) -> Result<()> {
+fn run_experts(m: &MoeLayer, w: &Wave, starts: &[usize], lo: usize, hi: usize, g: Groups, par: bool) -> Result<()> {
+    // Mark this thread (possibly a thief of the other half) as busy with expert work.
+    let _busy = Busy::enter();
     let active = (lo..hi).filter(|&e| starts[e + 1] > starts[e]).count();
     if par && active > 1 {
         // Split where the left half first reaches half the cost, keeping at
@@ -193,7 +226,7 @@ fn run_experts(m: &MoeLayer, starts: &[usize], lo: usize, hi: usize, g: Groups, 
         }
         let (a, b) = g.split(starts[mid] - starts[lo]);
         let (ra, rb) =
-            rayon::join(|| run_experts(m, starts, lo, mid, a, par), || run_experts(m, starts, mid, hi, b, par));
+            rayon::join(|| run_experts(m, w, starts, lo, mid, a, par), || run_experts(m, w, starts, mid, hi, b, par));
         return ra.and(rb);
     }
     let mut rest = g;
@@ -204,10 +237,10 @@ fn run_experts(m: &MoeLayer, starts: &[usize], lo: usize, hi: usize, g: Groups, 
         if rows == 0 {
             continue;
         }
-        let w = m.store.expert(m.layer, e)?;
+        let weights = m.store.view(&w.leases[w.lease_of[e] as usize])?;
         let x = Input { x: mine.x, q: mine.xq, cols: mine.d };
         let scratch = MlpScratch { g: mine.g, u: mine.u, hq: mine.hq };
-        gated_mlp(&w, &x, scratch, mine.outs, !par); // [rows, D]
+        gated_mlp(&weights, &x, scratch, mine.outs, !par); // [rows, D]
     }
     Ok(())
 }
@@ -221,13 +254,11 @@ pub fn moe_forward(m: &MoeLayer, x: &Input, s: &mut MoeScratch, out: &mut [f32])
     let logits = &mut s.logits[..n * e_n];
     matmul(router, x, logits); // [n, E]
     for t in 0..n {
-        route(
-            &logits[t * e_n..(t + 1) * e_n],
-            spec,
-            &mut s.probs,
-            &mut s.ids[t * k..(t + 1) * k],
-            &mut s.weights[t * k..(t + 1) * k],
-        );
+        let ids = &mut s.ids[t * k..(t + 1) * k];
+        route(&logits[t * e_n..(t + 1) * e_n], spec, &mut s.probs, ids, &mut s.weights[t * k..(t + 1) * k]);
+        if let Some(tel) = m.telemetry {
+            tel.record(ids, top2_margin(&s.probs, ids));
+        }
     }
     // Counting sort of the n·K (token, rank) pairs by expert.
     s.starts.fill(0);
@@ -256,22 +287,56 @@ pub fn moe_forward(m: &MoeLayer, x: &Input, s: &mut MoeScratch, out: &mut [f32])
     }
     let f = s.g.len() / s.order.len().max(1);
     let fq = f / 32;
-    let nk = n * k;
-    let groups = Groups {
-        x: &s.gathered[..nk * d],
-        xq: &s.gathered_q[..nk * dq],
-        g: &mut s.g[..nk * f],
-        u: &mut s.u[..nk * f],
-        hq: &mut s.hq[..nk * fq],
-        outs: &mut s.outs[..nk * d],
-        d,
-        dq,
-        f,
-        fq,
-    };
-    let active = (0..e_n).filter(|&e| s.starts[e + 1] > s.starts[e]).count();
-    let par = rayon::current_num_threads() > 1 && active > 1;
-    run_experts(m, &s.starts, 0, e_n, groups, par)?;
+    s.active.clear();
+    s.active.extend((0..e_n as u32).filter(|&e| s.starts[e as usize + 1] > s.starts[e as usize]));
+    m.store.begin_layer(m.layer);
+    // Waves: lease as many of the active experts as the store can hold (the
+    // first lease may wait for room, the others may not), run them side by
+    // side, give the slots back, repeat.
+    let mut done = 0;
+    while done < s.active.len() {
+        s.leases.clear();
+        for (i, &e) in s.active[done..].iter().enumerate() {
+            match m.store.lease(m.layer, e as usize, s.leases.is_empty()) {
+                Ok(Some(l)) => {
+                    s.lease_of[e as usize] = i as u32;
+                    s.leases.push(l);
+                }
+                Ok(None) => break,
+                Err(err) => {
+                    s.leases.clear();
+                    return Err(err);
+                }
+            }
+        }
+        let wave = &s.active[done..done + s.leases.len()];
+        let (Some(&first), Some(&last)) = (wave.first(), wave.last()) else {
+            return Err(crate::error::Error::InvalidInput(format!(
+                "expert store gave no lease for layer {} even when allowed to wait",
+                m.layer
+            )));
+        };
+        let (lo, hi) = (first as usize, last as usize + 1);
+        let (r0, r1) = (s.starts[lo], s.starts[hi]);
+        let groups = Groups {
+            x: &s.gathered[r0 * d..r1 * d],
+            xq: &s.gathered_q[r0 * dq..r1 * dq],
+            g: &mut s.g[r0 * f..r1 * f],
+            u: &mut s.u[r0 * f..r1 * f],
+            hq: &mut s.hq[r0 * fq..r1 * fq],
+            outs: &mut s.outs[r0 * d..r1 * d],
+            d,
+            dq,
+            f,
+            fq,
+        };
+        let par = rayon::current_num_threads() > 1 && wave.len() > 1;
+        let w = Wave { leases: &s.leases, lease_of: &s.lease_of };
+        let r = run_experts(m, &w, &s.starts, lo, hi, groups, par);
+        done += s.leases.len();
+        s.leases.clear(); // gives the slots back, also on error
+        r?;
+    }
     // Combine in rank order, independent of expert or thread order.
     for t in 0..n {
         let o = &mut out[t * d..(t + 1) * d];
@@ -284,6 +349,39 @@ pub fn moe_forward(m: &MoeLayer, x: &Input, s: &mut MoeScratch, out: &mut [f32])
         }
     }
     Ok(())
+}
+
+/// p(first choice) − p(second choice) of one token, from the softmax
+/// probabilities `probs` and its ranked choices `ids`.
+fn top2_margin(probs: &[f32], ids: &[u32]) -> f32 {
+    let p1 = probs[ids[0] as usize];
+    let p2 = if ids.len() > 1 {
+        probs[ids[1] as usize]
+    } else {
+        let best = ids[0] as usize;
+        probs.iter().enumerate().filter(|&(e, _)| e != best).map(|(_, &p)| p).fold(0.0, f32::max)
+    };
+    p1 - p2
+}
+
+/// Predicts which experts a layer's router picks for the first `n` rows of
+/// `s.pred_x` (its expected input): the unique ids, ascending, in `s.pred`.
+/// Uses the routing scratch, which [`moe_forward`] overwrites before reading.
+pub fn predict<'s>(router: &Matrix, spec: &RouterSpec, n: usize, s: &'s mut MoeScratch) -> &'s [u32] {
+    let (e_n, k, d) = (router.rows, spec.top_k, router.cols);
+    let logits = &mut s.logits[..n * e_n];
+    matmul(router, &Input::plain(&s.pred_x[..n * d], d), logits); // [n, E]
+    s.mark.fill(false);
+    for t in 0..n {
+        let ids = &mut s.ids[t * k..(t + 1) * k];
+        route(&logits[t * e_n..(t + 1) * e_n], spec, &mut s.probs, ids, &mut s.weights[t * k..(t + 1) * k]);
+        for &e in ids.iter() {
+            s.mark[e as usize] = true;
+        }
+    }
+    s.pred.clear();
+    s.pred.extend((0..e_n as u32).filter(|&e| s.mark[e as usize]));
+    &s.pred
 }
 
 #[cfg(test)]
@@ -308,6 +406,13 @@ mod tests {
                 assert_eq!(idx, all[..k], "e={e} k={k}");
             }
         }
+    }
+
+    #[test]
+    fn margin_is_between_the_two_best() {
+        let probs = [0.1f32, 0.6, 0.05, 0.25];
+        assert!((top2_margin(&probs, &[1, 3]) - 0.35).abs() < 1e-6);
+        assert!((top2_margin(&probs, &[1]) - 0.35).abs() < 1e-6);
     }
 
     #[test]

@@ -1,0 +1,473 @@
+//! The expert store (DESIGN.md seam 5): the one place that decides where a
+//! routed expert's bytes come from.
+//!
+//! The MoE block leases expert (layer, e) from the store, views its three
+//! matrices, and drops the lease when the expert has run. Two stores exist:
+//!
+//! - [`ResidentStore`]: every expert is a view into the mapped file (no
+//!   budget, or a budget that holds all experts).
+//! - `StreamStore` (`stream.rs`): a RAM budget of fixed slots, allocated once
+//!   at open, filled by positioned reads of whole expert slabs, with a
+//!   per-layer LRU, a hot set pinned from persisted routing heat, and a
+//!   one-layer-ahead prefetch on background I/O threads.
+//!
+//! A store may change speed, never the numbers: whatever it returns must be
+//! the bytes in the file, so outputs are bit-identical under any budget and
+//! policy (tested in `tests.rs`).
+//!
+//! Leases and deadlock freedom: a slot with a live lease is never evicted,
+//! so a lease request can block until another lease drops. Requests are made
+//! by the thread that runs a MoE block, before it fans the experts out, and
+//! only the first request of a wave may block; a thread already inside
+//! expert work (which rayon can nest through work stealing) never blocks but
+//! reads into a temporary buffer instead (counted as `overflow_reads`).
+
+mod dense;
+pub mod heat;
+mod io;
+pub mod plan;
+mod stream;
+pub mod telemetry;
+#[cfg(test)]
+mod tests;
+
+use std::cell::Cell;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use super::blocks::ffn::Mlp;
+use super::config::{FfnSpec, ModelConfig};
+use super::tensors::{ExpertTensor, TensorId};
+use super::{TensorRef, matrix, tensor_ref};
+use crate::error::{Error, Result};
+use crate::format::reader::ColibriFile;
+pub(crate) use dense::DenseCopy;
+pub use heat::{Heat, heat_path_for};
+use io::AlignedBuf;
+pub use plan::{Plan, human, plan, plan_path};
+use stream::{StreamSetup, StreamStore};
+pub use telemetry::{LayerRouting, LayerStoreStats, RoutingStats, StoreStats};
+
+/// The three matrices of one routed expert.
+pub type ExpertView<'a> = Mlp<'a>;
+
+/// Which caching policies a streaming store uses. Each can be switched off
+/// to measure what it buys; none changes a single output bit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Policy {
+    /// Keep used experts in their slots and evict the least recently used
+    /// one of the layer (each layer keeps a fair share of the slots). Off:
+    /// an unpinned expert is dropped as soon as its lease ends, so every
+    /// lookup not covered by pinning or prefetch reads (the streaming
+    /// baseline).
+    pub lru: bool,
+    /// Pin the hottest experts of the persisted heat file (up to half the
+    /// slots) and never evict them.
+    pub pin_hot: bool,
+    /// Run the next layer's router on the current hidden state and read its
+    /// predicted experts on background I/O threads while this layer computes.
+    pub prefetch: bool,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy { lru: true, pin_hot: true, prefetch: true }
+    }
+}
+
+impl Policy {
+    /// All eight combinations.
+    pub fn all() -> impl Iterator<Item = Policy> {
+        (0..8u8).map(|b| Policy { lru: b & 1 != 0, pin_hot: b & 2 != 0, prefetch: b & 4 != 0 })
+    }
+}
+
+/// How expert slabs are read from the file.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IoMode {
+    /// Through the OS page cache (repeated reads may come from RAM the budget
+    /// does not count; the cache is reclaimable).
+    #[default]
+    Buffered,
+    /// Bypassing the page cache (O_DIRECT on Linux, F_NOCACHE on macOS,
+    /// FILE_FLAG_NO_BUFFERING on Windows): the budget is the whole story.
+    /// Whether it is faster depends on the drive; opening fails with a clear
+    /// error where the OS or filesystem refuses it.
+    Direct,
+}
+
+impl IoMode {
+    /// Parses "buffered" or "direct".
+    pub fn parse(s: &str) -> Result<IoMode> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "buffered" => Ok(IoMode::Buffered),
+            "direct" | "unbuffered" => Ok(IoMode::Direct),
+            _ => Err(Error::InvalidInput(format!("io mode {s:?} is not known: use \"buffered\" or \"direct\""))),
+        }
+    }
+}
+
+/// Where routing heat is persisted.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum HeatFile {
+    /// Beside the model: `model.colibri.heat`.
+    #[default]
+    Beside,
+    /// At this path.
+    At(PathBuf),
+    /// Neither read nor written.
+    Off,
+}
+
+/// How a model's routed experts are placed (`Model::open_with`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StoreOptions {
+    /// RAM for routed experts, in bytes. `None`, or a budget that holds every
+    /// expert: all resident through the mapping. Below K + 1 experts: an error.
+    pub ram_budget: Option<u64>,
+    /// Caching policies (streaming only).
+    pub policy: Policy,
+    /// Buffered or unbuffered reads (streaming only).
+    pub io: IoMode,
+    /// Where heat is read from at open and saved to when the model is dropped
+    /// (streaming only).
+    pub heat_file: HeatFile,
+    /// Background I/O threads for prefetch and warming the hot set; 0 = 2.
+    pub io_threads: usize,
+}
+
+/// The right to use one expert's bytes. While a lease lives, its slot is
+/// neither evicted nor overwritten; dropping it gives the slot back. Only a
+/// store makes leases, and views of a lease cannot outlive it.
+pub struct Lease {
+    layer: u32,
+    expert: u32,
+    place: Place,
+}
+
+enum Place {
+    /// A view into the mapping.
+    Resident,
+    /// A slot of a streaming store.
+    Slot { shared: Arc<stream::Shared>, slot: u32 },
+    /// A buffer of its own (a read taken instead of a wait that could deadlock).
+    Own(AlignedBuf),
+}
+
+impl Lease {
+    fn new(layer: usize, expert: usize, place: Place) -> Lease {
+        Lease { layer: layer as u32, expert: expert as u32, place }
+    }
+
+    /// Layer of the leased expert.
+    pub fn layer(&self) -> usize {
+        self.layer as usize
+    }
+
+    /// Index of the leased expert within its layer.
+    pub fn expert(&self) -> usize {
+        self.expert as usize
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if let Place::Slot { shared, slot } = &self.place {
+            shared.release(*slot as usize);
+        }
+    }
+}
+
+impl std::fmt::Debug for Lease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lease").field("layer", &self.layer).field("expert", &self.expert).finish_non_exhaustive()
+    }
+}
+
+/// Supplies routed experts' weights to the MoE block. Used concurrently from
+/// rayon workers, hence `Send + Sync`.
+pub trait ExpertStore: Send + Sync {
+    /// Leases expert `expert` of `layer`. With `wait`, blocks until a slot is
+    /// free (or reads into a buffer of its own where blocking could deadlock)
+    /// and always returns a lease; without, returns `None` when every slot is
+    /// in use, so a caller holding leases can run them first.
+    fn lease(&self, layer: usize, expert: usize, wait: bool) -> Result<Option<Lease>>;
+
+    /// The matrices of a leased expert, reading them first if needed (an I/O
+    /// failure is an [`Error::ExpertRead`]). Cheap once loaded.
+    fn view<'a>(&'a self, lease: &'a Lease) -> Result<ExpertView<'a>>;
+
+    /// The MoE block of `layer` is about to lease its experts: predictions for
+    /// this layer not yet read are stale now.
+    fn begin_layer(&self, _layer: usize) {}
+
+    /// A hint that these experts of `layer` are needed soon.
+    fn prefetch(&self, _layer: usize, _experts: &[u32]) {}
+
+    /// True when [`ExpertStore::prefetch`] does anything (so the forward pass
+    /// can skip computing predictions).
+    fn wants_prefetch(&self) -> bool {
+        false
+    }
+
+    /// Counters so far.
+    fn stats(&self) -> StoreStats;
+}
+
+/// One expert held for as long as the guard lives.
+pub struct ExpertGuard<'a> {
+    store: &'a dyn ExpertStore,
+    lease: Lease,
+}
+
+impl ExpertGuard<'_> {
+    /// The expert's matrices (loaded when the guard was made, so this only
+    /// fails if the store breaks its contract).
+    pub fn view(&self) -> Result<ExpertView<'_>> {
+        self.store.view(&self.lease)
+    }
+}
+
+impl dyn ExpertStore + '_ {
+    /// Leases expert `e` of `layer`, waiting for a slot if needed, and loads
+    /// it. A convenience for code that uses one expert at a time; the MoE
+    /// block leases a whole wave of experts instead.
+    pub fn expert(&self, layer: usize, e: usize) -> Result<ExpertGuard<'_>> {
+        let lease = self.lease(layer, e, true)?.ok_or_else(|| {
+            Error::InvalidInput(format!("expert store returned no lease for expert {e} of layer {layer}"))
+        })?;
+        self.view(&lease)?;
+        Ok(ExpertGuard { store: self, lease })
+    }
+}
+
+thread_local! {
+    /// Depth of expert work on this thread (waves being run, stolen halves
+    /// of them). See the module docs.
+    static BUSY: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Marks the current thread as running expert work until dropped.
+pub(crate) struct Busy(());
+
+impl Busy {
+    pub(crate) fn enter() -> Busy {
+        BUSY.with(|b| b.set(b.get() + 1));
+        Busy(())
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        BUSY.with(|b| b.set(b.get() - 1));
+    }
+}
+
+/// Whether this thread is inside expert work, so must not block on a slot.
+pub(crate) fn busy() -> bool {
+    BUSY.with(|b| b.get() > 0)
+}
+
+/// Every expert resident through the file mapping.
+pub struct ResidentStore {
+    file: Arc<ColibriFile>,
+    /// refs[layer][expert] = [gate, up, down]; empty for dense layers.
+    refs: Vec<Vec<[TensorRef; 3]>>,
+    lookups: Vec<std::sync::atomic::AtomicU64>,
+}
+
+impl ResidentStore {
+    /// Resolves every expert of every MoE layer of `cfg` in `file`.
+    pub fn new(file: Arc<ColibriFile>, cfg: &ModelConfig) -> Result<ResidentStore> {
+        let mut refs = Vec::with_capacity(cfg.layers.len());
+        for (l, spec) in cfg.layers.iter().enumerate() {
+            let n = match (&spec.ffn, &cfg.moe) {
+                (FfnSpec::Moe, Some(m)) => m.num_experts,
+                _ => 0,
+            };
+            let mut layer = Vec::with_capacity(n);
+            for e in 0..n {
+                let r = |x| tensor_ref(&file, TensorId::Expert(l, e, x));
+                layer.push([r(ExpertTensor::Gate)?, r(ExpertTensor::Up)?, r(ExpertTensor::Down)?]);
+            }
+            refs.push(layer);
+        }
+        let lookups = (0..refs.len()).map(|_| Default::default()).collect();
+        Ok(ResidentStore { file, refs, lookups })
+    }
+}
+
+impl ExpertStore for ResidentStore {
+    fn lease(&self, layer: usize, expert: usize, _wait: bool) -> Result<Option<Lease>> {
+        self.lookups[layer].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(Some(Lease::new(layer, expert, Place::Resident)))
+    }
+
+    fn view<'a>(&'a self, lease: &'a Lease) -> Result<ExpertView<'a>> {
+        if !matches!(lease.place, Place::Resident) {
+            return Err(Error::InvalidInput("an expert lease was used with a store that did not issue it".into()));
+        }
+        let [g, u, d] = self.refs[lease.layer()][lease.expert()];
+        Ok(ExpertView { gate: matrix(&self.file, g), up: matrix(&self.file, u), down: matrix(&self.file, d) })
+    }
+
+    fn stats(&self) -> StoreStats {
+        let layers: Vec<LayerStoreStats> = self
+            .lookups
+            .iter()
+            .enumerate()
+            .map(|(layer, n)| (layer, n.load(std::sync::atomic::Ordering::Relaxed)))
+            .filter(|&(_, n)| n > 0)
+            .map(|(layer, hits)| LayerStoreStats { layer, hits, misses: 0, bytes_read: 0 })
+            .collect();
+        let hits = layers.iter().map(|l| l.hits).sum();
+        StoreStats { lookups: hits, hits, hit_rate: if hits > 0 { 1.0 } else { 0.0 }, layers, ..Default::default() }
+    }
+}
+
+/// Heat bookkeeping of a streaming model.
+pub(crate) struct HeatState {
+    /// Where to save.
+    pub(crate) path: PathBuf,
+    /// The model's identity, recorded in the file (read once at open, so
+    /// saving never touches the model file).
+    pub(crate) identity: heat::ModelIdentity,
+    /// What the file held at open (added to this run's counts on save).
+    pub(crate) base: Option<Heat>,
+}
+
+/// How an opened model's experts are placed.
+pub(crate) struct Placement {
+    pub(crate) experts: Box<dyn ExpertStore>,
+    pub(crate) dense: Option<DenseCopy>,
+    pub(crate) heat: Option<HeatState>,
+    pub(crate) warnings: Vec<String>,
+}
+
+/// Decides and builds the placement of `file`'s experts under `opts`.
+pub(crate) fn place(file: &Arc<ColibriFile>, opts: &StoreOptions) -> Result<Placement> {
+    let geo = plan::Geometry::of(file);
+    let slots = match opts.ram_budget {
+        Some(b) => geo.slots_for(b)?,
+        None => None,
+    };
+    let cfg = &file.meta().config;
+    let Some(slots) = slots else {
+        return Ok(Placement {
+            experts: Box::new(ResidentStore::new(file.clone(), cfg)?),
+            dense: None,
+            heat: None,
+            warnings: Vec::new(),
+        });
+    };
+    let mut warnings = Vec::new();
+    let handle = std::fs::File::open(file.path()).map_err(|e| Error::io(file.path(), e))?;
+    let identity = heat::ModelIdentity::read(&handle, file.data_offset()).map_err(|e| Error::io(file.path(), e))?;
+    // Everything from here on reads through `handle`: it must be the file
+    // that was mapped and validated, not one renamed over it since.
+    if identity.file_len != file.file_len() || identity.head_hash != io::fnv1a(file.head_bytes()) {
+        return Err(Error::format(file.path(), "the file changed while it was being opened; try again"));
+    }
+    let heat_path = match &opts.heat_file {
+        HeatFile::Beside => Some(heat_path_for(file.path())),
+        HeatFile::At(p) => Some(p.clone()),
+        HeatFile::Off => None,
+    };
+    let base = heat_path.as_ref().and_then(|p| match heat::load_heat(p, file, identity) {
+        Ok(h) => h,
+        Err(w) => {
+            eprintln!("colibri: warning: {w}");
+            warnings.push(w);
+            None
+        }
+    });
+    let mut pinned = Vec::new();
+    if opts.policy.pin_hot
+        && let Some(h) = &base
+    {
+        let mut ranked: Vec<(u64, usize, usize)> = Vec::new();
+        for (l, spec) in cfg.layers.iter().enumerate() {
+            if matches!(spec.ffn, FfnSpec::Moe) {
+                ranked.extend((0..geo.experts_per_layer).map(|e| (h.get(l, e), l, e)).filter(|x| x.0 > 0));
+            }
+        }
+        ranked.sort_unstable_by(|a, b| b.0.cmp(&a.0).then((a.1, a.2).cmp(&(b.1, b.2))));
+        pinned = ranked.iter().take(geo.pin_capacity(slots)).map(|&(_, l, e)| (l, e)).collect();
+    }
+    let dense = DenseCopy::read(file, &handle)?;
+    let setup = StreamSetup {
+        identity,
+        budget: opts.ram_budget.unwrap_or(0),
+        slots,
+        slot_bytes: geo.slot_bytes as usize,
+        policy: opts.policy,
+        io: opts.io,
+        io_threads: if opts.io_threads == 0 { 2 } else { opts.io_threads },
+        pinned,
+    };
+    Ok(Placement {
+        experts: Box::new(StreamStore::new(file, setup)?),
+        dense: Some(dense),
+        heat: heat_path.map(|path| HeatState { path, identity, base }),
+        warnings,
+    })
+}
+
+/// Parses a byte count: a plain integer of bytes, or a number (decimals
+/// allowed) with a unit: B, KB/MB/GB/TB (powers of 1000) or KiB/MiB/GiB/TiB
+/// (powers of 1024), case-insensitive, optionally separated by spaces
+/// ("4GB", "1.5 GiB", "512MiB", "4000000000").
+pub fn parse_bytes(s: &str) -> Result<u64> {
+    let bad = |why: &str| {
+        Error::InvalidInput(format!(
+            "cannot read {s:?} as a size: {why} (write e.g. \"4GB\", \"1.5GiB\", \"512MiB\" or a number of bytes)"
+        ))
+    };
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = (&t[..split], t[split..].trim());
+    if num.is_empty() {
+        return Err(bad("no number"));
+    }
+    let mult: u64 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        "kib" => 1 << 10,
+        "mib" => 1 << 20,
+        "gib" => 1 << 30,
+        "tib" => 1 << 40,
+        "k" | "m" | "g" | "t" => {
+            return Err(bad(&format!(
+                "unit {unit:?} is ambiguous; say {unit}B (powers of 1000) or {unit}iB (powers of 1024)"
+            )));
+        }
+        _ => return Err(bad(&format!("unknown unit {unit:?}"))),
+    };
+    let (whole, frac) = match num.split_once('.') {
+        Some((w, f)) => (w, f),
+        None => (num, ""),
+    };
+    if frac.contains('.') || (whole.is_empty() && frac.is_empty()) {
+        return Err(bad("malformed number"));
+    }
+    let too_big = || bad("too large");
+    let w: u64 = if whole.is_empty() { 0 } else { whole.parse().map_err(|_| too_big())? };
+    let mut n = w.checked_mul(mult).ok_or_else(too_big)?;
+    if !frac.is_empty() {
+        // Exact for up to 18 fractional digits; the result is floored to whole bytes.
+        let digits = &frac[..frac.len().min(18)];
+        let f: u128 = digits.parse().map_err(|_| bad("malformed number"))?;
+        let part = f * mult as u128 / 10u128.pow(digits.len() as u32);
+        n = n.checked_add(part as u64).ok_or_else(too_big)?;
+        if mult == 1 && f != 0 {
+            return Err(bad("a fraction of a byte"));
+        }
+    }
+    Ok(n)
+}

@@ -1,0 +1,308 @@
+//! What the router and the expert store did, counted while running and
+//! reported as plain serialisable structs ([`RoutingStats`], [`StoreStats`]).
+//!
+//! Counting is lock-free: relaxed atomics per layer and expert, bumped by the
+//! thread that routes a chunk (K increments per token and layer). Totals are
+//! exact; a snapshot taken while another thread runs may mix before and after.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+use serde::Serialize;
+
+use super::{IoMode, Policy};
+
+/// Buckets of the top-1/top-2 margin histogram, evenly spaced over [0, 1].
+pub const MARGIN_BUCKETS: usize = 10;
+/// Fixed-point scale of summed margins.
+const MARGIN_SCALE: f64 = 1e9;
+
+/// Routing counters of one layer.
+pub(crate) struct LayerTelemetry {
+    /// Times each expert was chosen.
+    pub(crate) counts: Vec<AtomicU64>,
+    /// Tokens routed.
+    tokens: AtomicU64,
+    /// Σ (p_top1 − p_top2) in units of 1/MARGIN_SCALE.
+    margin_sum: AtomicU64,
+    margin_hist: [AtomicU64; MARGIN_BUCKETS],
+}
+
+impl LayerTelemetry {
+    fn new(experts: usize) -> LayerTelemetry {
+        LayerTelemetry {
+            counts: (0..experts).map(|_| AtomicU64::new(0)).collect(),
+            tokens: AtomicU64::new(0),
+            margin_sum: AtomicU64::new(0),
+            margin_hist: Default::default(),
+        }
+    }
+
+    /// One token's routing: its chosen experts and the probability margin
+    /// between its first and second choice.
+    #[inline]
+    pub(crate) fn record(&self, ids: &[u32], margin: f32) {
+        for &e in ids {
+            self.counts[e as usize].fetch_add(1, Relaxed);
+        }
+        self.tokens.fetch_add(1, Relaxed);
+        let m = margin.clamp(0.0, 1.0) as f64;
+        self.margin_sum.fetch_add((m * MARGIN_SCALE) as u64, Relaxed);
+        let b = ((m * MARGIN_BUCKETS as f64) as usize).min(MARGIN_BUCKETS - 1);
+        self.margin_hist[b].fetch_add(1, Relaxed);
+    }
+}
+
+/// Routing counters of a model, always on (resident or streaming).
+pub(crate) struct Telemetry {
+    /// Tokens that went through the forward pass.
+    pub(crate) tokens: AtomicU64,
+    /// One per decoder layer; dense layers have no experts.
+    pub(crate) layers: Vec<LayerTelemetry>,
+}
+
+impl Telemetry {
+    /// Counters for `experts_per_layer[l]` experts in layer l.
+    pub(crate) fn new(experts_per_layer: impl Iterator<Item = usize>) -> Telemetry {
+        Telemetry { tokens: AtomicU64::new(0), layers: experts_per_layer.map(LayerTelemetry::new).collect() }
+    }
+
+    /// This run's count of expert e of layer l.
+    pub(crate) fn count(&self, l: usize, e: usize) -> u64 {
+        self.layers[l].counts[e].load(Relaxed)
+    }
+
+    pub(crate) fn snapshot(&self) -> RoutingStats {
+        let layers = self
+            .layers
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| !t.counts.is_empty())
+            .map(|(layer, t)| {
+                let heat: Vec<u64> = t.counts.iter().map(|c| c.load(Relaxed)).collect();
+                let tokens = t.tokens.load(Relaxed);
+                let total: u64 = heat.iter().sum();
+                let entropy_bits = if total == 0 {
+                    0.0
+                } else {
+                    heat.iter()
+                        .filter(|&&c| c > 0)
+                        .map(|&c| {
+                            let p = c as f64 / total as f64;
+                            -p * p.log2()
+                        })
+                        .sum()
+                };
+                let max_bits = (heat.len() as f64).log2();
+                let margin_sum = t.margin_sum.load(Relaxed) as f64 / MARGIN_SCALE;
+                LayerRouting {
+                    layer,
+                    tokens,
+                    entropy_bits,
+                    entropy: if max_bits > 0.0 { entropy_bits / max_bits } else { 0.0 },
+                    mean_margin: if tokens > 0 { margin_sum / tokens as f64 } else { 0.0 },
+                    margin_histogram: t.margin_hist.iter().map(|h| h.load(Relaxed)).collect(),
+                    heat,
+                }
+            })
+            .collect();
+        RoutingStats { tokens: self.tokens.load(Relaxed), layers }
+    }
+}
+
+/// Routing telemetry of a model (`Engine.routing_stats()`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct RoutingStats {
+    /// Tokens that went through the forward pass since the model was opened.
+    pub tokens: u64,
+    /// One entry per MoE layer.
+    pub layers: Vec<LayerRouting>,
+}
+
+/// Routing telemetry of one MoE layer.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct LayerRouting {
+    /// Decoder layer index.
+    pub layer: usize,
+    /// Tokens routed through this layer.
+    pub tokens: u64,
+    /// Times each expert was chosen (its heat), indexed by expert.
+    pub heat: Vec<u64>,
+    /// Shannon entropy of the experts' share of choices, in bits.
+    pub entropy_bits: f64,
+    /// The same divided by log2(E): 1 = every expert used equally, 0 = one
+    /// expert takes everything (or nothing routed yet).
+    pub entropy: f64,
+    /// Mean over tokens of p(first choice) − p(second choice), router
+    /// softmax probabilities before any renormalisation. Small margins mean
+    /// routing decisions that a tiny numerical change could flip.
+    pub mean_margin: f64,
+    /// Tokens per margin bucket: bucket i holds margins in [i/10, (i+1)/10).
+    pub margin_histogram: Vec<u64>,
+}
+
+/// Counters of one layer of a streaming store.
+#[derive(Default)]
+pub(crate) struct LayerCounters {
+    pub(crate) hits: AtomicU64,
+    pub(crate) misses: AtomicU64,
+    pub(crate) bytes_read: AtomicU64,
+}
+
+/// Counters of a streaming store.
+#[derive(Default)]
+pub(crate) struct StoreCounters {
+    pub(crate) reads: AtomicU64,
+    pub(crate) bytes_read: AtomicU64,
+    pub(crate) read_ns: AtomicU64,
+    pub(crate) io_wait_ns: AtomicU64,
+    pub(crate) slot_wait_ns: AtomicU64,
+    pub(crate) slot_waits: AtomicU64,
+    pub(crate) overflow_reads: AtomicU64,
+    pub(crate) read_errors: AtomicU64,
+    pub(crate) reopens: AtomicU64,
+    pub(crate) predicted: AtomicU64,
+    pub(crate) predicted_used: AtomicU64,
+    pub(crate) prefetch_reads: AtomicU64,
+    pub(crate) prefetch_reads_used: AtomicU64,
+    pub(crate) prefetch_reads_wasted: AtomicU64,
+    pub(crate) prefetch_dropped: AtomicU64,
+    pub(crate) prefetch_errors: AtomicU64,
+    pub(crate) layers: Vec<LayerCounters>,
+}
+
+impl StoreCounters {
+    pub(crate) fn new(layers: usize) -> StoreCounters {
+        StoreCounters { layers: (0..layers).map(|_| LayerCounters::default()).collect(), ..Default::default() }
+    }
+
+    /// The counters as a report (store geometry filled in by the caller).
+    pub(crate) fn fill(&self, s: &mut StoreStats) {
+        let g = |a: &AtomicU64| a.load(Relaxed);
+        let secs = |a: &AtomicU64| a.load(Relaxed) as f64 * 1e-9;
+        s.layers = self
+            .layers
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| g(&c.hits) + g(&c.misses) > 0)
+            .map(|(layer, c)| LayerStoreStats {
+                layer,
+                hits: g(&c.hits),
+                misses: g(&c.misses),
+                bytes_read: g(&c.bytes_read),
+            })
+            .collect();
+        s.hits = s.layers.iter().map(|l| l.hits).sum();
+        s.misses = s.layers.iter().map(|l| l.misses).sum();
+        s.lookups = s.hits + s.misses;
+        s.hit_rate = ratio(s.hits, s.lookups);
+        s.reads = g(&self.reads);
+        s.bytes_read = g(&self.bytes_read);
+        s.read_seconds = secs(&self.read_ns);
+        s.io_wait_seconds = secs(&self.io_wait_ns);
+        s.slot_wait_seconds = secs(&self.slot_wait_ns);
+        s.slot_waits = g(&self.slot_waits);
+        s.overflow_reads = g(&self.overflow_reads);
+        s.read_errors = g(&self.read_errors);
+        s.reopens = g(&self.reopens);
+        s.prefetch_predicted = g(&self.predicted);
+        s.prefetch_predicted_used = g(&self.predicted_used);
+        s.prefetch_accuracy = ratio(s.prefetch_predicted_used, s.prefetch_predicted);
+        s.prefetch_reads = g(&self.prefetch_reads);
+        s.prefetch_reads_used = g(&self.prefetch_reads_used);
+        s.prefetch_reads_wasted = g(&self.prefetch_reads_wasted);
+        s.prefetch_dropped = g(&self.prefetch_dropped);
+        s.prefetch_errors = g(&self.prefetch_errors);
+    }
+}
+
+pub(crate) fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 { 0.0 } else { a as f64 / b as f64 }
+}
+
+/// What the expert store did (`colibri stats`). Counters start at zero when
+/// the model is opened; diff two snapshots to measure a stretch of work.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct StoreStats {
+    /// Routed experts are read from the file into a RAM budget (false: all
+    /// resident through the mapping, and every lookup is a hit).
+    pub streaming: bool,
+    /// Buffered or unbuffered reads.
+    pub io: IoMode,
+    /// The policies in force.
+    pub policy: Policy,
+    /// The RAM budget for routed experts, in bytes (0 when resident).
+    pub budget_bytes: u64,
+    /// Bytes of one slot (an expert slab rounded up to a page).
+    pub slot_bytes: u64,
+    /// Slots in the cache (allocated once at open).
+    pub slots: usize,
+    /// Slots reserved for the hot set chosen from the heat file.
+    pub pinned: usize,
+    /// Expert lookups by the MoE block (one per unique expert per chunk).
+    pub lookups: u64,
+    /// Lookups that found the expert in a slot, loaded or being loaded.
+    pub hits: u64,
+    /// Lookups that had to read the expert.
+    pub misses: u64,
+    /// hits / lookups.
+    pub hit_rate: f64,
+    /// Forward-pass tokens since open.
+    pub tokens: u64,
+    /// Positioned reads of expert slabs (on any thread, prefetch included).
+    pub reads: u64,
+    /// Bytes those reads fetched.
+    pub bytes_read: u64,
+    /// bytes_read / tokens.
+    pub bytes_read_per_token: f64,
+    /// Time spent inside reads, summed over all threads.
+    pub read_seconds: f64,
+    /// Time compute threads were blocked on expert bytes: their own reads
+    /// and waits for reads in flight on the I/O threads.
+    pub io_wait_seconds: f64,
+    /// Time spent waiting for a free slot (only when every slot is in use).
+    pub slot_wait_seconds: f64,
+    /// How many times a free slot had to be waited for.
+    pub slot_waits: u64,
+    /// Reads into a temporary buffer beyond the budget, taken instead of
+    /// waiting when waiting could deadlock (nested work on a busy thread).
+    pub overflow_reads: u64,
+    /// Reads that failed (the error went to the caller).
+    pub read_errors: u64,
+    /// Times the model file was reopened after a failed read (and found to
+    /// be the same model).
+    pub reopens: u64,
+    /// Experts predicted by the one-layer-ahead router.
+    pub prefetch_predicted: u64,
+    /// Predicted experts that the layer then used.
+    pub prefetch_predicted_used: u64,
+    /// prefetch_predicted_used / prefetch_predicted.
+    pub prefetch_accuracy: f64,
+    /// Reads issued by the prefetcher.
+    pub prefetch_reads: u64,
+    /// Prefetched experts that were used before being evicted.
+    pub prefetch_reads_used: u64,
+    /// Prefetched experts evicted without being used.
+    pub prefetch_reads_wasted: u64,
+    /// Predictions not read: no slot could be spared, or the layer had
+    /// already started.
+    pub prefetch_dropped: u64,
+    /// Prefetch reads that failed (the later lookup reads again and reports).
+    pub prefetch_errors: u64,
+    /// Per MoE layer.
+    pub layers: Vec<LayerStoreStats>,
+    /// Things the user should know (an ignored heat file, …).
+    pub warnings: Vec<String>,
+}
+
+/// Store counters of one MoE layer.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct LayerStoreStats {
+    /// Decoder layer index.
+    pub layer: usize,
+    /// Lookups served from a slot.
+    pub hits: u64,
+    /// Lookups that read.
+    pub misses: u64,
+    /// Bytes read for this layer.
+    pub bytes_read: u64,
+}
