@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from ._colibri import __version__, supported_architectures, supported_dtypes
-from ._engine import Engine, convert
+from ._engine import Engine, convert, plan
 from ._errors import (
     ChatTemplateError,
     CheckpointError,
@@ -45,6 +45,7 @@ __all__ = [
     "UnsupportedModelError",
     "__version__",
     "convert",
+    "plan",
     "supported_architectures",
     "supported_dtypes",
 ]

@@ -113,6 +113,32 @@ def _demo_path() -> Path:
     return Path(str(files("colibri") / "data" / "demo.colibri"))
 
 
+def _budget_bytes(ram_budget: int | str | None) -> int | None:
+    """A RAM budget as bytes: ints pass through, strings such as "4GB" are parsed."""
+    if ram_budget is None:
+        return None
+    if isinstance(ram_budget, str):
+        return int(_colibri.parse_bytes(ram_budget))
+    if isinstance(ram_budget, bool) or not isinstance(ram_budget, int) or ram_budget <= 0:
+        raise InvalidInputError(
+            f"ram_budget must be a positive number of bytes or a size string, got {ram_budget!r}"
+        )
+    return ram_budget
+
+
+def plan(path: PathLike, ram_budget: int | str | None = None) -> dict[str, Any]:
+    """What opening ``path`` with ``ram_budget`` keeps resident and what it streams.
+
+    Returns a dict: ``dense_bytes`` (always resident), ``expert_bytes``,
+    ``slots`` and ``resident_bytes`` under the budget, ``streamed_bytes``,
+    ``min_budget`` (the smallest budget that runs: top_k + 1 experts),
+    ``expected_hit_rate`` and ``expected_bytes_per_token`` when decoding
+    (from the routing heat file beside the model when there is one, else
+    assuming uniform routing), and ``warnings``.
+    """
+    return dict(json.loads(_colibri.plan_json(os.fspath(path), _budget_bytes(ram_budget))))
+
+
 def _is_batch(prompt: Any) -> bool:
     """A list or tuple of prompts (strings or token-id sequences), not one token-id list."""
     if not isinstance(prompt, (list, tuple)) or not prompt:
@@ -130,15 +156,44 @@ class Engine:
     Args:
         path: a ``.colibri`` file made by :func:`colibri.convert`.
         threads: worker threads for compute (default: the number of physical cores).
+        ram_budget: RAM for routed experts, in bytes or as a string such as
+            ``"4GB"``. The dense part (embeddings, attention, routers, shared
+            experts, lm_head) stays resident on top of it; routed experts are
+            read from the file into a cache of that size as the router asks for
+            them. ``None`` (default), or a budget that holds every expert, keeps
+            the whole model resident. Placement never changes the output.
+        lru, pin_hot, prefetch: expert-cache policies when streaming: keep
+            recently used experts, pin the experts that routing heat (recorded
+            beside the model file across runs) says are hot, and read the next
+            layer's likely experts while the current layer computes.
+        io: ``"buffered"`` (through the OS page cache) or ``"direct"``
+            (unbuffered, where the OS supports it).
+        heat_file: where routing heat is kept (default: beside the model file,
+            ``MODEL.colibri.heat``), or ``"off"``.
     """
 
-    def __init__(self, path: PathLike, *, threads: int | None = None) -> None:
+    def __init__(
+        self,
+        path: PathLike,
+        *,
+        threads: int | None = None,
+        ram_budget: int | str | None = None,
+        lru: bool = True,
+        pin_hot: bool = True,
+        prefetch: bool = True,
+        io: str = "buffered",
+        heat_file: PathLike | None = None,
+    ) -> None:
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)):
             raise InvalidInputError(f"threads must be a positive integer or None, got {threads!r}")
         if threads is not None and threads < 1:
             raise InvalidInputError(f"threads must be at least 1, got {threads}")
         self._path = os.fspath(path)
-        self._native = _colibri.NativeEngine(self._path, threads)
+        budget = _budget_bytes(ram_budget)
+        heat = None if heat_file is None else os.fspath(heat_file)
+        self._native = _colibri.NativeEngine(
+            self._path, threads, budget, bool(lru), bool(pin_hot), bool(prefetch), str(io), heat
+        )
         self._meta = json.loads(self._native.metadata_json())
         self._lock = threading.Lock()
         self._codec: TextCodec | None = None
@@ -154,6 +209,7 @@ class Engine:
         cache_dir: PathLike | None = None,
         threads: int | None = None,
         progress: bool | None = None,
+        **options: Any,
     ) -> Engine:
         """Opens a Hugging Face checkpoint folder, converting it once.
 
@@ -167,20 +223,20 @@ class Engine:
 
         src = Path(os.fspath(model_dir))
         if src.is_file():
-            return cls(src, threads=threads)
+            return cls(src, threads=threads, **options)
         path = cached_conversion(src, dtype=dtype, cache_dir=cache_dir, progress=progress)
-        return cls(path, threads=threads)
+        return cls(path, threads=threads, **options)
 
     @classmethod
-    def demo(cls, *, threads: int | None = None) -> Engine:
-        """The small demo model that ships inside the package."""
+    def demo(cls, *, threads: int | None = None, **options: Any) -> Engine:
+        """The small demo model that ships inside the package (``options`` as for ``Engine``)."""
         path = _demo_path()
         if not path.is_file():
             raise ModelNotFoundError(
                 f"the demo model is not part of this installation (expected {path}); "
                 "reinstall colibri-moe from a wheel or a full checkout"
             )
-        return cls(path, threads=threads)
+        return cls(path, threads=threads, **options)
 
     def __repr__(self) -> str:
         return (
@@ -368,6 +424,22 @@ class Engine:
 
     # ------------------------------------------------------------------
     # Forward passes
+
+    def routing_stats(self) -> dict[str, Any]:
+        """How the router has chosen experts since the file was opened.
+
+        Per MoE layer: ``heat`` (times each expert was chosen), utilisation
+        entropy (bits, and normalised to [0, 1]), and the mean and histogram of
+        the margin between each token's top-1 and top-2 router probabilities.
+        """
+        return dict(json.loads(self._native.routing_stats_json()))
+
+    def store_stats(self) -> dict[str, Any]:
+        """Expert-cache figures since the file was opened: hits, misses,
+        ``hit_rate``, bytes read from disk per token, prefetch accuracy
+        (fraction of prefetched experts that were used), time waiting on I/O,
+        per layer and in total. All zero when the whole model is resident."""
+        return dict(json.loads(self._native.store_stats_json()))
 
     def logits(self, token_ids: TokenIds) -> np.ndarray:
         """Logits of every position of a fresh forward pass over ``token_ids``.

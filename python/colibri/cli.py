@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 
 from . import __version__
 from ._colibri import supported_dtypes
-from ._engine import Engine, convert
+from ._engine import Engine, convert, plan
 from ._errors import ColibriError
 
 
@@ -146,14 +146,15 @@ def _open_model(args: argparse.Namespace, positional: list[str]) -> tuple[Engine
     """The engine named by ``--demo`` or the first positional (a .colibri file
     or a Hugging Face folder, converted once into the cache); returns the
     positionals left over."""
+    store = {"ram_budget": args.ram, "io": args.io, "prefetch": not args.no_prefetch}
     if args.demo:
-        return Engine.demo(threads=args.threads), positional
+        return Engine.demo(threads=args.threads, **store), positional
     if not positional:
         raise _UsageError("give a model (a .colibri file or a Hugging Face folder), or --demo")
     model, rest = positional[0], positional[1:]
     if os.path.isdir(model):
-        return Engine.from_pretrained(model, threads=args.threads), rest
-    return Engine(model, threads=args.threads), rest
+        return Engine.from_pretrained(model, threads=args.threads, **store), rest
+    return Engine(model, threads=args.threads, **store), rest
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
@@ -208,6 +209,69 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         _write(piece)
     _write("\n")
     _report(args, stream)
+    if getattr(args, "stats", False):
+        _print_stats(engine, file=sys.stdout if args.command == "stats" else sys.stderr)
+    return 0
+
+
+def _print_stats(engine: Engine, file: Any) -> None:
+    """Routing and expert-store figures, one line per MoE layer."""
+    routing, store = engine.routing_stats(), engine.store_stats()
+    print("routing (since the model was opened)", file=file)
+    for layer in routing.get("layers", []):
+        heat = layer.get("heat", [])
+        hottest = sorted(range(len(heat)), key=lambda e: -heat[e])[:4]
+        print(
+            f"  layer {layer.get('layer')}: tokens {layer.get('tokens', 0)}, "
+            f"entropy {layer.get('entropy', 0.0):.3f} (normalised), "
+            f"top1-top2 margin {layer.get('mean_margin', 0.0):.3f}, hottest experts {hottest}",
+            file=file,
+        )
+    keys = ("hit_rate", "bytes_read_per_token", "prefetch_accuracy", "io_wait_seconds", "hits", "misses")
+    parts = []
+    for k in keys:
+        if k in store:
+            v = store[k]
+            parts.append(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}")
+    print(f"expert store: {', '.join(parts)}", file=file)
+    for w in store.get("warnings", []) or []:
+        print(f"warning: {w}", file=file)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    p = plan(args.model, args.ram)
+    if args.json:
+        print(json.dumps(p, indent=2))
+        return 0
+    h = _human
+    rows = [
+        ("model", f"{args.model} ({h(p['file_bytes'])})"),
+        ("dense part", f"{h(p['dense_bytes'])}, always resident"),
+        (
+            "routed experts",
+            f"{p['experts']} in {p['moe_layers']} layers, {h(p['expert_bytes'])} "
+            f"({h(p['slab_bytes'])} each), top-{p['top_k']}",
+        ),
+        ("smallest budget", h(p["min_budget"])),
+    ]
+    if p["streams"]:
+        rows += [
+            ("budget", f"{h(p['budget'])}: {p['slots']} expert slots ({p['pinned_slots']} for the hot set)"),
+            ("resident", f"{h(p['resident_bytes'])} (dense part + slots)"),
+            ("streamed", f"{h(p['streamed_bytes'])} stay in the file"),
+            (
+                "expected",
+                f"hit rate {p['expected_hit_rate']:.2f}, "
+                f"{h(p['expected_bytes_per_token'])} read per token ({p['estimate']})",
+            ),
+        ]
+    else:
+        rows += [("resident", f"everything ({h(p['resident_bytes'])}); nothing streams")]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    for w in p.get("warnings", []):
+        print(f"warning: {w}", file=sys.stderr)
     return 0
 
 
@@ -291,6 +355,14 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demo", action="store_true", help="use the small demo model that ships with colibri")
     p.add_argument("--threads", type=int, metavar="N", help="worker threads (default: physical cores)")
+    p.add_argument(
+        "--ram",
+        metavar="SIZE",
+        help="RAM for routed experts, e.g. 4GB: experts stream from the file into a cache of this size "
+        "(default: everything resident)",
+    )
+    p.add_argument("--io", choices=["buffered", "direct"], default="buffered", help="how experts are read")
+    p.add_argument("--no-prefetch", action="store_true", help="do not read the next layer's experts ahead")
     p.add_argument("-v", "--verbose", action="store_true", help="timings and finish reason on stderr")
 
 
@@ -332,8 +404,36 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--no-special-tokens", action="store_true", help="do not add the beginning-of-sequence token"
     )
+    g.add_argument("--stats", action="store_true", help="routing and expert-cache figures on stderr")
     _add_sampling_flags(g)
     g.set_defaults(func=_cmd_generate)
+
+    st = sub.add_parser(
+        "stats",
+        help="generate, then report routing heat, entropy, margins and expert-cache figures",
+        usage="colibri stats (MODEL | --demo) [PROMPT] [options]",
+        description="Runs a generation like `colibri generate` and prints, per MoE layer, how often "
+        "each expert was chosen, the utilisation entropy and the top-1/top-2 router margin, and for "
+        "the expert store the hit rate, bytes read per token, prefetch accuracy and I/O wait.",
+    )
+    st.add_argument("args", nargs="*", metavar="MODEL PROMPT", help=argparse.SUPPRESS)
+    _add_model_flags(st)
+    st.add_argument("--echo", action="store_true", help=argparse.SUPPRESS)
+    st.add_argument("--no-special-tokens", action="store_true", help=argparse.SUPPRESS)
+    _add_sampling_flags(st)
+    st.set_defaults(func=_cmd_generate, stats=True)
+
+    pl = sub.add_parser(
+        "plan",
+        help="what a RAM budget keeps resident, what streams, and the bytes read per token",
+        description="Prints the resident dense part, the expert slots a budget pays for, what stays "
+        "in the file and the expected bytes read per decoded token (from the routing heat file "
+        "beside the model when there is one, else assuming uniform routing).",
+    )
+    pl.add_argument("model", help="a .colibri file")
+    pl.add_argument("--ram", metavar="SIZE", help="RAM for routed experts, e.g. 4GB (default: all resident)")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.set_defaults(func=_cmd_plan)
 
     ch = sub.add_parser(
         "chat",
@@ -373,7 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prog = f"colibri {args.command}"
     if extra:
         # `colibri generate MODEL -n 8 PROMPT`: positionals after options.
-        if args.command not in ("generate", "chat") or any(e.startswith("-") for e in extra):
+        if args.command not in ("generate", "chat", "stats") or any(e.startswith("-") for e in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.args += extra
     try:

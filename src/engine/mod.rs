@@ -27,6 +27,8 @@ use session::{DEFAULT_CHUNK, Session};
 pub struct EngineOptions {
     /// Worker threads; `None` = physical cores.
     pub threads: Option<usize>,
+    /// Where routed experts live (resident, or streamed within a RAM budget).
+    pub store: crate::model::store::StoreOptions,
 }
 
 /// A loaded model ready to run.
@@ -51,7 +53,7 @@ impl Engine {
     /// Opens a `.colibri` file.
     pub fn open(path: &Path, opts: &EngineOptions) -> Result<Engine> {
         let pool = crate::threads::pool(opts.threads)?;
-        Ok(Engine { model: Arc::new(Model::open(path)?), pool: Arc::new(pool) })
+        Ok(Engine { model: Arc::new(Model::open_with(path, &opts.store)?), pool: Arc::new(pool) })
     }
 
     /// The loaded model.

@@ -10,7 +10,7 @@ fn engine(dtype: DType, threads: usize) -> (tempfile::TempDir, Engine) {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("m.colibri");
     write_random_model(&p, &config_for(dtype), dtype, 9);
-    let e = Engine::open(&p, &EngineOptions { threads: Some(threads) }).unwrap();
+    let e = Engine::open(&p, &EngineOptions { threads: Some(threads), ..Default::default() }).unwrap();
     (dir, e)
 }
 
@@ -206,8 +206,8 @@ fn agreement(dtype: DType) -> (f64, f64) {
     let (pf, pq) = (dir.path().join("f.colibri"), dir.path().join("q.colibri"));
     write_random_model(&pf, &cfg, DType::F32, 4);
     write_random_model(&pq, &cfg, dtype, 4);
-    let ef = Engine::open(&pf, &EngineOptions { threads: Some(2) }).unwrap();
-    let eq = Engine::open(&pq, &EngineOptions { threads: Some(2) }).unwrap();
+    let ef = Engine::open(&pf, &EngineOptions { threads: Some(2), ..Default::default() }).unwrap();
+    let eq = Engine::open(&pq, &EngineOptions { threads: Some(2), ..Default::default() }).unwrap();
     let toks: Vec<u32> = (0..48u32).map(|i| (i * 29 + 3) % 61).collect();
     let (lf, lq) = (ef.logits(&toks, &never).unwrap(), eq.logits(&toks, &never).unwrap());
     let v = cfg.vocab_size;

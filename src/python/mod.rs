@@ -18,6 +18,7 @@ use pyo3::types::{PyByteArray, PyDict};
 use crate::convert::{ConvertOptions, convert};
 use crate::engine::{Engine, EngineOptions, GenerateOptions, Generation, SamplingParams};
 use crate::error::Error;
+use crate::model::store::{HeatFile, IoMode, Policy, StoreOptions};
 use crate::quant::DType;
 
 /// Maps an error to its Python exception class.
@@ -75,10 +76,38 @@ struct NativeEngine {
 #[pymethods]
 impl NativeEngine {
     #[new]
-    #[pyo3(signature = (path, threads=None))]
-    fn new(py: Python<'_>, path: PathBuf, threads: Option<usize>) -> PyResult<Self> {
-        let inner = py.detach(|| Engine::open(&path, &EngineOptions { threads })).map_err(to_py)?;
+    #[pyo3(signature = (path, threads=None, ram_budget=None, lru=true, pin_hot=true, prefetch=true, io="buffered", heat_file=None))]
+    #[allow(clippy::too_many_arguments)] // mirrors keyword arguments of the Python constructor
+    fn new(
+        py: Python<'_>,
+        path: PathBuf,
+        threads: Option<usize>,
+        ram_budget: Option<u64>,
+        lru: bool,
+        pin_hot: bool,
+        prefetch: bool,
+        io: &str,
+        heat_file: Option<&str>,
+    ) -> PyResult<Self> {
+        let io = IoMode::parse(io).map_err(to_py)?;
+        let heat_file = match heat_file {
+            None => HeatFile::Beside,
+            Some("off") => HeatFile::Off,
+            Some(p) => HeatFile::At(PathBuf::from(p)),
+        };
+        let store = StoreOptions { ram_budget, policy: Policy { lru, pin_hot, prefetch }, io, heat_file, io_threads: 0 };
+        let inner = py.detach(|| Engine::open(&path, &EngineOptions { threads, store })).map_err(to_py)?;
         Ok(NativeEngine { inner })
+    }
+
+    /// Routing statistics as JSON text (counts since the file was opened).
+    fn routing_stats_json(&self) -> String {
+        serde_json::to_string(&self.inner.model().routing_stats()).unwrap_or_default()
+    }
+
+    /// Expert-store statistics as JSON text (counts since the file was opened).
+    fn store_stats_json(&self) -> String {
+        serde_json::to_string(&self.inner.model().store_stats()).unwrap_or_default()
     }
 
     /// Logits as a bytearray of f32, shape (T, V).
@@ -263,6 +292,20 @@ fn supported_dtypes() -> Vec<&'static str> {
     DType::ALL.iter().map(|d| d.name()).collect()
 }
 
+/// Parses a size such as "4GB" or "512MiB" into bytes.
+#[pyfunction]
+fn parse_bytes(text: &str) -> PyResult<u64> {
+    crate::model::store::parse_bytes(text).map_err(to_py)
+}
+
+/// What a RAM budget means for a model file, as JSON text.
+#[pyfunction]
+#[pyo3(signature = (path, ram_budget=None))]
+fn plan_json(py: Python<'_>, path: PathBuf, ram_budget: Option<u64>) -> PyResult<String> {
+    let plan = py.detach(|| crate::model::store::plan_path(&path, ram_budget)).map_err(to_py)?;
+    Ok(serde_json::to_string(&plan).unwrap_or_default())
+}
+
 /// Architectures the converter accepts.
 #[pyfunction]
 fn supported_architectures() -> Vec<&'static str> {
@@ -276,6 +319,8 @@ fn _colibri(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(convert_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(supported_architectures, m)?)?;
     m.add_function(wrap_pyfunction!(supported_dtypes, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_json, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
