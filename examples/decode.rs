@@ -40,7 +40,7 @@ fn main() {
         eprintln!("wrote {} in {:.1?}", path.display(), t.elapsed());
     }
     let t = Instant::now();
-    let engine = Engine::open(&path, &EngineOptions { threads: Some(threads) }).unwrap();
+    let engine = Engine::open(&path, &EngineOptions { threads: Some(threads), ..Default::default() }).unwrap();
     eprintln!("open: {:.1?}, kernels: {:?}", t.elapsed(), colibri::kernels::isa());
     let prompt: Vec<u32> = (0..64u32).map(|i| (i * 7919) % cfg.vocab_size as u32).collect();
     for round in 0..3 {
