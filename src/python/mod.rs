@@ -95,7 +95,8 @@ impl NativeEngine {
             Some("off") => HeatFile::Off,
             Some(p) => HeatFile::At(PathBuf::from(p)),
         };
-        let store = StoreOptions { ram_budget, policy: Policy { lru, pin_hot, prefetch }, io, heat_file, io_threads: 0 };
+        let store =
+            StoreOptions { ram_budget, policy: Policy { lru, pin_hot, prefetch }, io, heat_file, io_threads: 0 };
         let inner = py.detach(|| Engine::open(&path, &EngineOptions { threads, store })).map_err(to_py)?;
         Ok(NativeEngine { inner })
     }
