@@ -370,10 +370,15 @@ impl Shared {
             if !wait {
                 return Ok(None);
             }
-            if busy() {
-                // This thread is inside expert work that other leases' holders
-                // may depend on (nested by work stealing); blocking here could
-                // deadlock, so read into a buffer of its own instead.
+            if busy() || rayon::current_thread_index().is_some() {
+                // A compute worker never blocks for a slot: while it waits in
+                // a join it may run another session's job (rayon steals and
+                // injects work), and the leases that job would wait for can
+                // belong to the very session this worker is part-way through,
+                // a deadlock seen with four sessions on one two-thread pool.
+                // So a worker reads into a buffer of its own instead (counted
+                // as an overflow read; freed when the lease drops). Threads
+                // outside the pool still wait for a slot.
                 self.note_lookup(&mut st, l, e, false);
                 drop(st);
                 self.counters.overflow_reads.fetch_add(1, Relaxed);
