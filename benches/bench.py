@@ -1,0 +1,903 @@
+#!/usr/bin/env python3
+"""colibri vs llama.cpp on random-weight models of real MoE widths.
+
+The models come from ``benches/make_models.py`` (made on demand): one
+Hugging Face checkpoint per shape, converted by ``colibri convert`` for
+colibri and written as GGUF with the same values for llama.cpp (through
+``llama-cpp-python``). Every measurement runs in a fresh subprocess, colibri
+and llama.cpp alternating run by run; the tables give medians.
+
+Per model x weight type x thread count:
+
+- prefill tok/s for a 64- and a 512-token prompt (prompt in, first token out,
+  weights already in memory);
+- decode tok/s over N greedy tokens after a 64-token prompt;
+- TTFT: the 64-token prefill's wall time; load: open-to-first-token in a
+  fresh process (page cache warm, nothing else loaded);
+- peak RSS of the process (VmHWM; mapped weight pages count);
+- the memory-bandwidth roofline: this machine's read bandwidth (a small C
+  probe, or NumPy when no C compiler is found) over the weight bytes one
+  decoded token reads (see ``bytes_per_token``), and the fraction of it each
+  engine reaches.
+
+``--noisy`` adds a noisy-neighbour run: a CPU-bound process pinned to one core
+while 2-thread decode runs, against the same decode without it.
+``--verify`` checks that both engines compute the same model (F16 logits of a
+small variant, side by side).
+
+Examples::
+
+    python benches/bench.py --quick                  # smoke test: 1 layer, 1 rep
+    python benches/bench.py --models olmoe --types f16 --threads 2
+    python benches/bench.py --verify --layers 2
+    python benches/bench.py --noisy --write-docs     # the documented run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import make_models as mm  # noqa: E402
+
+REPO = HERE.parent
+DOC = REPO / "docs" / "benchmarks.md"
+RESULTS_START, RESULTS_END = "<!-- results:start -->", "<!-- results:end -->"
+
+# colibri weight type -> GGUF type holding the same kind of numbers.
+GGUF_TWIN = {"f32": "F32", "bf16": "BF16", "f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def prompt_ids(n: int, vocab: int, seed: int) -> list[int]:
+    """Deterministic token ids, avoiding the low ids where special tokens live."""
+    rng = np.random.default_rng(seed)
+    return [int(x) for x in rng.integers(1000, vocab, n)]
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def peak_rss_mb() -> float:
+    """High-water RSS of this process image (VmHWM). Not ru_maxrss: Linux
+    carries that across fork + exec, so a child would inherit the parent's."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+# ---------------------------------------------------------------- engines (worker side)
+
+
+class Colibri:
+    name = "colibri"
+
+    def __init__(self, path: str, threads: int):
+        import colibri
+
+        self.engine = colibri.Engine(path, threads=threads)
+        self.kw = {}
+        import inspect
+
+        if "ignore_eos" in inspect.signature(self.engine.generate).parameters:
+            self.kw["ignore_eos"] = True
+
+    def first_token(self, ids: list[int]) -> int:
+        out = self.engine.generate(ids, max_new_tokens=1, **self.kw)
+        return int(out[0])
+
+    def decode(self, ids: list[int], n: int) -> tuple[float, int]:
+        """Seconds for the n-1 tokens after the first, and how many came out."""
+        t0 = time.perf_counter()
+        out = self.engine.generate(ids, max_new_tokens=n, **self.kw)
+        total = time.perf_counter() - t0
+        timings = getattr(out, "timings", None)
+        if timings is not None:
+            return timings.decode_seconds, len(out)
+        return total - self._prefill_estimate(ids), len(out)
+
+    def _prefill_estimate(self, ids: list[int]) -> float:
+        t0 = time.perf_counter()
+        self.first_token(ids)
+        return time.perf_counter() - t0
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        return np.asarray(self.engine.logits(ids), dtype=np.float32)
+
+
+class Llama:
+    name = "llama.cpp"
+
+    def __init__(self, path: str, threads: int, n_ctx: int = 1024, logits_all: bool = False):
+        import llama_cpp
+
+        self.lc = llama_cpp
+        self.llm = llama_cpp.Llama(
+            model_path=path,
+            n_ctx=n_ctx,
+            n_batch=512,
+            n_ubatch=512,
+            n_threads=threads,
+            n_threads_batch=threads,
+            logits_all=logits_all,
+            use_mmap=True,
+            verbose=False,
+        )
+        self.n_vocab = self.llm.n_vocab()
+
+    def _last_argmax(self) -> int:
+        ptr = self.lc.llama_get_logits_ith(self.llm.ctx, -1)
+        return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))))
+
+    def first_token(self, ids: list[int]) -> int:
+        self.llm.reset()
+        self.llm.eval(ids)
+        return self._last_argmax()
+
+    def decode(self, ids: list[int], n: int) -> tuple[float, int]:
+        tok = self.first_token(ids)
+        t0 = time.perf_counter()
+        for _ in range(n - 1):
+            self.llm.eval([tok])
+            tok = self._last_argmax()
+        return time.perf_counter() - t0, n
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        self.llm.reset()
+        self.llm.eval(ids)
+        return np.array(self.llm.scores[: len(ids)], dtype=np.float32)
+
+
+def open_engine(spec: dict):
+    if spec["engine"] == "colibri":
+        return Colibri(spec["path"], spec["threads"])
+    return Llama(spec["path"], spec["threads"], logits_all=spec.get("logits_all", False))
+
+
+def worker(spec: dict) -> dict:
+    """One measurement in this (fresh) process; returns a JSON-able dict."""
+    vocab, res = spec["vocab"], {}
+    t0 = time.perf_counter()
+    eng = open_engine(spec)
+    res["open_s"] = time.perf_counter() - t0
+    res["rss_after_open_mb"] = rss_mb()
+    if spec["mode"] == "logits":
+        np.save(spec["out"], eng.logits(spec["ids"]))
+        return res
+    p64 = prompt_ids(64, vocab, 1)
+    eng.first_token(p64)
+    res["load_s"] = time.perf_counter() - t0
+    if spec["mode"] == "full":
+        for n in spec["prompts"]:
+            p = prompt_ids(n, vocab, 100 + n)
+            t = time.perf_counter()
+            eng.first_token(p)
+            res[f"prefill{n}_s"] = time.perf_counter() - t
+    c0 = cpu_s()
+    sec, got = eng.decode(prompt_ids(64, vocab, 2), spec["decode_tokens"] + 1)
+    res["decode_cpu_s"] = cpu_s() - c0
+    res["decode_s"], res["decode_n"] = sec, got - 1
+    res["peak_rss_mb"] = peak_rss_mb()
+    return res
+
+
+# ---------------------------------------------------------------- parent side
+
+
+def run_worker(spec: dict, noisy: bool = False, timeout: float = 3600) -> dict:
+    hog = None
+    if noisy:
+        hog = start_hog()
+    try:
+        p = subprocess.run(
+            [sys.executable, __file__, "--worker", json.dumps(spec)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait()
+    if p.returncode != 0:
+        raise RuntimeError(f"worker failed ({spec['engine']} {spec['path']}):\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def start_hog() -> subprocess.Popen:
+    """A CPU-bound process pinned to the last core."""
+    cpu = max(os.sched_getaffinity(0))
+    return subprocess.Popen(
+        [sys.executable, "-c", "while True: pass"],
+        preexec_fn=lambda: os.sched_setaffinity(0, {cpu}),
+    )
+
+
+BW_C = r"""
+#define _GNU_SOURCE
+#include <immintrin.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+/* Streaming read bandwidth: each thread ORs its share of a large buffer
+   into four AVX2 registers. Prints, per repetition, GB/s over wall-clock
+   time and over the slowest thread's CPU time (the second ignores time the
+   threads spent descheduled on a busy machine). */
+static char *buf; static size_t bytes; static int nthr; static pthread_barrier_t bar;
+static volatile int sink; static double cpu[64];
+static double clk(clockid_t c) {
+  struct timespec t; clock_gettime(c, &t); return t.tv_sec + t.tv_nsec * 1e-9;
+}
+static void *run(void *arg) {
+  long id = (long)arg; size_t n = bytes / nthr; const __m256i *p = (const __m256i *)(buf + id * n);
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+  pthread_barrier_wait(&bar);
+  double c0 = clk(CLOCK_THREAD_CPUTIME_ID);
+  for (size_t i = 0; i < n / 32; i += 4) {
+    a0 = _mm256_or_si256(a0, _mm256_load_si256(p + i));
+    a1 = _mm256_or_si256(a1, _mm256_load_si256(p + i + 1));
+    a2 = _mm256_or_si256(a2, _mm256_load_si256(p + i + 2));
+    a3 = _mm256_or_si256(a3, _mm256_load_si256(p + i + 3));
+  }
+  a0 = _mm256_or_si256(_mm256_or_si256(a0, a1), _mm256_or_si256(a2, a3));
+  sink += _mm256_extract_epi32(a0, 0);
+  cpu[id] = clk(CLOCK_THREAD_CPUTIME_ID) - c0;
+  pthread_barrier_wait(&bar);
+  return 0;
+}
+int main(int argc, char **argv) {
+  size_t mb = atol(argv[1]); nthr = atoi(argv[2]); int reps = atoi(argv[3]);
+  bytes = mb << 20; buf = aligned_alloc(4096, bytes); memset(buf, 1, bytes);
+  for (int r = 0; r < reps; r++) {
+    pthread_t th[64]; pthread_barrier_init(&bar, 0, nthr + 1);
+    for (long i = 0; i < nthr; i++) pthread_create(&th[i], 0, run, (void *)i);
+    pthread_barrier_wait(&bar); double t0 = clk(CLOCK_MONOTONIC);
+    pthread_barrier_wait(&bar); double t1 = clk(CLOCK_MONOTONIC);
+    for (int i = 0; i < nthr; i++) pthread_join(th[i], 0);
+    pthread_barrier_destroy(&bar);
+    double c = 0; for (int i = 0; i < nthr; i++) c = cpu[i] > c ? cpu[i] : c;
+    printf("%.3f %.3f\n", bytes / (t1 - t0) / 1e9, bytes / c / 1e9);
+  }
+  return 0;
+}
+"""
+
+
+def bandwidth(threads: int, reps: int = 15, mb: int = 1024) -> dict:
+    """Read bandwidth in GB/s: best and median of `reps` passes over `mb` MiB."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    samples: list[float] = []
+    cpu_samples: list[float] = []
+    method = "numpy"
+    if cc and platform.machine() in ("x86_64", "AMD64"):
+        exe = mm.CACHE / "bwprobe"
+        if not exe.exists():
+            mm.CACHE.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", suffix=".c", delete=False) as f:
+                f.write(BW_C)
+            subprocess.run([cc, "-O2", "-mavx2", "-pthread", f.name, "-o", str(exe)], capture_output=True)
+            os.unlink(f.name)
+        if exe.exists():
+            out = subprocess.run([str(exe), str(mb), str(threads), str(reps)], capture_output=True, text=True)
+            vals = [float(x) for x in out.stdout.split()]
+            samples, cpu_samples = vals[0::2], vals[1::2]
+            method = "C/AVX2 OR-reduction"
+    if not samples:
+        import threading
+
+        a = np.ones(mb << 18, dtype=np.float32).view(np.float64)
+        parts = np.array_split(a, threads)
+        for _ in range(reps):
+            ts = [threading.Thread(target=np.add.reduce, args=(p,)) for p in parts]
+            t0 = time.perf_counter()
+            [t.start() for t in ts]
+            [t.join() for t in ts]
+            samples.append(a.nbytes / (time.perf_counter() - t0) / 1e9)
+    res = {"best": max(samples), "median": statistics.median(samples), "method": method, "samples": samples}
+    if cpu_samples:
+        res["cpu_median"] = statistics.median(cpu_samples)
+        res["cpu_samples"] = cpu_samples
+    # The roofline uses the CPU-time figure when there is one: on a shared,
+    # busy machine the wall-clock passes mostly measure time slicing.
+    res["roofline"] = res.get("cpu_median", res["best"])
+    return res
+
+
+# ---------------------------------------------------------------- bytes per token
+
+
+def colibri_tensors(path: Path) -> list[dict]:
+    with open(path, "rb") as f:
+        head = f.read(32)
+        meta_len = int.from_bytes(head[16:24], "little")
+        meta = json.loads(f.read(meta_len))
+    return meta["tensors"]
+
+
+def gguf_tensors(path: Path) -> list[dict]:
+    import gguf
+
+    r = gguf.GGUFReader(path)
+    return [
+        {
+            "name": t.name,
+            "dtype": t.tensor_type.name,
+            "shape": [int(x) for x in t.shape],
+            "nbytes": int(t.n_bytes),
+        }
+        for t in r.tensors
+    ]
+
+
+def bytes_per_token(tensors: list[dict], shape: mm.Shape, fmt: str) -> dict:
+    """Weight bytes one decoded token reads, by part.
+
+    per layer: attention (q, k, v, o and their norms) + router + the two
+    norms + top_k / num_experts of the layer's expert bytes; plus one
+    embedding row (embedding bytes / vocab) + the whole lm_head + final norm.
+    KV-cache reads (small at these lengths) and activations are left out.
+    """
+    k, e, v = shape.top_k, shape.experts, shape.vocab
+    parts = {"attention+norms": 0.0, "router": 0.0, "experts": 0.0, "embedding row": 0.0, "lm_head": 0.0}
+    for t in tensors:
+        n, b = t["name"], float(t["nbytes"])
+        if fmt == "colibri":
+            is_expert = ".moe.experts." in n
+            is_router = n.endswith(".moe.router")
+            is_embed, is_head = n == "embed", n == "lm_head"
+        else:
+            is_expert = "_exps" in n
+            is_router = n.endswith("ffn_gate_inp.weight")
+            is_embed, is_head = n == "token_embd.weight", n == "output.weight"
+        if is_expert:
+            parts["experts"] += b * k / e
+        elif is_router:
+            parts["router"] += b
+        elif is_embed:
+            parts["embedding row"] += b / v
+        elif is_head:
+            parts["lm_head"] += b
+        else:
+            parts["attention+norms"] += b
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+# ---------------------------------------------------------------- the run
+
+
+def ensure_models(shape: mm.Shape, layers: int, gguf_types: list[str], log) -> None:
+    need = [g for g in gguf_types if not mm.gguf_path(shape, layers, g).exists()]
+    if need or not (mm.hf_dir(shape, layers) / "model.safetensors").exists():
+        mm.make(shape, layers, need, mm.CACHE, False, log)
+
+
+def colibri_file(shape: mm.Shape, layers: int, dtype: str, log) -> Path:
+    path = mm.model_dir(shape, layers) / "colibri" / f"model-{dtype}.colibri"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        log(f"converting {shape.name} l{layers} -> {dtype}")
+        # In a child process, so that this one stays small (its pages would
+        # otherwise show up in the workers' numbers).
+        code = "import sys, colibri; colibri.convert(sys.argv[1], sys.argv[2], dtype=sys.argv[3])"
+        subprocess.run(
+            [sys.executable, "-c", code, str(mm.hf_dir(shape, layers)), str(path), dtype], check=True
+        )
+    return path
+
+
+def med(rows: list[dict], key: str) -> float:
+    vals = [r[key] for r in rows if key in r and r[key] is not None]
+    return statistics.median(vals) if vals else float("nan")
+
+
+def summarise(runs: list[dict], prompts: list[int]) -> dict:
+    s = {
+        "load_s": med(runs, "load_s"),
+        "open_s": med(runs, "open_s"),
+        "peak_rss_mb": med(runs, "peak_rss_mb"),
+        "decode_tps": statistics.median(r["decode_n"] / r["decode_s"] for r in runs),
+        "n": len(runs),
+    }
+    for n in prompts:
+        s[f"prefill{n}_tps"] = statistics.median(n / r[f"prefill{n}_s"] for r in runs)
+        s[f"ttft{n}_s"] = med(runs, f"prefill{n}_s")
+    return s
+
+
+def bench(args, log) -> dict:
+    import colibri
+
+    supported = colibri.supported_dtypes()
+    types = [t for t in (args.types.split(",") if args.types != "auto" else supported) if t]
+    for t in types:
+        if t not in supported:
+            raise SystemExit(f"colibri does not support {t} (supported: {', '.join(supported)})")
+    threads = [int(x) for x in args.threads.split(",")]
+    prompts = [int(x) for x in args.prompts.split(",")]
+    shapes = [mm.SHAPES[m] for m in args.models.split(",")]
+    result: dict = {"started": dt.datetime.now().isoformat(timespec="seconds"), "load_before": loadavg()}
+    result["bandwidth"] = {t: bandwidth(t) for t in sorted(set(threads) | {1, 2})}
+    log(f"bandwidth: { {t: round(b['best'], 1) for t, b in result['bandwidth'].items()} } GB/s")
+    result["cells"] = []
+    for shape in shapes:
+        pairs = []
+        for t in types:
+            twin = GGUF_TWIN.get(t, "F16")
+            if twin not in args.gguf_types.split(","):
+                twin = "F16"
+            pairs.append((t, twin))
+        ensure_models(shape, args.layers, sorted({g for _, g in pairs}), log)
+        for ctype, gtype in pairs:
+            if f"{shape.name}:{ctype}" in args.skip.split(","):
+                continue
+            cpath = colibri_file(shape, args.layers, ctype, log)
+            gpath = mm.gguf_path(shape, args.layers, gtype)
+            bpt = {
+                "colibri": bytes_per_token(colibri_tensors(cpath), shape, "colibri"),
+                "llama.cpp": bytes_per_token(gguf_tensors(gpath), shape, "gguf"),
+            }
+            for th in threads:
+                cell = {
+                    "model": shape.name,
+                    "layers": args.layers,
+                    "ctype": ctype,
+                    "gtype": gtype,
+                    "threads": th,
+                }
+                cell["bytes_per_token"] = bpt
+                cell["load"] = loadavg()
+                runs: dict[str, list[dict]] = {"colibri": [], "llama.cpp": []}
+                for rep in range(args.reps):
+                    order = ["colibri", "llama.cpp"] if rep % 2 == 0 else ["llama.cpp", "colibri"]
+                    for eng in order:
+                        if eng == "llama.cpp" and args.no_llama:
+                            continue
+                        spec = {
+                            "engine": "colibri" if eng == "colibri" else "llama",
+                            "path": str(cpath if eng == "colibri" else gpath),
+                            "threads": th,
+                            "vocab": shape.vocab,
+                            "mode": "full",
+                            "prompts": prompts,
+                            "decode_tokens": args.decode_tokens,
+                        }
+                        r = run_worker(spec)
+                        runs[eng].append(r)
+                        log(
+                            f"{shape.name} {ctype}/{gtype} t{th} rep{rep} {eng}: "
+                            + ", ".join(f"{n}={r[f'prefill{n}_s']:.3f}s" for n in prompts)
+                            + f", decode {r['decode_n'] / r['decode_s']:.1f} tok/s, load {r['load_s']:.2f}s"
+                        )
+                cell["runs"] = runs
+                cell["summary"] = {e: summarise(rs, prompts) for e, rs in runs.items() if rs}
+                result["cells"].append(cell)
+            if args.evict and not (args.noisy and ctype == noisy_type(args, types)):
+                cpath.unlink()
+    if args.noisy:
+        result["noisy"] = noisy_run(args, shapes, types, log)
+    result["load_after"] = loadavg()
+    result["finished"] = dt.datetime.now().isoformat(timespec="seconds")
+    return result
+
+
+def noisy_type(args, types: list[str]) -> str:
+    return args.noisy_type if args.noisy_type else types[0]
+
+
+def noisy_run(args, shapes, types, log) -> list[dict]:
+    """2-thread decode, quiet vs with a CPU hog pinned to one core."""
+    out = []
+    ctype = noisy_type(args, types)
+    for shape in shapes:
+        twin = GGUF_TWIN.get(ctype, "F16")
+        if twin not in args.gguf_types.split(","):
+            twin = "F16"
+        ensure_models(shape, args.layers, [twin], log)
+        paths = {
+            "colibri": colibri_file(shape, args.layers, ctype, log),
+            "llama.cpp": mm.gguf_path(shape, args.layers, twin),
+        }
+        cell = {
+            "model": shape.name,
+            "ctype": ctype,
+            "gtype": twin,
+            "load": loadavg(),
+            "quiet": {},
+            "noisy": {},
+        }
+        for eng in paths:
+            cell["quiet"][eng], cell["noisy"][eng] = [], []
+        for rep in range(args.reps):
+            for eng in ("colibri", "llama.cpp"):
+                if eng == "llama.cpp" and args.no_llama:
+                    continue
+                spec = {
+                    "engine": "colibri" if eng == "colibri" else "llama",
+                    "path": str(paths[eng]),
+                    "threads": 2,
+                    "vocab": shape.vocab,
+                    "mode": "decode",
+                    "decode_tokens": args.decode_tokens,
+                }
+                for mode in ("quiet", "noisy") if rep % 2 == 0 else ("noisy", "quiet"):
+                    r = run_worker(spec, noisy=mode == "noisy")
+                    cell[mode][eng].append(r["decode_n"] / r["decode_s"])
+                    log(f"noisy-neighbour {shape.name} {eng} {mode}: {cell[mode][eng][-1]:.1f} tok/s")
+        out.append(cell)
+        if args.evict:
+            paths["colibri"].unlink()
+    return out
+
+
+# ---------------------------------------------------------------- verification
+
+
+def verify(args, log) -> list[dict]:
+    """Logits of both engines on the same ids, same weights: max differences."""
+    import colibri
+
+    out = []
+    for name in args.models.split(","):
+        shape = mm.SHAPES[name]
+        types = [t for t in args.verify_types.split(",") if t in colibri.supported_dtypes()]
+        ensure_models(shape, args.layers, sorted({GGUF_TWIN[t] for t in types}), log)
+        ids = prompt_ids(args.verify_tokens, shape.vocab, 7)
+        for ctype in types:
+            gtype = GGUF_TWIN[ctype]
+            got = {}
+            for eng, path in (
+                ("colibri", colibri_file(shape, args.layers, ctype, log)),
+                ("llama", mm.gguf_path(shape, args.layers, gtype)),
+            ):
+                npy = mm.model_dir(shape, args.layers) / f"logits-{eng}-{ctype}.npy"
+                spec = {
+                    "engine": eng,
+                    "path": str(path),
+                    "threads": 2,
+                    "vocab": shape.vocab,
+                    "mode": "logits",
+                    "ids": ids,
+                    "out": str(npy),
+                    "logits_all": True,
+                }
+                run_worker(spec)
+                got[eng] = np.load(npy)
+            c, g = got["colibri"], got["llama"]
+            diff = np.abs(c - g)
+            row = {
+                "model": name,
+                "layers": args.layers,
+                "colibri": ctype,
+                "gguf": gtype,
+                "tokens": len(ids),
+                "max_abs_diff": float(diff.max()),
+                "max_abs_logit": float(np.abs(c).max()),
+                "rel_to_range": float(diff.max() / (c.max() - c.min())),
+                "rms_diff": float(np.sqrt((diff**2).mean())),
+                "argmax_agree": f"{int((c.argmax(1) == g.argmax(1)).sum())}/{len(ids)}",
+            }
+            log(json.dumps(row))
+            out.append(row)
+    return out
+
+
+# ---------------------------------------------------------------- report
+
+
+def fmt(x: float, nd: int = 1) -> str:
+    if x != x:
+        return "–"
+    return f"{x:.{nd}f}"
+
+
+def pair(a: float, b: float, nd: int) -> str:
+    return f"{fmt(a, nd)} / {fmt(b, nd)}"
+
+
+nan = float("nan")
+
+
+def ratio(a: float, b: float) -> str:
+    return "–" if not (a == a and b == b and b > 0) else f"{a / b:.2f}x"
+
+
+def markdown(res: dict) -> str:
+    bw = res["bandwidth"]
+    lines = []
+    lines.append(
+        "Read bandwidth (15 passes over 1 GiB, "
+        + bw[min(bw)]["method"]
+        + "): "
+        + ", ".join(
+            f"{t} thread{'s' if t > 1 else ''} **{b['roofline']:.1f} GB/s** over CPU time "
+            f"(wall clock: best {b['best']:.1f}, median {b['median']:.1f})"
+            for t, b in bw.items()
+        )
+        + ". The roofline below uses the CPU-time figure."
+    )
+    lines.append("")
+    lines.append(f"Load average before: {res['load_before']}; after: {res['load_after']}.")
+    cells = res["cells"]
+    prompts = sorted(
+        {int(k[7:-4]) for c in cells for s in c["summary"].values() for k in s if k.startswith("prefill")}
+    )
+    for model in dict.fromkeys(c["model"] for c in cells):
+        mc = [c for c in cells if c["model"] == model]
+        lines += ["", f"### {model} ({mc[0]['layers']} layers)", ""]
+        head = ["colibri type", "llama.cpp type", "threads"]
+        for n in prompts:
+            head += [f"prefill {n} C", f"prefill {n} L", "ratio"]
+        head += ["decode C", "decode L", "ratio"]
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "---|" * len(head))
+        for c in mc:
+            sc, sl = c["summary"].get("colibri", {}), c["summary"].get("llama.cpp", {})
+            row = [c["ctype"], c["gtype"], str(c["threads"])]
+            for n in prompts:
+                a, b = sc.get(f"prefill{n}_tps", float("nan")), sl.get(f"prefill{n}_tps", float("nan"))
+                row += [fmt(a), fmt(b), ratio(a, b)]
+            a, b = sc.get("decode_tps", float("nan")), sl.get("decode_tps", float("nan"))
+            row += [fmt(a, 2), fmt(b, 2), ratio(a, b)]
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+        head = [
+            "colibri / llama.cpp type",
+            "threads",
+            "TTFT 64 C / L (ms)",
+            "load C / L (ms)",
+            "peak RSS C / L (MB)",
+            "MB read per token C / L",
+            "roofline tok/s C / L",
+            "roofline reached C / L",
+            "runs",
+        ]
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "---|" * len(head))
+        for c in mc:
+            sc, sl = c["summary"].get("colibri", {}), c["summary"].get("llama.cpp", {})
+            b = bw[c["threads"]]["roofline"] * 1e9
+            bc, bl = c["bytes_per_token"]["colibri"]["total"], c["bytes_per_token"]["llama.cpp"]["total"]
+            rc, rl = b / bc, b / bl
+            dc, dl = sc.get("decode_tps", nan), sl.get("decode_tps", nan)
+            row = [
+                f"{c['ctype']} / {c['gtype']}",
+                str(c["threads"]),
+                pair(sc.get("ttft64_s", nan) * 1e3, sl.get("ttft64_s", nan) * 1e3, 0),
+                pair(sc.get("load_s", nan) * 1e3, sl.get("load_s", nan) * 1e3, 0),
+                pair(sc.get("peak_rss_mb", nan), sl.get("peak_rss_mb", nan), 0),
+                pair(bc / 1e6, bl / 1e6, 0),
+                pair(rc, rl, 1),
+                f"{100 * dc / rc:.0f}% / {100 * dl / rl:.0f}%",
+                f"{sc.get('n', 0)} / {sl.get('n', 0)}",
+            ]
+            lines.append("| " + " | ".join(row) + " |")
+    if res.get("noisy"):
+        lines += ["", "### Noisy neighbour (2-thread decode, a CPU hog pinned to one core)", ""]
+        lines.append("| model | type C / L | engine | quiet tok/s | noisy tok/s | kept |")
+        lines.append("|---|---|---|---|---|---|")
+        for c in res["noisy"]:
+            for eng in c["quiet"]:
+                q, n = c["quiet"][eng], c["noisy"][eng]
+                if not q:
+                    continue
+                mq, mn = statistics.median(q), statistics.median(n)
+                kept = f"{100 * mn / mq:.0f}%"
+                lines.append(
+                    f"| {c['model']} | {c['ctype']} / {c['gtype']} | {eng} | {mq:.2f} | {mn:.2f} | {kept} |"
+                )
+    return "\n".join(lines)
+
+
+def bytes_table(res: dict) -> str:
+    lines = [
+        "| model | type | engine | attention+norms | router | experts (top-k) | embedding row | lm_head "
+        "| total |"
+    ]
+    lines.append("|---|---|---|---|---|---|---|---|---|")
+    seen = set()
+    for c in res["cells"]:
+        for eng, t in (("colibri", c["ctype"]), ("llama.cpp", c["gtype"])):
+            key = (c["model"], eng, t)
+            if key in seen:
+                continue
+            seen.add(key)
+            p = c["bytes_per_token"][eng]
+            lines.append(
+                f"| {c['model']} | {t} | {eng} | "
+                + " | ".join(
+                    f"{p[k] / 1e6:.1f}"
+                    for k in ("attention+norms", "router", "experts", "embedding row", "lm_head", "total")
+                )
+                + " |"
+            )
+    return "\n".join(lines) + "\n\n(MB = 10^6 bytes per decoded token.)"
+
+
+def colibri_build() -> str:
+    """Where the imported colibri comes from: its source tree's commit and the extension's hash."""
+    import hashlib
+
+    import colibri
+
+    pkg = Path(colibri.__file__).resolve().parent
+    root = pkg.parent.parent
+    so = next(iter(sorted(pkg.glob("_colibri*"))), None)
+    digest = hashlib.sha256(so.read_bytes()).hexdigest()[:12] if so else "?"
+    git = ["git", "-C", str(root)]
+    try:
+        rev = subprocess.run(
+            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            [*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        rev, dirty = "", ""
+    if not rev and (root / ".commit").exists():
+        rev = (root / ".commit").read_text().strip() + " (source export)"
+    dirty_note = " with uncommitted changes" if dirty else ""
+    return f"{rev or 'unknown commit'}{dirty_note} ({root}, extension {digest})"
+
+
+def machine_facts() -> str:
+    def sh(cmd: str) -> str:
+        try:
+            return subprocess.run(cmd, shell=True, capture_output=True, text=True).stdout.strip()
+        except OSError:
+            return "n/a"
+
+    model = sh("lscpu | sed -n 's/^Model name: *//p'")
+    flags = sh("grep -m1 '^flags' /proc/cpuinfo")
+    isa = " ".join(f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16") if f" {f}" in flags)
+    mem = sh("free -g | awk '/Mem:/ {print $2}'")
+    versions = [f"Python {platform.python_version()}", f"NumPy {np.__version__}"]
+    for mod in ("llama_cpp", "gguf"):
+        try:
+            from importlib.metadata import version
+
+            versions.append(f"{mod.replace('_', '-')} {version(mod.replace('_', '-'))}")
+        except Exception:
+            pass
+    rev = colibri_build()
+    return (
+        f"- CPU: {model}, {os.cpu_count()} logical cores ({isa}); {mem} GiB RAM; "
+        f"Linux {platform.release()}\n- colibri at {rev}; {', '.join(versions)}"
+    )
+
+
+def write_docs(text: str) -> None:
+    body = DOC.read_text() if DOC.exists() else f"# Benchmarks\n\n{RESULTS_START}\n{RESULTS_END}\n"
+    if RESULTS_START not in body:
+        body += f"\n{RESULTS_START}\n{RESULTS_END}\n"
+    a, rest = body.split(RESULTS_START, 1)
+    _, b = rest.split(RESULTS_END, 1)
+    DOC.write_text(f"{a}{RESULTS_START}\n{text}\n{RESULTS_END}{b}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description="colibri vs llama.cpp on random-weight MoE models of real widths.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Models are written by make_models.py into benches/.cache on first use (several GB each).",
+    )
+    ap.add_argument("--models", default="olmoe,qwen3moe", help="comma list of " + ", ".join(mm.SHAPES))
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument(
+        "--types",
+        default="auto",
+        help="colibri weight types (default: colibri.supported_dtypes() at run time)",
+    )
+    ap.add_argument(
+        "--gguf-types",
+        default="F16,Q8_0,Q4_0",
+        help="GGUF types that may be used; a colibri type without its twin here is compared with F16",
+    )
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--prompts", default="64,512", help="prefill prompt lengths")
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=5, help="runs per engine and cell (medians are reported)")
+    ap.add_argument("--quick", action="store_true", help="smoke test: 1 layer, 1 rep, short prompts")
+    ap.add_argument("--noisy", action="store_true", help="also run the noisy-neighbour decode test")
+    ap.add_argument(
+        "--noisy-type", default="", help="colibri type for --noisy (default: the first of --types)"
+    )
+    ap.add_argument("--no-llama", action="store_true", help="run colibri only")
+    ap.add_argument(
+        "--evict", action="store_true", help="delete each converted .colibri file after use (disk)"
+    )
+    ap.add_argument(
+        "--skip", default="", help="comma list of model:type cells to leave out, e.g. qwen3moe:f32"
+    )
+    ap.add_argument("--verify", action="store_true", help="compare both engines' logits instead of timing")
+    ap.add_argument("--verify-types", default="f16,q8_0,q4_0")
+    ap.add_argument("--verify-tokens", type=int, default=32)
+    ap.add_argument("--json", type=Path, help="also write the raw results here")
+    ap.add_argument("--write-docs", action="store_true", help=f"put the tables into {DOC.relative_to(REPO)}")
+    ap.add_argument(
+        "--report", type=Path, help="print (and with --write-docs, write) the tables of a saved run"
+    )
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return 0
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    if args.quick:
+        args.layers, args.reps, args.prompts, args.decode_tokens = 1, 1, "64,128", 16
+    if args.verify:
+        rows = verify(args, log)
+        print(
+            "| model | layers | colibri | GGUF | tokens | max abs diff | max abs logit | diff / logit range "
+            "| argmax agree |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(
+                f"| {r['model']} | {r['layers']} | {r['colibri']} | {r['gguf']} | {r['tokens']} "
+                f"| {r['max_abs_diff']:.2e} "
+                f"| {r['max_abs_logit']:.2f} | {r['rel_to_range']:.1e} | {r['argmax_agree']} |"
+            )
+        return 0
+    if args.report:
+        res = json.loads(args.report.read_text())
+        res["bandwidth"] = {int(k): v for k, v in res["bandwidth"].items()}
+    else:
+        res = bench(args, log)
+        res["machine"] = machine_facts()
+        path = args.json or mm.CACHE / f"results-{res['started'].replace(':', '')}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(res, indent=1))
+        log(f"raw results: {path}")
+    text = "\n\n".join([res["machine"], markdown(res), bytes_table(res)])
+    print(text)
+    if args.write_docs:
+        write_docs(text)
+        log(f"wrote {DOC}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
