@@ -203,6 +203,14 @@ impl ModelConfig {
         self.layers.len()
     }
 
+    /// Routed experts in layer `l`: E for a MoE layer, 0 for a dense one.
+    pub fn experts_in_layer(&self, l: usize) -> usize {
+        match (&self.layers[l].ffn, &self.moe) {
+            (FfnSpec::Moe, Some(m)) => m.num_experts,
+            _ => 0,
+        }
+    }
+
     /// H·Dh: width of the query projection.
     pub fn q_dim(&self) -> usize {
         self.num_heads * self.head_dim

@@ -283,11 +283,8 @@ impl ResidentStore {
     /// Resolves every expert of every MoE layer of `cfg` in `file`.
     pub fn new(file: Arc<ColibriFile>, cfg: &ModelConfig) -> Result<ResidentStore> {
         let mut refs = Vec::with_capacity(cfg.layers.len());
-        for (l, spec) in cfg.layers.iter().enumerate() {
-            let n = match (&spec.ffn, &cfg.moe) {
-                (FfnSpec::Moe, Some(m)) => m.num_experts,
-                _ => 0,
-            };
+        for l in 0..cfg.layers.len() {
+            let n = cfg.experts_in_layer(l);
             let mut layer = Vec::with_capacity(n);
             for e in 0..n {
                 let r = |x| tensor_ref(&file, TensorId::Expert(l, e, x));

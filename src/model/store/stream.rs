@@ -35,7 +35,6 @@ use super::{ExpertStore, ExpertView, IoMode, Lease, Place, Policy, busy};
 use crate::error::{Error, Result};
 use crate::format::reader::ColibriFile;
 use crate::kernels::Matrix;
-use crate::model::config::FfnSpec;
 use crate::model::tensors::{ExpertTensor, TensorId};
 use crate::quant::DType;
 
@@ -68,11 +67,8 @@ pub(crate) fn expert_locs(file: &ColibriFile) -> Result<Vec<Vec<ExpertLoc>>> {
     let cfg = &file.meta().config;
     let bad = |m: String| Error::format(file.path(), m);
     let mut out = Vec::with_capacity(cfg.num_layers());
-    for (l, spec) in cfg.layers.iter().enumerate() {
-        let n = match (&spec.ffn, &cfg.moe) {
-            (FfnSpec::Moe, Some(m)) => m.num_experts,
-            _ => 0,
-        };
+    for l in 0..cfg.num_layers() {
+        let n = cfg.experts_in_layer(l);
         let mut layer = Vec::with_capacity(n);
         for e in 0..n {
             let (off, len) = file.expert_slab(l, e).ok_or_else(|| bad(format!("expert slab ({l}, {e}) is missing")))?;
