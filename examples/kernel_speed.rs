@@ -10,11 +10,11 @@ fn main() {
     let (rows, cols) = (256, 2048);
     let vals: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.05).collect();
     let x: Vec<f32> = (0..cols).map(|i| (i * 31 % 100) as f32 / 50.0 - 1.0).collect();
-    for dtype in DType::ALL {
+    for dtype in DType::ALL.into_iter().chain(DType::INTERLEAVED) {
         let nbytes = dtype.row_bytes(cols).unwrap() * rows;
         let mut buf = vec![0u64; nbytes.div_ceil(8)];
         let bytes = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut buf)[..nbytes];
-        quant::encode(dtype, &vals, bytes);
+        quant::encode(dtype, &vals, cols, bytes);
         let m = Matrix::new(dtype, rows, cols, bytes).unwrap();
         let mut q = vec![BlockQ8::default(); cols / 32];
         let inp = Input::prepare(&x, cols, dtype.is_quantized(), &mut q);
@@ -30,7 +30,7 @@ fn main() {
         }
         let blocks = (rows * cols / 32 * reps) as f64;
         println!(
-            "{dtype:>5}: {:.2} ns / 32 weights, {:.1} GB/s of weights",
+            "{dtype:>6}: {:.2} ns / 32 weights, {:.1} GB/s of weights",
             best / blocks * 1e9,
             (nbytes * reps) as f64 / best / 1e9
         );

@@ -92,7 +92,7 @@ pub fn write_random_model(path: &Path, cfg: &ModelConfig, dtype: DType, seed: u6
         .iter()
         .map(|p| ToPlace {
             name: p.id.to_string(),
-            dtype: crate::convert::storage_dtype(p.role, dtype, *p.shape.last().unwrap()),
+            dtype: crate::convert::storage_dtype(p.role, dtype, &p.shape),
             shape: p.shape.clone(),
             expert: match p.id {
                 TensorId::Expert(l, e, _) => Some((l, e)),
@@ -131,7 +131,7 @@ pub fn write_random_model(path: &Path, cfg: &ModelConfig, dtype: DType, seed: u6
         }));
         buf.resize((e.nbytes as usize).div_ceil(2), 0);
         let bytes = &mut bytemuck::cast_slice_mut::<u16, u8>(&mut buf)[..e.nbytes as usize];
-        quant::encode(e.dtype, &vals, bytes);
+        quant::encode(e.dtype, &vals, *e.shape.last().unwrap_or(&1), bytes);
         w.begin(&e.name).unwrap();
         w.write(bytes).unwrap();
         w.end();

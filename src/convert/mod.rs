@@ -64,14 +64,22 @@ fn read_json(path: &Path) -> Result<Option<Value>> {
     serde_json::from_str(&text).map(Some).map_err(|e| Error::checkpoint(path, format!("not valid JSON: {e}")))
 }
 
-/// Storage type of one tensor: small tensors in f32; matrices in the requested
-/// type, except that a block type needs rows of whole 32-value blocks, and a
-/// matrix whose row length is not one (only in toy models) is kept in bf16.
-pub fn storage_dtype(role: Role, weights: DType, cols: usize) -> DType {
+/// Storage type of one tensor of `shape`: small tensors in f32; matrices in
+/// the requested type, except that a block type needs rows of whole 32-value
+/// blocks (a matrix whose row length is not one, only in toy models, is kept
+/// in bf16). Block-type matrices whose row count is a multiple of 8 are
+/// stored interleaved (`q8_0x8`, ...: the same values, in the order the
+/// kernels read them).
+pub fn storage_dtype(role: Role, weights: DType, shape: &[usize]) -> DType {
+    let cols = *shape.last().unwrap_or(&1);
+    let rows: usize = shape[..shape.len().saturating_sub(1)].iter().product();
     match role {
         Role::Small => DType::F32,
         Role::Matrix if weights.row_bytes(cols).is_none() => DType::Bf16,
-        Role::Matrix => weights,
+        Role::Matrix => match weights.interleaved() {
+            Some(x8) if rows.is_multiple_of(x8.group_rows()) => x8,
+            _ => weights,
+        },
     }
 }
 
@@ -172,7 +180,7 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
         .iter()
         .map(|(p, _, _)| ToPlace {
             name: p.id.to_string(),
-            dtype: storage_dtype(p.role, weight_dtype, *p.shape.last().unwrap_or(&1)),
+            dtype: storage_dtype(p.role, weight_dtype, &p.shape),
             shape: p.shape.clone(),
             expert: match p.id {
                 TensorId::Expert(l, e, _) => Some((l, e)),
@@ -239,20 +247,21 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
         if st.dtype == entry.dtype {
             w.write(raw)?;
         } else {
-            // Row chunks of about 1M elements keep memory flat on huge tensors.
+            // Row chunks of about 1M elements keep memory flat on huge
+            // tensors (whole groups of rows for the interleaved types).
             let cols = *entry.shape.last().unwrap_or(&1);
             let in_row = st.dtype.row_bytes(cols).expect("validated");
             let rows_total = raw.len() / in_row.max(1);
-            let rows_per = ((1 << 20) / cols.max(1)).max(1);
+            let rows_per = ((1 << 20) / cols.max(1)).max(1).next_multiple_of(entry.dtype.group_rows());
             let mut r = 0;
             while r < rows_total {
                 let n = rows_per.min(rows_total - r);
                 f32_buf.resize(n * cols, 0.0);
-                quant::decode(st.dtype, &raw[r * in_row..(r + n) * in_row], &mut f32_buf);
+                quant::decode(st.dtype, &raw[r * in_row..(r + n) * in_row], cols, &mut f32_buf);
                 let nbytes = entry.dtype.row_bytes(cols).expect("validated") * n;
                 out_buf.resize(nbytes.div_ceil(2), 0);
                 let out = &mut bytemuck::cast_slice_mut::<u16, u8>(&mut out_buf)[..nbytes];
-                quant::encode(entry.dtype, &f32_buf, out);
+                quant::encode(entry.dtype, &f32_buf, cols, out);
                 w.write(out)?;
                 r += n;
             }

@@ -26,16 +26,24 @@ use rayon::prelude::*;
 
 use crate::quant::DType;
 
-/// 32 activations quantised to signed bytes: `x ≈ d · qs`, and `s = d · Σ qs`.
+/// 32 activations quantised to signed bytes: `x ≈ d · qs`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct BlockQ8 {
     /// Scale.
     pub d: f32,
-    /// Scale times the sum of the codes (for weight types with an offset).
-    pub s: f32,
-    /// Codes.
+    /// Σ qs (weight types with an offset, or codes stored unsigned, need it).
+    pub sum: i32,
+    /// Codes, in [-127, 127].
     pub qs: [i8; 32],
+}
+
+impl BlockQ8 {
+    /// `d · Σ qs`: the block's sum in activation units.
+    #[inline(always)]
+    pub fn scaled_sum(&self) -> f32 {
+        self.d * self.sum as f32
+    }
 }
 const _: () = assert!(std::mem::size_of::<BlockQ8>() == 40);
 
@@ -45,6 +53,23 @@ pub type DotFn = fn(row: &[u8], x: &[f32], q: &[BlockQ8]) -> f32;
 
 /// One weight row against four activation rows (block types only).
 pub type Dot4Fn = fn(row: &[u8], q: [&[BlockQ8]; 4]) -> [f32; 4];
+
+/// Eight interleaved rows (one group of an interleaved type) against one
+/// activation row: the eight outputs.
+pub type Gemv8Fn = fn(group: &[u8], q: &[BlockQ8]) -> [f32; 8];
+
+/// Eight interleaved rows against four activation rows; per (row, token) the
+/// same bits as [`Gemv8Fn`].
+pub type Gemm8x4Fn = fn(group: &[u8], q: [&[BlockQ8]; 4]) -> [[f32; 8]; 4];
+
+/// The kernels of one interleaved type.
+#[derive(Clone, Copy)]
+pub struct GroupKernels {
+    /// One token.
+    pub one: Gemv8Fn,
+    /// Four tokens (`None`: four single calls).
+    pub four: Option<Gemm8x4Fn>,
+}
 
 /// Which instruction set the kernel table uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,6 +88,8 @@ struct Table {
     dot: [DotFn; 6],
     /// 1×4 tiles for q8_0, q4_0, q4_1 (`None`: four single dots).
     tile: Option<[Dot4Fn; 3]>,
+    /// Indexed like `DType::INTERLEAVED`.
+    group: [GroupKernels; 3],
 }
 
 fn scalar_f32(row: &[u8], x: &[f32], _: &[BlockQ8]) -> f32 {
@@ -86,6 +113,22 @@ fn scalar_q4_1(row: &[u8], _: &[f32], q: &[BlockQ8]) -> f32 {
 
 const SCALAR: [DotFn; 6] = [scalar_f32, scalar_bf16, scalar_f16, scalar_q8_0, scalar_q4_0, scalar_q4_1];
 
+fn scalar_gemv8_q8_0(g: &[u8], q: &[BlockQ8]) -> [f32; 8] {
+    scalar::gemv8_q8_0(bytemuck::cast_slice(g), q)
+}
+fn scalar_gemv8_q4_0(g: &[u8], q: &[BlockQ8]) -> [f32; 8] {
+    scalar::gemv8_q4_0(bytemuck::cast_slice(g), q)
+}
+fn scalar_gemv8_q4_1(g: &[u8], q: &[BlockQ8]) -> [f32; 8] {
+    scalar::gemv8_q4_1(bytemuck::cast_slice(g), q)
+}
+
+const SCALAR_GROUP: [GroupKernels; 3] = [
+    GroupKernels { one: scalar_gemv8_q8_0, four: None },
+    GroupKernels { one: scalar_gemv8_q4_0, four: None },
+    GroupKernels { one: scalar_gemv8_q4_1, four: None },
+];
+
 fn dtype_index(d: DType) -> usize {
     DType::ALL.iter().position(|&x| x == d).expect("every dtype is in ALL")
 }
@@ -96,15 +139,15 @@ fn table() -> &'static Table {
         let forced_scalar = std::env::var("COLIBRI_ISA").is_ok_and(|v| v.eq_ignore_ascii_case("scalar"));
         if !forced_scalar {
             #[cfg(target_arch = "x86_64")]
-            if let Some(dot) = x86_64::avx2_table() {
-                return Table { isa: Isa::Avx2, dot, tile: x86_64::avx2_tiles() };
+            if let (Some(dot), Some(group)) = (x86_64::avx2_table(), x86_64::avx2_groups()) {
+                return Table { isa: Isa::Avx2, dot, tile: x86_64::avx2_tiles(), group };
             }
             #[cfg(target_arch = "aarch64")]
             if let Some(dot) = aarch64::neon_table() {
-                return Table { isa: Isa::Neon, dot, tile: None };
+                return Table { isa: Isa::Neon, dot, tile: None, group: SCALAR_GROUP };
             }
         }
-        Table { isa: Isa::Scalar, dot: SCALAR, tile: None }
+        Table { isa: Isa::Scalar, dot: SCALAR, tile: None, group: SCALAR_GROUP }
     })
 }
 
@@ -122,6 +165,18 @@ pub fn dot_fn(dtype: DType) -> DotFn {
 pub fn tile_fn(dtype: DType) -> Option<Dot4Fn> {
     let i = dtype_index(dtype).checked_sub(3)?;
     table().tile.map(|t| t[i])
+}
+
+/// The kernels for an interleaved `dtype` (`None` for row-major types).
+pub fn group_fns(dtype: DType) -> Option<GroupKernels> {
+    let i = DType::INTERLEAVED.iter().position(|&x| x == dtype)?;
+    Some(table().group[i])
+}
+
+/// The scalar reference for an interleaved `dtype` (the test oracle).
+pub fn scalar_group_fn(dtype: DType) -> Option<Gemv8Fn> {
+    let i = DType::INTERLEAVED.iter().position(|&x| x == dtype)?;
+    Some(SCALAR_GROUP[i].one)
 }
 
 /// The scalar reference dot product for `dtype` (the test oracle).
@@ -146,7 +201,7 @@ impl<'a> Matrix<'a> {
     /// Wraps `bytes` as a `[rows, cols]` matrix of `dtype`; `None` if the
     /// length or alignment does not fit.
     pub fn new(dtype: DType, rows: usize, cols: usize, bytes: &'a [u8]) -> Option<Matrix<'a>> {
-        let want = dtype.row_bytes(cols)?.checked_mul(rows)?;
+        let want = dtype.tensor_bytes(&[rows, cols])?;
         (bytes.len() == want && (bytes.as_ptr() as usize).is_multiple_of(dtype.align())).then_some(Matrix {
             dtype,
             rows,
@@ -162,7 +217,13 @@ impl<'a> Matrix<'a> {
     /// Decodes row `r` into `out` (length `cols`), e.g. an embedding lookup.
     pub fn decode_row(&self, r: usize, out: &mut [f32]) {
         let rb = self.row_bytes();
-        crate::quant::decode(self.dtype, &self.bytes[r * rb..(r + 1) * rb], out);
+        let g = self.dtype.group_rows();
+        if g > 1 {
+            let start = (r / g) * g * rb;
+            crate::quant::decode_group_row(self.dtype, &self.bytes[start..start + g * rb], r % g, out);
+        } else {
+            crate::quant::decode(self.dtype, &self.bytes[r * rb..(r + 1) * rb], self.cols, out);
+        }
     }
 }
 
@@ -223,7 +284,11 @@ fn check(w: &Matrix, inp: &Input, y: &[f32]) -> usize {
 /// With several input rows and a tile kernel, four input rows share each
 /// weight block load (the row stays in L1 across the token loop anyway; the
 /// tile saves the unpacking).
-fn rows_into(w: &Matrix, inp: &Input, dot: DotFn, r0: usize, r1: usize, y: YOut) {
+fn rows_into(w: &Matrix, inp: &Input, r0: usize, r1: usize, y: YOut) {
+    if let Some(k) = group_fns(w.dtype) {
+        return groups_into(w, inp, k, r0, r1, y);
+    }
+    let dot = dot_fn(w.dtype);
     let rb = w.row_bytes();
     let n = inp.rows();
     let tile = if n >= 4 { tile_fn(w.dtype) } else { None };
@@ -242,6 +307,37 @@ fn rows_into(w: &Matrix, inp: &Input, dot: DotFn, r0: usize, r1: usize, y: YOut)
         while t < n {
             let (x, q) = inp.row(t);
             y.set(t * w.rows + r, dot(row, x, q));
+            t += 1;
+        }
+    }
+}
+
+/// [`rows_into`] for an interleaved type: `r0` and `r1` are multiples of 8.
+/// Each group of eight rows is read once per four tokens.
+fn groups_into(w: &Matrix, inp: &Input, k: GroupKernels, r0: usize, r1: usize, y: YOut) {
+    const G: usize = crate::quant::x8::ROWS;
+    debug_assert!(r0.is_multiple_of(G) && r1.is_multiple_of(G));
+    let gb = G * w.row_bytes();
+    let n = inp.rows();
+    let put = |t: usize, g: usize, v: [f32; G]| {
+        for (l, v) in v.into_iter().enumerate() {
+            y.set(t * w.rows + g * G + l, v);
+        }
+    };
+    for g in r0 / G..r1 / G {
+        let group = &w.bytes[g * gb..(g + 1) * gb];
+        let mut t = 0;
+        if let Some(four) = k.four {
+            while t + 4 <= n {
+                let q = [inp.row(t).1, inp.row(t + 1).1, inp.row(t + 2).1, inp.row(t + 3).1];
+                for (i, v) in four(group, q).into_iter().enumerate() {
+                    put(t + i, g, v);
+                }
+                t += 4;
+            }
+        }
+        while t < n {
+            put(t, g, (k.one)(group, inp.row(t).1));
             t += 1;
         }
     }
@@ -272,11 +368,12 @@ impl YOut {
     }
 }
 
-/// Rows per task: about 32 KiB of weights, and at least four tasks per thread.
+/// Rows per task: about 32 KiB of weights, and at least four tasks per
+/// thread; whole groups for the interleaved types.
 fn rows_per_task(w: &Matrix, threads: usize) -> usize {
     let by_bytes = (32 * 1024 / w.row_bytes().max(1)).max(1);
     let by_threads = w.rows.div_ceil(threads * 4).max(1);
-    by_bytes.min(by_threads).max(1)
+    by_bytes.min(by_threads).max(1).next_multiple_of(w.dtype.group_rows())
 }
 
 /// `y[t, r] = Σ_c W[r, c] · x[t, c]` for every row `t` of the input, split by
@@ -296,7 +393,7 @@ pub fn matmul_many(jobs: &mut [(Matrix, &mut [f32])], inp: &Input) {
     }
     if threads == 1 || tasks <= 1 {
         for (w, y) in jobs.iter_mut() {
-            rows_into(w, inp, dot_fn(w.dtype), 0, w.rows, YOut::new(y));
+            rows_into(w, inp, 0, w.rows, YOut::new(y));
         }
         return;
     }
@@ -311,7 +408,7 @@ pub fn matmul_many(jobs: &mut [(Matrix, &mut [f32])], inp: &Input) {
         for (w, y, chunk) in plan.iter().flatten() {
             let n = w.rows.div_ceil(*chunk);
             if i < n {
-                rows_into(w, inp, dot_fn(w.dtype), i * chunk, ((i + 1) * chunk).min(w.rows), *y);
+                rows_into(w, inp, i * chunk, ((i + 1) * chunk).min(w.rows), *y);
                 return;
             }
             i -= n;
@@ -323,7 +420,7 @@ pub fn matmul_many(jobs: &mut [(Matrix, &mut [f32])], inp: &Input) {
 /// threads at a coarser grain, such as one expert per task).
 pub fn matmul_serial(w: &Matrix, inp: &Input, y: &mut [f32]) {
     check(w, inp, y);
-    rows_into(w, inp, dot_fn(w.dtype), 0, w.rows, YOut::new(y));
+    rows_into(w, inp, 0, w.rows, YOut::new(y));
 }
 
 #[cfg(test)]

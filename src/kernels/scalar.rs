@@ -78,7 +78,7 @@ use crate::quant::q4_1::BlockQ4_1;
 use crate::quant::q8_0::BlockQ8_0;
 
 /// Quantises one activation row (a multiple of 32 long) to 8-bit blocks:
-/// `x ≈ d · q`, with the block sum `s = d · Σq` kept for offset types.
+/// `x ≈ d · q`, with the code sum `Σq` kept for offset types.
 pub fn quantize_act(x: &[f32], out: &mut [BlockQ8]) {
     for (xs, b) in x.chunks_exact(32).zip(out.iter_mut()) {
         let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -90,7 +90,7 @@ pub fn quantize_act(x: &[f32], out: &mut [BlockQ8]) {
             sum += *q as i32;
         }
         b.d = d;
-        b.s = d * sum as f32;
+        b.sum = sum;
     }
 }
 
@@ -127,7 +127,66 @@ pub fn dot_q4_1(w: &[BlockQ4_1], a: &[BlockQ8]) -> f32 {
             dot += (bw.qs[j] & 0xF) as i32 * ba.qs[j] as i32;
             dot += (bw.qs[j] >> 4) as i32 * ba.qs[j + 16] as i32;
         }
-        s += half::f16::from_bits(bw.d).to_f32() * ba.d * dot as f32 + half::f16::from_bits(bw.m).to_f32() * ba.s;
+        s += half::f16::from_bits(bw.d).to_f32() * ba.d * dot as f32
+            + half::f16::from_bits(bw.m).to_f32() * ba.scaled_sum();
     }
     s
+}
+
+use crate::quant::x8::{BlockQ4_0x8, BlockQ4_1x8, BlockQ8_0x8, ROWS};
+
+/// Σ over the 32 values of row `l` of a 4-bit group block: code · activation.
+fn nibble_dot(qs: &[u8; 16 * ROWS], l: usize, a: &[i8; 32]) -> i32 {
+    let mut dot = 0i32;
+    for j in 0..4 {
+        for i in 0..4 {
+            let byte = qs[32 * j + 4 * l + i];
+            dot += (byte & 0xF) as i32 * a[4 * j + i] as i32;
+            dot += (byte >> 4) as i32 * a[16 + 4 * j + i] as i32;
+        }
+    }
+    dot
+}
+
+/// Eight interleaved q8_0 rows · one quantised activation row.
+pub fn gemv8_q8_0(g: &[BlockQ8_0x8], a: &[BlockQ8]) -> [f32; ROWS] {
+    let mut acc = [0f32; ROWS];
+    for (bw, ba) in g.iter().zip(a) {
+        for (l, s) in acc.iter_mut().enumerate() {
+            let mut dot = 0i32;
+            for k in 0..8 {
+                for i in 0..4 {
+                    dot += bw.qs[32 * k + 4 * l + i] as i32 * ba.qs[4 * k + i] as i32;
+                }
+            }
+            *s += half::f16::from_bits(bw.d[l]).to_f32() * ba.d * dot as f32;
+        }
+    }
+    acc
+}
+
+/// Eight interleaved q4_0 rows · one quantised activation row.
+pub fn gemv8_q4_0(g: &[BlockQ4_0x8], a: &[BlockQ8]) -> [f32; ROWS] {
+    let mut acc = [0f32; ROWS];
+    for (bw, ba) in g.iter().zip(a) {
+        for (l, s) in acc.iter_mut().enumerate() {
+            // Σ (c - 8)·q = Σ c·q - 8·Σq, exactly, in integers.
+            let dot = nibble_dot(&bw.qs, l, &ba.qs) - 8 * ba.sum;
+            *s += half::f16::from_bits(bw.d[l]).to_f32() * ba.d * dot as f32;
+        }
+    }
+    acc
+}
+
+/// Eight interleaved q4_1 rows · one quantised activation row.
+pub fn gemv8_q4_1(g: &[BlockQ4_1x8], a: &[BlockQ8]) -> [f32; ROWS] {
+    let mut acc = [0f32; ROWS];
+    for (bw, ba) in g.iter().zip(a) {
+        for (l, s) in acc.iter_mut().enumerate() {
+            let dot = nibble_dot(&bw.qs, l, &ba.qs);
+            *s += half::f16::from_bits(bw.d[l]).to_f32() * ba.d * dot as f32
+                + half::f16::from_bits(bw.m[l]).to_f32() * ba.scaled_sum();
+        }
+    }
+    acc
 }

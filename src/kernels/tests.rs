@@ -14,7 +14,7 @@ fn encoded(dtype: DType, vals: &[f32], cols: usize) -> Vec<u64> {
     let rows = vals.len() / cols;
     let nbytes = dtype.row_bytes(cols).unwrap() * rows;
     let mut buf = vec![0u64; nbytes.div_ceil(8)];
-    quant::encode(dtype, vals, &mut bytemuck::cast_slice_mut(&mut buf)[..nbytes]);
+    quant::encode(dtype, vals, cols, &mut bytemuck::cast_slice_mut(&mut buf)[..nbytes]);
     buf
 }
 
@@ -47,7 +47,7 @@ fn active_kernels_match_the_scalar_reference() {
             let want = scalar_dot_fn(dtype)(row, xr, qr);
             let got = dot_fn(dtype)(row, xr, qr);
             let mut wd = vec![0f32; n];
-            quant::decode(dtype, row, &mut wd);
+            quant::decode(dtype, row, n, &mut wd);
             let scale: f32 = wd.iter().zip(&x).map(|(a, b)| (a * b).abs()).sum::<f32>().max(1e-6);
             assert!((got - want).abs() <= REL_TOL * scale * (n as f32).sqrt(), "{dtype} n={n}: {got} vs {want}");
         }
@@ -67,7 +67,7 @@ fn quantised_dots_approximate_the_exact_product() {
         let buf = encoded(dtype, &w, n);
         let row = &bytemuck::cast_slice::<u64, u8>(&buf)[..dtype.row_bytes(n).unwrap()];
         let mut wd = vec![0f32; n];
-        quant::decode(dtype, row, &mut wd);
+        quant::decode(dtype, row, n, &mut wd);
         let exact: f64 = wd.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
         let mut q = vec![BlockQ8::default(); n / 32];
         let inp = Input::prepare(&x, n, true, &mut q);
@@ -81,8 +81,10 @@ fn quantised_dots_approximate_the_exact_product() {
 #[test]
 fn matmul_matches_naive_for_every_type_and_shape() {
     let mut s = 7u64;
-    for dtype in DType::ALL {
-        let shapes: &[(usize, usize, usize)] = if dtype.is_quantized() {
+    for dtype in DType::ALL.into_iter().chain(DType::INTERLEAVED) {
+        let shapes: &[(usize, usize, usize)] = if dtype.group_rows() > 1 {
+            &[(8, 32, 1), (16, 64, 2), (40, 96, 5), (256, 32, 1), (64, 1024, 3), (24, 64, 9)]
+        } else if dtype.is_quantized() {
             &[(1, 32, 1), (3, 64, 2), (31, 96, 5), (255, 32, 1), (64, 1024, 3)]
         } else {
             &[(1, 1, 1), (3, 7, 2), (31, 33, 5), (255, 17, 1), (64, 1023, 3)]
@@ -93,7 +95,7 @@ fn matmul_matches_naive_for_every_type_and_shape() {
             let bytes = &bytemuck::cast_slice::<u64, u8>(&buf)[..dtype.row_bytes(cols).unwrap() * rows];
             let m = Matrix::new(dtype, rows, cols, bytes).unwrap();
             let mut wd = vec![0f32; rows * cols];
-            quant::decode(dtype, bytes, &mut wd);
+            quant::decode(dtype, bytes, cols, &mut wd);
             let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s)).collect();
             let mut q = vec![BlockQ8::default(); n * cols / 32];
             let inp = Input::prepare(&x, cols, dtype.is_quantized(), &mut q);
@@ -170,5 +172,71 @@ fn tiles_match_single_dots() {
                 assert!((g - want).abs() <= REL_TOL * scale * (n as f32).sqrt(), "{dtype} n={n} t={t}: {g} vs {want}");
             }
         }
+    }
+}
+
+/// Each interleaved kernel against its scalar twin, the four-token kernel
+/// against the one-token kernel (bit for bit), and both against the
+/// row-major kernels of the same values.
+#[test]
+fn group_kernels_match_scalar_and_row_kernels() {
+    let mut s = 31u64;
+    for dtype in DType::INTERLEAVED {
+        let k = group_fns(dtype).unwrap();
+        for n in [32, 64, 160, 2048 + 32] {
+            let w: Vec<f32> = (0..8 * n).map(|_| lcg(&mut s)).collect();
+            let buf = encoded(dtype, &w, n);
+            let group = &bytemuck::cast_slice::<u64, u8>(&buf)[..8 * dtype.row_bytes(n).unwrap()];
+            let rbuf = encoded(dtype.base(), &w, n);
+            let rows = &bytemuck::cast_slice::<u64, u8>(&rbuf)[..8 * dtype.row_bytes(n).unwrap()];
+            let rb = dtype.row_bytes(n).unwrap();
+            // Large activations make the 16-bit partial sums of the 4-bit
+            // kernels approach their bound.
+            let x: Vec<f32> = (0..4 * n).map(|i| if i % 7 == 0 { 1.0 } else { lcg(&mut s) * 3.0 }).collect();
+            let mut q = vec![BlockQ8::default(); 4 * n / 32];
+            let inp = Input::prepare(&x, n, true, &mut q);
+            let qs = [inp.row(0).1, inp.row(1).1, inp.row(2).1, inp.row(3).1];
+            let four = k.four.map(|f| f(group, qs));
+            for t in 0..4 {
+                let got = (k.one)(group, qs[t]);
+                if let Some(four) = four {
+                    assert_eq!(four[t], got, "{dtype}: four-token and one-token kernels must agree bit for bit");
+                }
+                let want = scalar_group_fn(dtype).unwrap()(group, qs[t]);
+                for l in 0..8 {
+                    let row = &rows[l * rb..(l + 1) * rb];
+                    let (xr, qr) = inp.row(t);
+                    let plain = scalar_dot_fn(dtype.base())(row, xr, qr);
+                    let scale: f32 = (0..n).map(|i| (w[l * n + i] * xr[i]).abs()).sum::<f32>().max(1e-6);
+                    let tol = REL_TOL * scale * (n as f32).sqrt();
+                    assert!((got[l] - want[l]).abs() <= tol, "{dtype} n={n} row {l}: {} vs {}", got[l], want[l]);
+                    assert!((want[l] - plain).abs() <= tol, "{dtype} n={n} row {l}: {} vs row-major {plain}", want[l]);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn interleaved_rows_decode_like_row_major() {
+    let mut s = 41u64;
+    for dtype in DType::INTERLEAVED {
+        let (rows, cols) = (16, 96);
+        let w: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut s)).collect();
+        let nbytes = dtype.tensor_bytes(&[rows, cols]).unwrap();
+        let (a, b) = (encoded(dtype, &w, cols), encoded(dtype.base(), &w, cols));
+        let (a, b) = (&bytemuck::cast_slice::<u64, u8>(&a)[..nbytes], &bytemuck::cast_slice::<u64, u8>(&b)[..nbytes]);
+        assert_ne!(a, b, "{dtype}: the interleaved bytes should differ from row-major");
+        let (mut da, mut db) = (vec![0f32; rows * cols], vec![0f32; rows * cols]);
+        quant::decode(dtype, a, cols, &mut da);
+        quant::decode(dtype.base(), b, cols, &mut db);
+        assert_eq!(da, db, "{dtype}: interleaving must be lossless");
+        let m = Matrix::new(dtype, rows, cols, a).unwrap();
+        let mut row = vec![0f32; cols];
+        for r in 0..rows {
+            m.decode_row(r, &mut row);
+            assert_eq!(row, db[r * cols..(r + 1) * cols], "{dtype} row {r}");
+        }
+        assert!(Matrix::new(dtype, rows - 1, cols, &a[..nbytes - dtype.row_bytes(cols).unwrap()]).is_none());
     }
 }

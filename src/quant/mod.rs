@@ -9,6 +9,7 @@
 pub mod q4_0;
 pub mod q4_1;
 pub mod q8_0;
+pub mod x8;
 
 use serde::{Deserialize, Serialize};
 
@@ -31,11 +32,50 @@ pub enum DType {
     /// Blocks of 32 4-bit codes with an f16 scale and minimum ([`q4_1`]).
     #[serde(rename = "q4_1")]
     Q4_1,
+    /// q8_0 rows interleaved in groups of eight ([`x8`]).
+    #[serde(rename = "q8_0x8")]
+    Q8_0x8,
+    /// q4_0 rows interleaved in groups of eight ([`x8`]).
+    #[serde(rename = "q4_0x8")]
+    Q4_0x8,
+    /// q4_1 rows interleaved in groups of eight ([`x8`]).
+    #[serde(rename = "q4_1x8")]
+    Q4_1x8,
 }
 
 impl DType {
-    /// All types, in the order the docs list them.
+    /// The weight types a user chooses from, in the order the docs list them.
     pub const ALL: [DType; 6] = [DType::F32, DType::Bf16, DType::F16, DType::Q8_0, DType::Q4_0, DType::Q4_1];
+
+    /// The interleaved storage forms of the block types (chosen by the
+    /// converter, never by name), in the order of their row-major twins.
+    pub const INTERLEAVED: [DType; 3] = [DType::Q8_0x8, DType::Q4_0x8, DType::Q4_1x8];
+
+    /// The interleaved form of a block type, if it has one.
+    pub fn interleaved(self) -> Option<DType> {
+        match self {
+            DType::Q8_0 => Some(DType::Q8_0x8),
+            DType::Q4_0 => Some(DType::Q4_0x8),
+            DType::Q4_1 => Some(DType::Q4_1x8),
+            _ => None,
+        }
+    }
+
+    /// The row-major type holding the same values (itself for row types).
+    pub fn base(self) -> DType {
+        match self {
+            DType::Q8_0x8 => DType::Q8_0,
+            DType::Q4_0x8 => DType::Q4_0,
+            DType::Q4_1x8 => DType::Q4_1,
+            d => d,
+        }
+    }
+
+    /// Rows stored together: 8 for the interleaved types, else 1. A matrix
+    /// of such a type has a multiple of this many rows.
+    pub fn group_rows(self) -> usize {
+        if self.base() == self { 1 } else { x8::ROWS }
+    }
 
     /// The lowercase name used in the file and the CLI.
     pub fn name(self) -> &'static str {
@@ -46,6 +86,9 @@ impl DType {
             DType::Q8_0 => "q8_0",
             DType::Q4_0 => "q4_0",
             DType::Q4_1 => "q4_1",
+            DType::Q8_0x8 => "q8_0x8",
+            DType::Q4_0x8 => "q4_0x8",
+            DType::Q4_1x8 => "q4_1x8",
         }
     }
 
@@ -54,18 +97,20 @@ impl DType {
     pub fn block_len(self) -> usize {
         match self {
             DType::F32 | DType::Bf16 | DType::F16 => 1,
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => 32,
+            _ => 32,
         }
     }
 
-    /// Bytes of one block (of one element for element types).
+    /// Bytes of one block (of one element for element types; of one row's
+    /// share of a group block for the interleaved types).
     fn block_bytes(self) -> usize {
-        match self {
+        match self.base() {
             DType::F32 => 4,
             DType::Bf16 | DType::F16 => 2,
             DType::Q8_0 => std::mem::size_of::<q8_0::BlockQ8_0>(),
             DType::Q4_0 => std::mem::size_of::<q4_0::BlockQ4_0>(),
             DType::Q4_1 => std::mem::size_of::<q4_1::BlockQ4_1>(),
+            _ => unreachable!("base() is a row type"),
         }
     }
 
@@ -89,8 +134,9 @@ impl DType {
     }
 
     /// Bytes taken by one row of `cols` elements. Every row of a matrix starts
-    /// at a multiple of this from the tensor's start. `None` when `cols` is not
-    /// a legal row length for the type (block types need whole blocks).
+    /// at a multiple of this from the tensor's start (every group of eight
+    /// rows, for the interleaved types). `None` when `cols` is not a legal row
+    /// length for the type (block types need whole blocks).
     pub fn row_bytes(self, cols: usize) -> Option<usize> {
         let b = self.block_len();
         if !cols.is_multiple_of(b) {
@@ -103,6 +149,9 @@ impl DType {
     pub fn tensor_bytes(self, shape: &[usize]) -> Option<usize> {
         let cols = *shape.last().unwrap_or(&1);
         let rows = shape[..shape.len().saturating_sub(1)].iter().try_fold(1usize, |a, &d| a.checked_mul(d))?;
+        if !rows.is_multiple_of(self.group_rows()) {
+            return None;
+        }
         self.row_bytes(cols)?.checked_mul(rows)
     }
 
@@ -122,11 +171,40 @@ impl std::fmt::Display for DType {
     }
 }
 
-/// Encodes f32 values into `dst` (exactly `row_bytes(src.len())` bytes; block
-/// types need a whole number of blocks). bf16 and f16 round to nearest even,
-/// as torch's `.to()` does. `dst` must be aligned for the type's blocks.
-pub fn encode(dtype: DType, src: &[f32], dst: &mut [u8]) {
-    debug_assert_eq!(Some(dst.len()), dtype.row_bytes(src.len()));
+/// Encodes a `[rows, cols]` f32 matrix into `dst` (exactly
+/// `tensor_bytes([rows, cols])` bytes: block types need whole blocks, the
+/// interleaved types whole groups of eight rows). bf16 and f16 round to
+/// nearest even, as torch's `.to()` does. `dst` must be aligned for the
+/// type's blocks.
+pub fn encode(dtype: DType, src: &[f32], cols: usize, dst: &mut [u8]) {
+    debug_assert_eq!(Some(dst.len()), dtype.tensor_bytes(&[src.len() / cols.max(1), cols]));
+    if dtype.group_rows() > 1 {
+        // Row-major first, then the byte shuffle (lossless).
+        let mut rows = vec![0u16; dst.len() / 2];
+        encode_rows(dtype.base(), src, bytemuck::cast_slice_mut(&mut rows));
+        let nb = cols / 32;
+        let rows: &[u8] = bytemuck::cast_slice(&rows);
+        match dtype {
+            DType::Q8_0x8 => x8::pack::<x8::BlockQ8_0x8>(cast(rows), nb, cast_mut(dst)),
+            DType::Q4_0x8 => x8::pack::<x8::BlockQ4_0x8>(cast(rows), nb, cast_mut(dst)),
+            DType::Q4_1x8 => x8::pack::<x8::BlockQ4_1x8>(cast(rows), nb, cast_mut(dst)),
+            _ => unreachable!("group_rows() > 1 only for interleaved types"),
+        }
+        return;
+    }
+    encode_rows(dtype, src, dst);
+}
+
+fn cast<T: bytemuck::Pod>(b: &[u8]) -> &[T] {
+    bytemuck::cast_slice(b)
+}
+
+fn cast_mut<T: bytemuck::Pod>(b: &mut [u8]) -> &mut [T] {
+    bytemuck::cast_slice_mut(b)
+}
+
+/// [`encode`] for a row-major type (any number of rows).
+fn encode_rows(dtype: DType, src: &[f32], dst: &mut [u8]) {
     match dtype {
         DType::Q8_0 => q8_0::quantize(src, bytemuck::cast_slice_mut(dst)),
         DType::Q4_0 => q4_0::quantize(src, bytemuck::cast_slice_mut(dst)),
@@ -146,13 +224,51 @@ pub fn encode(dtype: DType, src: &[f32], dst: &mut [u8]) {
                 d.copy_from_slice(&half::f16::from_f32(*s).to_bits().to_le_bytes());
             }
         }
+        _ => unreachable!("interleaved types are encoded through `encode`"),
     }
 }
 
-/// Decodes `dst.len()` values from `src` (a whole number of rows of the type).
-/// Element types accept any alignment; block types need `src` aligned to 2.
-pub fn decode(dtype: DType, src: &[u8], dst: &mut [f32]) {
-    debug_assert_eq!(Some(src.len()), dtype.row_bytes(dst.len()));
+/// Decodes a `[rows, cols]` matrix from `src` into `dst` (`rows * cols`
+/// values). Element types accept any alignment; block types need `src`
+/// aligned to 2.
+pub fn decode(dtype: DType, src: &[u8], cols: usize, dst: &mut [f32]) {
+    debug_assert_eq!(Some(src.len()), dtype.tensor_bytes(&[dst.len() / cols.max(1), cols]));
+    if dtype.group_rows() > 1 {
+        let mut rows = vec![0u16; src.len() / 2];
+        let nb = cols / 32;
+        let out: &mut [u8] = bytemuck::cast_slice_mut(&mut rows);
+        match dtype {
+            DType::Q8_0x8 => x8::unpack::<x8::BlockQ8_0x8>(cast(src), nb, cast_mut(out)),
+            DType::Q4_0x8 => x8::unpack::<x8::BlockQ4_0x8>(cast(src), nb, cast_mut(out)),
+            DType::Q4_1x8 => x8::unpack::<x8::BlockQ4_1x8>(cast(src), nb, cast_mut(out)),
+            _ => unreachable!("group_rows() > 1 only for interleaved types"),
+        }
+        decode_rows(dtype.base(), bytemuck::cast_slice(&rows), dst);
+        return;
+    }
+    decode_rows(dtype, src, dst);
+}
+
+/// Decodes row `l` (0..8) of one group of eight interleaved rows (`src`,
+/// `8 * row_bytes(dst.len())` bytes) into `dst`.
+pub fn decode_group_row(dtype: DType, src: &[u8], l: usize, dst: &mut [f32]) {
+    fn each<G: x8::Interleave>(base: DType, src: &[u8], l: usize, dst: &mut [f32]) {
+        // One block at a time through the stack: no allocation (this serves
+        // embedding lookups inside the forward pass).
+        for (g, out) in cast::<G>(src).iter().zip(dst.chunks_exact_mut(32)) {
+            decode_rows(base, bytemuck::bytes_of(&g.unpack(l)), out);
+        }
+    }
+    match dtype {
+        DType::Q8_0x8 => each::<x8::BlockQ8_0x8>(DType::Q8_0, src, l, dst),
+        DType::Q4_0x8 => each::<x8::BlockQ4_0x8>(DType::Q4_0, src, l, dst),
+        DType::Q4_1x8 => each::<x8::BlockQ4_1x8>(DType::Q4_1, src, l, dst),
+        _ => panic!("decode_group_row: {dtype} is not an interleaved type"),
+    }
+}
+
+/// [`decode`] for a row-major type.
+fn decode_rows(dtype: DType, src: &[u8], dst: &mut [f32]) {
     match dtype {
         DType::Q8_0 => q8_0::dequantize(bytemuck::cast_slice(src), dst),
         DType::Q4_0 => q4_0::dequantize(bytemuck::cast_slice(src), dst),
@@ -172,6 +288,7 @@ pub fn decode(dtype: DType, src: &[u8], dst: &mut [f32]) {
                 *d = half::f16::from_bits(u16::from_le_bytes([s[0], s[1]])).to_f32();
             }
         }
+        _ => unreachable!("interleaved types are decoded through `decode`"),
     }
 }
 
@@ -184,9 +301,9 @@ mod tests {
         let xs: Vec<f32> = (0..37).map(|i| (i as f32 - 18.0) * 0.37).collect();
         for dt in DType::ALL.into_iter().filter(|d| !d.is_quantized()) {
             let mut bytes = vec![0u8; dt.row_bytes(xs.len()).unwrap()];
-            encode(dt, &xs, &mut bytes);
+            encode(dt, &xs, xs.len(), &mut bytes);
             let mut back = vec![0f32; xs.len()];
-            decode(dt, &bytes, &mut back);
+            decode(dt, &bytes, xs.len(), &mut back);
             let tol = match dt {
                 DType::F32 => 0.0,
                 DType::Bf16 => 1.0 / 256.0,
@@ -203,9 +320,9 @@ mod tests {
     /// Gaussian-like weights: the figure each block type is designed around.
     fn relative_rms_error(dt: DType, xs: &[f32]) -> f32 {
         let mut bytes = vec![0u16; dt.row_bytes(xs.len()).unwrap() / 2];
-        encode(dt, xs, bytemuck::cast_slice_mut(&mut bytes));
+        encode(dt, xs, xs.len(), bytemuck::cast_slice_mut(&mut bytes));
         let mut back = vec![0f32; xs.len()];
-        decode(dt, bytemuck::cast_slice(&bytes), &mut back);
+        decode(dt, bytemuck::cast_slice(&bytes), xs.len(), &mut back);
         let num: f32 = xs.iter().zip(&back).map(|(a, b)| (a - b) * (a - b)).sum();
         let den: f32 = xs.iter().map(|a| a * a).sum();
         (num / den).sqrt()
@@ -248,9 +365,9 @@ mod tests {
             assert!(dt.row_bytes(64).is_some());
             let zeros = vec![0f32; 64];
             let mut bytes = vec![0u16; dt.row_bytes(64).unwrap() / 2];
-            encode(dt, &zeros, bytemuck::cast_slice_mut(&mut bytes));
+            encode(dt, &zeros, 64, bytemuck::cast_slice_mut(&mut bytes));
             let mut back = vec![1f32; 64];
-            decode(dt, bytemuck::cast_slice(&bytes), &mut back);
+            decode(dt, bytemuck::cast_slice(&bytes), 64, &mut back);
             assert!(back.iter().all(|&v| v == 0.0), "{dt}");
         }
     }

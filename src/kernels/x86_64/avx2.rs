@@ -18,6 +18,7 @@ use crate::kernels::BlockQ8;
 use crate::quant::q4_0::BlockQ4_0;
 use crate::quant::q4_1::BlockQ4_1;
 use crate::quant::q8_0::BlockQ8_0;
+use crate::quant::x8::{BlockQ4_0x8, BlockQ4_1x8, BlockQ8_0x8};
 
 #[inline(always)]
 unsafe fn hsum(v: __m256) -> f32 {
@@ -205,7 +206,7 @@ pub unsafe fn dot_q4_1(row: &[u8], _x: &[f32], q: &[BlockQ8]) -> f32 {
     let w = row.as_ptr() as *const BlockQ4_1;
     let mut offsets = 0f32;
     for i in 0..nb {
-        offsets += f16_to_f32((*w.add(i)).m) * q.get_unchecked(i).s;
+        offsets += f16_to_f32((*w.add(i)).m) * q.get_unchecked(i).scaled_sum();
     }
     let block = |i: usize| {
         let bw = &*w.add(i);
@@ -305,9 +306,145 @@ pub unsafe fn dot4_q4_1(row: &[u8], q: [&[BlockQ8]; 4]) -> [f32; 4] {
     for (t, o) in out.iter_mut().enumerate() {
         let mut offsets = 0f32;
         for i in 0..nb {
-            offsets += f16_to_f32((*w.add(i)).m) * q[t].get_unchecked(i).s;
+            offsets += f16_to_f32((*w.add(i)).m) * q[t].get_unchecked(i).scaled_sum();
         }
         *o += offsets;
     }
     out
 }
+
+// ------------------------------------------------------------------
+// Eight interleaved rows (see `crate::quant::x8`): each 32-bit lane of a
+// register belongs to one row, so a group block ends as eight row sums in
+// eight lanes, scaled by the eight row scales at once; no horizontal sums.
+// `T` tokens share each weight load and unpack (T = 1 in decode, 4 in
+// prefill); per lane the arithmetic is the same for every `T`, so prefill
+// and decode agree bit for bit.
+
+/// Four activation bytes `4k..4k+4` of a block, broadcast to all eight lanes.
+#[inline(always)]
+unsafe fn act4(ba: &BlockQ8, at: usize) -> __m256i {
+    _mm256_set1_epi32((ba.qs.as_ptr().add(at) as *const i32).read_unaligned())
+}
+
+/// acc += (row scales · activation scale) · row sums, per lane.
+#[inline(always)]
+unsafe fn scale_acc(acc: __m256, dw: __m256, ba: &BlockQ8, isum: __m256i) -> __m256 {
+    _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(ba.d)), _mm256_cvtepi32_ps(isum), acc)
+}
+
+#[inline(always)]
+unsafe fn gemm8_q8_0<const T: usize>(g: *const BlockQ8_0x8, nb: usize, q: [*const BlockQ8; T]) -> [__m256; T] {
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); T];
+    for b in 0..nb {
+        let bw = &*g.add(b);
+        let dw = _mm256_cvtph_ps(_mm_loadu_si128(bw.d.as_ptr() as *const __m128i));
+        let mut isum = [_mm256_setzero_si256(); T];
+        for k in 0..8 {
+            let w = _mm256_loadu_si256(bw.qs.as_ptr().add(32 * k) as *const __m256i);
+            let wabs = _mm256_sign_epi8(w, w);
+            for (t, s) in isum.iter_mut().enumerate() {
+                let a = _mm256_sign_epi8(act4(&*q[t].add(b), 4 * k), w);
+                *s = _mm256_add_epi32(*s, _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, a), ones));
+            }
+        }
+        for t in 0..T {
+            acc[t] = scale_acc(acc[t], dw, &*q[t].add(b), isum[t]);
+        }
+    }
+    acc
+}
+
+/// Unsigned 4-bit codes · activations of one group block, per lane (row):
+/// 16-bit partial sums stay below 8 · 2 · 15 · 127 = 30480, so they are
+/// summed in 16 bits and widened once.
+#[inline(always)]
+unsafe fn nibble_sums<const T: usize>(qs: *const u8, ba: [&BlockQ8; T]) -> [__m256i; T] {
+    let mask = _mm256_set1_epi8(0x0F);
+    let mut s16 = [_mm256_setzero_si256(); T];
+    for j in 0..4 {
+        let raw = _mm256_loadu_si256(qs.add(32 * j) as *const __m256i);
+        let lo = _mm256_and_si256(raw, mask);
+        let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        for (t, s) in s16.iter_mut().enumerate() {
+            let p = _mm256_add_epi16(
+                _mm256_maddubs_epi16(lo, act4(ba[t], 4 * j)),
+                _mm256_maddubs_epi16(hi, act4(ba[t], 16 + 4 * j)),
+            );
+            *s = _mm256_add_epi16(*s, p);
+        }
+    }
+    let ones = _mm256_set1_epi16(1);
+    s16.map(|s| _mm256_madd_epi16(s, ones))
+}
+
+#[inline(always)]
+unsafe fn gemm8_q4_0<const T: usize>(g: *const BlockQ4_0x8, nb: usize, q: [*const BlockQ8; T]) -> [__m256; T] {
+    let mut acc = [_mm256_setzero_ps(); T];
+    for b in 0..nb {
+        let bw = &*g.add(b);
+        let dw = _mm256_cvtph_ps(_mm_loadu_si128(bw.d.as_ptr() as *const __m128i));
+        let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q[t].add(b));
+        let sums = nibble_sums(bw.qs.as_ptr(), ba);
+        for t in 0..T {
+            // Codes are stored +8: Σ (c - 8)·q = Σ c·q - 8·Σq.
+            let isum = _mm256_sub_epi32(sums[t], _mm256_set1_epi32(8 * ba[t].sum));
+            acc[t] = scale_acc(acc[t], dw, ba[t], isum);
+        }
+    }
+    acc
+}
+
+#[inline(always)]
+unsafe fn gemm8_q4_1<const T: usize>(g: *const BlockQ4_1x8, nb: usize, q: [*const BlockQ8; T]) -> [__m256; T] {
+    let mut acc = [_mm256_setzero_ps(); T];
+    for b in 0..nb {
+        let bw = &*g.add(b);
+        let dw = _mm256_cvtph_ps(_mm_loadu_si128(bw.d.as_ptr() as *const __m128i));
+        let m = _mm256_cvtph_ps(_mm_loadu_si128(bw.m.as_ptr() as *const __m128i));
+        let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q[t].add(b));
+        let sums = nibble_sums(bw.qs.as_ptr(), ba);
+        for t in 0..T {
+            let a = scale_acc(acc[t], dw, ba[t], sums[t]);
+            acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(ba[t].scaled_sum()), a);
+        }
+    }
+    acc
+}
+
+#[inline(always)]
+unsafe fn store8(v: __m256) -> [f32; 8] {
+    let mut out = [0f32; 8];
+    _mm256_storeu_ps(out.as_mut_ptr(), v);
+    out
+}
+
+macro_rules! group_kernels {
+    ($one:ident, $four:ident, $inner:ident, $block:ty) => {
+        /// # Safety
+        /// AVX2, FMA and F16C must be available; `group` holds whole group
+        /// blocks of this type and `q` at least as many activation blocks.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub unsafe fn $one(group: &[u8], q: &[BlockQ8]) -> [f32; 8] {
+            let nb = group.len() / std::mem::size_of::<$block>();
+            debug_assert!(q.len() >= nb);
+            let [acc] = $inner::<1>(group.as_ptr() as *const $block, nb, [q.as_ptr()]);
+            store8(acc)
+        }
+
+        /// # Safety
+        /// As the one-token kernel, with every `q[t]` long enough.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub unsafe fn $four(group: &[u8], q: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
+            let nb = group.len() / std::mem::size_of::<$block>();
+            debug_assert!(q.iter().all(|r| r.len() >= nb));
+            let acc = $inner::<4>(group.as_ptr() as *const $block, nb, q.map(|r| r.as_ptr()));
+            acc.map(|a| store8(a))
+        }
+    };
+}
+
+group_kernels!(gemv8_q8_0, gemm8x4_q8_0, gemm8_q8_0, BlockQ8_0x8);
+group_kernels!(gemv8_q4_0, gemm8x4_q4_0, gemm8_q4_0, BlockQ4_0x8);
+group_kernels!(gemv8_q4_1, gemm8x4_q4_1, gemm8_q4_1, BlockQ4_1x8);

@@ -5,7 +5,7 @@
 
 mod avx2;
 
-use super::{BlockQ8, Dot4Fn, DotFn};
+use super::{BlockQ8, Dot4Fn, DotFn, GroupKernels};
 
 /// True when this CPU has everything the AVX2 kernels use.
 pub fn has_avx2() -> bool {
@@ -52,4 +52,30 @@ pub fn avx2_tiles() -> Option<[Dot4Fn; 3]> {
 /// CPU lacks a required feature.
 pub fn avx2_table() -> Option<[DotFn; 6]> {
     has_avx2().then_some([f32_dot, bf16_dot, f16_dot, q8_0_dot, q4_0_dot, q4_1_dot])
+}
+
+macro_rules! safe_group {
+    ($one:ident, $four:ident, $inner1:path, $inner4:path) => {
+        fn $one(group: &[u8], q: &[BlockQ8]) -> [f32; 8] {
+            // SAFETY: as `safe_wrapper`: installed only after `has_avx2()`.
+            unsafe { $inner1(group, q) }
+        }
+        fn $four(group: &[u8], q: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
+            // SAFETY: as `safe_wrapper`: installed only after `has_avx2()`.
+            unsafe { $inner4(group, q) }
+        }
+    };
+}
+
+safe_group!(q8_0x8_gemv, q8_0x8_gemm4, avx2::gemv8_q8_0, avx2::gemm8x4_q8_0);
+safe_group!(q4_0x8_gemv, q4_0x8_gemm4, avx2::gemv8_q4_0, avx2::gemm8x4_q4_0);
+safe_group!(q4_1x8_gemv, q4_1x8_gemm4, avx2::gemv8_q4_1, avx2::gemm8x4_q4_1);
+
+/// The AVX2 kernels for the interleaved types (q8_0x8, q4_0x8, q4_1x8).
+pub fn avx2_groups() -> Option<[GroupKernels; 3]> {
+    has_avx2().then_some([
+        GroupKernels { one: q8_0x8_gemv, four: Some(q8_0x8_gemm4) },
+        GroupKernels { one: q4_0x8_gemv, four: Some(q4_0x8_gemm4) },
+        GroupKernels { one: q4_1x8_gemv, four: Some(q4_1x8_gemm4) },
+    ])
 }
