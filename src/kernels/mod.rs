@@ -143,8 +143,8 @@ fn table() -> &'static Table {
                 return Table { isa: Isa::Avx2, dot, tile: x86_64::avx2_tiles(), group };
             }
             #[cfg(target_arch = "aarch64")]
-            if let Some(dot) = aarch64::neon_table() {
-                return Table { isa: Isa::Neon, dot, tile: None, group: SCALAR_GROUP };
+            if let (Some(dot), Some(group)) = (aarch64::neon_table(), aarch64::neon_groups()) {
+                return Table { isa: Isa::Neon, dot, tile: None, group };
             }
         }
         Table { isa: Isa::Scalar, dot: SCALAR, tile: None, group: SCALAR_GROUP }
