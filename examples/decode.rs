@@ -1,7 +1,7 @@
 //! Quick decode/prefill timing on a synthetic model of real MoE widths.
 //!
 //! ```text
-//! cargo run --release --example decode -- [olmoe|qwen3] [DTYPE] [LAYERS] [THREADS] [TOKENS]
+//! cargo run --release --example decode -- [olmoe|qwen3] [DTYPE] [LAYERS] [THREADS] [TOKENS] [PROMPT]
 //! ```
 //!
 //! The model is written once to `.cache/synth/` (random weights, so routing is
@@ -23,6 +23,7 @@ fn main() {
     let layers: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(4);
     let threads: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(2);
     let tokens: usize = args.get(4).and_then(|s| s.parse().ok()).unwrap_or(32);
+    let prompt_len: u32 = args.get(5).and_then(|s| s.parse().ok()).unwrap_or(64);
     let cfg = match shape {
         "olmoe" => colibri::synth::olmoe_width(layers),
         "qwen3" => colibri::synth::qwen3_30b_width(layers),
@@ -42,7 +43,7 @@ fn main() {
     let t = Instant::now();
     let engine = Engine::open(&path, &EngineOptions { threads: Some(threads), ..Default::default() }).unwrap();
     eprintln!("open: {:.1?}, kernels: {:?}", t.elapsed(), colibri::kernels::isa());
-    let prompt: Vec<u32> = (0..64u32).map(|i| (i * 7919) % cfg.vocab_size as u32).collect();
+    let prompt: Vec<u32> = (0..prompt_len).map(|i| (i * 7919) % cfg.vocab_size as u32).collect();
     for round in 0..3 {
         let mut s = engine.session(prompt.len() + tokens + 1);
         let t = Instant::now();

@@ -1,11 +1,14 @@
 //! Causal grouped-query attention over the KV cache.
 //!
 //! One task per (token, head) pair: the task streams that head's keys and
-//! values once with an online softmax (running max and sum), so no score
-//! buffer is needed and the result does not depend on how tasks are spread
-//! over threads.
+//! values once with an online softmax (running max and sum, updated per
+//! block of keys), so no score buffer beyond one block on the stack is
+//! needed and the result does not depend on how tasks are spread over
+//! threads.
 
 use rayon::prelude::*;
+
+use crate::quant::DType;
 
 /// Head layout of one attention call.
 #[derive(Clone, Copy, Debug)]
@@ -30,6 +33,8 @@ pub fn attend(q: &[f32], k_cache: &[f32], v_cache: &[f32], pos0: usize, hd: Head
     let scale = 1.0 / (dh as f32).sqrt();
     debug_assert_eq!(q.len(), out.len());
     debug_assert!(k_cache.len() >= (pos0 + q.len() / (h * dh)) * kv_dim);
+    // The SIMD f32 dot product of the kernel table (chosen once).
+    let dot = crate::kernels::dot_fn(DType::F32);
     // [T·H, Dh] chunks: chunk i is token i / H, head i % H.
     out.par_chunks_mut(dh).enumerate().with_min_len(8).for_each(|(i, o)| {
         let (t, head) = (i / h, i % h);
@@ -39,25 +44,39 @@ pub fn attend(q: &[f32], k_cache: &[f32], v_cache: &[f32], pos0: usize, hd: Head
         let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
         o.fill(0.0);
         let (mut m, mut l) = (f32::NEG_INFINITY, 0.0f32);
-        for j in first..=pos {
-            let kj = &k_cache[j * kv_dim + kvh * dh..j * kv_dim + (kvh + 1) * dh];
-            let s = qv.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
-            if s > m {
-                // A new maximum: rescale what was accumulated so far.
-                let c = (m - s).exp();
+        // Keys in blocks: all scores of a block first (on the stack), then one
+        // rescale of the running sums per block rather than per new maximum.
+        let mut j0 = first;
+        while j0 <= pos {
+            let j1 = (j0 + KEY_BLOCK).min(pos + 1);
+            let mut scores = [0f32; KEY_BLOCK];
+            let mut block_max = f32::NEG_INFINITY;
+            for (j, s) in (j0..j1).zip(scores.iter_mut()) {
+                let kj = &k_cache[j * kv_dim + kvh * dh..j * kv_dim + (kvh + 1) * dh];
+                *s = dot(bytemuck::cast_slice(kj), qv, &[]) * scale;
+                block_max = block_max.max(*s);
+            }
+            if block_max > m {
+                let c = (m - block_max).exp();
                 l *= c;
                 o.iter_mut().for_each(|x| *x *= c);
-                m = s;
+                m = block_max;
             }
-            let p = (s - m).exp();
-            l += p;
-            let vj = &v_cache[j * kv_dim + kvh * dh..j * kv_dim + (kvh + 1) * dh];
-            o.iter_mut().zip(vj).for_each(|(x, v)| *x += p * v);
+            for (j, s) in (j0..j1).zip(&scores) {
+                let p = (s - m).exp();
+                l += p;
+                let vj = &v_cache[j * kv_dim + kvh * dh..j * kv_dim + (kvh + 1) * dh];
+                o.iter_mut().zip(vj).for_each(|(x, v)| *x += p * v);
+            }
+            j0 = j1;
         }
         let inv = 1.0 / l;
         o.iter_mut().for_each(|x| *x *= inv);
     });
 }
+
+/// Keys scored together before their values are accumulated.
+const KEY_BLOCK: usize = 64;
 
 #[cfg(test)]
 mod tests {
@@ -103,9 +122,15 @@ mod tests {
             s = s.wrapping_mul(1664525).wrapping_add(1013904223);
             (s >> 8) as f32 / (1 << 24) as f32 * 4.0 - 2.0
         };
-        for &(h, hkv, dh, window, pos0, t) in
-            &[(4, 2, 6, None, 0, 7), (6, 3, 5, Some(3), 2, 9), (2, 2, 12, Some(1), 0, 4), (8, 1, 3, None, 5, 1)]
-        {
+        for &(h, hkv, dh, window, pos0, t) in &[
+            (4, 2, 6, None, 0, 7),
+            (6, 3, 5, Some(3), 2, 9),
+            (2, 2, 12, Some(1), 0, 4),
+            (8, 1, 3, None, 5, 1),
+            // Several key blocks, and a window that starts inside one.
+            (4, 2, 16, None, 150, 30),
+            (2, 1, 8, Some(70), 100, 20),
+        ] {
             let hd = Heads { h, hkv, dh, window };
             let s_len = pos0 + t;
             let k: Vec<f32> = (0..s_len * hkv * dh).map(|_| rnd()).collect();
