@@ -333,12 +333,33 @@ unsafe fn scale_acc(acc: __m256, dw: __m256, ba: &BlockQ8, isum: __m256i) -> __m
     _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(ba.d)), _mm256_cvtepi32_ps(isum), acc)
 }
 
+/// How far ahead of the group block being multiplied the kernels ask for
+/// weights. The hardware prefetcher stops at 4 KiB page boundaries; asking
+/// four pages ahead keeps the stream going (measured on the OLMoE-width
+/// q4_0 decode, one thread: 61 tok/s without, about 80 with 16 KiB; 1 and
+/// 4 KiB helped less, 32 KiB no more).
+const PREFETCH_AHEAD: usize = 16 * 1024;
+
+/// Asks for the cache lines of the `len`-byte block at `p`, [`PREFETCH_AHEAD`]
+/// bytes on. The address may lie past the data: a prefetch never faults, and
+/// the pointer is never dereferenced.
+#[inline(always)]
+unsafe fn prefetch_ahead(p: *const u8, len: usize) {
+    let p = p.wrapping_add(PREFETCH_AHEAD);
+    let mut off = 0;
+    while off < len {
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off) as *const i8);
+        off += 64;
+    }
+}
+
 #[inline(always)]
 unsafe fn gemm8_q8_0<const T: usize>(g: *const BlockQ8_0x8, nb: usize, q: [*const BlockQ8; T]) -> [__m256; T] {
     let ones = _mm256_set1_epi16(1);
     let mut acc = [_mm256_setzero_ps(); T];
     for b in 0..nb {
         let bw = &*g.add(b);
+        prefetch_ahead(bw as *const BlockQ8_0x8 as *const u8, std::mem::size_of::<BlockQ8_0x8>());
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(bw.d.as_ptr() as *const __m128i));
         let mut isum = [_mm256_setzero_si256(); T];
         for k in 0..8 {
@@ -384,6 +405,7 @@ unsafe fn gemm8_q4_0<const T: usize>(g: *const BlockQ4_0x8, nb: usize, q: [*cons
     let mut acc = [_mm256_setzero_ps(); T];
     for b in 0..nb {
         let bw = &*g.add(b);
+        prefetch_ahead(bw as *const BlockQ4_0x8 as *const u8, std::mem::size_of::<BlockQ4_0x8>());
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(bw.d.as_ptr() as *const __m128i));
         let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q[t].add(b));
         let sums = nibble_sums(bw.qs.as_ptr(), ba);
@@ -401,6 +423,7 @@ unsafe fn gemm8_q4_1<const T: usize>(g: *const BlockQ4_1x8, nb: usize, q: [*cons
     let mut acc = [_mm256_setzero_ps(); T];
     for b in 0..nb {
         let bw = &*g.add(b);
+        prefetch_ahead(bw as *const BlockQ4_1x8 as *const u8, std::mem::size_of::<BlockQ4_1x8>());
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(bw.d.as_ptr() as *const __m128i));
         let m = _mm256_cvtph_ps(_mm_loadu_si128(bw.m.as_ptr() as *const __m128i));
         let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q[t].add(b));
