@@ -13,7 +13,8 @@ Per model x weight type x thread count:
   weights already in memory);
 - decode tok/s over N greedy tokens after a 64-token prompt;
 - TTFT: the 64-token prefill's wall time; load: open-to-first-token in a
-  fresh process (page cache warm, nothing else loaded);
+  fresh process for a 1-token prompt (page cache warm, nothing else
+  loaded), i.e. the cost of opening and first touching the weights;
 - peak RSS of the process (VmHWM; mapped weight pages count);
 - the memory-bandwidth roofline: this machine's read bandwidth (a small C
   probe, or NumPy when no C compiler is found) over the weight bytes one
@@ -200,9 +201,11 @@ def worker(spec: dict) -> dict:
     if spec["mode"] == "logits":
         np.save(spec["out"], eng.logits(spec["ids"]))
         return res
-    p64 = prompt_ids(64, vocab, 1)
-    eng.first_token(p64)
+    # Open-to-first-token: the first forward pass after opening (a 1-token
+    # prompt, so it is the weights' first touch rather than prefill work).
+    eng.first_token(prompt_ids(1, vocab, 1))
     res["load_s"] = time.perf_counter() - t0
+    eng.first_token(prompt_ids(64, vocab, 1))  # warm-up at the prompt length used below
     if spec["mode"] == "full":
         for n in spec["prompts"]:
             p = prompt_ids(n, vocab, 100 + n)
@@ -683,7 +686,7 @@ def markdown(res: dict) -> str:
             "colibri / llama.cpp type",
             "threads",
             "TTFT 64 C / L (ms)",
-            "load C / L (ms)",
+            "open→1st token C / L (ms)",
             "peak RSS C / L (MB)",
             "MB read per token C / L",
             "roofline tok/s C / L",
