@@ -153,3 +153,18 @@ def test_errors_share_one_base_class():
         colibri.ColibriIOError,
     ):
         assert issubclass(cls, colibri.ColibriError)
+
+
+def test_kv_cache_types(converted):
+    path = converted("mixtral")
+    ids = list(range(3, 40))
+    auto = colibri.Engine(path, threads=2)
+    f16 = colibri.Engine(path, threads=2, kv_cache="f16")
+    assert auto.kv_cache_dtype == "f32", "an f32 model keeps an exact f32 cache by default"
+    assert f16.kv_cache_dtype == "f16"
+    a, b = auto.logits(ids), f16.logits(ids)
+    # Rounding cached keys and values to f16 moves the logits a little, not much.
+    assert 0 < np.abs(a - b).max() < 1e-2 * np.abs(a).max()
+    np.testing.assert_array_equal(b, f16.logits(ids))
+    with pytest.raises(colibri.InvalidInputError, match="kv_cache"):
+        colibri.Engine(path, kv_cache="int8")

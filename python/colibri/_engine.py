@@ -170,6 +170,11 @@ class Engine:
             (unbuffered, where the OS supports it).
         heat_file: where routing heat is kept (default: beside the model file,
             ``MODEL.colibri.heat``), or ``"off"``.
+        kv_cache: element type of the attention KV cache: ``"f16"`` (half the
+            memory and the attention reads), ``"f32"``, or ``"auto"`` (default:
+            f16 for block-quantised weights, whose own rounding is far larger,
+            f32 otherwise, so f32/bf16/f16 models stay exact against
+            transformers).
     """
 
     def __init__(
@@ -183,6 +188,7 @@ class Engine:
         prefetch: bool = True,
         io: str = "buffered",
         heat_file: PathLike | None = None,
+        kv_cache: str = "auto",
     ) -> None:
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)):
             raise InvalidInputError(f"threads must be a positive integer or None, got {threads!r}")
@@ -192,7 +198,15 @@ class Engine:
         budget = _budget_bytes(ram_budget)
         heat = None if heat_file is None else os.fspath(heat_file)
         self._native = _colibri.NativeEngine(
-            self._path, threads, budget, bool(lru), bool(pin_hot), bool(prefetch), str(io), heat
+            self._path,
+            threads,
+            budget,
+            bool(lru),
+            bool(pin_hot),
+            bool(prefetch),
+            str(io),
+            heat,
+            str(kv_cache),
         )
         self._meta = json.loads(self._native.metadata_json())
         self._lock = threading.Lock()
@@ -271,6 +285,11 @@ class Engine:
     def dtype(self) -> str:
         """Storage type of the weight matrices (one of :func:`colibri.supported_dtypes`)."""
         return str(self._meta["weight_dtype"])
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """Element type of the KV cache this engine's sessions use (``"f32"`` or ``"f16"``)."""
+        return self._native.kv_dtype()
 
     @property
     def vocab_size(self) -> int:

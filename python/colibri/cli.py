@@ -147,6 +147,7 @@ def _open_model(args: argparse.Namespace, positional: list[str]) -> tuple[Engine
     or a Hugging Face folder, converted once into the cache); returns the
     positionals left over."""
     store = {"ram_budget": args.ram, "io": args.io, "prefetch": not args.no_prefetch}
+    store["kv_cache"] = args.kv_cache
     if args.demo:
         return Engine.demo(threads=args.threads, **store), positional
     if not positional:
@@ -363,6 +364,12 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--io", choices=["buffered", "direct"], default="buffered", help="how experts are read")
     p.add_argument("--no-prefetch", action="store_true", help="do not read the next layer's experts ahead")
+    p.add_argument(
+        "--kv-cache",
+        choices=["auto", "f32", "f16"],
+        default="auto",
+        help="KV cache element type (default auto: f16 for quantised weights, else f32)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="timings and finish reason on stderr")
 
 

@@ -18,6 +18,7 @@ use std::sync::Arc;
 use crate::error::{Error, Result};
 use crate::model::Model;
 use crate::model::forward::{Capture, forward};
+use crate::quant::DType;
 pub use generation::{FinishReason, GenerateOptions, Generation, Timings};
 pub use sampling::SamplingParams;
 use session::{DEFAULT_CHUNK, Session};
@@ -29,6 +30,8 @@ pub struct EngineOptions {
     pub threads: Option<usize>,
     /// Where routed experts live (resident, or streamed within a RAM budget).
     pub store: crate::model::store::StoreOptions,
+    /// Element type of each session's KV cache.
+    pub kv_cache: session::KvCacheType,
 }
 
 /// A loaded model ready to run.
@@ -36,6 +39,7 @@ pub struct EngineOptions {
 pub struct Engine {
     model: Arc<Model>,
     pool: Arc<rayon::ThreadPool>,
+    kv_cache: session::KvCacheType,
 }
 
 impl std::fmt::Debug for Engine {
@@ -53,7 +57,8 @@ impl Engine {
     /// Opens a `.colibri` file.
     pub fn open(path: &Path, opts: &EngineOptions) -> Result<Engine> {
         let pool = crate::threads::pool(opts.threads)?;
-        Ok(Engine { model: Arc::new(Model::open_with(path, &opts.store)?), pool: Arc::new(pool) })
+        let model = Arc::new(Model::open_with(path, &opts.store)?);
+        Ok(Engine { model, pool: Arc::new(pool), kv_cache: opts.kv_cache })
     }
 
     /// The loaded model.
@@ -68,7 +73,12 @@ impl Engine {
 
     /// A fresh session able to hold `max_seq` tokens.
     pub fn session(&self, max_seq: usize) -> Session {
-        Session::new(&self.model, max_seq, DEFAULT_CHUNK)
+        Session::with_kv(&self.model, max_seq, DEFAULT_CHUNK, self.kv_cache)
+    }
+
+    /// The KV cache element type sessions of this engine use (f32 or f16).
+    pub fn kv_dtype(&self) -> DType {
+        self.kv_cache.resolve(&self.model)
     }
 
     fn check_len(&self, n: usize) -> Result<()> {

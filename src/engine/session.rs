@@ -3,8 +3,46 @@
 
 use crate::kernels::BlockQ8;
 use crate::model::Model;
+use crate::model::blocks::attention::KvView;
 use crate::model::blocks::moe::MoeScratch;
 use crate::model::config::FfnSpec;
+use crate::quant::DType;
+
+/// Element type of a session's KV cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvCacheType {
+    /// f16 when the model has block-quantised weights (their rounding already
+    /// dwarfs the cache's), f32 otherwise (so f32/bf16/f16 models stay exact
+    /// against transformers).
+    #[default]
+    Auto,
+    /// 4 bytes per value.
+    F32,
+    /// 2 bytes per value: half the memory and half the attention reads.
+    F16,
+}
+
+impl KvCacheType {
+    /// Parses `auto`, `f32` or `f16`.
+    pub fn parse(s: &str) -> Option<KvCacheType> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Some(KvCacheType::Auto),
+            "f32" | "float32" => Some(KvCacheType::F32),
+            "f16" | "float16" => Some(KvCacheType::F16),
+            _ => None,
+        }
+    }
+
+    /// The element type for `model`.
+    pub fn resolve(self, model: &Model) -> DType {
+        match self {
+            KvCacheType::F32 => DType::F32,
+            KvCacheType::F16 => DType::F16,
+            KvCacheType::Auto if model.has_block_weights() => DType::F16,
+            KvCacheType::Auto => DType::F32,
+        }
+    }
+}
 
 /// Default number of prompt tokens processed together in one prefill pass.
 pub const DEFAULT_CHUNK: usize = 128;
@@ -17,10 +55,8 @@ pub struct Session {
     pub chunk: usize,
     /// Tokens already in the cache (the next token's position).
     pub pos: usize,
-    /// [L, S, Hkv·Dh] keys (after norm and RoPE).
-    pub k_cache: Vec<f32>,
-    /// [L, S, Hkv·Dh] values.
-    pub v_cache: Vec<f32>,
+    /// Keys and values of every layer and position.
+    pub kv: KvCache,
     /// [C, D] residual stream.
     pub x: Vec<f32>,
     /// [C, D] normed residual.
@@ -59,8 +95,14 @@ pub struct Session {
 
 impl Session {
     /// Allocates a session for sequences up to `max_seq` tokens (capped at the
-    /// model's context), processing at most `chunk` tokens per pass.
+    /// model's context), processing at most `chunk` tokens per pass, with the
+    /// model's default KV cache type ([`KvCacheType::Auto`]).
     pub fn new(model: &Model, max_seq: usize, chunk: usize) -> Session {
+        Session::with_kv(model, max_seq, chunk, KvCacheType::Auto)
+    }
+
+    /// As [`Session::new`], with the KV cache type given.
+    pub fn with_kv(model: &Model, max_seq: usize, chunk: usize, kv_type: KvCacheType) -> Session {
         let c = &model.config;
         let max_seq = max_seq.clamp(1, c.max_seq_len);
         let chunk = chunk.clamp(1, max_seq);
@@ -85,8 +127,7 @@ impl Session {
             max_seq,
             chunk,
             pos: 0,
-            k_cache: vec![0.0; l * max_seq * kv],
-            v_cache: vec![0.0; l * max_seq * kv],
+            kv: KvCache::new(kv_type.resolve(model), l, max_seq, kv),
             x: vec![0.0; chunk * d],
             xn: vec![0.0; chunk * d],
             q: vec![0.0; chunk * c.q_dim()],
@@ -110,5 +151,48 @@ impl Session {
     /// Forgets the sequence (keeps the buffers).
     pub fn reset(&mut self) {
         self.pos = 0;
+    }
+}
+
+/// `[L, S, Hkv·Dh]` keys and values in f32 or f16.
+pub struct KvCache {
+    /// Element type (f32 or f16).
+    pub dtype: DType,
+    /// S: positions per layer.
+    max_seq: usize,
+    /// Bytes of one position of one layer.
+    row_bytes: usize,
+    /// Keys (after norm and RoPE) as `dtype` values; f32 storage only for
+    /// its alignment.
+    k: Vec<f32>,
+    /// Values, stored as the keys.
+    v: Vec<f32>,
+}
+
+impl KvCache {
+    fn new(dtype: DType, layers: usize, max_seq: usize, kv_dim: usize) -> KvCache {
+        let row_bytes = kv_dim * dtype.row_bytes(1).expect("an element type");
+        // Zeroed allocations: pages are only committed as positions fill.
+        let words = (layers * max_seq * row_bytes).div_ceil(4);
+        KvCache { dtype, max_seq, row_bytes, k: vec![0.0; words], v: vec![0.0; words] }
+    }
+
+    /// Stores the keys and values (`[n, Hkv·Dh]` f32 each) of positions
+    /// `pos0..pos0+n` of layer `l`, converted to the cache's type.
+    pub fn store(&mut self, l: usize, pos0: usize, kv_dim: usize, k: &[f32], v: &[f32]) {
+        let rb = self.row_bytes;
+        let at = (l * self.max_seq + pos0) * rb;
+        let len = k.len() / kv_dim * rb;
+        let kb: &mut [u8] = bytemuck::cast_slice_mut(&mut self.k);
+        crate::quant::encode(self.dtype, k, kv_dim, &mut kb[at..at + len]);
+        let vb: &mut [u8] = bytemuck::cast_slice_mut(&mut self.v);
+        crate::quant::encode(self.dtype, v, kv_dim, &mut vb[at..at + len]);
+    }
+
+    /// Layer `l`'s keys and values of positions `0..len`.
+    pub fn view(&self, l: usize, len: usize) -> KvView<'_> {
+        let at = l * self.max_seq * self.row_bytes;
+        let (kb, vb): (&[u8], &[u8]) = (bytemuck::cast_slice(&self.k), bytemuck::cast_slice(&self.v));
+        KvView { dtype: self.dtype, k: &kb[at..at + len * self.row_bytes], v: &vb[at..at + len * self.row_bytes] }
     }
 }

@@ -242,3 +242,36 @@ fn quantised_types_stay_close_to_f32() {
     assert!(k41 <= 0.2 && k40 <= 0.3, "4-bit KL out of bounds: q4_1 {k41}, q4_0 {k40}");
     assert!(k41 < 0.8 * k40, "q4_1 ({k41}) should be clearly closer to f32 than q4_0 ({k40})");
 }
+
+#[test]
+fn an_f16_kv_cache_is_exact_across_feeding_and_threads_and_close_to_f32() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("m.colibri");
+    write_random_model(&p, &config_for(DType::F32), DType::F32, 9);
+    let open = |threads, kv_cache| {
+        Engine::open(&p, &EngineOptions { threads: Some(threads), kv_cache, ..Default::default() }).unwrap()
+    };
+    let (f32_kv, f16_kv, f16_kv3) =
+        (open(2, session::KvCacheType::Auto), open(2, session::KvCacheType::F16), open(3, session::KvCacheType::F16));
+    assert_eq!((f32_kv.kv_dtype(), f16_kv.kv_dtype()), (DType::F32, DType::F16));
+    let toks = ids(40);
+    let v = f32_kv.model().config.vocab_size;
+    let want = f32_kv.logits(&toks, &never).unwrap();
+    let got = f16_kv.logits(&toks, &never).unwrap();
+    assert_eq!(f16_kv3.logits(&toks, &never).unwrap(), got, "thread count");
+    // Token by token gives the same bits as one pass.
+    let mut s = f16_kv.session(toks.len());
+    for (i, &t) in toks.iter().enumerate() {
+        f16_kv.run(&mut s, &[t], Capture::default(), &never).unwrap();
+        assert_eq!(s.logits, got[i * v..(i + 1) * v], "decode at position {i}");
+    }
+    // f16 keeps 11 bits of mantissa: relative error ~5e-4 per cached value.
+    let range = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let worst = want.iter().zip(&got).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(worst > 0.0 && worst < 1e-2 * range, "f16 cache moved logits by {worst} (range {range})");
+    // Block-quantised models default to the f16 cache.
+    let q = dir.path().join("q.colibri");
+    write_random_model(&q, &config_for(DType::Q8_0), DType::Q8_0, 9);
+    let e = Engine::open(&q, &EngineOptions::default()).unwrap();
+    assert_eq!(e.kv_dtype(), DType::F16);
+}

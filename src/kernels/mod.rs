@@ -54,6 +54,10 @@ pub type DotFn = fn(row: &[u8], x: &[f32], q: &[BlockQ8]) -> f32;
 /// One weight row against four activation rows (block types only).
 pub type Dot4Fn = fn(row: &[u8], q: [&[BlockQ8]; 4]) -> [f32; 4];
 
+/// `o += a · v` with `v` given as the raw bytes of f32 or f16 values (the KV
+/// cache's element types).
+pub type AxpyFn = fn(o: &mut [f32], a: f32, v: &[u8]);
+
 /// Eight interleaved rows (one group of an interleaved type) against one
 /// activation row: the eight outputs.
 pub type Gemv8Fn = fn(group: &[u8], q: &[BlockQ8]) -> [f32; 8];
@@ -90,6 +94,8 @@ struct Table {
     tile: Option<[Dot4Fn; 3]>,
     /// Indexed like `DType::INTERLEAVED`.
     group: [GroupKernels; 3],
+    /// f32 and f16 `o += a · v`.
+    axpy: [AxpyFn; 2],
 }
 
 fn scalar_f32(row: &[u8], x: &[f32], _: &[BlockQ8]) -> f32 {
@@ -123,6 +129,15 @@ fn scalar_gemv8_q4_1(g: &[u8], q: &[BlockQ8]) -> [f32; 8] {
     scalar::gemv8_q4_1(bytemuck::cast_slice(g), q)
 }
 
+fn scalar_axpy_f32(o: &mut [f32], a: f32, v: &[u8]) {
+    scalar::axpy_f32(o, a, bytemuck::cast_slice(v));
+}
+fn scalar_axpy_f16(o: &mut [f32], a: f32, v: &[u8]) {
+    scalar::axpy_f16(o, a, bytemuck::cast_slice(v));
+}
+
+const SCALAR_AXPY: [AxpyFn; 2] = [scalar_axpy_f32, scalar_axpy_f16];
+
 const SCALAR_GROUP: [GroupKernels; 3] = [
     GroupKernels { one: scalar_gemv8_q8_0, four: None },
     GroupKernels { one: scalar_gemv8_q4_0, four: None },
@@ -140,14 +155,15 @@ fn table() -> &'static Table {
         if !forced_scalar {
             #[cfg(target_arch = "x86_64")]
             if let (Some(dot), Some(group)) = (x86_64::avx2_table(), x86_64::avx2_groups()) {
-                return Table { isa: Isa::Avx2, dot, tile: x86_64::avx2_tiles(), group };
+                let axpy = x86_64::avx2_axpy().unwrap_or(SCALAR_AXPY);
+                return Table { isa: Isa::Avx2, dot, tile: x86_64::avx2_tiles(), group, axpy };
             }
             #[cfg(target_arch = "aarch64")]
             if let (Some(dot), Some(group)) = (aarch64::neon_table(), aarch64::neon_groups()) {
-                return Table { isa: Isa::Neon, dot, tile: None, group };
+                return Table { isa: Isa::Neon, dot, tile: None, group, axpy: SCALAR_AXPY };
             }
         }
-        Table { isa: Isa::Scalar, dot: SCALAR, tile: None, group: SCALAR_GROUP }
+        Table { isa: Isa::Scalar, dot: SCALAR, tile: None, group: SCALAR_GROUP, axpy: SCALAR_AXPY }
     })
 }
 
@@ -165,6 +181,24 @@ pub fn dot_fn(dtype: DType) -> DotFn {
 pub fn tile_fn(dtype: DType) -> Option<Dot4Fn> {
     let i = dtype_index(dtype).checked_sub(3)?;
     table().tile.map(|t| t[i])
+}
+
+/// `o += a · v` for `v` of `dtype` (f32 or f16; `None` for other types).
+pub fn axpy_fn(dtype: DType) -> Option<AxpyFn> {
+    match dtype {
+        DType::F32 => Some(table().axpy[0]),
+        DType::F16 => Some(table().axpy[1]),
+        _ => None,
+    }
+}
+
+/// The scalar reference of [`axpy_fn`].
+pub fn scalar_axpy_fn(dtype: DType) -> Option<AxpyFn> {
+    match dtype {
+        DType::F32 => Some(SCALAR_AXPY[0]),
+        DType::F16 => Some(SCALAR_AXPY[1]),
+        _ => None,
+    }
 }
 
 /// The kernels for an interleaved `dtype` (`None` for row-major types).

@@ -72,6 +72,20 @@ pub fn dot_f16(w: &[u16], x: &[f32]) -> f32 {
     s
 }
 
+/// `o += a · v`.
+pub fn axpy_f32(o: &mut [f32], a: f32, v: &[f32]) {
+    for (x, y) in o.iter_mut().zip(v) {
+        *x += a * y;
+    }
+}
+
+/// `o += a · v` for f16 `v` (raw bits).
+pub fn axpy_f16(o: &mut [f32], a: f32, v: &[u16]) {
+    for (x, y) in o.iter_mut().zip(v) {
+        *x += a * half::f16::from_bits(*y).to_f32();
+    }
+}
+
 use super::BlockQ8;
 use crate::quant::q4_0::BlockQ4_0;
 use crate::quant::q4_1::BlockQ4_1;

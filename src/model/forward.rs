@@ -93,7 +93,6 @@ fn forward_chunk(
     let (n, d, pos0) = (tokens.len(), c.hidden_size, s.pos);
     let (qd, kvd, dh, eps) = (c.q_dim(), c.kv_dim(), c.head_dim, c.norm.eps);
     let half = c.rope.rotary_dim / 2;
-    let seq = s.max_seq;
     let layers = c.num_layers();
     let snap = |hidden: &mut Option<&mut [f32]>, slot: usize, x: &[f32]| {
         if let Some(h) = hidden.as_deref_mut() {
@@ -150,13 +149,9 @@ fn forward_chunk(
             }
         }
         // Append this chunk's keys and values to the cache, then attend.
-        let base = l * seq * kvd;
-        s.k_cache[base + pos0 * kvd..base + (pos0 + n) * kvd].copy_from_slice(k);
-        s.v_cache[base + pos0 * kvd..base + (pos0 + n) * kvd].copy_from_slice(v);
+        s.kv.store(l, pos0, kvd, &s.k[..n * kvd], &s.v[..n * kvd]);
         let heads = Heads { h: c.num_heads, hkv: c.num_kv_heads, dh, window: spec.sliding_window };
-        let kc = &s.k_cache[base..base + (pos0 + n) * kvd];
-        let vc = &s.v_cache[base..base + (pos0 + n) * kvd];
-        attend(q, kc, vc, pos0, heads, &mut s.att[..n * qd]); // [T, H·Dh]
+        attend(&s.q[..n * qd], s.kv.view(l, pos0 + n), pos0, heads, &mut s.att[..n * qd]); // [T, H·Dh]
         let proj = &mut s.proj[..n * d];
         matmul(&model.mat(lw.wo), &Input::prepare(&s.att[..n * qd], qd, s.quantize, &mut s.xq), proj); // [T, D]
         if let Some(bo) = lw.o_bias {

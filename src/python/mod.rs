@@ -16,6 +16,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyDict};
 
 use crate::convert::{ConvertOptions, convert};
+use crate::engine::session::KvCacheType;
 use crate::engine::{Engine, EngineOptions, GenerateOptions, Generation, SamplingParams};
 use crate::error::Error;
 use crate::model::store::{HeatFile, IoMode, Policy, StoreOptions};
@@ -76,7 +77,7 @@ struct NativeEngine {
 #[pymethods]
 impl NativeEngine {
     #[new]
-    #[pyo3(signature = (path, threads=None, ram_budget=None, lru=true, pin_hot=true, prefetch=true, io="buffered", heat_file=None))]
+    #[pyo3(signature = (path, threads=None, ram_budget=None, lru=true, pin_hot=true, prefetch=true, io="buffered", heat_file=None, kv_cache="auto"))]
     #[allow(clippy::too_many_arguments)] // mirrors keyword arguments of the Python constructor
     fn new(
         py: Python<'_>,
@@ -88,8 +89,12 @@ impl NativeEngine {
         prefetch: bool,
         io: &str,
         heat_file: Option<&str>,
+        kv_cache: &str,
     ) -> PyResult<Self> {
         let io = IoMode::parse(io).map_err(to_py)?;
+        let kv_cache = KvCacheType::parse(kv_cache).ok_or_else(|| {
+            to_py(Error::InvalidInput(format!("kv_cache must be \"auto\", \"f32\" or \"f16\", got {kv_cache:?}")))
+        })?;
         let heat_file = match heat_file {
             None => HeatFile::Beside,
             Some("off") => HeatFile::Off,
@@ -97,8 +102,14 @@ impl NativeEngine {
         };
         let store =
             StoreOptions { ram_budget, policy: Policy { lru, pin_hot, prefetch }, io, heat_file, io_threads: 0 };
-        let inner = py.detach(|| Engine::open(&path, &EngineOptions { threads, store })).map_err(to_py)?;
+        let opts = EngineOptions { threads, store, kv_cache };
+        let inner = py.detach(|| Engine::open(&path, &opts)).map_err(to_py)?;
         Ok(NativeEngine { inner })
+    }
+
+    /// Element type of the KV cache sessions use: "f32" or "f16".
+    fn kv_dtype(&self) -> &'static str {
+        self.inner.kv_dtype().name()
     }
 
     /// Routing statistics as JSON text (counts since the file was opened).

@@ -471,3 +471,33 @@ macro_rules! group_kernels {
 group_kernels!(gemv8_q8_0, gemm8x4_q8_0, gemm8_q8_0, BlockQ8_0x8);
 group_kernels!(gemv8_q4_0, gemm8x4_q4_0, gemm8_q4_0, BlockQ4_0x8);
 group_kernels!(gemv8_q4_1, gemm8x4_q4_1, gemm8_q4_1, BlockQ4_1x8);
+
+macro_rules! axpy {
+    ($name:ident, $elem:ty, $load:expr, $scalar:expr) => {
+        /// `o += a · v`.
+        ///
+        /// # Safety
+        /// AVX2, FMA and F16C must be available; `v` holds `o.len()` values.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub unsafe fn $name(o: &mut [f32], a: f32, v: &[u8]) {
+            let n = o.len();
+            debug_assert_eq!(v.len(), n * std::mem::size_of::<$elem>());
+            let (op, vp) = (o.as_mut_ptr(), v.as_ptr() as *const $elem);
+            let av = _mm256_set1_ps(a);
+            let load: unsafe fn(*const $elem) -> __m256 = $load;
+            let mut i = 0;
+            while i + 8 <= n {
+                _mm256_storeu_ps(op.add(i), _mm256_fmadd_ps(av, load(vp.add(i)), _mm256_loadu_ps(op.add(i))));
+                i += 8;
+            }
+            let conv: fn($elem) -> f32 = $scalar;
+            while i < n {
+                *op.add(i) += a * conv(vp.add(i).read_unaligned());
+                i += 1;
+            }
+        }
+    };
+}
+
+axpy!(axpy_f32, f32, |p| _mm256_loadu_ps(p), |x| x);
+axpy!(axpy_f16, u16, |p| load_f16x8(p), |b| half::f16::from_bits(b).to_f32());

@@ -5,7 +5,7 @@
 
 mod avx2;
 
-use super::{BlockQ8, Dot4Fn, DotFn, GroupKernels};
+use super::{AxpyFn, BlockQ8, Dot4Fn, DotFn, GroupKernels};
 
 /// True when this CPU has everything the AVX2 kernels use.
 pub fn has_avx2() -> bool {
@@ -78,4 +78,19 @@ pub fn avx2_groups() -> Option<[GroupKernels; 3]> {
         GroupKernels { one: q4_0x8_gemv, four: Some(q4_0x8_gemm4) },
         GroupKernels { one: q4_1x8_gemv, four: Some(q4_1x8_gemm4) },
     ])
+}
+
+fn f32_axpy(o: &mut [f32], a: f32, v: &[u8]) {
+    // SAFETY: as `safe_wrapper`: installed only after `has_avx2()`.
+    unsafe { avx2::axpy_f32(o, a, v) }
+}
+
+fn f16_axpy(o: &mut [f32], a: f32, v: &[u8]) {
+    // SAFETY: as `safe_wrapper`: installed only after `has_avx2()`.
+    unsafe { avx2::axpy_f16(o, a, v) }
+}
+
+/// The AVX2 `o += a · v` for f32 and f16 `v`.
+pub fn avx2_axpy() -> Option<[AxpyFn; 2]> {
+    has_avx2().then_some([f32_axpy, f16_axpy])
 }

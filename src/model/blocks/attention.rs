@@ -23,18 +23,37 @@ pub struct Heads {
     pub window: Option<usize>,
 }
 
+/// One layer's cached keys and values: `[S, Hkv·Dh]` rows of `dtype` (f32 or
+/// f16), as raw bytes.
+#[derive(Clone, Copy, Debug)]
+pub struct KvView<'a> {
+    /// Element type (f32 or f16).
+    pub dtype: DType,
+    /// Keys (after norm and RoPE).
+    pub k: &'a [u8],
+    /// Values.
+    pub v: &'a [u8],
+}
+
 /// `out[t, h] = softmax(q[t,h] · K[..=p]ᵀ / √Dh) · V[..=p]` for the T tokens at
-/// positions `pos0..pos0+T`, where `k_cache`/`v_cache` are `[S, Hkv·Dh]` rows
-/// already holding every position up to `pos0+T-1`.
-pub fn attend(q: &[f32], k_cache: &[f32], v_cache: &[f32], pos0: usize, hd: Heads, out: &mut [f32]) {
+/// positions `pos0..pos0+T`, where the cache rows already hold every position
+/// up to `pos0+T-1`.
+pub fn attend(q: &[f32], kv: KvView, pos0: usize, hd: Heads, out: &mut [f32]) {
     let Heads { h, hkv, dh, window } = hd;
     let kv_dim = hkv * dh;
     let group = h / hkv;
     let scale = 1.0 / (dh as f32).sqrt();
+    let es = kv.dtype.row_bytes(1).expect("an element type");
     debug_assert_eq!(q.len(), out.len());
-    debug_assert!(k_cache.len() >= (pos0 + q.len() / (h * dh)) * kv_dim);
-    // The SIMD f32 dot product of the kernel table (chosen once).
-    let dot = crate::kernels::dot_fn(DType::F32);
+    debug_assert!(kv.k.len() >= (pos0 + q.len() / (h * dh)) * kv_dim * es);
+    // The SIMD kernels of the table (chosen once).
+    let dot = crate::kernels::dot_fn(kv.dtype);
+    let axpy = crate::kernels::axpy_fn(kv.dtype).expect("the KV cache is f32 or f16");
+    let (kc, vc) = (kv.k, kv.v);
+    let span = |j: usize, kvh: usize| {
+        let at = (j * kv_dim + kvh * dh) * es;
+        at..at + dh * es
+    };
     // [T·H, Dh] chunks: chunk i is token i / H, head i % H.
     out.par_chunks_mut(dh).enumerate().with_min_len(8).for_each(|(i, o)| {
         let (t, head) = (i / h, i % h);
@@ -52,8 +71,7 @@ pub fn attend(q: &[f32], k_cache: &[f32], v_cache: &[f32], pos0: usize, hd: Head
             let mut scores = [0f32; KEY_BLOCK];
             let mut block_max = f32::NEG_INFINITY;
             for (j, s) in (j0..j1).zip(scores.iter_mut()) {
-                let kj = &k_cache[j * kv_dim + kvh * dh..j * kv_dim + (kvh + 1) * dh];
-                *s = dot(bytemuck::cast_slice(kj), qv, &[]) * scale;
+                *s = dot(&kc[span(j, kvh)], qv, &[]) * scale;
                 block_max = block_max.max(*s);
             }
             if block_max > m {
@@ -65,8 +83,7 @@ pub fn attend(q: &[f32], k_cache: &[f32], v_cache: &[f32], pos0: usize, hd: Head
             for (j, s) in (j0..j1).zip(&scores) {
                 let p = (s - m).exp();
                 l += p;
-                let vj = &v_cache[j * kv_dim + kvh * dh..j * kv_dim + (kvh + 1) * dh];
-                o.iter_mut().zip(vj).for_each(|(x, v)| *x += p * v);
+                axpy(o, p, &vc[span(j, kvh)]);
             }
             j0 = j1;
         }
@@ -137,10 +154,21 @@ mod tests {
             let v: Vec<f32> = (0..s_len * hkv * dh).map(|_| rnd()).collect();
             let q: Vec<f32> = (0..t * h * dh).map(|_| rnd()).collect();
             let mut out = vec![0.0; q.len()];
-            attend(&q, &k, &v, pos0, hd, &mut out);
+            let kv = KvView { dtype: DType::F32, k: bytemuck::cast_slice(&k), v: bytemuck::cast_slice(&v) };
+            attend(&q, kv, pos0, hd, &mut out);
             let want = naive(&q, &k, &v, pos0, hd);
             for (a, b) in out.iter().zip(&want) {
                 assert!((a - b).abs() < 1e-5, "{a} vs {b} for {hd:?}");
+            }
+            // An f16 cache: the same attention over the rounded keys and values.
+            let to16 = |x: &[f32]| x.iter().map(|v| half::f16::from_f32(*v).to_bits()).collect::<Vec<u16>>();
+            let back = |x: &[u16]| x.iter().map(|b| half::f16::from_bits(*b).to_f32()).collect::<Vec<f32>>();
+            let (k16, v16) = (to16(&k), to16(&v));
+            let kv = KvView { dtype: DType::F16, k: bytemuck::cast_slice(&k16), v: bytemuck::cast_slice(&v16) };
+            attend(&q, kv, pos0, hd, &mut out);
+            let want = naive(&q, &back(&k16), &back(&v16), pos0, hd);
+            for (a, b) in out.iter().zip(&want) {
+                assert!((a - b).abs() < 1e-5, "f16 cache: {a} vs {b} for {hd:?}");
             }
         }
     }
