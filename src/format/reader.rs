@@ -29,6 +29,8 @@ pub struct ColibriFile {
     meta: FileMeta,
     data_off: usize,
     by_name: HashMap<String, usize>,
+    /// (layer, expert) → index into `meta.experts`.
+    slabs: HashMap<(usize, usize), usize>,
 }
 
 impl std::fmt::Debug for ColibriFile {
@@ -160,8 +162,8 @@ impl ColibriFile {
 
         // Expert slabs: one per (layer, expert) of every MoE layer, page aligned,
         // inside the data, holding exactly that expert's three matrices.
-        let mut seen = std::collections::HashSet::new();
-        for s in &meta.experts {
+        let mut slabs = HashMap::with_capacity(meta.experts.len());
+        for (i, s) in meta.experts.iter().enumerate() {
             let end = s.offset.checked_add(s.nbytes).filter(|&e| e <= data_len);
             if s.offset % PAGE != 0 || end.is_none() {
                 return Err(bad(format!(
@@ -169,7 +171,7 @@ impl ColibriFile {
                     s.layer, s.expert, s.offset, s.nbytes
                 )));
             }
-            if !seen.insert((s.layer, s.expert)) {
+            if slabs.insert((s.layer, s.expert), i).is_some() {
                 return Err(bad(format!("expert slab ({}, {}) is listed twice", s.layer, s.expert)));
             }
             for which in crate::model::tensors::ExpertTensor::ALL {
@@ -187,11 +189,11 @@ impl ColibriFile {
             .iter()
             .filter(|p| matches!(p.id, TensorId::Expert(_, _, crate::model::tensors::ExpertTensor::Gate)))
             .count();
-        if seen.len() != want_slabs {
-            return Err(bad(format!("the file has {} expert slabs, the config implies {want_slabs}", seen.len())));
+        if slabs.len() != want_slabs {
+            return Err(bad(format!("the file has {} expert slabs, the config implies {want_slabs}", slabs.len())));
         }
 
-        Ok(ColibriFile { path: path.to_path_buf(), data_off: data_off as usize, meta, map, by_name })
+        Ok(ColibriFile { path: path.to_path_buf(), data_off: data_off as usize, meta, map, by_name, slabs })
     }
 
     /// The file's path.
@@ -243,10 +245,7 @@ impl ColibriFile {
 
     /// Absolute byte range of expert (layer, e)'s slab in the file.
     pub fn expert_slab(&self, layer: usize, expert: usize) -> Option<(u64, u64)> {
-        self.meta
-            .experts
-            .iter()
-            .find(|s| s.layer == layer && s.expert == expert)
-            .map(|s| (self.data_off as u64 + s.offset, s.nbytes))
+        let s = &self.meta.experts[*self.slabs.get(&(layer, expert))?];
+        Some((self.data_off as u64 + s.offset, s.nbytes))
     }
 }
