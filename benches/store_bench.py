@@ -291,7 +291,9 @@ def drop_cache(path: Path) -> None:
         os.close(fd)
 
 
-def run_worker(spec: dict, python: str = sys.executable, cgroup: Cgroup | None = None, timeout: float = 1800) -> dict:
+def run_worker(
+    spec: dict, python: str = sys.executable, cgroup: Cgroup | None = None, timeout: float = 1800
+) -> dict:
     p = subprocess.run(
         [python, __file__, "--worker", json.dumps(spec)],
         capture_output=True,
@@ -307,7 +309,10 @@ def run_worker(spec: dict, python: str = sys.executable, cgroup: Cgroup | None =
 
 
 def colibri_plan(path: Path, budget: int | None = None) -> dict:
-    code = "import sys, json, colibri; print(json.dumps(colibri.plan(sys.argv[1], None if sys.argv[2] == '-' else int(sys.argv[2]))))"
+    code = (
+        "import sys, json, colibri; "
+        "print(json.dumps(colibri.plan(sys.argv[1], None if sys.argv[2] == '-' else int(sys.argv[2]))))"
+    )
     p = subprocess.run(
         [sys.executable, "-c", code, str(path), "-" if budget is None else str(budget)],
         capture_output=True,
@@ -333,20 +338,34 @@ def summarise(runs: list[dict]) -> dict:
         "decode_tps": m(lambda r: r["decode_n"] / r["decode_s"]),
         "prefill_s": m(lambda r: r["prefill_s"]),
         "open_s": m(lambda r: r["open_s"]),
-        "hit_rate": m(lambda r: ratio(r["decode"]["hits"], r["decode"]["lookups"]) if "decode" in r else None),
-        "mb_per_token": m(lambda r: r["decode"]["bytes_read"] / r["decode_n"] / MB if "decode" in r else None),
+        "hit_rate": m(
+            lambda r: ratio(r["decode"]["hits"], r["decode"]["lookups"]) if "decode" in r else None
+        ),
+        "mb_per_token": m(
+            lambda r: r["decode"]["bytes_read"] / r["decode_n"] / MB if "decode" in r else None
+        ),
         "disk_mb_per_token": m(lambda r: r["disk_read_decode_bytes"] / r["decode_n"] / MB),
         "prefetch_acc": m(
-            lambda r: ratio(r["decode"]["prefetch_predicted_used"], r["decode"]["prefetch_predicted"])
-            if "decode" in r and r["decode"]["prefetch_predicted"]
-            else None
+            lambda r: (
+                ratio(r["decode"]["prefetch_predicted_used"], r["decode"]["prefetch_predicted"])
+                if "decode" in r and r["decode"]["prefetch_predicted"]
+                else None
+            )
         ),
-        "prefetch_wasted": m(lambda r: r["decode"]["prefetch_reads_wasted"] / r["decode_n"] if "decode" in r else None),
+        "prefetch_wasted": m(
+            lambda r: r["decode"]["prefetch_reads_wasted"] / r["decode_n"] if "decode" in r else None
+        ),
         "io_wait_ms_per_token": m(
             lambda r: 1e3 * r["decode"]["io_wait_seconds"] / r["decode_n"] if "decode" in r else None
         ),
-        "read_ms_per_token": m(lambda r: 1e3 * r["decode"]["read_seconds"] / r["decode_n"] if "decode" in r else None),
-        "overflow_reads": m(lambda r: r["decode"]["overflow_reads"] + r["prefill"]["overflow_reads"] if "decode" in r else None),
+        "read_ms_per_token": m(
+            lambda r: 1e3 * r["decode"]["read_seconds"] / r["decode_n"] if "decode" in r else None
+        ),
+        "overflow_reads": m(
+            lambda r: (
+                r["decode"]["overflow_reads"] + r["prefill"]["overflow_reads"] if "decode" in r else None
+            )
+        ),
         "peak_rss_mb": m(lambda r: r["peak_rss_mb"]),
         "max_peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
         "slots": runs[0].get("slots"),
@@ -374,8 +393,15 @@ def part_random(args, res: dict) -> None:
     res["plan"] = plan
     expert = plan["expert_bytes"]
     dense = plan["dense_bytes"]
-    log(f"{cpath.name}: file {plan['file_bytes'] / MB:.0f} MB, dense {dense / MB:.0f} MB, experts {expert / MB:.0f} MB")
+    log(
+        f"{cpath.name}: file {plan['file_bytes'] / MB:.0f} MB, dense {dense / MB:.0f} MB, experts "
+        f"{expert / MB:.0f} MB"
+    )
     prompt = B.prompt_ids(args.prompt, shape.vocab, 2)
+    # Buffered runs read from a warm page cache (the file fits in RAM here).
+    with open(cpath, "rb") as fh:
+        while fh.read(64 << 20):
+            pass
     res["baseline"] = run_worker({"kind": "baseline"})
     log(f"baseline (python + numpy + colibri, no model): {res['baseline']['peak_rss_mb']:.0f} MB")
 
@@ -477,16 +503,16 @@ def part_limit(args, res: dict) -> None:
             for frac in args.limits:
                 unlimited = frac >= 100
                 limit = None if unlimited else int(dense + expert * frac / 100 + LIMIT_SLACK_MB * MIB)
-                for eng in ("llama", "colibri"):
-                    if eng == "colibri":
+                for eng in ("llama", *(f"colibri-{io}" for io in args.limit_io)):
+                    if eng.startswith("colibri"):
                         spec = {
                             "kind": "colibri",
                             "path": str(cpath),
                             "threads": args.threads,
                             "budget": None if unlimited else int(expert * frac / 100),
-                            "io": args.limit_io,
+                            "io": eng.split("-", 1)[1],
                             "heat": "off",
-                            "policy": "lru+prefetch" if args.limit_io == "direct" else "lru",
+                            "policy": args.limit_policy,
                             "prompts": [prompt],
                             "decode": args.limit_decode,
                         }
@@ -519,8 +545,10 @@ def part_limit(args, res: dict) -> None:
                         continue
                     log(
                         f"rep {rep} limit {frac}% ({(limit or 0) / MB:.0f} MB) {eng:8s} "
-                        f"{r['decode_n'] / r['decode_s']:6.2f} tok/s, disk {r['disk_read_decode_bytes'] / r['decode_n'] / MB:7.1f} MB/tok, "
-                        f"prefill {r['prefill_s']:.1f}s, rss {r['peak_rss_mb']:.0f} MB, cgroup peak {r['cg']['max_usage_in_bytes'] / MB:.0f} MB"
+                        f"{r['decode_n'] / r['decode_s']:6.2f} tok/s, disk "
+                        f"{r['disk_read_decode_bytes'] / r['decode_n'] / MB:7.1f} MB/tok, "
+                        f"prefill {r['prefill_s']:.1f}s, rss {r['peak_rss_mb']:.0f} MB, cgroup peak "
+                        f"{r['cg']['max_usage_in_bytes'] / MB:.0f} MB"
                     )
     finally:
         cg.remove()
@@ -537,7 +565,7 @@ def part_limit(args, res: dict) -> None:
     agree = {}
     for frac in args.limits:
         a = [r for r in runs.get(f"{frac}|llama", []) if "tokens" in r]
-        b = [r for r in runs.get(f"{frac}|colibri", []) if "tokens" in r]
+        b = [r for k, v in runs.items() if k.startswith(f"{frac}|colibri") for r in v if "tokens" in r]
         if a and b:
             ta, tb = a[0]["tokens"][0], b[0]["tokens"][0]
             agree[str(frac)] = sum(x == y for x, y in zip(ta, tb)) / len(ta)
@@ -548,10 +576,16 @@ def part_limit(args, res: dict) -> None:
 
 
 def austen_text(args) -> str:
-    for p in [args.text, ROOT / ".cache/demo/corpus/valid.txt", Path("/work/main/.cache/demo/corpus/valid.txt")]:
+    for p in [
+        args.text,
+        ROOT / ".cache/demo/corpus/valid.txt",
+        Path("/work/main/.cache/demo/corpus/valid.txt"),
+    ]:
         if p and Path(p).is_file():
             return Path(p).read_text(encoding="utf-8")
-    raise SystemExit("no Austen text: pass --text FILE, or run `python scripts/demo/train_demo.py corpus` first")
+    raise SystemExit(
+        "no Austen text: pass --text FILE, or run `python scripts/demo/train_demo.py corpus` first"
+    )
 
 
 def part_demo(args, res: dict) -> None:
@@ -564,7 +598,10 @@ def part_demo(args, res: dict) -> None:
     paras = [p.strip() for p in text.split("\n") if len(p.strip()) > 200]
     half = len(paras) // 2
     learn_paras, test_paras = paras[:half], paras[half:]
-    code = "import sys, json, colibri; e = colibri.Engine(sys.argv[1]); print(json.dumps([e.tokenize(t) for t in json.loads(sys.stdin.read())]))"
+    code = (
+        "import sys, json, colibri; e = colibri.Engine(sys.argv[1]); "
+        "print(json.dumps([e.tokenize(t) for t in json.loads(sys.stdin.read())]))"
+    )
     tok = subprocess.run(
         [sys.executable, "-c", code, str(demo)],
         input=json.dumps(learn_paras + test_paras),
@@ -590,7 +627,10 @@ def part_demo(args, res: dict) -> None:
     }
     heat_dir = Path(tempfile.mkdtemp(prefix="store-demo-"))
     master = heat_dir / "learned.heat"
-    log(f"demo: learning heat on {res['demo_text']['learn_tokens']} tokens of held-out Austen (teacher forced)")
+    log(
+        f"demo: learning heat on {res['demo_text']['learn_tokens']} tokens of held-out Austen (teacher "
+        "forced)"
+    )
     learn = run_worker(
         {
             "kind": "colibri",
@@ -634,7 +674,8 @@ def part_demo(args, res: dict) -> None:
                 cells.setdefault(f"{per_layer}|{pol}", []).append(r)
             s = summarise(cells[f"{per_layer}|{pol}"])
             log(
-                f"demo {per_layer} slots/layer {pol:17s} hit {s['hit_rate']:.3f} prefetch acc {s['prefetch_acc']:.3f} pinned {s['pinned']}"
+                f"demo {per_layer} slots/layer {pol:17s} hit {s['hit_rate']:.3f} prefetch acc "
+                f"{s['prefetch_acc']:.3f} pinned {s['pinned']}"
             )
     ref = None
     same = True
@@ -655,7 +696,10 @@ def part_demo(args, res: dict) -> None:
     for per_layer in args.demo_slots:
         slots = per_layer * layers
         cap = min(slots // 2, max(0, slots - (plan["top_k"] + 1)))
-        ranked = sorted(((h, li, e) for li, hs in enumerate(heat) for e, h in enumerate(hs) if h > 0), key=lambda x: (-x[0], x[1], x[2]))
+        ranked = sorted(
+            ((h, li, e) for li, hs in enumerate(heat) for e, h in enumerate(hs) if h > 0),
+            key=lambda x: (-x[0], x[1], x[2]),
+        )
         per = [0] * len(heat)
         for _, li, _ in ranked[:cap]:
             per[li] += 1
@@ -686,24 +730,35 @@ def report(res: dict) -> str:
     if plan:
         out.append(
             f"**Random-weight model**: `{a.get('shape')}` widths, {a.get('layers')} layers, {a.get('dtype')} "
-            f"(`benches/.cache/{a.get('shape')}-l{a.get('layers')}/colibri/model-{a.get('dtype')}.colibri`): file "
+            f"(`benches/.cache/{a.get('shape')}-l{a.get('layers')}/colibri/"
+            f"model-{a.get('dtype')}.colibri`): file "
             f"{plan['file_bytes'] / MB:.0f} MB, dense part {plan['dense_bytes'] / MB:.0f} MB, routed experts "
-            f"{plan['expert_bytes'] / MB:.0f} MB ({plan['moe_layers']} layers x {plan['experts'] // max(1, plan['moe_layers'])} experts, "
-            f"slot {plan['slot_bytes'] / MB:.2f} MB, top-{plan['top_k']}). Prompt {a.get('prompt')} random token ids, "
-            f"then {a.get('decode')} greedy tokens; {a.get('threads')} threads; medians of {a.get('reps')} runs, each in a fresh process."
+            f"{plan['expert_bytes'] / MB:.0f} MB ({plan['moe_layers']} layers x "
+            f"{plan['experts'] // max(1, plan['moe_layers'])} experts, "
+            f"slot {plan['slot_bytes'] / MB:.2f} MB, top-{plan['top_k']}). Prompt {a.get('prompt')} random "
+            "token ids, "
+            f"then {a.get('decode')} greedy tokens; {a.get('threads')} threads; medians of {a.get('reps')} "
+            "runs, each in a fresh process."
         )
         out.append("")
         if res.get("baseline"):
             out.append(
-                f"Resident-memory check: peak RSS (VmHWM) <= budget + dense part + {OVERHEAD_MB} MiB overhead "
-                f"(the interpreter with NumPy and colibri imported and no model is {res['baseline']['peak_rss_mb']:.0f} MB; "
-                f"the rest covers KV cache, workspace, mapped metadata and a rare overflow read); at 100% (resident, mmap) "
-                f"the bound is file size + overhead. All runs: **{'PASS' if res.get('all_rss_ok') else 'FAIL'}**. "
-                f"Tokens identical to the first (100%) run in every run: **{'yes' if res.get('all_same_tokens') else 'NO'}**."
+                f"Resident-memory check: peak RSS (VmHWM) <= budget + dense part + {OVERHEAD_MB} MiB "
+                "overhead "
+                "(the interpreter with NumPy and colibri imported and no model is "
+                f"{res['baseline']['peak_rss_mb']:.0f} MB; "
+                "the rest covers KV cache, workspace, mapped metadata and a rare overflow read); at 100% "
+                "(resident, mmap) "
+                "the bound is file size + overhead. All runs: "
+                f"**{'PASS' if res.get('all_rss_ok') else 'FAIL'}**. "
+                "Tokens identical to the first (100%) run in every run: "
+                f"**{'yes' if res.get('all_same_tokens') else 'NO'}**."
             )
             out.append("")
         out.append(
-            "| budget | policy | io | slots (pinned) | decode tok/s | hit rate | MB read / token | prefetch acc. | prefetch reads wasted / token | I/O wait ms / token | peak RSS MB (max) | RSS bound MB | check |"
+            "| budget | policy | io | slots (pinned) | decode tok/s | hit rate | MB read / token | prefetch "
+            "acc. | prefetch reads wasted / token | I/O wait ms / token | peak RSS MiB (max) | RSS bound "
+            "MiB | check |"
         )
         out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for key, cell in res.get("cells", {}).items():
@@ -715,39 +770,52 @@ def report(res: dict) -> str:
             bud = f"{frac}%" + (f" ({budget / MB:.0f} MB)" if budget else "")
             slots = "–" if not s["slots"] else f"{s['slots']} ({s['pinned']})"
             out.append(
-                f"| {bud} | {pol} | {io} | {slots} | {f(s['decode_tps'], 2)} | {f(s['hit_rate'], 3)} | {f(s['mb_per_token'])} | "
-                f"{f(s['prefetch_acc'], 2)} | {f(s['prefetch_wasted'], 1)} | {f(s['io_wait_ms_per_token'], 1)} | "
-                f"{f(s['peak_rss_mb'], 0)} ({f(s['max_peak_rss_mb'], 0)}) | {bound:.0f} | {'PASS' if ok else 'FAIL'} |"
+                f"| {bud} | {pol} | {io} | {slots} | {f(s['decode_tps'], 2)} | {f(s['hit_rate'], 3)} | "
+                f"{f(s['mb_per_token'])} | "
+                f"{f(s['prefetch_acc'], 2)} | {f(s['prefetch_wasted'], 1)} | "
+                f"{f(s['io_wait_ms_per_token'], 1)} | "
+                f"{f(s['peak_rss_mb'], 0)} ({f(s['max_peak_rss_mb'], 0)}) | {bound:.0f} | "
+                f"{'PASS' if ok else 'FAIL'} |"
             )
         out.append("")
         out.append(
-            "(MB = 10^6 bytes; \"MB read / token\" is what the store read from the file per decoded token, prefill excluded; "
-            "I/O wait is summed over the threads that waited; prefetch accuracy = predicted experts that the next layer then used / predicted.)"
+            '(MB = 10^6 bytes; "MB read / token" is what the store read from the file '
+            "per decoded token, prefill excluded; "
+            "I/O wait is summed over the threads that waited; prefetch accuracy = predicted experts that "
+            "the next layer then used / predicted.)"
         )
         out.append("")
     lc = res.get("limit_cells")
     if lc:
         out.append(
-            f"**Under a memory limit** (v1 memory cgroup, a child of the session's own; limit = dense part + fraction x experts + "
-            f"{LIMIT_SLACK_MB} MiB; the model file's pages dropped from the page cache before each run). llama.cpp: "
+            "**Under a memory limit** (v1 memory cgroup, a child of the session's own; limit = dense part "
+            "+ fraction x experts + "
+            f"{LIMIT_SLACK_MB} MiB; the model file's pages dropped from the page cache before each run). "
+            "llama.cpp: "
             f"`{Path(res.get('gguf', '')).name}` through its mmap; colibri: the same weights as `.colibri`, "
-            f"`ram_budget` = fraction x experts, io=`{a.get('limit_io')}`. Prompt {a.get('prompt')} ids, then "
-            f"{a.get('limit_decode')} greedy tokens; medians of {a.get('reps')}. \"disk MB / token\" is `read_bytes` "
+            f"`ram_budget` = fraction x experts, policy `{a.get('limit_policy')}`. Prompt {a.get('prompt')} "
+            "ids, then "
+            f"{a.get('limit_decode')} greedy tokens; medians of {a.get('reps')}. "
+            '"disk MB / token" is `read_bytes` '
             f"of `/proc/self/io` during decode (what the kernel fetched from the drive)."
         )
         out.append("")
-        out.append("| limit | engine | decode tok/s | disk MB / token | prefill s (32 tok, cold) | peak RSS MB | cgroup peak MB | failed runs |")
+        out.append(
+            "| limit | engine | decode tok/s | disk MB / token | prefill s (cold) | peak RSS MiB | cgroup "
+            "peak MB | failed runs |"
+        )
         out.append("|---|---|---|---|---|---|---|---|")
         for key, cell in lc.items():
             frac, eng = key.split("|")
             s = cell["summary"]
             lim = "none" if not cell["limit"] else f"{frac}% ({cell['limit'] / MB:.0f} MB)"
-            name = "llama.cpp" if eng == "llama" else "colibri"
+            name = "llama.cpp (mmap)" if eng == "llama" else f"colibri, io={eng.split('-', 1)[1]}"
             if s is None:
                 out.append(f"| {lim} | {name} | – | – | – | – | – | {len(cell['errors'])} |")
                 continue
             out.append(
-                f"| {lim} | {name} | {f(s['decode_tps'], 2)} | {f(s['disk_mb_per_token'])} | {f(s['prefill_s'], 1)} | "
+                f"| {lim} | {name} | {f(s['decode_tps'], 2)} | {f(s['disk_mb_per_token'])} | "
+                f"{f(s['prefill_s'], 1)} | "
                 f"{f(s['peak_rss_mb'], 0)} | {f(s['cg_peak_mb'], 0)} | {len(cell['errors'])} |"
             )
         out.append("")
@@ -764,28 +832,44 @@ def report(res: dict) -> str:
         t = res["demo_text"]
         dp = res["demo_plan"]
         out.append(
-            f"**Trained demo model** (`demo.colibri`: {dp['moe_layers']} MoE layers x 8 experts, top-{dp['top_k']}, "
-            f"slot {dp['slot_bytes'] / 1024:.0f} KiB). Heat learned teacher-forced on {t['learn_tokens']} tokens of the first half of "
-            f"the held-out Austen split; tested on {t['test_prompts']} prompts of {t['prompt_tokens']} tokens from the second half, "
-            f"each continued by {t['decode_tokens']} sampled tokens (temperature 0.8, seed 1234: the same tokens under every policy: "
-            f"**{'yes' if res.get('demo_same_tokens') else 'NO'}**). Hit rate and prefetch accuracy are over decoded tokens only."
+            f"**Trained demo model** (`demo.colibri`: {dp['moe_layers']} MoE layers x 8 experts, "
+            f"top-{dp['top_k']}, "
+            f"slot {dp['slot_bytes'] / 1024:.0f} KiB). Heat learned teacher-forced on {t['learn_tokens']} "
+            "tokens of the first half of "
+            f"the held-out Austen split; tested on {t['test_prompts']} prompts of {t['prompt_tokens']} "
+            "tokens from the second half, "
+            f"each continued by {t['decode_tokens']} sampled tokens (temperature 0.8, seed 1234: the same "
+            "tokens under every policy: "
+            f"**{'yes' if res.get('demo_same_tokens') else 'NO'}**). Hit rate and prefetch accuracy are "
+            "over decoded tokens only."
         )
         out.append("")
         out.append("Routing heat on real text (teacher forced, learning half):")
         out.append("")
-        out.append("| layer | heat share per expert 0-7 (%) | entropy (bits, of 3) | normalised | mean top-1/top-2 margin |")
+        out.append(
+            "| layer | heat share per expert 0-7 (%) | entropy (bits, of 3) | normalised | mean top-1/top-2 "
+            "margin |"
+        )
         out.append("|---|---|---|---|---|")
         for lay in dl["layers"]:
             tot = sum(lay["heat"]) or 1
             shares = " ".join(f"{100 * h / tot:.0f}" for h in lay["heat"])
-            out.append(f"| {lay['layer']} | {shares} | {lay['entropy_bits']:.2f} | {lay['entropy']:.2f} | {lay['mean_margin']:.2f} |")
+            out.append(
+                f"| {lay['layer']} | {shares} | {lay['entropy_bits']:.2f} | {lay['entropy']:.2f} | "
+                f"{lay['mean_margin']:.2f} |"
+            )
         out.append("")
         gr = res.get("demo_gen_routing")
         if gr:
             ent = ", ".join(f"{lay['entropy']:.2f}" for lay in gr["layers"])
-            out.append(f"On the test prompts plus generated text the normalised entropies per layer are {ent}.")
+            out.append(
+                f"On the test prompts plus generated text the normalised entropies per layer are {ent}."
+            )
             out.append("")
-        out.append("| slots per layer (budget) | policy | pinned (per layer) | decode hit rate | KiB read / token | prefetch acc. | prefetch reads wasted / token |")
+        out.append(
+            "| slots per layer (budget) | policy | pinned (per layer) | decode hit rate | KiB read / token "
+            "| prefetch acc. | prefetch reads wasted / token |"
+        )
         out.append("|---|---|---|---|---|---|---|")
         for key, cell in res["demo_cells"].items():
             per, pol = key.split("|")
@@ -794,8 +878,10 @@ def report(res: dict) -> str:
             pin = "–" if not POLICIES[pol]["pin_hot"] else f"{s['pinned']} ({'/'.join(map(str, pins))})"
             budget = cell["runs"][0].get("slots")
             out.append(
-                f"| {per} ({budget} slots, {int(per) * dp['moe_layers'] * dp['slot_bytes'] / 1024:.0f} KiB) | {pol} | {pin} | {f(s['hit_rate'], 3)} | "
-                f"{f(s['mb_per_token'] * 1000 / 1.024, 0)} | {f(s['prefetch_acc'], 2)} | {f(s['prefetch_wasted'], 2)} |"
+                f"| {per} ({budget} slots, {int(per) * dp['moe_layers'] * dp['slot_bytes'] / 1024:.0f} KiB) "
+                f"| {pol} | {pin} | {f(s['hit_rate'], 3)} | "
+                f"{f(s['mb_per_token'] * 1000 / 1.024, 0)} | {f(s['prefetch_acc'], 2)} | "
+                f"{f(s['prefetch_wasted'], 2)} |"
             )
         out.append("")
     return "\n".join(out)
@@ -812,7 +898,9 @@ def write_docs(text: str) -> None:
 
 def disk_probe(path: Path) -> str:
     p = subprocess.run(
-        ["dd", f"if={path}", "of=/dev/null", "bs=8M", "count=128", "iflag=direct"], capture_output=True, text=True
+        ["dd", f"if={path}", "of=/dev/null", "bs=8M", "count=128", "iflag=direct"],
+        capture_output=True,
+        text=True,
     )
     return (p.stderr.strip().splitlines() or ["n/a"])[-1]
 
@@ -821,7 +909,9 @@ def disk_probe(path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--shape", default="olmoe", choices=list(mm.SHAPES))
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--dtype", default="q8_0")
@@ -833,11 +923,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", default=",".join(POLICIES), help="comma list of " + ", ".join(POLICIES))
     ap.add_argument("--io", default="buffered,direct")
     ap.add_argument("--parts", default="random,limit,demo", help="which measurements: random, limit, demo")
-    ap.add_argument("--limits", default="100,50,25", help="memory limits, percent of experts (+ dense + slack)")
-    ap.add_argument("--limit-io", default="direct", choices=["buffered", "direct"])
+    ap.add_argument(
+        "--limits", default="100,50,25", help="memory limits, percent of experts (+ dense + slack)"
+    )
+    ap.add_argument("--limit-io", default="direct,buffered", help="colibri I/O modes under the limit")
+    ap.add_argument(
+        "--limit-policy", default="lru", choices=list(POLICIES), help="colibri policy under the limit"
+    )
     ap.add_argument("--limit-decode", type=int, default=16)
     ap.add_argument("--limit-timeout", type=float, default=600)
-    ap.add_argument("--llama-python", default="/root/venv-bench/bin/python", help="interpreter with llama-cpp-python")
+    ap.add_argument(
+        "--llama-python", default="/root/venv-bench/bin/python", help="interpreter with llama-cpp-python"
+    )
     ap.add_argument("--text", help="English text for the demo part (default: the held-out Austen split)")
     ap.add_argument("--demo-slots", default="2,3,4", help="expert slots per layer for the demo part")
     ap.add_argument("--demo-prompts", type=int, default=24)
@@ -848,7 +945,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=mm.CACHE / "store-run.json")
     ap.add_argument("--report", type=Path, help="re-render a saved run instead of measuring")
     ap.add_argument("--write-docs", action="store_true", help="write the tables into docs/benchmarks.md")
-    ap.add_argument("--quick", action="store_true", help="smoke test: 100%% and 10%%, two policies, 1 rep, few tokens")
+    ap.add_argument(
+        "--quick", action="store_true", help="smoke test: 100%% and 10%%, two policies, 1 rep, few tokens"
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
@@ -865,11 +964,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.quick:
         args.reps, args.budgets, args.policies = 1, "100,10", "lru,lru+pin+prefetch"
-        args.limits, args.decode, args.limit_decode, args.demo_slots, args.demo_reps, args.demo_prompts = "25", 8, 4, "3", 1, 4
+        args.limits, args.decode, args.limit_decode, args.demo_slots, args.demo_reps, args.demo_prompts = (
+            "25",
+            8,
+            4,
+            "3",
+            1,
+            4,
+        )
     args.budgets = [int(x) for x in args.budgets.split(",")]
     args.policies = [p for p in args.policies.split(",") if p]
     args.io = [x for x in args.io.split(",") if x]
     args.limits = [int(x) for x in args.limits.split(",")]
+    args.limit_io = [x for x in args.limit_io.split(",") if x]
     args.demo_slots = [int(x) for x in args.demo_slots.split(",")]
     args.llama = "limit" in args.parts
     parts = args.parts.split(",")
