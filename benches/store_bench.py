@@ -273,6 +273,10 @@ class Cgroup:
         return out
 
     def reset_peak(self) -> None:
+        # Uncharge what earlier runs left (their page cache), so each run
+        # starts with an empty group and its peak is its own.
+        with contextlib.suppress(OSError):
+            (self.path / "memory.force_empty").write_text("0")
         for f in ("memory.max_usage_in_bytes", "memory.failcnt"):
             with contextlib.suppress(OSError):
                 (self.path / f).write_text("0")
@@ -516,7 +520,6 @@ def part_limit(args, res: dict) -> None:
                             "prompts": [prompt],
                             "decode": args.limit_decode,
                         }
-                        drop_cache(cpath)
                         py = sys.executable
                     else:
                         spec = {
@@ -526,10 +529,11 @@ def part_limit(args, res: dict) -> None:
                             "prompts": [prompt],
                             "decode": args.limit_decode,
                         }
-                        drop_cache(gpath)
                         py = args.llama_python
-                    cg.limit(limit if limit else 1 << 62)
+                    drop_cache(cpath)
+                    drop_cache(gpath)
                     cg.reset_peak()
+                    cg.limit(limit if limit else 1 << 62)
                     t0 = time.perf_counter()
                     try:
                         r = run_worker(spec, python=py, cgroup=cg, timeout=args.limit_timeout)
@@ -561,15 +565,22 @@ def part_limit(args, res: dict) -> None:
             "limit": v[0]["limit"],
             "runs": v,
         }
-    # Same model, same ids: do both engines agree on the tokens?
+    # Same model, same ids: how many greedy tokens agree before the first difference?
     agree = {}
     for frac in args.limits:
         a = [r for r in runs.get(f"{frac}|llama", []) if "tokens" in r]
         b = [r for k, v in runs.items() if k.startswith(f"{frac}|colibri") for r in v if "tokens" in r]
         if a and b:
             ta, tb = a[0]["tokens"][0], b[0]["tokens"][0]
-            agree[str(frac)] = sum(x == y for x, y in zip(ta, tb)) / len(ta)
+            n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
+            agree[str(frac)] = [n, len(ta)]
     res["limit_token_agreement"] = agree
+    # Within one engine, does the limit (or the I/O mode) change any token?
+    by_engine: dict[str, set] = {}
+    for k, v in runs.items():
+        eng = k.split("|")[1].split("-")[0]
+        by_engine.setdefault(eng, set()).update(tuple(r["tokens"][0]) for r in v if "tokens" in r)
+    res["limit_tokens_consistent"] = {e: len(t) == 1 for e, t in by_engine.items()}
 
 
 # ---------------------------------------------------------------- part 3: trained demo model
@@ -721,7 +732,17 @@ def f(x, nd=1, pct=False):
 def report(res: dict) -> str:
     out = []
     a = res.get("args", {})
-    out.append(f"Run on {res.get('date', '?')}. {res.get('machine', '')}")
+    out.append(res.get("machine", "").replace(" - colibri", "\n- colibri"))
+    when = []
+    for name, what in (("random", "budgets"), ("limit", "memory limit"), ("demo", "demo model")):
+        w = res.get(f"{name}_when")
+        if w:
+            when.append(
+                f"{what}: {res.get('date', '')[:10]} {w['start']}-{w['end']}, load average "
+                f"{w['load_before'].split()[0]} before, {w['load_after'].split()[0]} after"
+            )
+    if when:
+        out.append("- when: " + "; ".join(when))
     out.append("")
     if res.get("disk"):
         out.append(f"Drive (O_DIRECT sequential read, 8 MiB blocks, 1 GiB): {res['disk']}.")
@@ -758,9 +779,9 @@ def report(res: dict) -> str:
         out.append(
             "| budget | policy | io | slots (pinned) | decode tok/s | hit rate | MB read / token | prefetch "
             "acc. | prefetch reads wasted / token | I/O wait ms / token | peak RSS MiB (max) | RSS bound "
-            "MiB | check |"
+            "MiB | check | load |"
         )
-        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for key, cell in res.get("cells", {}).items():
             frac, pol, io = key.split("|")
             s = cell["summary"]
@@ -769,13 +790,14 @@ def report(res: dict) -> str:
             budget = cell["runs"][0]["budget"]
             bud = f"{frac}%" + (f" ({budget / MB:.0f} MB)" if budget else "")
             slots = "–" if not s["slots"] else f"{s['slots']} ({s['pinned']})"
+            load = f"{statistics.median(float(r['load'].split()[0]) for r in cell['runs']):.1f}"
             out.append(
                 f"| {bud} | {pol} | {io} | {slots} | {f(s['decode_tps'], 2)} | {f(s['hit_rate'], 3)} | "
                 f"{f(s['mb_per_token'])} | "
                 f"{f(s['prefetch_acc'], 2)} | {f(s['prefetch_wasted'], 1)} | "
                 f"{f(s['io_wait_ms_per_token'], 1)} | "
                 f"{f(s['peak_rss_mb'], 0)} ({f(s['max_peak_rss_mb'], 0)}) | {bound:.0f} | "
-                f"{'PASS' if ok else 'FAIL'} |"
+                f"{'PASS' if ok else 'FAIL'} | {load} |"
             )
         out.append("")
         out.append(
@@ -810,6 +832,8 @@ def report(res: dict) -> str:
             s = cell["summary"]
             lim = "none" if not cell["limit"] else f"{frac}% ({cell['limit'] / MB:.0f} MB)"
             name = "llama.cpp (mmap)" if eng == "llama" else f"colibri, io={eng.split('-', 1)[1]}"
+            if not cell["limit"] and eng != "llama":
+                name = f"colibri resident (mmap; run {eng.split('-', 1)[1]})"
             if s is None:
                 out.append(f"| {lim} | {name} | – | – | – | – | – | {len(cell['errors'])} |")
                 continue
@@ -821,10 +845,22 @@ def report(res: dict) -> str:
         out.append("")
         agree = res.get("limit_token_agreement", {})
         if agree:
+            same = {tuple(v) for v in agree.values()}
+            txt = (
+                f"the first {next(iter(same))[0]} of {next(iter(same))[1]} at every limit"
+                if len(same) == 1
+                else ", ".join(f"{k}%: first {v[0]} of {v[1]}" for k, v in agree.items())
+            )
             out.append(
-                "Greedy tokens, llama.cpp vs colibri, same ids: "
-                + ", ".join(f"{k}%: {100 * v:.0f}% agree" for k, v in agree.items())
-                + " (q8_0 activations are rounded differently in the two engines, see above)."
+                f"Greedy tokens, llama.cpp vs colibri, same ids: {txt} agree, then the two free-running "
+                "sequences part at a near-tie (both engines quantise activations to 8 bits, each its "
+                'own way; see "Same model in both engines" above). Same tokens at every limit within '
+                "each engine: "
+                + ", ".join(
+                    f"{e}: {'yes' if ok else 'NO'}"
+                    for e, ok in res.get("limit_tokens_consistent", {}).items()
+                )
+                + "."
             )
             out.append("")
     dl = res.get("demo_learn_routing")
@@ -864,6 +900,22 @@ def report(res: dict) -> str:
             ent = ", ".join(f"{lay['entropy']:.2f}" for lay in gr["layers"])
             out.append(
                 f"On the test prompts plus generated text the normalised entropies per layer are {ent}."
+            )
+            out.append("")
+        if gr:
+            learned = [lay["heat"] for lay in dl["layers"]]
+            test = [lay["heat"] for lay in gr["layers"]]
+            parts = []
+            for per in res["demo_cells"] and sorted({int(k.split("|")[0]) for k in res["demo_cells"]}):
+                hits = []
+                for lh, th in zip(learned, test):
+                    top = sorted(range(len(lh)), key=lambda e: -lh[e])[:per]
+                    hits.append(sum(th[e] for e in top) / max(1, sum(th)))
+                parts.append(f"{per} per layer: {statistics.mean(hits):.3f}")
+            out.append(
+                "For scale: a static per-layer hot set, the n experts of each layer that the learned heat "
+                "ranks highest, would serve this fraction of the test run's expert choices (prompts "
+                "included): " + "; ".join(parts) + "."
             )
             out.append("")
         out.append(
@@ -944,6 +996,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--demo-reps", type=int, default=3)
     ap.add_argument("--json", type=Path, default=mm.CACHE / "store-run.json")
     ap.add_argument("--report", type=Path, help="re-render a saved run instead of measuring")
+    ap.add_argument("--update", action="store_true", help="merge into --json, keeping parts not run now")
     ap.add_argument("--write-docs", action="store_true", help="write the tables into docs/benchmarks.md")
     ap.add_argument(
         "--quick", action="store_true", help="smoke test: 100%% and 10%%, two policies, 1 rep, few tokens"
@@ -981,12 +1034,18 @@ def main(argv: list[str] | None = None) -> int:
     args.llama = "limit" in args.parts
     parts = args.parts.split(",")
 
-    res: dict = {
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": B.machine_facts().replace("\n", " "),
-        "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, list, type(None)))},
-        "load_before": B.loadavg(),
-    }
+    res: dict = {}
+    if args.update and args.json.exists():
+        res = json.loads(args.json.read_text())  # keep the parts not measured now
+    res.update(
+        {
+            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": B.machine_facts().replace("\n", " "),
+            "args": {
+                k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, list, type(None)))
+            },
+        }
+    )
     res["args"]["text"] = str(args.text) if args.text else None
     if "random" in parts or "limit" in parts:
         cpath, gpath = model_files(args)
@@ -995,11 +1054,16 @@ def main(argv: list[str] | None = None) -> int:
     for name, fn in (("random", part_random), ("limit", part_limit), ("demo", part_demo)):
         if name in parts:
             t0 = time.time()
+            load0 = B.loadavg()
             fn(args, res)
-            res[f"{name}_minutes"] = (time.time() - t0) / 60
+            res[f"{name}_when"] = {
+                "start": time.strftime("%H:%M", time.gmtime(t0)),
+                "end": time.strftime("%H:%M UTC", time.gmtime()),
+                "load_before": load0,
+                "load_after": B.loadavg(),
+            }
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(res, indent=1))
-    res["load_after"] = B.loadavg()
     args.json.write_text(json.dumps(res, indent=1))
     text = report(res)
     print(text)
