@@ -397,6 +397,8 @@ def part_random(args, res: dict) -> None:
     res["plan"] = plan
     expert = plan["expert_bytes"]
     dense = plan["dense_bytes"]
+    # What `colibri plan` expects at each budget (uniform routing), next to what happens.
+    res["plans"] = {str(fr): colibri_plan(cpath, int(expert * fr / 100)) for fr in args.budgets if fr < 100}
     log(
         f"{cpath.name}: file {plan['file_bytes'] / MB:.0f} MB, dense {dense / MB:.0f} MB, experts "
         f"{expert / MB:.0f} MB"
@@ -790,6 +792,10 @@ def report(res: dict) -> str:
             budget = cell["runs"][0]["budget"]
             bud = f"{frac}%" + (f" ({budget / MB:.0f} MB)" if budget else "")
             slots = "–" if not s["slots"] else f"{s['slots']} ({s['pinned']})"
+            pl = res.get("plans", {}).get(frac)
+            if pl and pol == "lru":
+                exp_mb = pl["expected_bytes_per_token"] / MB
+                slots += f"; plan: hit {pl['expected_hit_rate']:.2f}, {exp_mb:.0f} MB/token"
             load = f"{statistics.median(float(r['load'].split()[0]) for r in cell['runs']):.1f}"
             out.append(
                 f"| {bud} | {pol} | {io} | {slots} | {f(s['decode_tps'], 2)} | {f(s['hit_rate'], 3)} | "
