@@ -385,14 +385,17 @@ pub(crate) fn place(file: &Arc<ColibriFile>, opts: &StoreOptions) -> Result<Plac
     if opts.policy.pin_hot
         && let Some(h) = &base
     {
-        let mut ranked: Vec<(u64, usize, usize)> = Vec::new();
-        for (l, spec) in cfg.layers.iter().enumerate() {
-            if matches!(spec.ffn, FfnSpec::Moe) {
-                ranked.extend((0..geo.experts_per_layer).map(|e| (h.get(l, e), l, e)).filter(|x| x.0 > 0));
-            }
+        // The hottest experts of EACH layer, an equal share of the pinned
+        // capacity per MoE layer: every layer computes every token, so a
+        // layer left with no pins (or too few unpinned slots) misses on each.
+        let moe: Vec<usize> = (0..cfg.layers.len()).filter(|&l| matches!(cfg.layers[l].ffn, FfnSpec::Moe)).collect();
+        let per_layer = geo.pin_capacity(slots) / moe.len().max(1);
+        for &l in &moe {
+            let mut ranked: Vec<(u64, usize)> =
+                (0..geo.experts_per_layer).map(|e| (h.get(l, e), e)).filter(|x| x.0 > 0).collect();
+            ranked.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+            pinned.extend(ranked.iter().take(per_layer).map(|&(_, e)| (l, e)));
         }
-        ranked.sort_unstable_by(|a, b| b.0.cmp(&a.0).then((a.1, a.2).cmp(&(b.1, b.2))));
-        pinned = ranked.iter().take(geo.pin_capacity(slots)).map(|&(_, l, e)| (l, e)).collect();
     }
     let dense = DenseCopy::read(file, &handle)?;
     let setup = StreamSetup {

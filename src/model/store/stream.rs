@@ -176,15 +176,18 @@ impl State {
     /// least recently used evictable one, preferring layer `l`'s own when it
     /// already holds its share (`quota`) and otherwise layers above theirs,
     /// so every layer keeps a fair part of the cache (per-layer LRU). The
-    /// prefetcher never evicts another prefetched expert.
+    /// prefetcher never evicts another prefetched expert, nor one the router
+    /// predicted for its layer (it would evict what it is about to need).
     fn victim(&self, l: usize, for_prefetch: bool, quota: usize) -> Option<usize> {
         let mut best: Option<(u8, bool, u64, usize)> = None;
         for (s, m) in self.slots.iter().enumerate() {
             if m.pinned || m.refs > 0 {
                 continue;
             }
-            let Some((ml, _)) = m.key else { return Some(s) };
-            if m.state == SlotState::Reading || (for_prefetch && m.prefetched) {
+            let Some((ml, me)) = m.key else { return Some(s) };
+            if m.state == SlotState::Reading
+                || (for_prefetch && (m.prefetched || self.predicted[ml as usize][me as usize]))
+            {
                 continue;
             }
             let ml = ml as usize;
