@@ -141,6 +141,28 @@ def measure(ref: colibri.Engine, other: colibri.Engine, seqs: list[list[int]], s
     return pool(parts)
 
 
+def reference_margins(ref: colibri.Engine, seqs: list[list[int]]) -> dict[str, float]:
+    """Medians over all positions of the reference's top-1 probability and of
+    the gap between its two most likely tokens: how easily a small
+    perturbation flips the argmax."""
+    top1, gap = [], []
+    for ids in seqs:
+        p = np.exp(log_softmax(ref.logits(ids)))
+        two = np.sort(p, axis=-1)[:, -2:]
+        top1.extend(two[:, 1])
+        gap.extend(two[:, 1] - two[:, 0])
+    return {"p1": float(np.median(top1)), "gap": float(np.median(gap)), "n": len(top1)}
+
+
+def residual_errors(ref: colibri.Engine, other: colibri.Engine, ids: list[int]) -> list[float]:
+    """Relative RMS difference of the residual stream (embeddings, the output
+    of each layer, the final-normed state) and then of the logits, over the
+    positions of one sequence: where the error comes from and how it grows."""
+    hr, ho = ref.hidden_states(ids), other.hidden_states(ids)
+    stages = [*zip(hr, ho), (ref.logits(ids), other.logits(ids))]
+    return [float(np.sqrt(((a - b) ** 2).mean() / (a**2).mean())) for a, b in stages]
+
+
 def block_share(engine: colibri.Engine) -> float:
     """Fraction of the file's weight values (all tensors) stored in a block type."""
     total = block = 0
@@ -196,6 +218,88 @@ def austen_heldout(source: str, work: Path) -> list[tuple[str, str]]:
     return out
 
 
+def _round_up(x: float, m: int = 32) -> int:
+    return int(-(-x // m) * m)
+
+
+def _read_safetensors_header(path: Path) -> dict:
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    header.pop("__metadata__", None)
+    return header
+
+
+def widen_fixture(case: Path, out: Path, seed: int) -> Path:
+    """A random f32 checkpoint of the fixture's architecture and options with
+    every width a multiple of 32, so the block types apply.
+
+    The fixtures themselves have hidden sizes of 36 and 44: no matrix row is
+    a whole number of 32-value blocks, so the converter keeps every matrix in
+    bf16 when asked for q8_0/q4_0/q4_1. Here the config keeps everything but
+    the widths (head dim 16 or 32, hidden size and every FFN width rounded up
+    to a multiple of 32), the tensor names are the fixture's, and the weights
+    are drawn with the fixtures' recipe (tests/fixtures/README.md): embeddings
+    N(0, 1) (0.5 when tied), matrices N(0, g^2 / fan_in) with g = 3 for the
+    router and 2 for lm_head, norm weights 1 + 0.3 N(0, 1), biases 0.3 N(0, 1).
+    """
+    cfg = json.loads((case / "config.json").read_text())
+    h, nh, nkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or h // nh
+    hd_new = 16 if hd <= 8 else 32
+    h_new = nh * hd_new if h == nh * hd else _round_up(1.5 * h)
+    dims: dict[int, int] = {}
+
+    def put(old: int, new: int) -> None:
+        if dims.setdefault(old, new) != new:
+            raise ValueError(f"{case.name}: width {old} would need two new values")
+
+    put(h, h_new)
+    put(nh * hd, nh * hd_new)
+    put(nkv * hd, nkv * hd_new)
+    put(hd, hd_new)
+    new_cfg = dict(cfg, hidden_size=h_new)
+    if cfg.get("head_dim"):
+        new_cfg["head_dim"] = hd_new
+    for key in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        if cfg.get(key):
+            new_cfg[key] = _round_up(3 * cfg[key])
+            put(cfg[key], new_cfg[key])
+    new_cfg["torch_dtype" if "torch_dtype" in cfg else "dtype"] = "float32"
+
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for f in sorted(case.glob("*.safetensors")):
+        for name, e in _read_safetensors_header(f).items():
+            shape = e["shape"]
+            router = name.endswith(".gate.weight") and "proj" not in name
+            vocab = "embed_tokens" in name or name.startswith("lm_head")
+            keep_first = router or vocab
+            new = [d if (i == 0 and keep_first) or d == 1 else dims[d] for i, d in enumerate(shape)]
+            if "norm" in name:
+                w = 1 + 0.3 * rng.standard_normal(new)
+            elif name.endswith(".bias"):
+                w = 0.3 * rng.standard_normal(new)
+            elif "embed_tokens" in name:
+                w = (0.5 if cfg.get("tie_word_embeddings") else 1.0) * rng.standard_normal(new)
+            else:
+                g = 3.0 if router else 2.0 if name.startswith("lm_head") else 1.0
+                w = g / np.sqrt(new[-1]) * rng.standard_normal(new)
+            tensors[name] = w.astype("<f4")
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(new_cfg, indent=1))
+    header, blobs, off = {}, [], 0
+    for name, w in tensors.items():
+        data = w.tobytes()
+        header[name] = {"dtype": "F32", "shape": list(w.shape), "data_offsets": [off, off + len(data)]}
+        blobs.append(data)
+        off += len(data)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    (out / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + b"".join(blobs))
+    return out
+
+
 # --------------------------------------------------------------------------- runs
 
 
@@ -207,24 +311,33 @@ def convert_all(src: Path, work: Path, types: list[str]) -> dict[str, Path]:
     return paths
 
 
-def run_fixtures(threads: int) -> list[dict]:
+def run_fixtures(threads: int, widened: bool, margins: dict, growth: dict) -> list[dict]:
     rows = []
-    for case in sorted(p for p in GOLDEN.iterdir() if (p / "config.json").exists()):
+    cases = sorted(p for p in GOLDEN.iterdir() if (p / "config.json").exists())
+    for i, case in enumerate(cases):
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
+            src = case
+            if widened:
+                if case.name.endswith("_f16"):
+                    continue  # the same architecture and options as qwen3_moe
+                src = widen_fixture(case, work / case.name, seed=1000 + i)
             ref_path = work / f"{case.name}-ref.colibri"
-            colibri.convert(case, ref_path, progress=False)  # the checkpoint's own type
+            colibri.convert(src, ref_path, progress=False)  # the checkpoint's own type
             ref = colibri.Engine(ref_path, threads=threads)
             types = (HALF_TYPES if ref.dtype == "f32" else []) + BLOCK_TYPES
             seqs = fixture_sequences(ref.vocab_size)
-            for t, path in convert_all(case, work, types).items():
+            margins[case.name + (" (widened)" if widened else "")] = reference_margins(ref, seqs)
+            for t, path in convert_all(src, work, types).items():
                 eng = colibri.Engine(path, threads=threads)
                 m = measure(ref, eng, seqs)
                 rows.append({"model": case.name, "ref": ref.dtype, "type": t, "block": block_share(eng), **m})
+                if widened and t in BLOCK_TYPES:
+                    growth[(f"{case.name} (widened)", t)] = residual_errors(ref, eng, seqs[0])
     return rows
 
 
-def run_demo(threads: int, austen: str | None) -> list[dict]:
+def run_demo(threads: int, austen: str | None, margins: dict, growth: dict) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -233,9 +346,13 @@ def run_demo(threads: int, austen: str | None) -> list[dict]:
         if austen:
             held = austen_heldout(austen, work)
             texts["Austen held-out"] = [windows(ref.tokenize(text), 256)[:2] for _title, text in held]
+        for label, groups in texts.items():
+            margins[f"demo, {label}"] = reference_margins(ref, [w for g in groups for w in g])
         paths = convert_all(DEMO, work, ["f16", *BLOCK_TYPES])
         for t, path in paths.items():
             eng = colibri.Engine(path, threads=threads)
+            if t in BLOCK_TYPES:
+                growth[("demo, own prose", t)] = residual_errors(ref, eng, texts["own prose"][0][0])
             for label, groups in texts.items():
                 seqs = [w for g in groups for w in g]
                 m = measure(ref, eng, seqs, score_next=True)
@@ -247,9 +364,14 @@ def fmt_kl(x: float) -> str:
     return "0" if x == 0 else f"{x:.1e}"
 
 
-def print_tables(fixtures: list[dict], demo: list[dict]) -> None:
+def print_tables(
+    fixtures: list[dict], widened: list[dict], demo: list[dict], margins: dict, growth: dict
+) -> None:
     if demo:
-        print("| text | type | positions | top-1 agreement | mean KL (nats) | max KL | cross-entropy (ref → type) |")
+        print(
+            "| text | type | positions | top-1 agreement | mean KL (nats) | max KL "
+            "| cross-entropy (ref → type) |"
+        )
         print("| --- | --- | ---: | ---: | ---: | ---: | --- |")
         for r in demo:
             n = r["positions"]
@@ -259,15 +381,33 @@ def print_tables(fixtures: list[dict], demo: list[dict]) -> None:
                 f"| {fmt_kl(r['kl_max'])} | {ce} |"
             )
         print()
-    if fixtures:
-        print("| fixture | reference | type | weights in blocks | top-1 agreement | mean KL (nats) | max KL |")
+    for rows in (fixtures, widened):
+        if not rows:
+            continue
+        print(
+            "| fixture | reference | type | weights in blocks | top-1 agreement | mean KL (nats) | max KL |"
+        )
         print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
-        for r in fixtures:
+        for r in rows:
             n = r["positions"]
+            share = f"{100 * r['block']:.0f}%" if r["type"].startswith("q") else "–"
             print(
-                f"| `{r['model']}` | {r['ref']} | `{r['type']}` | {100 * r['block']:.0f}% | "
+                f"| `{r['model']}` | {r['ref']} | `{r['type']}` | {share} | "
                 f"{r['agree'] / n:.4f} | {fmt_kl(r['kl'] / n)} | {fmt_kl(r['kl_max'])} |"
             )
+        print()
+    if margins:
+        print("| reference model, inputs | positions | median top-1 probability | median gap to the 2nd |")
+        print("| --- | ---: | ---: | ---: |")
+        for name, m in margins.items():
+            print(f"| {name} | {m['n']} | {m['p1']:.3f} | {m['gap']:.3f} |")
+        print()
+    if growth:
+        print("| model (first sequence) | type | embeddings → each layer → final norm | logits |")
+        print("| --- | --- | --- | ---: |")
+        for (name, t), errs in sorted(growth.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            stream = " → ".join(f"{e:.3f}" for e in errs[:-1])
+            print(f"| {name} | `{t}` | {stream} | {errs[-1]:.3f} |")
 
 
 def main() -> None:
@@ -279,14 +419,24 @@ def main() -> None:
         help="also score the demo model on the held-out Austen text: 'download' (apt-get download "
         "r-cran-janeaustenr), a path to that .deb, or a directory it is unpacked/installed under",
     )
-    ap.add_argument("--only", choices=["demo", "fixtures"], help="run one half")
+    ap.add_argument("--only", choices=["demo", "fixtures", "widened"], help="run one part")
     ap.add_argument("--json", metavar="FILE", help="also write the raw sums as JSON")
     args = ap.parse_args()
-    fixtures = run_fixtures(args.threads) if args.only != "demo" else []
-    demo = run_demo(args.threads, args.austen) if args.only != "fixtures" else []
-    print_tables(fixtures, demo)
+    part = {"demo": False, "fixtures": False, "widened": False}
+    if args.only:
+        part[args.only] = True
+    else:
+        part = dict.fromkeys(part, True)
+    margins: dict = {}
+    growth: dict = {}
+    fixtures = run_fixtures(args.threads, False, margins, growth) if part["fixtures"] else []
+    widened = run_fixtures(args.threads, True, margins, growth) if part["widened"] else []
+    demo = run_demo(args.threads, args.austen, margins, growth) if part["demo"] else []
+    print_tables(fixtures, widened, demo, margins, growth)
     if args.json:
-        Path(args.json).write_text(json.dumps({"fixtures": fixtures, "demo": demo}, indent=1))
+        raw = {"fixtures": fixtures, "widened": widened, "demo": demo, "margins": margins}
+        raw["growth"] = [{"model": m, "type": t, "errors": e} for (m, t), e in growth.items()]
+        Path(args.json).write_text(json.dumps(raw, indent=1))
 
 
 if __name__ == "__main__":
