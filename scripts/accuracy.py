@@ -194,7 +194,10 @@ def austen_heldout(source: str, work: Path) -> list[tuple[str, str]]:
     import train_demo
 
     if source == "download":
-        subprocess.run(["apt-get", "download", train_demo.DEB_PACKAGE], cwd=work, check=True)
+        # apt-get's progress goes to stderr, keeping stdout for the tables.
+        subprocess.run(
+            ["apt-get", "download", train_demo.DEB_PACKAGE], cwd=work, check=True, stdout=sys.stderr
+        )
         source = str(sorted(work.glob(f"{train_demo.DEB_PACKAGE}_*.deb"))[-1])
     src = Path(source)
     if src.suffix == ".deb":
