@@ -30,7 +30,7 @@ use crate::format::FileMeta;
 use crate::format::reader::ColibriFile;
 use crate::format::writer::{ToPlace, Writer, layout};
 use crate::model::tensors::{TensorId, tensor_plan};
-use crate::quant::{self, DType};
+use crate::quant;
 
 /// Re-encodes the `.colibri` file `src` into `dst` with the weight type
 /// `opts.dtype` (`None` keeps the source's). `interrupted` is polled between
@@ -166,6 +166,7 @@ pub(super) fn recode(
 mod tests {
     use super::*;
     use crate::engine::{Engine, EngineOptions};
+    use crate::quant::DType;
     use crate::synth::{tiny_config_blocks, write_random_model};
 
     fn never() -> bool {
