@@ -386,9 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
         "tokenizer files) into one .colibri file, or re-encode a .colibri file into another "
         "weight type (re-encoding an already quantised file adds a second rounding to the first).",
     )
-    c.add_argument(
-        "src", help="folder with config.json and *.safetensors, or a .colibri file to re-encode"
-    )
+    c.add_argument("src", help="folder with config.json and *.safetensors, or a .colibri file to re-encode")
     c.add_argument("-o", "--output", required=True, help="the .colibri file to write")
     c.add_argument(
         "--dtype",
