@@ -257,6 +257,15 @@ mod tests {
         recode(&src, &dst, &forced, &never).unwrap();
         assert_eq!(ColibriFile::open(&dst).unwrap().meta().weight_dtype, DType::Q4_0);
 
+        // In place, with force: the source is read to the end before the rename.
+        let inplace = dir.path().join("inplace.colibri");
+        std::fs::copy(&src, &inplace).unwrap();
+        let e = recode(&inplace, &inplace, &opts(Some(DType::Q8_0)), &never).unwrap_err();
+        assert!(matches!(e, Error::OutputExists(_)), "{e}");
+        recode(&inplace, &inplace, &ConvertOptions { force: true, ..opts(Some(DType::Q8_0)) }, &never).unwrap();
+        assert_eq!(ColibriFile::open(&inplace).unwrap().meta().weight_dtype, DType::Q8_0);
+        std::fs::remove_file(&inplace).unwrap();
+
         let e = recode(&src, dir.path(), &opts(None), &never).unwrap_err();
         assert!(matches!(e, Error::InvalidInput(_)), "{e}");
 
