@@ -53,6 +53,9 @@ DEMO = ROOT / "python" / "colibri" / "data" / "demo.colibri"
 # Weight types compared with the reference; the 16-bit ones only for f32 references.
 BLOCK_TYPES = ["q8_0", "q4_0", "q4_1"]
 HALF_TYPES = ["bf16", "f16"]
+# KV cache of the compared files (--kv-cache); "auto" is what users get: f16
+# for the block types, f32 otherwise. References always use their default (f32).
+KV_CACHE = ["auto"]
 
 # Prose for the demo model, in the register of the novels it was trained on.
 # Written for this script; none of it comes from the corpus.
@@ -332,7 +335,7 @@ def run_fixtures(threads: int, widened: bool, margins: dict, growth: dict) -> li
             seqs = fixture_sequences(ref.vocab_size)
             margins[case.name + (" (widened)" if widened else "")] = reference_margins(ref, seqs)
             for t, path in convert_all(src, work, types).items():
-                eng = colibri.Engine(path, threads=threads)
+                eng = colibri.Engine(path, threads=threads, kv_cache=KV_CACHE[0])
                 m = measure(ref, eng, seqs)
                 rows.append({"model": case.name, "ref": ref.dtype, "type": t, "block": block_share(eng), **m})
                 if widened and t in BLOCK_TYPES:
@@ -353,7 +356,7 @@ def run_demo(threads: int, austen: str | None, margins: dict, growth: dict) -> l
             margins[f"demo, {label}"] = reference_margins(ref, [w for g in groups for w in g])
         paths = convert_all(DEMO, work, ["f16", *BLOCK_TYPES])
         for t, path in paths.items():
-            eng = colibri.Engine(path, threads=threads)
+            eng = colibri.Engine(path, threads=threads, kv_cache=KV_CACHE[0])
             if t in BLOCK_TYPES:
                 growth[("demo, own prose", t)] = residual_errors(ref, eng, texts["own prose"][0][0])
             for label, groups in texts.items():
@@ -422,9 +425,16 @@ def main() -> None:
         help="also score the demo model on the held-out Austen text: 'download' (apt-get download "
         "r-cran-janeaustenr), a path to that .deb, or a directory it is unpacked/installed under",
     )
+    ap.add_argument(
+        "--kv-cache",
+        choices=["auto", "f32", "f16"],
+        default="auto",
+        help="KV cache of the compared files (default auto: f16 for the block types, as users get)",
+    )
     ap.add_argument("--only", choices=["demo", "fixtures", "widened"], help="run one part")
     ap.add_argument("--json", metavar="FILE", help="also write the raw sums as JSON")
     args = ap.parse_args()
+    KV_CACHE[0] = args.kv_cache
     part = {"demo": False, "fixtures": False, "widened": False}
     if args.only:
         part[args.only] = True
