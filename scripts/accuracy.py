@@ -355,6 +355,11 @@ def run_demo(threads: int, austen: str | None, margins: dict, growth: dict) -> l
         for label, groups in texts.items():
             margins[f"demo, {label}"] = reference_margins(ref, [w for g in groups for w in g])
         paths = convert_all(DEMO, work, ["f16", *BLOCK_TYPES])
+        # Re-encoding an already quantised file: the second rounding on top of the first.
+        for first, second in (("q8_0", "q4_0"), ("q4_0", "q8_0")):
+            chained = f"{first} → {second}"
+            paths[chained] = work / f"demo-{first}-{second}.colibri"
+            colibri.convert(paths[first], paths[chained], dtype=second, progress=False)
         for t, path in paths.items():
             eng = colibri.Engine(path, threads=threads, kv_cache=KV_CACHE[0])
             if t in BLOCK_TYPES:
