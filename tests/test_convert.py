@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 import colibri
@@ -164,3 +168,85 @@ def test_embeds_tokenizer_files_when_present(tmp_path):
     assert meta["source"]["tokenizer"] == tok
     assert meta["source"]["chat_template"] == "{{ messages }}"
     assert meta["source"]["generation_config"] is not None
+
+
+# ---------------------------------------------------------------------------
+# Re-encoding a .colibri file
+
+DEMO = Path(colibri.__file__).parent / "data" / "demo.colibri"
+needs_demo = pytest.mark.skipif(not DEMO.is_file(), reason="the demo model is not in this checkout")
+
+
+def header_meta(path):
+    raw = path.read_bytes()
+    return json.loads(raw[32 : 32 + int.from_bytes(raw[16:24], "little")])
+
+
+@needs_demo
+def test_recode_keeps_everything_but_the_weights(tmp_path):
+    out = tmp_path / "demo-q4_1.colibri"
+    report = colibri.convert(DEMO, out, dtype="q4_1", progress=False)
+    assert report["dtype"] == "q4_1" and report["bytes"] == out.stat().st_size
+    assert report["architecture"] == "Qwen3MoeForCausalLM"
+    old, new = header_meta(DEMO), header_meta(out)
+    assert new["weight_dtype"] == "q4_1"
+    for key in ("architecture", "config", "source"):
+        assert new[key] == old[key], key
+    kinds = {t["dtype"] for t in new["tensors"]}
+    assert kinds == {"f32", "q4_1x8"}  # every demo matrix has rows of whole blocks, in groups of 8
+    a, b = colibri.Engine(DEMO), colibri.Engine(out)
+    assert b.tokenize("Mr. Darcy") == a.tokenize("Mr. Darcy")
+    assert b.chat_template == a.chat_template and b.generation_defaults == a.generation_defaults
+    assert leftovers(tmp_path) == []
+
+
+@needs_demo
+def test_recode_through_f32_is_lossless_and_matches_direct(tmp_path):
+    # bf16 -> f32 is exact, so quantising the f32 copy gives the same file as
+    # quantising the bf16 original, byte for byte.
+    f32 = tmp_path / "demo-f32.colibri"
+    colibri.convert(DEMO, f32, dtype="f32", progress=False)
+    ids = colibri.Engine(DEMO).tokenize("It is a truth universally acknowledged")
+    assert np.array_equal(colibri.Engine(f32).logits(ids), colibri.Engine(DEMO).logits(ids))
+    via, direct = tmp_path / "via.colibri", tmp_path / "direct.colibri"
+    colibri.convert(f32, via, dtype="q8_0", progress=False)
+    colibri.convert(DEMO, direct, dtype="q8_0", progress=False)
+    assert via.read_bytes() == direct.read_bytes()
+    # No dtype: the source's own type, the same tensors.
+    same = tmp_path / "same.colibri"
+    assert colibri.convert(direct, same, progress=False)["dtype"] == "q8_0"
+    assert same.read_bytes() == direct.read_bytes()
+
+
+def test_recode_errors(tmp_path):
+    src = tmp_path / "m.colibri"
+    colibri.convert(GOLDEN / "olmoe", src, progress=False)
+    with pytest.raises(colibri.ModelNotFoundError) as e:
+        colibri.convert(tmp_path / "nope.colibri", tmp_path / "o.colibri")
+    assert isinstance(e.value, FileNotFoundError)
+    out = tmp_path / "o.colibri"
+    out.write_bytes(b"precious")
+    with pytest.raises(colibri.OutputExistsError):
+        colibri.convert(src, out, dtype="q8_0", progress=False)
+    assert out.read_bytes() == b"precious"
+    with pytest.raises(colibri.InvalidInputError, match="q9"):
+        colibri.convert(src, tmp_path / "p.colibri", dtype="q9")
+    # A truncated .colibri file and a file that is no .colibri at all.
+    cut = tmp_path / "cut.colibri"
+    cut.write_bytes(src.read_bytes()[: src.stat().st_size // 2])
+    with pytest.raises(colibri.FormatError, match="cut.colibri"):
+        colibri.convert(cut, tmp_path / "p.colibri", dtype="q4_0", progress=False)
+    with pytest.raises(colibri.FormatError, match="folder"):
+        colibri.convert(GOLDEN / "olmoe" / "config.json", tmp_path / "p.colibri", progress=False)
+    assert not (tmp_path / "p.colibri").exists() and leftovers(tmp_path) == []
+
+
+@needs_demo
+def test_recode_from_the_command_line(tmp_path):
+    out = tmp_path / "d.colibri"
+    cmd = [sys.executable, "-m", "colibri", "convert", str(DEMO), "--dtype", "q4_0", "-o", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "q4_0" in r.stdout and colibri.Engine(out).dtype == "q4_0"
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "already exists" in r.stderr and "Traceback" not in r.stderr

@@ -724,15 +724,22 @@ def convert(
     force: bool = False,
     progress: bool | None = None,
 ) -> dict[str, Any]:
-    """Converts a Hugging Face checkpoint folder into one ``.colibri`` file.
+    """Converts a Hugging Face checkpoint folder into one ``.colibri`` file,
+    or re-encodes a ``.colibri`` file into another weight type.
 
     Args:
         src: folder with ``config.json`` and ``*.safetensors`` (sharded or not),
-            and usually the tokenizer files, which are embedded too.
+            and usually the tokenizer files, which are embedded too; or a
+            ``.colibri`` file, whose tensors are decoded to f32 and encoded
+            again in ``dtype`` (config, tokenizer, chat template and
+            generation defaults are kept). Re-encoding cannot restore
+            precision the file no longer has: from an already quantised file
+            the second rounding adds to the first, so quantise from the
+            highest-precision file you have.
         dst: output file. Refused if it exists, unless ``force=True``.
         dtype: storage type of the weight matrices, one of
             :func:`colibri.supported_dtypes`, or ``None`` to keep the
-            checkpoint's own type. Norms, biases and the router are always
+            source's own type. Norms, biases and the router are always
             stored in f32.
         progress: draw a progress bar on stderr (default: when stderr is a terminal).
 

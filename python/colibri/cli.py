@@ -1,6 +1,6 @@
 """The ``colibri`` command line.
 
-Subcommands: ``convert`` (Hugging Face folder -> .colibri), ``generate``
+Subcommands: ``convert`` (Hugging Face folder or .colibri -> .colibri), ``generate``
 (one prompt, streamed to stdout), ``chat`` (an interactive conversation) and
 ``info`` (what a .colibri file holds). Every error is one line on stderr with
 a non-zero exit status (2 for bad arguments, 1 for everything else); Ctrl-C
@@ -381,17 +381,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser(
         "convert",
-        help="convert a Hugging Face checkpoint folder to a .colibri file",
+        help="convert a Hugging Face checkpoint folder (or re-encode a .colibri file)",
         description="Convert a Hugging Face checkpoint folder (config.json, *.safetensors, "
-        "tokenizer files) into one .colibri file.",
+        "tokenizer files) into one .colibri file, or re-encode a .colibri file into another "
+        "weight type (re-encoding an already quantised file adds a second rounding to the first).",
     )
-    c.add_argument("src", help="folder with config.json and *.safetensors")
+    c.add_argument("src", help="folder with config.json and *.safetensors, or a .colibri file to re-encode")
     c.add_argument("-o", "--output", required=True, help="the .colibri file to write")
     c.add_argument(
         "--dtype",
         choices=["auto", *supported_dtypes()],
         default="auto",
-        help="storage type of the weight matrices (default: keep the checkpoint's)",
+        help="storage type of the weight matrices (default: keep the source's)",
     )
     c.add_argument("--force", action="store_true", help="overwrite the output if it exists")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")

@@ -9,7 +9,11 @@
 //!    into a temporary file beside the output, and rename it into place only
 //!    when complete: a failed or interrupted conversion leaves nothing behind,
 //!    and an existing output is only replaced when `force` is set.
+//!
+//! A `.colibri` file as the source is re-encoded into another weight type
+//! instead ([`recode`]).
 
+mod recode;
 pub mod safetensors;
 
 use std::path::{Path, PathBuf};
@@ -95,6 +99,7 @@ impl Drop for TempGuard {
 }
 
 /// Converts the Hugging Face checkpoint in `src` into the `.colibri` file `dst`.
+/// When `src` is a `.colibri` file, re-encodes it into `opts.dtype` instead.
 /// `interrupted` is polled between tensors; when it returns true the
 /// conversion stops with [`Error::Interrupted`] and removes its partial output.
 pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn Fn() -> bool) -> Result<ConvertReport> {
@@ -102,10 +107,7 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
         return Err(Error::NotFound(src.to_path_buf()));
     }
     if !src.is_dir() {
-        return Err(Error::checkpoint(
-            src,
-            "is not a folder; expected a Hugging Face checkpoint folder with config.json",
-        ));
+        return recode::recode(src, dst, opts, interrupted);
     }
     if dst.is_dir() {
         return Err(Error::InvalidInput(format!("output {} is a directory; give a file name", dst.display())));

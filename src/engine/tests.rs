@@ -232,8 +232,8 @@ fn quantised_types_stay_close_to_f32() {
     // and three layers compound it, so near-ties flip. Measured here: q8_0
     // top-1 0.979 / KL 4.8e-4; q4_1 0.667 / 5.9e-2; q4_0 0.458 / 1.0e-1.
     // Asserted: q8_0 is near-lossless, the 4-bit types stay bounded, and
-    // q4_1 (the better 4-bit type) beats q4_0 clearly. Figures on a trained
-    // model are in docs/benchmarks.md.
+    // q4_1 (the better 4-bit type) beats q4_0 clearly. Figures on the parity
+    // fixtures and the trained demo model are in docs/accuracy.md.
     let (t8, k8) = agreement(DType::Q8_0);
     let (_, k41) = agreement(DType::Q4_1);
     let (_, k40) = agreement(DType::Q4_0);

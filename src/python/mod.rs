@@ -269,7 +269,8 @@ impl NativeGeneration {
     }
 }
 
-/// Converts a Hugging Face folder to a .colibri file; returns a summary dict.
+/// Converts a Hugging Face folder to a .colibri file (or re-encodes a
+/// .colibri file into another weight type); returns a summary dict.
 #[pyfunction]
 #[pyo3(signature = (src, dst, dtype=None, force=false, progress=true))]
 fn convert_checkpoint<'py>(

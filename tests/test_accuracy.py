@@ -1,0 +1,111 @@
+"""The quantised weight types stay close to the demo model they were made from.
+
+The bundled demo model (bf16, trained) is re-encoded into q8_0, q4_0 and q4_1
+and compared with the shipped file on English prose, position by position,
+with the measures of scripts/accuracy.py (which also supplies the text).
+docs/accuracy.md has the full figures and how they were made.
+
+Measured on this text (557 positions; the same numbers on every thread
+count, since the engine's logits do not depend on it; the block types run
+with their default f16 KV cache):
+
+    type   top-1 agreement   mean KL      cross-entropy (bf16: 4.4617)
+    q8_0   0.9856            2.0e-4       4.4624
+    q4_0   0.9210            4.9e-3       4.4754
+    q4_1   0.9192            4.4e-3       4.4675
+
+The bounds below leave room for changes in summation order (new kernels)
+without letting a real regression through: a broken scale, a wrong nibble
+order or a mis-interleaved row sends top-1 agreement towards 1/4096 and KL
+to whole nats.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import colibri
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "accuracy.py"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("colibri_accuracy_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+acc = _load_script()
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    if not acc.DEMO.is_file():
+        pytest.skip("the demo model is not in this checkout")
+    work = tmp_path_factory.mktemp("accuracy")
+    ref = colibri.Engine(acc.DEMO, threads=2)
+    out = {}
+    for t in acc.BLOCK_TYPES:
+        path = work / f"demo-{t}.colibri"
+        colibri.convert(acc.DEMO, path, dtype=t, progress=False)
+        eng = colibri.Engine(path, threads=2)
+        assert eng.dtype == t
+        # The tokenizer travelled with the re-encoded file.
+        seqs = acc.windows(eng.tokenize("\n".join(acc.PROSE) + "\n"), 128)
+        m = acc.measure(ref, eng, seqs, score_next=True)
+        out[t] = {
+            "top1": m["agree"] / m["positions"],
+            "kl": m["kl"] / m["positions"],
+            "ce_ref": m["nll_ref"] / m["scored"],
+            "ce": m["nll_other"] / m["scored"],
+            "positions": m["positions"],
+        }
+    return out
+
+
+def test_enough_positions(measured):
+    # One position is 1/557 of top-1 agreement, so 0.97 below means at most
+    # 16 flipped argmaxes (8 were seen).
+    assert measured["q8_0"]["positions"] >= 500
+
+
+def test_q8_0_is_nearly_lossless(measured):
+    m = measured["q8_0"]
+    # Seen 0.9856 and 2.0e-4: the 8 flipped argmaxes are all at positions where
+    # the reference's two best tokens are within 0.0014 in probability.
+    assert m["top1"] >= 0.97, m
+    assert m["kl"] <= 1e-3, m
+    assert abs(m["ce"] - m["ce_ref"]) <= 2e-3, m
+
+
+@pytest.mark.parametrize("dtype", ["q4_0", "q4_1"])
+def test_4_bit_types_stay_bounded(measured, dtype):
+    m = measured[dtype]
+    # Seen about 0.92 and 4.4e-3 to 4.9e-3; cross-entropy up by 0.006 to 0.014 nats.
+    assert m["top1"] >= 0.85, m
+    assert m["kl"] <= 1.5e-2, m
+    assert m["ce"] - m["ce_ref"] <= 0.03, m
+
+
+def test_error_ordering(measured):
+    k8, k40, k41 = (measured[t]["kl"] for t in ("q8_0", "q4_0", "q4_1"))
+    # q8_0 is about 20x closer than either 4-bit type.
+    assert k8 * 8 < min(k40, k41), (k8, k40, k41)
+    # q4_1 is closer than q4_0 on this model, but only by about 10% on this
+    # text (25% on held-out Austen; on random models 20-35%, and on one of the
+    # widened random fixtures it is slightly worse, see docs/accuracy.md). So
+    # only the order is asserted, not a ratio.
+    assert k41 < k40, (k41, k40)
+
+
+def test_measure_is_zero_against_itself():
+    # The measure itself: a model compared with itself agrees everywhere with KL 0.
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((7, 11)).astype(np.float32)
+    m = acc.compare(logits, logits, np.array([1, 2, 3, 4, 5, 6, -1]))
+    assert m["agree"] == 7 and m["kl"] == 0.0 and m["nll_ref"] == m["nll_other"]
