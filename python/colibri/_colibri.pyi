@@ -14,7 +14,7 @@ class NativeEngine:
         ram_budget: int | None = None,
         lru: bool = True,
         pin_hot: bool = True,
-        prefetch: bool = True,
+        prefetch: bool = False,
         io: str = "buffered",
         heat_file: str | None = None,
         kv_cache: str = "auto",

@@ -163,9 +163,10 @@ class Engine:
             them. ``None`` (default), or a budget that holds every expert, keeps
             the whole model resident. Placement never changes the output.
         lru, pin_hot, prefetch: expert-cache policies when streaming: keep
-            recently used experts, pin the experts that routing heat (recorded
-            beside the model file across runs) says are hot, and read the next
-            layer's likely experts while the current layer computes.
+            recently used experts, pin each layer's experts that routing heat
+            (recorded beside the model file across runs) says are hot, and
+            read the next layer's likely experts while the current layer
+            computes (off by default: measured, it reads more than it saves).
         io: ``"buffered"`` (through the OS page cache) or ``"direct"``
             (unbuffered, where the OS supports it).
         heat_file: where routing heat is kept (default: beside the model file,
@@ -185,7 +186,7 @@ class Engine:
         ram_budget: int | str | None = None,
         lru: bool = True,
         pin_hot: bool = True,
-        prefetch: bool = True,
+        prefetch: bool = False,
         io: str = "buffered",
         heat_file: PathLike | None = None,
         kv_cache: str = "auto",

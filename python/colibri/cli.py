@@ -146,7 +146,7 @@ def _open_model(args: argparse.Namespace, positional: list[str]) -> tuple[Engine
     """The engine named by ``--demo`` or the first positional (a .colibri file
     or a Hugging Face folder, converted once into the cache); returns the
     positionals left over."""
-    store = {"ram_budget": args.ram, "io": args.io, "prefetch": not args.no_prefetch}
+    store = {"ram_budget": args.ram, "io": args.io, "prefetch": args.prefetch}
     store["kv_cache"] = args.kv_cache
     if args.demo:
         return Engine.demo(threads=args.threads, **store), positional
@@ -363,7 +363,11 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         "(default: everything resident)",
     )
     p.add_argument("--io", choices=["buffered", "direct"], default="buffered", help="how experts are read")
-    p.add_argument("--no-prefetch", action="store_true", help="do not read the next layer's experts ahead")
+    p.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="read the next layer's predicted experts ahead (off by default)",
+    )
     p.add_argument(
         "--kv-cache",
         choices=["auto", "f32", "f16"],

@@ -77,7 +77,7 @@ struct NativeEngine {
 #[pymethods]
 impl NativeEngine {
     #[new]
-    #[pyo3(signature = (path, threads=None, ram_budget=None, lru=true, pin_hot=true, prefetch=true, io="buffered", heat_file=None, kv_cache="auto"))]
+    #[pyo3(signature = (path, threads=None, ram_budget=None, lru=true, pin_hot=true, prefetch=false, io="buffered", heat_file=None, kv_cache="auto"))]
     #[allow(clippy::too_many_arguments)] // mirrors keyword arguments of the Python constructor
     fn new(
         py: Python<'_>,

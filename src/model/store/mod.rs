@@ -73,7 +73,10 @@ pub struct Policy {
 
 impl Default for Policy {
     fn default() -> Self {
-        Policy { lru: true, pin_hot: true, prefetch: true }
+        // Prefetch is off by default: measured on random and trained routing
+        // (docs/benchmarks.md), each prefetched expert evicts one that some
+        // later lookup needed, and it read more bytes than it saved.
+        Policy { lru: true, pin_hot: true, prefetch: false }
     }
 }
 

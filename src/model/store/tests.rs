@@ -311,7 +311,10 @@ fn the_plan_adds_up() {
 fn telemetry_counts_what_happened() {
     let dir = tempfile::tempdir().unwrap();
     let path = model_file(dir.path(), "m.colibri", DType::F16, 7);
-    let o = StoreOptions { heat_file: HeatFile::Off, ..opts(Some(slots(&path, 14)), Policy::default()) };
+    let o = StoreOptions {
+        heat_file: HeatFile::Off,
+        ..opts(Some(slots(&path, 14)), Policy { prefetch: true, ..Policy::default() })
+    };
     let m = Model::open_with(&path, &o).unwrap();
     let toks = prompt(17, 3);
     run(&m, &pool(2), &toks, 5, 6).unwrap();
