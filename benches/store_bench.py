@@ -703,20 +703,15 @@ def part_demo(args, res: dict) -> None:
             r.pop("tokens", None)
             r.pop("routing", None)
     res["demo_cells"] = {k: {"summary": summarise(v), "runs": v} for k, v in cells.items()}
-    # The hot set the heat file gives, per layer (global ranking, as the store does).
+    # The hot set the heat file gives, per layer: an equal share of the pinned
+    # capacity for each MoE layer, its hottest experts first (as the store does).
     heat = [lay["heat"] for lay in res["demo_learn_routing"]["layers"]]
     res["demo_pin_by_slots"] = {}
     for per_layer in args.demo_slots:
         slots = per_layer * layers
         cap = min(slots // 2, max(0, slots - (plan["top_k"] + 1)))
-        ranked = sorted(
-            ((h, li, e) for li, hs in enumerate(heat) for e, h in enumerate(hs) if h > 0),
-            key=lambda x: (-x[0], x[1], x[2]),
-        )
-        per = [0] * len(heat)
-        for _, li, _ in ranked[:cap]:
-            per[li] += 1
-        res["demo_pin_by_slots"][str(per_layer)] = per
+        share = cap // max(1, len(heat))
+        res["demo_pin_by_slots"][str(per_layer)] = [min(share, sum(1 for h in hs if h > 0)) for hs in heat]
     shutil.rmtree(heat_dir, ignore_errors=True)
 
 
