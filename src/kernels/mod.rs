@@ -62,17 +62,21 @@ pub type AxpyFn = fn(o: &mut [f32], a: f32, v: &[u8]);
 /// activation row: the eight outputs.
 pub type Gemv8Fn = fn(group: &[u8], q: &[BlockQ8]) -> [f32; 8];
 
-/// Eight interleaved rows against four activation rows; per (row, token) the
-/// same bits as [`Gemv8Fn`].
-pub type Gemm8x4Fn = fn(group: &[u8], q: [&[BlockQ8]; 4]) -> [[f32; 8]; 4];
+/// Eight interleaved rows against 1 to 4 activation rows (`q.len()`, the
+/// same as `out.len()`), reading the weights once; per (row, token) the same
+/// bits as [`Gemv8Fn`].
+pub type Gemm8Fn = fn(group: &[u8], q: &[&[BlockQ8]], out: &mut [[f32; 8]]);
+
+/// Most tokens one [`Gemm8Fn`] call takes.
+pub const GEMM8_TOKENS: usize = 4;
 
 /// The kernels of one interleaved type.
 #[derive(Clone, Copy)]
 pub struct GroupKernels {
     /// One token.
     pub one: Gemv8Fn,
-    /// Four tokens (`None`: four single calls).
-    pub four: Option<Gemm8x4Fn>,
+    /// Up to [`GEMM8_TOKENS`] tokens (`None`: single calls).
+    pub many: Option<Gemm8Fn>,
 }
 
 /// Which instruction set the kernel table uses.
@@ -139,9 +143,9 @@ fn scalar_axpy_f16(o: &mut [f32], a: f32, v: &[u8]) {
 const SCALAR_AXPY: [AxpyFn; 2] = [scalar_axpy_f32, scalar_axpy_f16];
 
 const SCALAR_GROUP: [GroupKernels; 3] = [
-    GroupKernels { one: scalar_gemv8_q8_0, four: None },
-    GroupKernels { one: scalar_gemv8_q4_0, four: None },
-    GroupKernels { one: scalar_gemv8_q4_1, four: None },
+    GroupKernels { one: scalar_gemv8_q8_0, many: None },
+    GroupKernels { one: scalar_gemv8_q4_0, many: None },
+    GroupKernels { one: scalar_gemv8_q4_1, many: None },
 ];
 
 fn dtype_index(d: DType) -> usize {
@@ -347,7 +351,8 @@ fn rows_into(w: &Matrix, inp: &Input, r0: usize, r1: usize, y: YOut) {
 }
 
 /// [`rows_into`] for an interleaved type: `r0` and `r1` are multiples of 8.
-/// Each group of eight rows is read once per four tokens.
+/// Each group of eight rows is read once per four tokens (and once for the
+/// last one to three).
 fn groups_into(w: &Matrix, inp: &Input, k: GroupKernels, r0: usize, r1: usize, y: YOut) {
     const G: usize = crate::quant::x8::ROWS;
     debug_assert!(r0.is_multiple_of(G) && r1.is_multiple_of(G));
@@ -361,18 +366,23 @@ fn groups_into(w: &Matrix, inp: &Input, k: GroupKernels, r0: usize, r1: usize, y
     for g in r0 / G..r1 / G {
         let group = &w.bytes[g * gb..(g + 1) * gb];
         let mut t = 0;
-        if let Some(four) = k.four {
-            while t + 4 <= n {
-                let q = [inp.row(t).1, inp.row(t + 1).1, inp.row(t + 2).1, inp.row(t + 3).1];
-                for (i, v) in four(group, q).into_iter().enumerate() {
-                    put(t + i, g, v);
-                }
-                t += 4;
-            }
-        }
         while t < n {
-            put(t, g, (k.one)(group, inp.row(t).1));
-            t += 1;
+            let m = (n - t).min(GEMM8_TOKENS);
+            match k.many {
+                Some(many) if m > 1 => {
+                    let q: [&[BlockQ8]; GEMM8_TOKENS] = std::array::from_fn(|i| inp.row((t + i).min(n - 1)).1);
+                    let mut out = [[0f32; G]; GEMM8_TOKENS];
+                    many(group, &q[..m], &mut out[..m]);
+                    for (i, v) in out[..m].iter().enumerate() {
+                        put(t + i, g, *v);
+                    }
+                    t += m;
+                }
+                _ => {
+                    put(t, g, (k.one)(group, inp.row(t).1));
+                    t += 1;
+                }
+            }
         }
     }
 }

@@ -52,8 +52,8 @@ fn q4_1x8_gemv(group: &[u8], q: &[BlockQ8]) -> [f32; 8] {
 /// calls them per token); `None` without NEON.
 pub fn neon_groups() -> Option<[GroupKernels; 3]> {
     std::arch::is_aarch64_feature_detected!("neon").then_some([
-        GroupKernels { one: q8_0x8_gemv, four: None },
-        GroupKernels { one: q4_0x8_gemv, four: None },
-        GroupKernels { one: q4_1x8_gemv, four: None },
+        GroupKernels { one: q8_0x8_gemv, many: None },
+        GroupKernels { one: q4_0x8_gemv, many: None },
+        GroupKernels { one: q4_1x8_gemv, many: None },
     ])
 }

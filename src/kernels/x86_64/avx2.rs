@@ -457,13 +457,27 @@ macro_rules! group_kernels {
         }
 
         /// # Safety
-        /// As the one-token kernel, with every `q[t]` long enough.
+        /// As the one-token kernel, with 1 to 4 tokens, every `q[t]` long
+        /// enough and `out` as long as `q`.
         #[target_feature(enable = "avx2,fma,f16c")]
-        pub unsafe fn $four(group: &[u8], q: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
+        pub unsafe fn $four(group: &[u8], q: &[&[BlockQ8]], out: &mut [[f32; 8]]) {
             let nb = group.len() / std::mem::size_of::<$block>();
             debug_assert!(q.iter().all(|r| r.len() >= nb));
-            let acc = $inner::<4>(group.as_ptr() as *const $block, nb, q.map(|r| r.as_ptr()));
-            acc.map(|a| store8(a))
+            assert_eq!(q.len(), out.len(), "one output per token");
+            let g = group.as_ptr() as *const $block;
+            let p = |t: usize| q[t].as_ptr();
+            let mut put = |acc: &[__m256]| {
+                for (o, a) in out.iter_mut().zip(acc) {
+                    *o = store8(*a);
+                }
+            };
+            match q.len() {
+                1 => put(&$inner::<1>(g, nb, [p(0)])),
+                2 => put(&$inner::<2>(g, nb, [p(0), p(1)])),
+                3 => put(&$inner::<3>(g, nb, [p(0), p(1), p(2)])),
+                4 => put(&$inner::<4>(g, nb, [p(0), p(1), p(2), p(3)])),
+                n => panic!("group kernels take 1 to 4 tokens, got {n}"),
+            }
         }
     };
 }

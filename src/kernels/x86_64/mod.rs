@@ -60,9 +60,9 @@ macro_rules! safe_group {
             // SAFETY: as `safe_wrapper`: installed only after `has_avx2()`.
             unsafe { $inner1(group, q) }
         }
-        fn $four(group: &[u8], q: [&[BlockQ8]; 4]) -> [[f32; 8]; 4] {
+        fn $four(group: &[u8], q: &[&[BlockQ8]], out: &mut [[f32; 8]]) {
             // SAFETY: as `safe_wrapper`: installed only after `has_avx2()`.
-            unsafe { $inner4(group, q) }
+            unsafe { $inner4(group, q, out) }
         }
     };
 }
@@ -74,9 +74,9 @@ safe_group!(q4_1x8_gemv, q4_1x8_gemm4, avx2::gemv8_q4_1, avx2::gemm8x4_q4_1);
 /// The AVX2 kernels for the interleaved types (q8_0x8, q4_0x8, q4_1x8).
 pub fn avx2_groups() -> Option<[GroupKernels; 3]> {
     has_avx2().then_some([
-        GroupKernels { one: q8_0x8_gemv, four: Some(q8_0x8_gemm4) },
-        GroupKernels { one: q4_0x8_gemv, four: Some(q4_0x8_gemm4) },
-        GroupKernels { one: q4_1x8_gemv, four: Some(q4_1x8_gemm4) },
+        GroupKernels { one: q8_0x8_gemv, many: Some(q8_0x8_gemm4) },
+        GroupKernels { one: q4_0x8_gemv, many: Some(q4_0x8_gemm4) },
+        GroupKernels { one: q4_1x8_gemv, many: Some(q4_1x8_gemm4) },
     ])
 }
 
