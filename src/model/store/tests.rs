@@ -292,6 +292,10 @@ fn the_plan_adds_up() {
     let want = 3.0 * 3.0 * (1.0 - hit) * g.slab_bytes as f64;
     assert!((p.expected_bytes_per_token - want).abs() < 1e-6, "{} vs {want}", p.expected_bytes_per_token);
     assert_eq!(p.estimate, "uniform routing");
+    assert!(p.warnings.is_empty(), "{:?}", p.warnings);
+    // 8 slots over 3 layers: fewer per layer than top-3, which the plan says.
+    let p = plan(&file, Some(slots(&path, 8)), None).unwrap();
+    assert!(p.warnings.iter().any(|w| w.contains("fewer than the 3 experts")), "{:?}", p.warnings);
 
     // All the heat on four experts per layer: they fit, so nothing is read.
     let mut h = Heat::zeros(4, 16);
