@@ -672,7 +672,14 @@ impl ExpertStore for StreamStore {
         let mut st = self.shared.lock();
         let before = st.queue.len();
         if before > 0 {
-            st.queue.retain(|&(l, _)| l as usize != layer);
+            // Predictions for this layer are stale now; warm-up reads of its
+            // pinned experts are not (dropping them would turn each into a
+            // demand read later).
+            let State { queue, index, slots, .. } = &mut *st;
+            queue.retain(|&(l, e)| {
+                let at = index[l as usize][e as usize];
+                l as usize != layer || (at != NONE && slots[at as usize].pinned)
+            });
             let dropped = (before - st.queue.len()) as u64;
             self.shared.counters.prefetch_dropped.fetch_add(dropped, Relaxed);
         }
