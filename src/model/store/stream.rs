@@ -348,6 +348,9 @@ impl Shared {
                 let s = at as usize;
                 let m = &mut st.slots[s];
                 let hit = m.state != SlotState::Unloaded;
+                if m.state == SlotState::Reading {
+                    self.counters.hits_in_flight.fetch_add(1, Relaxed);
+                }
                 m.refs += 1;
                 m.last = tick;
                 if std::mem::take(&mut m.prefetched) {

@@ -167,6 +167,7 @@ pub(crate) struct StoreCounters {
     pub(crate) prefetch_reads_wasted: AtomicU64,
     pub(crate) prefetch_dropped: AtomicU64,
     pub(crate) prefetch_errors: AtomicU64,
+    pub(crate) hits_in_flight: AtomicU64,
     pub(crate) layers: Vec<LayerCounters>,
 }
 
@@ -194,6 +195,7 @@ impl StoreCounters {
         s.hits = s.layers.iter().map(|l| l.hits).sum();
         s.misses = s.layers.iter().map(|l| l.misses).sum();
         s.lookups = s.hits + s.misses;
+        s.hits_in_flight = g(&self.hits_in_flight);
         s.hit_rate = ratio(s.hits, s.lookups);
         s.reads = g(&self.reads);
         s.bytes_read = g(&self.bytes_read);
@@ -242,6 +244,9 @@ pub struct StoreStats {
     pub lookups: u64,
     /// Lookups that found the expert in a slot, loaded or being loaded.
     pub hits: u64,
+    /// Of the hits, those whose read (a prefetch or a warm-up) was still in
+    /// flight: no bytes were read for them, but the compute waited.
+    pub hits_in_flight: u64,
     /// Lookups that had to read the expert.
     pub misses: u64,
     /// hits / lookups.

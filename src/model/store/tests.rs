@@ -340,6 +340,7 @@ fn telemetry_counts_what_happened() {
     assert_eq!(s.tokens, tokens);
     assert_eq!(s.lookups, s.hits + s.misses);
     assert!(s.lookups > 0 && s.hits > 0 && s.misses > 0);
+    assert!(s.hits_in_flight <= s.hits.min(s.prefetch_reads));
     assert!(s.hit_rate > 0.0 && s.hit_rate < 1.0);
     assert!(s.bytes_read >= s.misses.min(s.reads) * geometry(&path).slab_bytes);
     assert!((s.bytes_read_per_token - s.bytes_read as f64 / tokens as f64).abs() < 1e-9);
