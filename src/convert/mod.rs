@@ -11,7 +11,7 @@
 //!    and an existing output is only replaced when `force` is set.
 //!
 //! A `.colibri` file as the source is re-encoded into another weight type
-//! instead ([`recode`]).
+//! instead (`recode.rs`).
 
 mod recode;
 pub mod safetensors;

@@ -11,8 +11,14 @@
 //! serves every matrix that reads the same activation (q, k and v; the K
 //! experts' gate and up projections).
 //!
-//! Work is split by output rows only (never one dot product across threads),
-//! so results do not depend on the thread count.
+//! Interleaved types (`q8_0x8`, ..., see [`crate::quant::x8`]) are multiplied
+//! eight rows at a time by group kernels ([`GroupKernels`]), for one token or
+//! up to four sharing each weight load; row-major types go one row at a time
+//! (four tokens per weight load for the block types).
+//!
+//! Work is split by output rows only (never one dot product across threads;
+//! whole 8-row groups for interleaved types), so results do not depend on the
+//! thread count.
 
 #[cfg(target_arch = "aarch64")]
 mod aarch64;
