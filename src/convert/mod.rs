@@ -98,6 +98,89 @@ impl Drop for TempGuard {
     }
 }
 
+/// Writes `meta` into a hidden temporary beside `dst` and returns its guard
+/// (the temporary is removed unless [`commit`] renames it into place).
+/// `source(i)` gives the stored type and bytes of tensor `i`; a tensor whose
+/// type differs from the planned one is decoded to f32 and encoded again, in
+/// chunks of about 1M values so memory stays flat on huge tensors. `verb`
+/// labels the progress bar; `interrupted` is polled between tensors.
+fn write_staged<'a>(
+    dst: &Path,
+    meta: &FileMeta,
+    verb: &str,
+    progress: bool,
+    interrupted: &dyn Fn() -> bool,
+    source: &dyn Fn(usize) -> (DType, &'a [u8]),
+) -> Result<TempGuard> {
+    let file_name =
+        dst.file_name().ok_or_else(|| Error::InvalidInput(format!("output {} has no file name", dst.display())))?;
+    let tmp = dst.with_file_name(format!(".{}.partial-{}", file_name.to_string_lossy(), std::process::id()));
+    let _ = std::fs::remove_file(&tmp);
+    let guard = TempGuard(Some(tmp.clone()));
+    let mut w = Writer::create(&tmp, meta)?;
+
+    let total: u64 = meta.tensors.iter().map(|t| t.nbytes).sum();
+    let bar = if progress {
+        let b = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+        b.set_style(
+            ProgressStyle::with_template(&format!("{verb} {{bar:40}} {{bytes}}/{{total_bytes}} ({{eta}}) {{msg}}"))
+                .expect("static template")
+                .progress_chars("=> "),
+        );
+        b
+    } else {
+        ProgressBar::hidden()
+    };
+    let mut f32_buf: Vec<f32> = Vec::new();
+    // u16 storage keeps the encoder's output aligned for the 2-byte block fields.
+    let mut out_buf: Vec<u16> = Vec::new();
+    for (i, entry) in meta.tensors.iter().enumerate() {
+        if interrupted() {
+            bar.abandon_with_message("interrupted");
+            return Err(Error::Interrupted);
+        }
+        let (dtype, raw) = source(i);
+        w.begin(&entry.name)?;
+        if dtype == entry.dtype {
+            w.write(raw)?;
+        } else {
+            let cols = *entry.shape.last().unwrap_or(&1);
+            let in_row = dtype.row_bytes(cols).expect("validated");
+            let out_row = entry.dtype.row_bytes(cols).expect("chosen by storage_dtype");
+            let rows_total = raw.len() / in_row.max(1);
+            // Whole groups of eight rows when either side is interleaved
+            // (both group sizes are 1 or 8).
+            let group = dtype.group_rows().max(entry.dtype.group_rows());
+            let rows_per = ((1 << 20) / cols.max(1)).max(1).next_multiple_of(group);
+            let mut r = 0;
+            while r < rows_total {
+                let n = rows_per.min(rows_total - r);
+                f32_buf.resize(n * cols, 0.0);
+                quant::decode(dtype, &raw[r * in_row..(r + n) * in_row], cols, &mut f32_buf);
+                let nbytes = out_row * n;
+                out_buf.resize(nbytes.div_ceil(2), 0);
+                let out = &mut bytemuck::cast_slice_mut::<u16, u8>(&mut out_buf)[..nbytes];
+                quant::encode(entry.dtype, &f32_buf, cols, out);
+                w.write(out)?;
+                r += n;
+            }
+        }
+        w.end();
+        bar.inc(entry.nbytes);
+    }
+    w.finish()?;
+    bar.finish_and_clear();
+    Ok(guard)
+}
+
+/// Renames a staged output into place; returns its size in bytes.
+fn commit(mut staged: TempGuard, dst: &Path) -> Result<u64> {
+    let tmp = staged.0.clone().expect("a staged output has its temporary");
+    std::fs::rename(&tmp, dst).map_err(|e| Error::io(dst, e))?;
+    staged.0 = None;
+    Ok(std::fs::metadata(dst).map_err(|e| Error::io(dst, e))?.len())
+}
+
 /// Converts the Hugging Face checkpoint in `src` into the `.colibri` file `dst`.
 /// When `src` is a `.colibri` file, re-encodes it into `opts.dtype` instead.
 /// `interrupted` is polled between tensors; when it returns true the
@@ -106,14 +189,14 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
     if !src.exists() {
         return Err(Error::NotFound(src.to_path_buf()));
     }
-    if !src.is_dir() {
-        return recode::recode(src, dst, opts, interrupted);
-    }
     if dst.is_dir() {
         return Err(Error::InvalidInput(format!("output {} is a directory; give a file name", dst.display())));
     }
     if dst.exists() && !opts.force {
         return Err(Error::OutputExists(dst.to_path_buf()));
+    }
+    if !src.is_dir() {
+        return recode::recode(src, dst, opts, interrupted);
     }
     let cfg_path = src.join("config.json");
     if !cfg_path.exists() {
@@ -217,65 +300,12 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
     };
 
     // Write to a hidden temporary beside the output, then rename.
-    let file_name =
-        dst.file_name().ok_or_else(|| Error::InvalidInput(format!("output {} has no file name", dst.display())))?;
-    let tmp = dst.with_file_name(format!(".{}.partial-{}", file_name.to_string_lossy(), std::process::id()));
-    let _ = std::fs::remove_file(&tmp);
-    let mut guard = TempGuard(Some(tmp.clone()));
-    let mut w = Writer::create(&tmp, &meta)?;
-
-    let total: u64 = meta.tensors.iter().map(|t| t.nbytes).sum();
-    let bar = if opts.progress {
-        let b = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
-        b.set_style(
-            ProgressStyle::with_template("converting {bar:40} {bytes}/{total_bytes} ({eta}) {msg}")
-                .expect("static template")
-                .progress_chars("=> "),
-        );
-        b
-    } else {
-        ProgressBar::hidden()
+    let source = |i: usize| {
+        let st = &sources[i].2;
+        (st.dtype, ck.bytes(st))
     };
-    let mut f32_buf: Vec<f32> = Vec::new();
-    // u16 storage keeps the encoder's output aligned for the 2-byte block fields.
-    let mut out_buf: Vec<u16> = Vec::new();
-    for ((_, _, st), entry) in sources.iter().zip(&meta.tensors) {
-        if interrupted() {
-            bar.abandon_with_message("interrupted");
-            return Err(Error::Interrupted);
-        }
-        w.begin(&entry.name)?;
-        let raw = ck.bytes(st);
-        if st.dtype == entry.dtype {
-            w.write(raw)?;
-        } else {
-            // Row chunks of about 1M elements keep memory flat on huge
-            // tensors (whole groups of rows for the interleaved types).
-            let cols = *entry.shape.last().unwrap_or(&1);
-            let in_row = st.dtype.row_bytes(cols).expect("validated");
-            let rows_total = raw.len() / in_row.max(1);
-            let rows_per = ((1 << 20) / cols.max(1)).max(1).next_multiple_of(entry.dtype.group_rows());
-            let mut r = 0;
-            while r < rows_total {
-                let n = rows_per.min(rows_total - r);
-                f32_buf.resize(n * cols, 0.0);
-                quant::decode(st.dtype, &raw[r * in_row..(r + n) * in_row], cols, &mut f32_buf);
-                let nbytes = entry.dtype.row_bytes(cols).expect("validated") * n;
-                out_buf.resize(nbytes.div_ceil(2), 0);
-                let out = &mut bytemuck::cast_slice_mut::<u16, u8>(&mut out_buf)[..nbytes];
-                quant::encode(entry.dtype, &f32_buf, cols, out);
-                w.write(out)?;
-                r += n;
-            }
-        }
-        w.end();
-        bar.inc(entry.nbytes);
-    }
-    w.finish()?;
-    bar.finish_and_clear();
-    std::fs::rename(&tmp, dst).map_err(|e| Error::io(dst, e))?;
-    guard.0 = None;
-    let bytes = std::fs::metadata(dst).map_err(|e| Error::io(dst, e))?.len();
+    let staged = write_staged(dst, &meta, "converting", opts.progress, interrupted, &source)?;
+    let bytes = commit(staged, dst)?;
     Ok(ConvertReport {
         path: dst.to_path_buf(),
         architecture: arch.hf_class.into(),

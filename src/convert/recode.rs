@@ -22,15 +22,12 @@
 use std::io::Read;
 use std::path::Path;
 
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-
-use super::{ConvertOptions, ConvertReport, TempGuard, storage_dtype};
+use super::{ConvertOptions, ConvertReport, commit, storage_dtype, write_staged};
 use crate::error::{Error, Result};
 use crate::format::FileMeta;
 use crate::format::reader::ColibriFile;
-use crate::format::writer::{ToPlace, Writer, layout};
+use crate::format::writer::{ToPlace, layout};
 use crate::model::tensors::{TensorId, tensor_plan};
-use crate::quant;
 
 /// Re-encodes the `.colibri` file `src` into `dst` with the weight type
 /// `opts.dtype` (`None` keeps the source's). `interrupted` is polled between
@@ -41,12 +38,6 @@ pub(super) fn recode(
     opts: &ConvertOptions,
     interrupted: &dyn Fn() -> bool,
 ) -> Result<ConvertReport> {
-    if dst.is_dir() {
-        return Err(Error::InvalidInput(format!("output {} is a directory; give a file name", dst.display())));
-    }
-    if dst.exists() && !opts.force {
-        return Err(Error::OutputExists(dst.to_path_buf()));
-    }
     // A file that is not a .colibri at all was most likely meant as a
     // checkpoint; say what convert accepts rather than "bad magic".
     let mut head = Vec::with_capacity(8);
@@ -93,73 +84,17 @@ pub(super) fn recode(
         experts,
     };
 
-    let file_name =
-        dst.file_name().ok_or_else(|| Error::InvalidInput(format!("output {} has no file name", dst.display())))?;
-    let tmp = dst.with_file_name(format!(".{}.partial-{}", file_name.to_string_lossy(), std::process::id()));
-    let _ = std::fs::remove_file(&tmp);
-    let mut guard = TempGuard(Some(tmp.clone()));
-    let mut w = Writer::create(&tmp, &meta)?;
-
-    let total: u64 = meta.tensors.iter().map(|t| t.nbytes).sum();
-    let bar = if opts.progress {
-        let b = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
-        b.set_style(
-            ProgressStyle::with_template("re-encoding {bar:40} {bytes}/{total_bytes} ({eta}) {msg}")
-                .expect("static template")
-                .progress_chars("=> "),
-        );
-        b
-    } else {
-        ProgressBar::hidden()
+    let source = |i: usize| {
+        let view = file.tensor_at(sources[i]);
+        (view.dtype, view.bytes)
     };
-    let mut f32_buf: Vec<f32> = Vec::new();
-    // u16 storage keeps the encoder's output aligned for the 2-byte block fields.
-    let mut out_buf: Vec<u16> = Vec::new();
-    for (&i, entry) in sources.iter().zip(&meta.tensors) {
-        if interrupted() {
-            bar.abandon_with_message("interrupted");
-            return Err(Error::Interrupted);
-        }
-        let view = file.tensor_at(i);
-        w.begin(&entry.name)?;
-        if view.dtype == entry.dtype {
-            w.write(view.bytes)?;
-        } else {
-            let cols = *entry.shape.last().unwrap_or(&1);
-            let in_row = view.dtype.row_bytes(cols).expect("validated by the reader");
-            let out_row = entry.dtype.row_bytes(cols).expect("chosen by storage_dtype");
-            let rows_total = view.bytes.len() / in_row.max(1);
-            // About 1M values per chunk, in whole groups of eight rows when
-            // either side is interleaved (both group sizes are 1 or 8).
-            let group = view.dtype.group_rows().max(entry.dtype.group_rows());
-            let rows_per = ((1 << 20) / cols.max(1)).max(1).next_multiple_of(group);
-            let mut r = 0;
-            while r < rows_total {
-                let n = rows_per.min(rows_total - r);
-                f32_buf.resize(n * cols, 0.0);
-                quant::decode(view.dtype, &view.bytes[r * in_row..(r + n) * in_row], cols, &mut f32_buf);
-                let nbytes = out_row * n;
-                out_buf.resize(nbytes.div_ceil(2), 0);
-                let out = &mut bytemuck::cast_slice_mut::<u16, u8>(&mut out_buf)[..nbytes];
-                quant::encode(entry.dtype, &f32_buf, cols, out);
-                w.write(out)?;
-                r += n;
-            }
-        }
-        w.end();
-        bar.inc(entry.nbytes);
-    }
-    w.finish()?;
-    bar.finish_and_clear();
-    // The source stays mapped until here; renaming over it (src == dst with
-    // `force`) leaves the mapping intact on Unix.
-    let architecture = meta.architecture.clone();
-    let tensors = meta.tensors.len();
+    let staged = write_staged(dst, &meta, "re-encoding", opts.progress, interrupted, &source)?;
+    // The source stays mapped until here; unmap it before renaming over it
+    // (src == dst with `force`), which some systems refuse for a mapped file.
     drop(file);
-    std::fs::rename(&tmp, dst).map_err(|e| Error::io(dst, e))?;
-    guard.0 = None;
-    let bytes = std::fs::metadata(dst).map_err(|e| Error::io(dst, e))?.len();
-    Ok(ConvertReport { path: dst.to_path_buf(), architecture, dtype: weight_dtype, tensors, bytes })
+    let bytes = commit(staged, dst)?;
+    let tensors = meta.tensors.len();
+    Ok(ConvertReport { path: dst.to_path_buf(), architecture: meta.architecture, dtype: weight_dtype, tensors, bytes })
 }
 
 #[cfg(test)]
@@ -249,24 +184,25 @@ mod tests {
         write_random_model(&src, &cfg, DType::F32, 1);
         let dst = dir.path().join("out.colibri");
         std::fs::write(&dst, b"keep").unwrap();
-        let e = recode(&src, &dst, &opts(Some(DType::Q4_0)), &never).unwrap_err();
+        let e = crate::convert::convert(&src, &dst, &opts(Some(DType::Q4_0)), &never).unwrap_err();
         assert!(matches!(e, Error::OutputExists(_)), "{e}");
         assert_eq!(std::fs::read(&dst).unwrap(), b"keep");
         // With force the file is replaced.
         let forced = ConvertOptions { force: true, ..opts(Some(DType::Q4_0)) };
-        recode(&src, &dst, &forced, &never).unwrap();
+        crate::convert::convert(&src, &dst, &forced, &never).unwrap();
         assert_eq!(ColibriFile::open(&dst).unwrap().meta().weight_dtype, DType::Q4_0);
 
         // In place, with force: the source is read to the end before the rename.
         let inplace = dir.path().join("inplace.colibri");
         std::fs::copy(&src, &inplace).unwrap();
-        let e = recode(&inplace, &inplace, &opts(Some(DType::Q8_0)), &never).unwrap_err();
+        let e = crate::convert::convert(&inplace, &inplace, &opts(Some(DType::Q8_0)), &never).unwrap_err();
         assert!(matches!(e, Error::OutputExists(_)), "{e}");
-        recode(&inplace, &inplace, &ConvertOptions { force: true, ..opts(Some(DType::Q8_0)) }, &never).unwrap();
+        crate::convert::convert(&inplace, &inplace, &ConvertOptions { force: true, ..opts(Some(DType::Q8_0)) }, &never)
+            .unwrap();
         assert_eq!(ColibriFile::open(&inplace).unwrap().meta().weight_dtype, DType::Q8_0);
         std::fs::remove_file(&inplace).unwrap();
 
-        let e = recode(&src, dir.path(), &opts(None), &never).unwrap_err();
+        let e = crate::convert::convert(&src, dir.path(), &opts(None), &never).unwrap_err();
         assert!(matches!(e, Error::InvalidInput(_)), "{e}");
 
         // A corrupt source is a format error naming the file.
@@ -274,17 +210,18 @@ mod tests {
         let mut bytes = std::fs::read(&src).unwrap();
         bytes.truncate(bytes.len() / 2);
         std::fs::write(&bad, &bytes).unwrap();
-        let e = recode(&bad, &dir.path().join("x.colibri"), &opts(None), &never).unwrap_err();
+        let e = crate::convert::convert(&bad, &dir.path().join("x.colibri"), &opts(None), &never).unwrap_err();
         assert!(matches!(e, Error::Format { .. }), "{e}");
         assert!(e.to_string().contains("bad.colibri"), "{e}");
         let json = dir.path().join("config.json");
         std::fs::write(&json, b"{}").unwrap();
-        let e = recode(&json, &dir.path().join("x.colibri"), &opts(None), &never).unwrap_err();
+        let e = crate::convert::convert(&json, &dir.path().join("x.colibri"), &opts(None), &never).unwrap_err();
         assert!(matches!(e, Error::Format { .. }) && e.to_string().contains("folder"), "{e}");
 
         // Interrupted: an error, and no output or temporary left.
         let stop = || true;
-        let e = recode(&src, &dir.path().join("y.colibri"), &opts(Some(DType::Q8_0)), &stop).unwrap_err();
+        let e =
+            crate::convert::convert(&src, &dir.path().join("y.colibri"), &opts(Some(DType::Q8_0)), &stop).unwrap_err();
         assert!(matches!(e, Error::Interrupted), "{e}");
         let mut names: Vec<String> =
             std::fs::read_dir(dir.path()).unwrap().map(|d| d.unwrap().file_name().to_string_lossy().into()).collect();
@@ -298,9 +235,9 @@ mod tests {
         let src = dir.path().join("src.colibri");
         write_random_model(&src, &tiny_config_blocks(), DType::F32, 5);
         let dst = dir.path().join("q41.colibri");
-        let r = super::super::convert(&src, &dst, &opts(Some(DType::Q4_1)), &never).unwrap();
+        let r = crate::convert::convert(&src, &dst, &opts(Some(DType::Q4_1)), &never).unwrap();
         assert_eq!(r.dtype, DType::Q4_1);
-        let e = super::super::convert(&dir.path().join("nope.colibri"), &dst, &opts(None), &never).unwrap_err();
+        let e = crate::convert::convert(&dir.path().join("nope.colibri"), &dst, &opts(None), &never).unwrap_err();
         assert!(matches!(e, Error::NotFound(_)), "{e}");
     }
 }
