@@ -96,6 +96,18 @@ fn get_code(qs: &[u8], (at, high): (usize, bool)) -> u8 {
     if high { qs[at] >> 4 } else { qs[at] & 0xF }
 }
 
+/// Puts a row-major 4-bit block's codes into row `l` of a group's codes.
+fn pack_codes(group: &mut [u8; 16 * ROWS], l: usize, row: &[u8; 16]) {
+    for i in 0..32 {
+        put_code(group, q4_pos(l, i), row_code(row, i));
+    }
+}
+
+/// Row `l`'s codes of a group, as a row-major 4-bit block's.
+fn unpack_codes(group: &[u8; 16 * ROWS], l: usize) -> [u8; 16] {
+    std::array::from_fn(|j| get_code(group, q4_pos(l, j)) | get_code(group, q4_pos(l, j + 16)) << 4)
+}
+
 /// The interleaved twin of a row block type.
 pub trait Interleave: bytemuck::Pod {
     /// The row-major block.
@@ -129,18 +141,12 @@ impl Interleave for BlockQ4_0x8 {
         let mut g: Self = bytemuck::Zeroable::zeroed();
         for (l, r) in rows.iter().enumerate() {
             g.d[l] = r.d;
-            for i in 0..32 {
-                put_code(&mut g.qs, q4_pos(l, i), row_code(&r.qs, i));
-            }
+            pack_codes(&mut g.qs, l, &r.qs);
         }
         g
     }
     fn unpack(&self, l: usize) -> BlockQ4_0 {
-        let mut qs = [0u8; 16];
-        for (j, b) in qs.iter_mut().enumerate() {
-            *b = get_code(&self.qs, q4_pos(l, j)) | get_code(&self.qs, q4_pos(l, j + 16)) << 4;
-        }
-        BlockQ4_0 { d: self.d[l], qs }
+        BlockQ4_0 { d: self.d[l], qs: unpack_codes(&self.qs, l) }
     }
 }
 
@@ -151,18 +157,12 @@ impl Interleave for BlockQ4_1x8 {
         for (l, r) in rows.iter().enumerate() {
             g.d[l] = r.d;
             g.m[l] = r.m;
-            for i in 0..32 {
-                put_code(&mut g.qs, q4_pos(l, i), row_code(&r.qs, i));
-            }
+            pack_codes(&mut g.qs, l, &r.qs);
         }
         g
     }
     fn unpack(&self, l: usize) -> BlockQ4_1 {
-        let mut qs = [0u8; 16];
-        for (j, b) in qs.iter_mut().enumerate() {
-            *b = get_code(&self.qs, q4_pos(l, j)) | get_code(&self.qs, q4_pos(l, j + 16)) << 4;
-        }
-        BlockQ4_1 { d: self.d[l], m: self.m[l], qs }
+        BlockQ4_1 { d: self.d[l], m: self.m[l], qs: unpack_codes(&self.qs, l) }
     }
 }
 
