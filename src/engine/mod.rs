@@ -39,7 +39,8 @@ pub struct EngineOptions {
 pub struct Engine {
     model: Arc<Model>,
     pool: Arc<rayon::ThreadPool>,
-    kv_cache: session::KvCacheType,
+    /// The KV cache element type, resolved once at open.
+    kv_dtype: DType,
 }
 
 impl std::fmt::Debug for Engine {
@@ -58,7 +59,8 @@ impl Engine {
     pub fn open(path: &Path, opts: &EngineOptions) -> Result<Engine> {
         let pool = crate::threads::pool(opts.threads)?;
         let model = Arc::new(Model::open_with(path, &opts.store)?);
-        Ok(Engine { model, pool: Arc::new(pool), kv_cache: opts.kv_cache })
+        let kv_dtype = opts.kv_cache.resolve(&model);
+        Ok(Engine { model, pool: Arc::new(pool), kv_dtype })
     }
 
     /// The loaded model.
@@ -73,12 +75,12 @@ impl Engine {
 
     /// A fresh session able to hold `max_seq` tokens.
     pub fn session(&self, max_seq: usize) -> Session {
-        Session::with_kv(&self.model, max_seq, DEFAULT_CHUNK, self.kv_cache)
+        Session::with_kv(&self.model, max_seq, DEFAULT_CHUNK, self.kv_dtype)
     }
 
     /// The KV cache element type sessions of this engine use (f32 or f16).
     pub fn kv_dtype(&self) -> DType {
-        self.kv_cache.resolve(&self.model)
+        self.kv_dtype
     }
 
     fn check_len(&self, n: usize) -> Result<()> {

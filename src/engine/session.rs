@@ -98,11 +98,11 @@ impl Session {
     /// model's context), processing at most `chunk` tokens per pass, with the
     /// model's default KV cache type ([`KvCacheType::Auto`]).
     pub fn new(model: &Model, max_seq: usize, chunk: usize) -> Session {
-        Session::with_kv(model, max_seq, chunk, KvCacheType::Auto)
+        Session::with_kv(model, max_seq, chunk, KvCacheType::Auto.resolve(model))
     }
 
-    /// As [`Session::new`], with the KV cache type given.
-    pub fn with_kv(model: &Model, max_seq: usize, chunk: usize, kv_type: KvCacheType) -> Session {
+    /// As [`Session::new`], with the KV cache's element type (f32 or f16) given.
+    pub fn with_kv(model: &Model, max_seq: usize, chunk: usize, kv_dtype: DType) -> Session {
         let c = &model.config;
         let max_seq = max_seq.clamp(1, c.max_seq_len);
         let chunk = chunk.clamp(1, max_seq);
@@ -127,7 +127,7 @@ impl Session {
             max_seq,
             chunk,
             pos: 0,
-            kv: KvCache::new(kv_type.resolve(model), l, max_seq, kv),
+            kv: KvCache::new(kv_dtype, l, max_seq, kv),
             x: vec![0.0; chunk * d],
             xn: vec![0.0; chunk * d],
             q: vec![0.0; chunk * c.q_dim()],
@@ -171,6 +171,7 @@ pub struct KvCache {
 
 impl KvCache {
     fn new(dtype: DType, layers: usize, max_seq: usize, kv_dim: usize) -> KvCache {
+        assert!(matches!(dtype, DType::F32 | DType::F16), "the KV cache holds f32 or f16, not {dtype}");
         let row_bytes = kv_dim * dtype.row_bytes(1).expect("an element type");
         // Zeroed allocations: pages are only committed as positions fill.
         let words = (layers * max_seq * row_bytes).div_ceil(4);
