@@ -245,3 +245,23 @@ fn interleaved_rows_decode_like_row_major() {
         assert!(Matrix::new(dtype, rows - 1, cols, &a[..nbytes - dtype.row_bytes(cols).unwrap()]).is_none());
     }
 }
+
+#[test]
+fn axpy_kernels_match_the_scalar_reference() {
+    let mut s = 53u64;
+    for dtype in [DType::F32, DType::F16] {
+        for n in [1, 7, 8, 9, 31, 128, 129] {
+            let v: Vec<f32> = (0..n).map(|_| lcg(&mut s)).collect();
+            let buf = encoded(dtype, &v, n);
+            let bytes = &bytemuck::cast_slice::<u64, u8>(&buf)[..dtype.row_bytes(n).unwrap()];
+            let o0: Vec<f32> = (0..n).map(|_| lcg(&mut s)).collect();
+            let (mut got, mut want) = (o0.clone(), o0.clone());
+            axpy_fn(dtype).unwrap()(&mut got, 0.37, bytes);
+            scalar_axpy_fn(dtype).unwrap()(&mut want, 0.37, bytes);
+            for (g, w) in got.iter().zip(&want) {
+                // One rounding (FMA) against two: within an ulp or two.
+                assert!((g - w).abs() <= 1e-6 * (1.0 + w.abs()), "{dtype} n={n}: {g} vs {w}");
+            }
+        }
+    }
+}
