@@ -20,14 +20,27 @@ pub fn tiny_config() -> ModelConfig {
         num_kv_heads: 2,
         head_dim: 6,
         max_seq_len: 64,
-        norm: NormSpec { eps: 1e-5 },
-        rope: RopeSpec { theta: 10000.0, rotary_dim: 6, scaling: RopeScaling::None },
-        attention: AttentionSpec { qkv_bias: true, o_bias: false, qk_norm: QkNorm::PerHead, clip_qkv: None },
+        norm: NormSpec::rms(1e-5),
+        rope: RopeSpec { theta: 10000.0, rotary_dim: 6, scaling: RopeScaling::None, interleaved: false },
+        attention: AttentionSpec {
+            qkv_bias: true,
+            o_bias: false,
+            qk_norm: QkNorm::PerHead,
+            clip_qkv: None,
+            ..Default::default()
+        },
         moe: Some(MoeSpec {
             num_experts: 5,
             expert_ffn_dim: 10,
-            router: RouterSpec { top_k: 2, score: RouterScore::Softmax, renormalize: true, scale: 1.0 },
+            router: RouterSpec {
+                top_k: 2,
+                score: RouterScore::Softmax,
+                renormalize: true,
+                scale: 1.0,
+                ..Default::default()
+            },
             activation: Activation::Silu,
+            expert_bias: false,
             shared_expert: Some(SharedExpertSpec { ffn_dim: 7, sigmoid_gate: true }),
         }),
         layers: vec![
@@ -36,6 +49,8 @@ pub fn tiny_config() -> ModelConfig {
             LayerSpec { sliding_window: None, ffn: FfnSpec::Moe },
         ],
         tie_embeddings: false,
+        lm_head_bias: false,
+        scales: Scales::default(),
     }
 }
 
@@ -60,6 +75,57 @@ pub fn tiny_config_blocks() -> ModelConfig {
 /// The config to test `dtype` with: block types need widths in whole blocks.
 pub fn config_for(dtype: DType) -> ModelConfig {
     if dtype.is_quantized() { tiny_config_blocks() } else { tiny_config() }
+}
+
+/// Every switch the frontier families added, at once, in widths whole
+/// blocks fit: MLA with a low-rank query and interleaved RoPE, attention
+/// sinks, LayerNorm, residual/embedding/logit scales, an lm_head bias,
+/// sigmoid routing with a correction bias and group limits, expert biases
+/// and the clamped SwiGLU, a shared expert, a leading dense layer and a
+/// sliding window. Not any real model: it exists to test invariants
+/// (prefill = decode, thread count, placement) over the new code paths.
+pub fn frontier_config() -> ModelConfig {
+    let mla = MlaSpec { q_lora_rank: Some(32), kv_lora_rank: 32, qk_nope_dim: 32, qk_rope_dim: 16, v_head_dim: 16 };
+    ModelConfig {
+        vocab_size: 61,
+        hidden_size: 64,
+        num_heads: 4,
+        num_kv_heads: 4,
+        head_dim: 48,
+        max_seq_len: 64,
+        norm: NormSpec { eps: 1e-5, kind: NormKind::Layer },
+        rope: RopeSpec { theta: 10000.0, rotary_dim: 16, scaling: RopeScaling::None, interleaved: true },
+        attention: AttentionSpec {
+            kind: AttentionKind::Mla(mla),
+            sinks: true,
+            softmax_scale: Some(0.2),
+            ..Default::default()
+        },
+        moe: Some(MoeSpec {
+            num_experts: 8,
+            expert_ffn_dim: 32,
+            router: RouterSpec {
+                top_k: 3,
+                score: RouterScore::Sigmoid,
+                renormalize: true,
+                scale: 2.5,
+                bias: true,
+                correction_bias: true,
+                groups: Some(GroupLimit { groups: 4, top_groups: 2, score: GroupScore::TopTwoSum }),
+            },
+            activation: Activation::ClampedSwiglu { alpha: 1.702, limit: 1.5 },
+            expert_bias: true,
+            shared_expert: Some(SharedExpertSpec { ffn_dim: 32, sigmoid_gate: false }),
+        }),
+        layers: vec![
+            LayerSpec { sliding_window: None, ffn: FfnSpec::Dense { ffn_dim: 64 } },
+            LayerSpec { sliding_window: Some(5), ffn: FfnSpec::Moe },
+            LayerSpec { sliding_window: None, ffn: FfnSpec::Moe },
+        ],
+        tie_embeddings: false,
+        lm_head_bias: true,
+        scales: Scales { embedding: 2.0, residual: 0.7, logits_divisor: 3.0 },
+    }
 }
 
 /// More experts than the tiny configs (3 MoE layers of 16, top-3, a dense
@@ -150,18 +216,33 @@ pub fn olmoe_width(layers: usize) -> ModelConfig {
         num_kv_heads: 16,
         head_dim: 128,
         max_seq_len: 4096,
-        norm: NormSpec { eps: 1e-5 },
-        rope: RopeSpec { theta: 10000.0, rotary_dim: 128, scaling: RopeScaling::None },
-        attention: AttentionSpec { qkv_bias: false, o_bias: false, qk_norm: QkNorm::Full, clip_qkv: None },
+        norm: NormSpec::rms(1e-5),
+        rope: RopeSpec { theta: 10000.0, rotary_dim: 128, scaling: RopeScaling::None, interleaved: false },
+        attention: AttentionSpec {
+            qkv_bias: false,
+            o_bias: false,
+            qk_norm: QkNorm::Full,
+            clip_qkv: None,
+            ..Default::default()
+        },
         moe: Some(MoeSpec {
             num_experts: 64,
             expert_ffn_dim: 1024,
-            router: RouterSpec { top_k: 8, score: RouterScore::Softmax, renormalize: false, scale: 1.0 },
+            router: RouterSpec {
+                top_k: 8,
+                score: RouterScore::Softmax,
+                renormalize: false,
+                scale: 1.0,
+                ..Default::default()
+            },
             activation: Activation::Silu,
+            expert_bias: false,
             shared_expert: None,
         }),
         layers: vec![LayerSpec { sliding_window: None, ffn: FfnSpec::Moe }; layers],
         tie_embeddings: false,
+        lm_head_bias: false,
+        scales: Scales::default(),
     }
 }
 
@@ -175,17 +256,32 @@ pub fn qwen3_30b_width(layers: usize) -> ModelConfig {
         num_kv_heads: 4,
         head_dim: 128,
         max_seq_len: 4096,
-        norm: NormSpec { eps: 1e-6 },
-        rope: RopeSpec { theta: 1e6, rotary_dim: 128, scaling: RopeScaling::None },
-        attention: AttentionSpec { qkv_bias: false, o_bias: false, qk_norm: QkNorm::PerHead, clip_qkv: None },
+        norm: NormSpec::rms(1e-6),
+        rope: RopeSpec { theta: 1e6, rotary_dim: 128, scaling: RopeScaling::None, interleaved: false },
+        attention: AttentionSpec {
+            qkv_bias: false,
+            o_bias: false,
+            qk_norm: QkNorm::PerHead,
+            clip_qkv: None,
+            ..Default::default()
+        },
         moe: Some(MoeSpec {
             num_experts: 128,
             expert_ffn_dim: 768,
-            router: RouterSpec { top_k: 8, score: RouterScore::Softmax, renormalize: true, scale: 1.0 },
+            router: RouterSpec {
+                top_k: 8,
+                score: RouterScore::Softmax,
+                renormalize: true,
+                scale: 1.0,
+                ..Default::default()
+            },
             activation: Activation::Silu,
+            expert_bias: false,
             shared_expert: None,
         }),
         layers: vec![LayerSpec { sliding_window: None, ffn: FfnSpec::Moe }; layers],
         tie_embeddings: false,
+        lm_head_bias: false,
+        scales: Scales::default(),
     }
 }

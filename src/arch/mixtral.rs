@@ -9,12 +9,12 @@
 //! - every layer is MoE; no biases, no q/k norm;
 //! - `sliding_window` (null in the released checkpoints) masks every layer.
 
-use super::{Arch, HfConfig, llama_name};
+use super::{Arch, HfConfig, Source, llama_name};
 use crate::error::Result;
 use crate::model::config::*;
 use crate::model::tensors::{ExpertTensor, LayerTensor, TensorId};
 
-pub static ARCH: Arch = Arch { hf_class: "MixtralForCausalLM", model_type: "mixtral", config, hf_name };
+pub static ARCH: Arch = Arch { hf_class: "MixtralForCausalLM", model_type: "mixtral", config, source };
 
 fn config(c: &HfConfig) -> Result<ModelConfig> {
     c.require_silu("hidden_act")?;
@@ -30,9 +30,15 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
         num_kv_heads: c.opt_usize("num_key_value_heads")?.unwrap_or(h),
         head_dim,
         max_seq_len: c.opt_usize("max_position_embeddings")?.unwrap_or(32768),
-        norm: NormSpec { eps: c.opt_f64("rms_norm_eps")?.unwrap_or(1e-5) as f32 },
+        norm: NormSpec::rms(c.opt_f64("rms_norm_eps")?.unwrap_or(1e-5)),
         rope: c.rope(head_dim, 1e6)?,
-        attention: AttentionSpec { qkv_bias: false, o_bias: false, qk_norm: QkNorm::None, clip_qkv: None },
+        attention: AttentionSpec {
+            qkv_bias: false,
+            o_bias: false,
+            qk_norm: QkNorm::None,
+            clip_qkv: None,
+            ..Default::default()
+        },
         moe: Some(MoeSpec {
             num_experts: c.usize(&["num_local_experts", "num_experts"])?,
             expert_ffn_dim: c.usize(&["intermediate_size"])?,
@@ -41,25 +47,36 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
                 score: RouterScore::Softmax,
                 renormalize: true,
                 scale: 1.0,
+                ..Default::default()
             },
             activation: Activation::Silu,
+            expert_bias: false,
             shared_expert: None,
         }),
         layers: (0..n).map(|_| LayerSpec { sliding_window: window, ffn: FfnSpec::Moe }).collect(),
         tie_embeddings: c.bool_or("tie_word_embeddings", false)?,
+        lm_head_bias: false,
+        scales: Scales::default(),
     })
 }
 
-fn hf_name(_: &ModelConfig, id: TensorId) -> String {
+fn source(_: &HfConfig, _: &ModelConfig, id: TensorId) -> Source {
+    Source::tensor(hf_name(id))
+}
+
+fn hf_name(id: TensorId) -> String {
     match id {
         TensorId::Layer(l, LayerTensor::Router) => format!("model.layers.{l}.block_sparse_moe.gate.weight"),
         TensorId::Expert(l, e, t) => {
-            let w = match t {
-                ExpertTensor::Gate => "w1",
-                ExpertTensor::Up => "w3",
-                ExpertTensor::Down => "w2",
+            let (w, kind) = match t {
+                ExpertTensor::Gate => ("w1", "weight"),
+                ExpertTensor::Up => ("w3", "weight"),
+                ExpertTensor::Down => ("w2", "weight"),
+                ExpertTensor::GateBias => ("w1", "bias"),
+                ExpertTensor::UpBias => ("w3", "bias"),
+                ExpertTensor::DownBias => ("w2", "bias"),
             };
-            format!("model.layers.{l}.block_sparse_moe.experts.{e}.{w}.weight")
+            format!("model.layers.{l}.block_sparse_moe.experts.{e}.{w}.{kind}")
         }
         other => llama_name(other).unwrap_or_else(|| format!("<{other} has no Mixtral name>")),
     }

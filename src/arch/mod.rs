@@ -2,8 +2,10 @@
 //!
 //! Each supported `*ForCausalLM` class is one file here exporting an [`Arch`]:
 //! a function from `config.json` to the canonical [`ModelConfig`], and a
-//! function from a canonical [`TensorId`] to the tensor's name in the Hub
-//! checkpoint. [`REGISTRY`] is the single table keyed by class name; nothing
+//! function from a canonical [`TensorId`] to the [`Source`] that holds it in
+//! the Hub checkpoint (a tensor as it is, or a slice, transpose or row pick
+//! of one; FP8 and MXFP4 sources are dequantised by the reader whatever the
+//! mapping). [`REGISTRY`] is the single table keyed by class name; nothing
 //! else in the crate matches on the architecture.
 
 mod mixtral;
@@ -27,8 +29,66 @@ pub struct Arch {
     pub model_type: &'static str,
     /// Maps config.json to the canonical config.
     pub config: fn(&HfConfig) -> Result<ModelConfig>,
-    /// Name of a canonical tensor in the Hub checkpoint.
-    pub hf_name: fn(&ModelConfig, TensorId) -> String,
+    /// Where a canonical tensor comes from in the Hub checkpoint.
+    pub source: fn(&HfConfig, &ModelConfig, TensorId) -> Source,
+}
+
+/// How one canonical tensor is cut out of one Hub tensor. The steps apply in
+/// this order: take `index` of the first axis, transpose the 2-D rest, keep
+/// the rows `rows` picks, transpose each picked block. Most tensors use none
+/// of them ([`Source::tensor`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Source {
+    /// The Hub tensor's name.
+    pub name: String,
+    /// Slice `i` of a stacked `[E, ...]` tensor (one expert of all).
+    pub index: Option<usize>,
+    /// The tensor is `[in, out]`; transpose it to `[out, in]`.
+    pub transpose: bool,
+    /// Keep only some rows.
+    pub rows: Option<RowPick>,
+    /// Transpose each `[len, cols]` block that `rows` picked into `[cols, len]`.
+    pub transpose_blocks: bool,
+}
+
+/// Rows `r` with `r % period` in `offset..offset + len`, in order: every other
+/// row of an interleaved gate/up pair (period 2, len 1), one half of a
+/// concatenated pair (period = all rows), or one part of each head's block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowPick {
+    /// Length of the repeating pattern, in rows.
+    pub period: usize,
+    /// First kept row of each period.
+    pub offset: usize,
+    /// Kept rows per period.
+    pub len: usize,
+}
+
+impl Source {
+    /// The Hub tensor as it is.
+    pub fn tensor(name: impl Into<String>) -> Source {
+        Source { name: name.into(), index: None, transpose: false, rows: None, transpose_blocks: false }
+    }
+
+    /// Slice `i` of a stacked tensor.
+    pub fn expert(name: impl Into<String>, i: usize) -> Source {
+        Source { index: Some(i), ..Source::tensor(name) }
+    }
+
+    /// Also transposed.
+    pub fn transposed(self) -> Source {
+        Source { transpose: true, ..self }
+    }
+
+    /// Keeping only the rows `pick` selects.
+    pub fn rows(self, period: usize, offset: usize, len: usize) -> Source {
+        Source { rows: Some(RowPick { period, offset, len }), ..self }
+    }
+
+    /// True when the tensor is used exactly as stored.
+    pub fn is_whole(&self) -> bool {
+        self.index.is_none() && !self.transpose && self.rows.is_none() && !self.transpose_blocks
+    }
 }
 
 /// Every supported architecture.
@@ -154,6 +214,16 @@ impl HfConfig {
         }
     }
 
+    /// A required string field.
+    pub fn str(&self, key: &str) -> Option<&str> {
+        self.get(key).and_then(Value::as_str)
+    }
+
+    /// The `quant_method` of `quantization_config`, if the checkpoint declares one.
+    pub fn quant_method(&self) -> Option<&str> {
+        self.get("quantization_config").and_then(|q| q.get("quant_method")).and_then(Value::as_str)
+    }
+
     /// Refuses an activation other than SiLU (the only one these families use).
     pub fn require_silu(&self, key: &str) -> Result<()> {
         match self.get(key).and_then(Value::as_str) {
@@ -248,7 +318,7 @@ impl HfConfig {
                 )));
             }
         };
-        Ok(RopeSpec { theta, rotary_dim, scaling })
+        Ok(RopeSpec { theta, rotary_dim, scaling, interleaved: false })
     }
 }
 
@@ -256,16 +326,22 @@ impl HfConfig {
 /// embedding, norms, attention and lm_head. `None` for MoE/FFN tensors, which
 /// each adapter names itself.
 pub(crate) fn llama_name(id: TensorId) -> Option<String> {
+    let bias = |n: String| n.strip_suffix(".weight").map(|b| format!("{b}.bias"));
     use LayerTensor as L;
     Some(match id {
         TensorId::Embed => "model.embed_tokens.weight".into(),
         TensorId::FinalNorm => "model.norm.weight".into(),
+        TensorId::FinalNormBias => "model.norm.bias".into(),
         TensorId::LmHead => "lm_head.weight".into(),
+        TensorId::LmHeadBias => "lm_head.bias".into(),
         TensorId::Layer(l, t) => {
             let p = format!("model.layers.{l}");
             match t {
                 L::AttnNorm => format!("{p}.input_layernorm.weight"),
+                L::AttnNormBias => bias(format!("{p}.input_layernorm.weight"))?,
                 L::FfnNorm => format!("{p}.post_attention_layernorm.weight"),
+                L::FfnNormBias => bias(format!("{p}.post_attention_layernorm.weight"))?,
+                L::Sinks => format!("{p}.self_attn.sinks"),
                 L::Wq => format!("{p}.self_attn.q_proj.weight"),
                 L::Wk => format!("{p}.self_attn.k_proj.weight"),
                 L::Wv => format!("{p}.self_attn.v_proj.weight"),
@@ -293,17 +369,22 @@ pub(crate) fn qwen_moe_name(id: TensorId) -> Option<String> {
     use LayerTensor as L;
     Some(match id {
         TensorId::Layer(l, L::Router) => format!("model.layers.{l}.mlp.gate.weight"),
+        TensorId::Layer(l, L::RouterBias) => format!("model.layers.{l}.mlp.gate.bias"),
+        TensorId::Layer(l, L::RouterCorrection) => format!("model.layers.{l}.mlp.gate.e_score_correction_bias"),
         TensorId::Layer(l, L::SharedGate) => format!("model.layers.{l}.mlp.shared_expert.gate_proj.weight"),
         TensorId::Layer(l, L::SharedUp) => format!("model.layers.{l}.mlp.shared_expert.up_proj.weight"),
         TensorId::Layer(l, L::SharedDown) => format!("model.layers.{l}.mlp.shared_expert.down_proj.weight"),
         TensorId::Layer(l, L::SharedExpertGate) => format!("model.layers.{l}.mlp.shared_expert_gate.weight"),
         TensorId::Expert(l, e, t) => {
-            let n = match t {
-                X::Gate => "gate_proj",
-                X::Up => "up_proj",
-                X::Down => "down_proj",
+            let (n, kind) = match t {
+                X::Gate => ("gate_proj", "weight"),
+                X::Up => ("up_proj", "weight"),
+                X::Down => ("down_proj", "weight"),
+                X::GateBias => ("gate_proj", "bias"),
+                X::UpBias => ("up_proj", "bias"),
+                X::DownBias => ("down_proj", "bias"),
             };
-            format!("model.layers.{l}.mlp.experts.{e}.{n}.weight")
+            format!("model.layers.{l}.mlp.experts.{e}.{n}.{kind}")
         }
         _ => return None,
     })

@@ -8,12 +8,12 @@
 //! - every layer is MoE; softmax over all experts, top-k, renormalised only
 //!   if `norm_topk_prob` (false in the released checkpoints).
 
-use super::{Arch, HfConfig, llama_name, qwen_moe_name};
+use super::{Arch, HfConfig, Source, llama_name, qwen_moe_name};
 use crate::error::Result;
 use crate::model::config::*;
 use crate::model::tensors::TensorId;
 
-pub static ARCH: Arch = Arch { hf_class: "OlmoeForCausalLM", model_type: "olmoe", config, hf_name };
+pub static ARCH: Arch = Arch { hf_class: "OlmoeForCausalLM", model_type: "olmoe", config, source };
 
 fn config(c: &HfConfig) -> Result<ModelConfig> {
     c.require_silu("hidden_act")?;
@@ -29,13 +29,14 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
         num_kv_heads: c.opt_usize("num_key_value_heads")?.unwrap_or(h),
         head_dim,
         max_seq_len: c.opt_usize("max_position_embeddings")?.unwrap_or(4096),
-        norm: NormSpec { eps: c.opt_f64("rms_norm_eps")?.unwrap_or(1e-5) as f32 },
+        norm: NormSpec::rms(c.opt_f64("rms_norm_eps")?.unwrap_or(1e-5)),
         rope: c.rope(head_dim, 10000.0)?,
         attention: AttentionSpec {
             qkv_bias: bias,
             o_bias: bias,
             qk_norm: QkNorm::Full,
             clip_qkv: c.opt_f64("clip_qkv")?.map(|x| x as f32),
+            ..Default::default()
         },
         moe: Some(MoeSpec {
             num_experts: c.usize(&["num_experts", "num_local_experts"])?,
@@ -45,15 +46,23 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
                 score: RouterScore::Softmax,
                 renormalize: c.bool_or("norm_topk_prob", false)?,
                 scale: 1.0,
+                ..Default::default()
             },
             activation: Activation::Silu,
+            expert_bias: false,
             shared_expert: None,
         }),
         layers: (0..n).map(|_| LayerSpec { sliding_window: None, ffn: FfnSpec::Moe }).collect(),
         tie_embeddings: c.bool_or("tie_word_embeddings", false)?,
+        lm_head_bias: false,
+        scales: Scales::default(),
     })
 }
 
-fn hf_name(_: &ModelConfig, id: TensorId) -> String {
+fn source(_: &HfConfig, _: &ModelConfig, id: TensorId) -> Source {
+    Source::tensor(hf_name(id))
+}
+
+fn hf_name(id: TensorId) -> String {
     qwen_moe_name(id).or_else(|| llama_name(id)).unwrap_or_else(|| format!("<{id} has no OLMoE name>"))
 }

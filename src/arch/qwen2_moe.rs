@@ -14,12 +14,12 @@
 //!   that list, the even-indexed layers below `max_window_layers`
 //!   (transformers 5's `Qwen2MoeConfig.__post_init__`).
 
-use super::{Arch, HfConfig, layer_types, llama_name, qwen_moe_name, qwen_sparse_layers};
+use super::{Arch, HfConfig, Source, layer_types, llama_name, qwen_moe_name, qwen_sparse_layers};
 use crate::error::Result;
 use crate::model::config::*;
 use crate::model::tensors::TensorId;
 
-pub static ARCH: Arch = Arch { hf_class: "Qwen2MoeForCausalLM", model_type: "qwen2_moe", config, hf_name };
+pub static ARCH: Arch = Arch { hf_class: "Qwen2MoeForCausalLM", model_type: "qwen2_moe", config, source };
 
 fn config(c: &HfConfig) -> Result<ModelConfig> {
     c.require_silu("hidden_act")?;
@@ -39,9 +39,15 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
         num_kv_heads: c.opt_usize("num_key_value_heads")?.unwrap_or(h),
         head_dim,
         max_seq_len: c.opt_usize("max_position_embeddings")?.unwrap_or(8192),
-        norm: NormSpec { eps: c.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32 },
+        norm: NormSpec::rms(c.opt_f64("rms_norm_eps")?.unwrap_or(1e-6)),
         rope: c.rope(head_dim, 10000.0)?,
-        attention: AttentionSpec { qkv_bias: true, o_bias: false, qk_norm: QkNorm::None, clip_qkv: None },
+        attention: AttentionSpec {
+            qkv_bias: true,
+            o_bias: false,
+            qk_norm: QkNorm::None,
+            clip_qkv: None,
+            ..Default::default()
+        },
         moe: Some(MoeSpec {
             num_experts: e,
             expert_ffn_dim: c.usize(&["moe_intermediate_size"])?,
@@ -50,8 +56,10 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
                 score: RouterScore::Softmax,
                 renormalize: c.bool_or("norm_topk_prob", false)?,
                 scale: 1.0,
+                ..Default::default()
             },
             activation: Activation::Silu,
+            expert_bias: false,
             shared_expert: shared.map(|f| SharedExpertSpec { ffn_dim: f, sigmoid_gate: true }),
         }),
         layers: (0..n)
@@ -61,6 +69,8 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
             })
             .collect(),
         tie_embeddings: c.bool_or("tie_word_embeddings", false)?,
+        lm_head_bias: false,
+        scales: Scales::default(),
     })
 }
 
@@ -77,6 +87,10 @@ fn qwen_windows(c: &HfConfig, n: usize) -> Result<Vec<Option<usize>>> {
     Ok((0..n).map(|l| if l % 2 == 0 && l < below { window } else { None }).collect())
 }
 
-fn hf_name(_: &ModelConfig, id: TensorId) -> String {
+fn source(_: &HfConfig, _: &ModelConfig, id: TensorId) -> Source {
+    Source::tensor(hf_name(id))
+}
+
+fn hf_name(id: TensorId) -> String {
     qwen_moe_name(id).or_else(|| llama_name(id)).unwrap_or_else(|| format!("<{id} has no Qwen2-MoE name>"))
 }

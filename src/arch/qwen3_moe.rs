@@ -11,12 +11,12 @@
 //! - `sliding_window` applies only when `use_sliding_window` is true, and then
 //!   to every layer (or to those `layer_types` marks `sliding_attention`).
 
-use super::{Arch, HfConfig, layer_types, llama_name, qwen_moe_name, qwen_sparse_layers};
+use super::{Arch, HfConfig, Source, layer_types, llama_name, qwen_moe_name, qwen_sparse_layers};
 use crate::error::Result;
 use crate::model::config::*;
 use crate::model::tensors::TensorId;
 
-pub static ARCH: Arch = Arch { hf_class: "Qwen3MoeForCausalLM", model_type: "qwen3_moe", config, hf_name };
+pub static ARCH: Arch = Arch { hf_class: "Qwen3MoeForCausalLM", model_type: "qwen3_moe", config, source };
 
 fn config(c: &HfConfig) -> Result<ModelConfig> {
     c.require_silu("hidden_act")?;
@@ -42,9 +42,15 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
         num_kv_heads: c.opt_usize("num_key_value_heads")?.unwrap_or(h),
         head_dim,
         max_seq_len: c.opt_usize("max_position_embeddings")?.unwrap_or(32768),
-        norm: NormSpec { eps: c.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32 },
+        norm: NormSpec::rms(c.opt_f64("rms_norm_eps")?.unwrap_or(1e-6)),
         rope: c.rope(head_dim, 10000.0)?,
-        attention: AttentionSpec { qkv_bias: bias, o_bias: bias, qk_norm: QkNorm::PerHead, clip_qkv: None },
+        attention: AttentionSpec {
+            qkv_bias: bias,
+            o_bias: bias,
+            qk_norm: QkNorm::PerHead,
+            clip_qkv: None,
+            ..Default::default()
+        },
         moe: Some(MoeSpec {
             num_experts: e,
             expert_ffn_dim: c.usize(&["moe_intermediate_size"])?,
@@ -53,16 +59,24 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
                 score: RouterScore::Softmax,
                 renormalize: c.bool_or("norm_topk_prob", false)?,
                 scale: 1.0,
+                ..Default::default()
             },
             activation: Activation::Silu,
+            expert_bias: false,
             shared_expert: None,
         }),
         layers,
         tie_embeddings: c.bool_or("tie_word_embeddings", false)?,
+        lm_head_bias: false,
+        scales: Scales::default(),
     })
 }
 
-fn hf_name(_: &ModelConfig, id: TensorId) -> String {
+fn source(_: &HfConfig, _: &ModelConfig, id: TensorId) -> Source {
+    Source::tensor(hf_name(id))
+}
+
+fn hf_name(id: TensorId) -> String {
     qwen_moe_name(id).or_else(|| llama_name(id)).unwrap_or_else(|| format!("<{id} has no Qwen3-MoE name>"))
 }
 

@@ -13,21 +13,23 @@
 //! A `.colibri` file as the source is re-encoded into another weight type
 //! instead (`recode.rs`).
 
+mod dequant;
 mod recode;
 pub mod safetensors;
 
+use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::Value;
 
-use crate::arch::{self, HfConfig};
+use crate::arch::{self, HfConfig, Source};
 use crate::error::{Error, Result};
 use crate::format::writer::{ToPlace, Writer, layout};
 use crate::format::{FileMeta, SourceInfo};
 use crate::model::tensors::{Role, TensorId, tensor_plan};
 use crate::quant::{self, DType};
-use safetensors::Checkpoint;
+use safetensors::{Checkpoint, SrcTensor};
 
 /// Conversion settings.
 #[derive(Clone, Debug, Default)]
@@ -76,7 +78,9 @@ fn read_json(path: &Path) -> Result<Option<Value>> {
 /// kernels read them).
 pub fn storage_dtype(role: Role, weights: DType, shape: &[usize]) -> DType {
     let cols = *shape.last().unwrap_or(&1);
-    let rows: usize = shape[..shape.len().saturating_sub(1)].iter().product();
+    // A stacked [H, rows, cols] tensor is viewed one [rows, cols] matrix at a
+    // time, so its groups must not straddle two of them.
+    let rows = if shape.len() >= 2 { shape[shape.len() - 2] } else { 1 };
     match role {
         Role::Small => DType::F32,
         Role::Matrix if weights.row_bytes(cols).is_none() => DType::Bf16,
@@ -100,7 +104,8 @@ impl Drop for TempGuard {
 
 /// Writes `meta` into a hidden temporary beside `dst` and returns its guard
 /// (the temporary is removed unless [`commit`] renames it into place).
-/// `source(i)` gives the stored type and bytes of tensor `i`; a tensor whose
+/// `source(i)` gives the stored type and bytes of tensor `i` (made on
+/// demand, so at most one tensor is materialised at a time); a tensor whose
 /// type differs from the planned one is decoded to f32 and encoded again, in
 /// chunks of about 1M values so memory stays flat on huge tensors. `verb`
 /// labels the progress bar; `interrupted` is polled between tensors.
@@ -110,7 +115,7 @@ fn write_staged<'a>(
     verb: &str,
     progress: bool,
     interrupted: &dyn Fn() -> bool,
-    source: &dyn Fn(usize) -> (DType, &'a [u8]),
+    source: &dyn Fn(usize) -> Result<(DType, Cow<'a, [u8]>)>,
 ) -> Result<TempGuard> {
     let file_name =
         dst.file_name().ok_or_else(|| Error::InvalidInput(format!("output {} has no file name", dst.display())))?;
@@ -139,7 +144,8 @@ fn write_staged<'a>(
             bar.abandon_with_message("interrupted");
             return Err(Error::Interrupted);
         }
-        let (dtype, raw) = source(i);
+        let (dtype, raw) = source(i)?;
+        let raw = &raw[..];
         w.begin(&entry.name)?;
         if dtype == entry.dtype {
             w.write(raw)?;
@@ -171,6 +177,90 @@ fn write_staged<'a>(
     w.finish()?;
     bar.finish_and_clear();
     Ok(guard)
+}
+
+/// `[rows, cols]` of a tensor of any rank: the leading dimensions flattened.
+fn as_matrix(shape: &[usize]) -> (usize, usize) {
+    match shape.split_last() {
+        None => (1, 1),
+        Some((&c, rest)) => (rest.iter().product(), c),
+    }
+}
+
+/// The shape `s` makes of a source tensor of shape `shape`, or why it cannot.
+fn derived_shape(s: &Source, shape: &[usize]) -> std::result::Result<Vec<usize>, String> {
+    let mut shape = shape.to_vec();
+    if let Some(i) = s.index {
+        if shape.len() < 2 || i >= shape[0] {
+            return Err(format!("tensor {} of shape {shape:?} has no slice {i}", s.name));
+        }
+        shape.remove(0);
+    }
+    if s.transpose || s.rows.is_some() || s.transpose_blocks {
+        let [r, c] = shape[..] else {
+            return Err(format!("tensor {} has shape {shape:?}; the adapter needs 2 dimensions here", s.name));
+        };
+        let (mut r, mut c) = if s.transpose { (c, r) } else { (r, c) };
+        let mut len = r;
+        if let Some(p) = s.rows {
+            if p.period == 0 || !r.is_multiple_of(p.period) || p.offset + p.len > p.period {
+                return Err(format!("tensor {} has {r} rows, which {p:?} cannot split", s.name));
+            }
+            len = p.len;
+            r = r / p.period * p.len;
+        }
+        if s.transpose_blocks {
+            (r, c) = (r / len * c, len);
+        }
+        shape = vec![r, c];
+    }
+    Ok(shape)
+}
+
+/// The bytes of one canonical tensor: borrowed from the checkpoint when the
+/// source is used as it is, otherwise decoded to f32 and reshaped as `s` says.
+fn materialize<'a>(ck: &'a Checkpoint, s: &Source, t: &SrcTensor) -> Result<(DType, Cow<'a, [u8]>)> {
+    if s.is_whole()
+        && let Some((d, b)) = ck.plain_bytes(t)
+    {
+        return Ok((d, Cow::Borrowed(b)));
+    }
+    let (shape, mut v) = ck.decode_f32(&s.name, t, s.index)?;
+    if s.transpose || s.rows.is_some() || s.transpose_blocks {
+        let (mut r, mut c) = (shape[0], shape[1]);
+        if s.transpose {
+            v = transpose(&v, r, c);
+            (r, c) = (c, r);
+        }
+        let mut len = r;
+        if let Some(p) = s.rows {
+            let keep: Vec<f32> = v
+                .chunks_exact(c)
+                .enumerate()
+                .filter(|(i, _)| (p.offset..p.offset + p.len).contains(&(i % p.period)))
+                .flat_map(|(_, row)| row.iter().copied())
+                .collect();
+            v = keep;
+            r = r / p.period * p.len;
+            len = p.len;
+        }
+        if s.transpose_blocks {
+            v = v.chunks_exact(len * c).flat_map(|b| transpose(b, len, c)).collect();
+        }
+        debug_assert_eq!(v.len(), r * c);
+    }
+    Ok((DType::F32, Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect())))
+}
+
+/// `[r, c]` → `[c, r]`.
+fn transpose(v: &[f32], r: usize, c: usize) -> Vec<f32> {
+    let mut out = vec![0.0; v.len()];
+    for i in 0..r {
+        for j in 0..c {
+            out[j * r + i] = v[i * c + j];
+        }
+    }
+    out
 }
 
 /// Renames a staged output into place; returns its size in bytes.
@@ -208,24 +298,30 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
     let cfg = (arch.config)(&hf)?;
     cfg.validate().map_err(|e| Error::checkpoint(&cfg_path, e.to_string()))?;
 
-    let ck = Checkpoint::open(src)?;
+    let ck = Checkpoint::open(src, hf.get("quantization_config"))?;
     let plan = tensor_plan(&cfg);
 
     // Map every planned tensor to its source, checking presence and shape.
-    let mut sources = Vec::with_capacity(plan.len());
+    let mut sources: Vec<(&_, Source, &SrcTensor)> = Vec::with_capacity(plan.len());
     let mut missing = Vec::new();
     for p in &plan {
-        let name = (arch.hf_name)(&cfg, p.id);
-        match ck.get(&name) {
-            None => missing.push(format!("{name} (shape {:?})", p.shape)),
+        let s = (arch.source)(&hf, &cfg, p.id);
+        match ck.get(&s.name) {
+            None => missing.push(format!("{} (shape {:?})", s.name, p.shape)),
             Some(t) => {
-                if t.shape != p.shape {
+                let got = derived_shape(&s, &t.shape).map_err(|m| Error::checkpoint(ck.file_of(t), m))?;
+                let fits = if s.is_whole() { got == p.shape } else { as_matrix(&got) == as_matrix(&p.shape) };
+                if !fits {
+                    let what = if s.is_whole() { String::new() } else { format!(" (taken as {s:?})") };
                     return Err(Error::checkpoint(
                         ck.file_of(t),
-                        format!("tensor {name} has shape {:?}, but config.json implies {:?}", t.shape, p.shape),
+                        format!(
+                            "tensor {}{what} has shape {got:?}, but config.json implies {:?} for {}",
+                            s.name, p.shape, p.id
+                        ),
                     ));
                 }
-                sources.push((p, name, t.clone()));
+                sources.push((p, s, t));
             }
         }
     }
@@ -241,7 +337,7 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
             ),
         ));
     }
-    let used: std::collections::HashSet<&str> = sources.iter().map(|(_, n, _)| n.as_str()).collect();
+    let used: std::collections::HashSet<&str> = sources.iter().map(|(_, s, _)| s.name.as_str()).collect();
     let tied_head = |n: &str| cfg.tie_embeddings && n == "lm_head.weight";
     let unused: Vec<&str> = ck.names().filter(|n| !used.contains(n) && !ignorable(n) && !tied_head(n)).collect();
     if !unused.is_empty() {
@@ -259,7 +355,10 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
 
     // Storage types: matrices in the requested type (default: the source's),
     // small tensors in f32.
-    let embed_src = sources.iter().find(|(p, _, _)| p.id == TensorId::Embed).map(|(_, _, t)| t.dtype);
+    let embed_src = sources.iter().find(|(p, _, _)| p.id == TensorId::Embed).and_then(|(_, _, t)| match t.enc {
+        safetensors::Encoding::Plain(d) => Some(d),
+        _ => None,
+    });
     let weight_dtype = opts.dtype.or(embed_src).unwrap_or(DType::F32);
     let items: Vec<ToPlace> = sources
         .iter()
@@ -301,8 +400,8 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
 
     // Write to a hidden temporary beside the output, then rename.
     let source = |i: usize| {
-        let st = &sources[i].2;
-        (st.dtype, ck.bytes(st))
+        let (_, s, t) = &sources[i];
+        materialize(&ck, s, t)
     };
     let staged = write_staged(dst, &meta, "converting", opts.progress, interrupted, &source)?;
     let bytes = commit(staged, dst)?;

@@ -86,7 +86,7 @@ pub(super) fn recode(
 
     let source = |i: usize| {
         let view = file.tensor_at(sources[i]);
-        (view.dtype, view.bytes)
+        Ok((view.dtype, std::borrow::Cow::Borrowed(view.bytes)))
     };
     let staged = write_staged(dst, &meta, "re-encoding", opts.progress, interrupted, &source)?;
     // The source stays mapped until here; unmap it before renaming over it

@@ -7,7 +7,7 @@
 
 pub mod generation;
 pub mod sampling;
-pub mod session;
+pub use crate::model::session;
 
 #[cfg(test)]
 mod tests;

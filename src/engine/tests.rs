@@ -7,9 +7,13 @@ use crate::quant::DType;
 use crate::synth::{config_for, write_random_model};
 
 fn engine(dtype: DType, threads: usize) -> (tempfile::TempDir, Engine) {
+    engine_with(&config_for(dtype), dtype, threads)
+}
+
+fn engine_with(cfg: &crate::model::config::ModelConfig, dtype: DType, threads: usize) -> (tempfile::TempDir, Engine) {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("m.colibri");
-    write_random_model(&p, &config_for(dtype), dtype, 9);
+    write_random_model(&p, cfg, dtype, 9);
     let e = Engine::open(&p, &EngineOptions { threads: Some(threads), ..Default::default() }).unwrap();
     (dir, e)
 }
@@ -20,8 +24,11 @@ fn ids(n: usize) -> Vec<u32> {
 
 #[test]
 fn prefill_then_decode_equals_one_full_forward() {
-    for dt in DType::ALL {
-        let (_d, e) = engine(dt, 2);
+    let frontier = crate::synth::frontier_config();
+    let cases =
+        DType::ALL.map(|dt| (dt, config_for(dt))).into_iter().chain(DType::ALL.map(|dt| (dt, frontier.clone())));
+    for (dt, cfg) in cases {
+        let (_d, e) = engine_with(&cfg, dt, 2);
         let toks = ids(29);
         let full = e.logits(&toks, &never).unwrap();
         let v = e.model().config.vocab_size;
@@ -52,6 +59,11 @@ fn chunked_prefill_equals_single_pass() {
 #[test]
 fn thread_count_does_not_change_a_single_bit() {
     let toks = ids(23);
+    for (cfg, dt) in [(crate::synth::frontier_config(), DType::Q4_1), (crate::synth::frontier_config(), DType::F32)] {
+        let (_a, one) = engine_with(&cfg, dt, 1);
+        let (_b, three) = engine_with(&cfg, dt, 3);
+        assert_eq!(three.logits(&toks, &never).unwrap(), one.logits(&toks, &never).unwrap(), "frontier {dt}");
+    }
     let (_a, one) = engine(DType::Bf16, 1);
     let (_b, two) = engine(DType::Bf16, 2);
     let (_c, three) = engine(DType::Bf16, 3);

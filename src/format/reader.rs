@@ -174,12 +174,15 @@ impl ColibriFile {
             if slabs.insert((s.layer, s.expert), i).is_some() {
                 return Err(bad(format!("expert slab ({}, {}) is listed twice", s.layer, s.expert)));
             }
-            for which in crate::model::tensors::ExpertTensor::ALL {
+            use crate::model::tensors::ExpertTensor as X;
+            for which in X::ALL.into_iter().chain(X::BIASES) {
                 let name = TensorId::Expert(s.layer, s.expert, which).to_string();
-                let t = by_name
-                    .get(&name)
-                    .map(|&i| &meta.tensors[i])
-                    .ok_or_else(|| bad(format!("expert slab ({}, {}) has no tensor {name}", s.layer, s.expert)))?;
+                let t = match by_name.get(&name) {
+                    Some(&i) => &meta.tensors[i],
+                    // Biases are optional (the plan check above decides whether they belong).
+                    None if X::BIASES.contains(&which) => continue,
+                    None => return Err(bad(format!("expert slab ({}, {}) has no tensor {name}", s.layer, s.expert))),
+                };
                 if t.offset < s.offset || t.offset + t.nbytes > s.offset + s.nbytes {
                     return Err(bad(format!("tensor {name} lies outside its expert slab")));
                 }

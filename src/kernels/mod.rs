@@ -258,6 +258,16 @@ impl<'a> Matrix<'a> {
         self.dtype.row_bytes(self.cols).expect("checked in new")
     }
 
+    /// Rows `start..start + n` as a matrix of their own (one head of a
+    /// stacked per-head tensor). `start` and `n` must be whole row groups of
+    /// an interleaved type (the converter stores such tensors interleaved only then).
+    pub fn row_range(&self, start: usize, n: usize) -> Matrix<'a> {
+        let g = self.dtype.group_rows();
+        assert!(start.is_multiple_of(g) && n.is_multiple_of(g) && start + n <= self.rows, "row range off the groups");
+        let rb = self.row_bytes();
+        Matrix { dtype: self.dtype, rows: n, cols: self.cols, bytes: &self.bytes[start * rb..(start + n) * rb] }
+    }
+
     /// Decodes row `r` into `out` (length `cols`), e.g. an embedding lookup.
     pub fn decode_row(&self, r: usize, out: &mut [f32]) {
         let rb = self.row_bytes();

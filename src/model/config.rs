@@ -9,6 +9,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
+/// Fields added after v1 files were written are left out when they hold
+/// their default, so older models' metadata stays as it was.
+fn is_default<T: Default + PartialEq>(v: &T) -> bool {
+    *v == T::default()
+}
+
 /// Everything the forward pass needs to know about a model's shape and maths.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ModelConfig {
@@ -36,13 +42,52 @@ pub struct ModelConfig {
     pub layers: Vec<LayerSpec>,
     /// lm_head shares the embedding matrix.
     pub tie_embeddings: bool,
+    /// lm_head carries a bias (Phi-MoE).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub lm_head_bias: bool,
+    /// Constant multipliers on the embedding, the residual branches and the
+    /// logits (Granite); all 1 for most models.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub scales: Scales,
 }
 
-/// RMSNorm with a learned scale: `y = x / sqrt(mean(x²) + eps) * w`.
+/// Constant multipliers of the residual stream (Granite's `embedding_multiplier`,
+/// `residual_multiplier` and `logits_scaling`).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Scales {
+    /// The token embedding is multiplied by this.
+    pub embedding: f32,
+    /// Each block's output is multiplied by this before the residual add.
+    pub residual: f32,
+    /// The logits are divided by this.
+    pub logits_divisor: f32,
+}
+
+impl Default for Scales {
+    fn default() -> Self {
+        Scales { embedding: 1.0, residual: 1.0, logits_divisor: 1.0 }
+    }
+}
+
+/// The normalisation of every norm site of the model.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct NormSpec {
-    /// Added to the mean square before the square root.
+    /// Added to the mean square (or variance) before the square root.
     pub eps: f32,
+    /// RMSNorm or LayerNorm.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub kind: NormKind,
+}
+
+/// Which normalisation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NormKind {
+    /// `y = x / sqrt(mean(x²) + eps) * w`.
+    #[default]
+    Rms,
+    /// `y = (x − mean) / sqrt(var + eps) * w + b` (a bias beside every scale).
+    Layer,
 }
 
 /// Rotary position embedding.
@@ -54,6 +99,10 @@ pub struct RopeSpec {
     pub rotary_dim: usize,
     /// How the inverse frequencies and magnitudes are rescaled.
     pub scaling: RopeScaling,
+    /// The rotated dimensions are stored as adjacent pairs (2i, 2i+1) rather
+    /// than as halves (i, i + R/2): DeepSeek's `rope_interleave`.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub interleaved: bool,
 }
 
 /// The rope_scaling variants of the supported configs.
@@ -97,10 +146,11 @@ pub enum RopeScaling {
 }
 
 /// How q and k are normalised after projection, before RoPE.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum QkNorm {
     /// No q/k norm.
+    #[default]
     None,
     /// RMSNorm over each head separately (weight of size Dh), as Qwen3.
     PerHead,
@@ -109,7 +159,7 @@ pub enum QkNorm {
 }
 
 /// Attention variant.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct AttentionSpec {
     /// q, k and v projections carry a bias.
     pub qkv_bias: bool,
@@ -120,14 +170,79 @@ pub struct AttentionSpec {
     /// Clamp q, k and v to `[-c, c]` after projection and q/k norm, before
     /// RoPE (OLMoE's clip_qkv).
     pub clip_qkv: Option<f32>,
+    /// Grouped-query attention or multi-head latent attention.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub kind: AttentionKind,
+    /// Each head has a learned sink logit that joins the softmax's
+    /// denominator and contributes no value (GPT-OSS).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub sinks: bool,
+    /// The attention score scale; `None` = 1/√(q/k head width).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub softmax_scale: Option<f32>,
+}
+
+/// How queries, keys and values are formed and cached.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum AttentionKind {
+    /// Grouped-query attention: q, k, v projections, K and V cached per head.
+    #[default]
+    Gqa,
+    /// Multi-head latent attention (DeepSeek-V2/V3).
+    Mla(MlaSpec),
+}
+
+/// Multi-head latent attention. Each head's q/k width is `nope + rope`
+/// (the config's `head_dim`); the cache holds one compressed latent of
+/// `kv_lora_rank` values plus the shared rotated key of `rope` values per
+/// token, and keys and values are recovered from it through `kv_b`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MlaSpec {
+    /// Rank of the low-rank query path (`q_a` → norm → `q_b`); `None` = one q projection.
+    pub q_lora_rank: Option<usize>,
+    /// R: width of the compressed key/value latent.
+    pub kv_lora_rank: usize,
+    /// Per-head key/query width that carries no position.
+    pub qk_nope_dim: usize,
+    /// Per-head key/query width that is rotated (the key part shared by all heads).
+    pub qk_rope_dim: usize,
+    /// Per-head value width.
+    pub v_head_dim: usize,
 }
 
 /// How router logits become expert weights.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RouterScore {
     /// Softmax over all experts, then top-k.
     Softmax,
+    /// Top-k of the logits, then a softmax over the k chosen (GPT-OSS).
+    SoftmaxSelected,
+    /// Sigmoid of each logit, then top-k (DeepSeek-V3, GLM-4.5).
+    Sigmoid,
+}
+
+/// Group-limited selection: experts are split into `groups` equal groups,
+/// each group is scored, only the best `top_groups` groups compete.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupLimit {
+    /// Number of expert groups (divides E).
+    pub groups: usize,
+    /// Groups kept.
+    pub top_groups: usize,
+    /// How a group is scored from its experts' selection scores.
+    pub score: GroupScore,
+}
+
+/// The score of an expert group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GroupScore {
+    /// Its best expert (DeepSeek-V2's group_limited_greedy).
+    Max,
+    /// The sum of its two best experts (DeepSeek-V3's noaux_tc).
+    TopTwoSum,
 }
 
 /// The router of an MoE block.
@@ -141,14 +256,32 @@ pub struct RouterSpec {
     pub renormalize: bool,
     /// Multiply the final weights by this (1.0 for most models).
     pub scale: f32,
+    /// The router projection carries a bias.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub bias: bool,
+    /// A per-expert bias is added to the scores to choose the experts, but
+    /// the weights use the scores without it (DeepSeek-V3's `e_score_correction_bias`).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub correction_bias: bool,
+    /// Group-limited selection, if any.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub groups: Option<GroupLimit>,
 }
 
-/// Activation of the gated FFN: `down(act(gate(x)) * up(x))`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// How a gated FFN combines its gate and up projections.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Activation {
-    /// x · sigmoid(x).
+    /// `silu(gate) · up`, silu(x) = x · sigmoid(x).
     Silu,
+    /// GPT-OSS: `g = min(gate, limit)`, `u = clamp(up, −limit, limit)`,
+    /// `(u + 1) · g · sigmoid(alpha · g)`.
+    ClampedSwiglu {
+        /// Slope inside the sigmoid.
+        alpha: f32,
+        /// Clamp bound.
+        limit: f32,
+    },
 }
 
 /// An always-on expert beside the routed ones.
@@ -169,8 +302,11 @@ pub struct MoeSpec {
     pub expert_ffn_dim: usize,
     /// Routing rule.
     pub router: RouterSpec,
-    /// Activation of every expert.
+    /// Activation of every routed and shared expert.
     pub activation: Activation,
+    /// Routed experts' gate, up and down projections carry biases.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub expert_bias: bool,
     /// Optional shared expert.
     pub shared_expert: Option<SharedExpertSpec>,
 }
@@ -197,6 +333,29 @@ pub struct LayerSpec {
     pub ffn: FfnSpec,
 }
 
+impl Default for RouterSpec {
+    /// One expert by softmax, weights as they come: the base that adapters
+    /// override field by field.
+    fn default() -> Self {
+        RouterSpec {
+            top_k: 1,
+            score: RouterScore::Softmax,
+            renormalize: false,
+            scale: 1.0,
+            bias: false,
+            correction_bias: false,
+            groups: None,
+        }
+    }
+}
+
+impl NormSpec {
+    /// RMSNorm with this epsilon.
+    pub fn rms(eps: f64) -> NormSpec {
+        NormSpec { eps: eps as f32, kind: NormKind::Rms }
+    }
+}
+
 impl ModelConfig {
     /// Number of decoder layers.
     pub fn num_layers(&self) -> usize {
@@ -219,6 +378,33 @@ impl ModelConfig {
     /// Hkv·Dh: width of the key and value projections.
     pub fn kv_dim(&self) -> usize {
         self.num_kv_heads * self.head_dim
+    }
+
+    /// The MLA spec, when attention is latent.
+    pub fn mla(&self) -> Option<&MlaSpec> {
+        match &self.attention.kind {
+            AttentionKind::Mla(m) => Some(m),
+            AttentionKind::Gqa => None,
+        }
+    }
+
+    /// Width of one head's attention output (Dh, or MLA's value width).
+    pub fn v_head_dim(&self) -> usize {
+        self.mla().map_or(self.head_dim, |m| m.v_head_dim)
+    }
+
+    /// H·Dv: width of the attention output, the input of the output projection.
+    pub fn att_dim(&self) -> usize {
+        self.num_heads * self.v_head_dim()
+    }
+
+    /// Values one KV-cache row holds per layer and token: keys and values of
+    /// every kv head (GQA), or the latent plus the rotated key (MLA).
+    pub fn kv_cache_width(&self) -> usize {
+        match self.mla() {
+            Some(m) => m.kv_lora_rank + m.qk_rope_dim,
+            None => 2 * self.kv_dim(),
+        }
     }
 
     /// Checks the internal consistency of the numbers, so later code can
@@ -270,6 +456,30 @@ impl ModelConfig {
                 }
             }
         }
+        if let Some(m) = self.mla() {
+            let dims = [m.kv_lora_rank, m.qk_nope_dim, m.qk_rope_dim, m.v_head_dim, m.q_lora_rank.unwrap_or(1)];
+            if dims.iter().any(|&x| x == 0 || x > LIMIT) {
+                return bad(format!("MLA dimensions {m:?} out of range"));
+            }
+            if m.qk_nope_dim + m.qk_rope_dim != self.head_dim || self.num_kv_heads != self.num_heads {
+                return bad(format!(
+                    "MLA needs head_dim = nope + rope ({} + {}) and one kv head per head, got head_dim {} and {} kv heads",
+                    m.qk_nope_dim, m.qk_rope_dim, self.head_dim, self.num_kv_heads
+                ));
+            }
+            if rd != m.qk_rope_dim {
+                return bad(format!("MLA rotary_dim {rd} differs from qk_rope_head_dim {}", m.qk_rope_dim));
+            }
+        }
+        if let Some(s) = self.attention.softmax_scale
+            && !(s.is_finite() && s > 0.0)
+        {
+            return bad(format!("attention softmax scale {s} must be finite and > 0"));
+        }
+        let sc = self.scales;
+        if [sc.embedding, sc.residual, sc.logits_divisor].iter().any(|v| !v.is_finite()) || sc.logits_divisor == 0.0 {
+            return bad(format!("scales {sc:?} must be finite with a non-zero logits divisor"));
+        }
         for (i, l) in self.layers.iter().enumerate() {
             if l.sliding_window == Some(0) {
                 return bad(format!("layer {i}: sliding window of 0"));
@@ -292,6 +502,16 @@ impl ModelConfig {
                         && (s.ffn_dim == 0 || s.ffn_dim > LIMIT)
                     {
                         return bad(format!("shared expert ffn_dim {} out of range", s.ffn_dim));
+                    }
+                    if let Some(g) = moe.router.groups
+                        && (g.groups == 0
+                            || g.groups > crate::model::blocks::moe::MAX_GROUPS
+                            || !e.is_multiple_of(g.groups)
+                            || g.top_groups == 0
+                            || g.top_groups > g.groups
+                            || k > g.top_groups * (e / g.groups))
+                    {
+                        return bad(format!("MoE router groups {g:?} do not fit {e} experts with top_k {k}"));
                     }
                 }
             }

@@ -2,20 +2,28 @@
 //! canonical config. Reads top to bottom like the maths; no ISA, dtype or
 //! architecture branches (those live in `kernels`, `quant` and `arch`).
 //!
+//! ```text
+//! x = embed(tokens) · s_emb                                [T, D]
+//! for each layer:
+//!     x += s_res · attention(norm(x))                      GQA or MLA, over the KV cache
+//!     x += s_res · ffn_or_moe(norm(x))                     dense MLP, or router + experts + shared
+//! logits = lm_head(norm(x)) / s_logits                     [T, V]
+//! ```
+//!
 //! Tokens are processed in chunks of at most C (the session's chunk size):
 //! a prompt is a few batched passes, decoding is a pass of one token.
 
-use super::Model;
+use rayon::prelude::*;
+
 use super::blocks::attention::{Heads, attend};
-use super::blocks::ffn::{Mlp, MlpScratch, gated_mlp, sigmoid};
-use super::blocks::moe::{MoeLayer, moe_forward, predict};
-use super::blocks::norm::{rmsnorm, rmsnorm_rows_inplace};
-use super::blocks::rope;
-use super::config::QkNorm;
-use super::{FfnRefs, MlpRefs};
-use crate::engine::session::Session;
+use super::blocks::ffn::{Mlp, MlpScratch, add_bias, gated_mlp};
+use super::blocks::moe::{MoeBlock, MoeLayer, moe_block, predict};
+use super::blocks::norm::{norm_rows, rmsnorm_rows_inplace};
+use super::config::{Activation, QkNorm};
+use super::session::Session;
+use super::{FfnRefs, LayerRefs, MlaQuery, MlpRefs, Model, NormRefs, QkvRefs};
 use crate::error::{Error, Result};
-use crate::kernels::{Input, matmul, matmul_many};
+use crate::kernels::{BlockQ8, Input, Matrix, matmul, matmul_many, matmul_serial};
 
 /// Optional outputs beyond the last token's logits (always left in
 /// `Session::logits`).
@@ -90,10 +98,7 @@ fn forward_chunk(
     cap: &mut Capture,
 ) -> Result<()> {
     let c = &model.config;
-    let (n, d, pos0) = (tokens.len(), c.hidden_size, s.pos);
-    let (qd, kvd, dh, eps) = (c.q_dim(), c.kv_dim(), c.head_dim, c.norm.eps);
-    let half = c.rope.rotary_dim / 2;
-    let layers = c.num_layers();
+    let (n, d) = (tokens.len(), c.hidden_size);
     let snap = |hidden: &mut Option<&mut [f32]>, slot: usize, x: &[f32]| {
         if let Some(h) = hidden.as_deref_mut() {
             let at = (slot * total + off) * d;
@@ -101,158 +106,345 @@ fn forward_chunk(
         }
     };
 
-    // Token embeddings.
-    let embed = model.mat(model.embed);
-    for (t, &tok) in tokens.iter().enumerate() {
-        embed.decode_row(tok as usize, &mut s.x[t * d..(t + 1) * d]); // [T, D]
-    }
+    embed(model, s, tokens); // x: [T, D]
     snap(&mut cap.hidden, 0, &s.x);
-    // RoPE angles for this chunk's positions.
-    for t in 0..n {
-        model.rope.angles(pos0 + t, &mut s.cos[t * half..(t + 1) * half], &mut s.sin[t * half..(t + 1) * half]);
-    }
-
-    for (l, (lw, spec)) in model.layers.iter().zip(&c.layers).enumerate() {
-        // Attention: norm → q, k, v projections (+ bias, q/k norm, clip, RoPE).
-        let x = &s.x[..n * d];
-        let xn = &mut s.xn[..n * d];
-        for t in 0..n {
-            rmsnorm(&x[t * d..(t + 1) * d], model.vec(lw.attn_norm), eps, &mut xn[t * d..(t + 1) * d]);
-        }
-        let (q, k, v) = (&mut s.q[..n * qd], &mut s.k[..n * kvd], &mut s.v[..n * kvd]);
-        let inp = Input::prepare(xn, d, s.quantize, &mut s.xq); // quantised once for q, k and v
-        matmul_many(&mut [(model.mat(lw.wq), &mut *q), (model.mat(lw.wk), &mut *k), (model.mat(lw.wv), &mut *v)], &inp); // [T, H·Dh], [T, Hkv·Dh], [T, Hkv·Dh]
-        if let Some([bq, bk, bv]) = lw.qkv_bias {
-            add_rows(q, model.vec(bq));
-            add_rows(k, model.vec(bk));
-            add_rows(v, model.vec(bv));
-        }
-        if let Some([qn, kn]) = lw.qk_norm {
-            // Per head: rows of Dh; full: rows of the whole projection.
-            let (wq, wk) = (model.vec(qn), model.vec(kn));
-            debug_assert!(c.attention.qk_norm == QkNorm::PerHead || wq.len() == qd);
-            rmsnorm_rows_inplace(q, wq, eps);
-            rmsnorm_rows_inplace(k, wk, eps);
-        }
-        if let Some(clip) = c.attention.clip_qkv {
-            for a in q.iter_mut().chain(k.iter_mut()).chain(v.iter_mut()) {
-                *a = a.clamp(-clip, clip);
-            }
-        }
-        for t in 0..n {
-            let (cs, sn) = (&s.cos[t * half..(t + 1) * half], &s.sin[t * half..(t + 1) * half]);
-            for head in q[t * qd..(t + 1) * qd].chunks_exact_mut(dh) {
-                rope::apply(head, cs, sn);
-            }
-            for head in k[t * kvd..(t + 1) * kvd].chunks_exact_mut(dh) {
-                rope::apply(head, cs, sn);
-            }
-        }
-        // Append this chunk's keys and values to the cache, then attend.
-        s.kv.store(l, pos0, kvd, &s.k[..n * kvd], &s.v[..n * kvd]);
-        let heads = Heads { h: c.num_heads, hkv: c.num_kv_heads, dh, window: spec.sliding_window };
-        attend(&s.q[..n * qd], s.kv.view(l, pos0 + n), pos0, heads, &mut s.att[..n * qd]); // [T, H·Dh]
-        let proj = &mut s.proj[..n * d];
-        matmul(&model.mat(lw.wo), &Input::prepare(&s.att[..n * qd], qd, s.quantize, &mut s.xq), proj); // [T, D]
-        if let Some(bo) = lw.o_bias {
-            add_rows(proj, model.vec(bo));
-        }
-        add(&mut s.x[..n * d], proj); // residual
-
-        // Prefetch: when the next layer is a MoE block and experts stream,
-        // run its router on this residual, normed as the next layer will
-        // norm its own, and queue the experts it picks for background reads
-        // while this layer's FFN and the next attention compute. Only the
-        // store's reads change; the numbers below do not depend on it.
-        if model.experts.wants_prefetch()
-            && let Some(next) = model.layers.get(l + 1)
-            && let FfnRefs::Moe { router, .. } = next.ffn
-        {
-            let moe = c.moe.as_ref().expect("validated: MoE layer has a spec");
-            let x = &s.x[..n * d];
-            for t in 0..n {
-                let row = t * d..(t + 1) * d;
-                rmsnorm(&x[row.clone()], model.vec(next.ffn_norm), eps, &mut s.moe.pred_x[row]);
-            }
-            let experts = predict(&model.mat(router), &moe.router, n, &mut s.moe);
-            model.experts.prefetch(l + 1, experts);
-        }
-
-        // Feed-forward: norm → dense MLP or MoE block (+ shared expert).
-        let (x, xn) = (&s.x[..n * d], &mut s.xn[..n * d]);
-        for t in 0..n {
-            rmsnorm(&x[t * d..(t + 1) * d], model.vec(lw.ffn_norm), eps, &mut xn[t * d..(t + 1) * d]);
-        }
-        let proj = &mut s.proj[..n * d];
-        let inp = Input::prepare(xn, d, s.quantize, &mut s.xq); // shared by router, experts, shared expert
-        let scratch = MlpScratch { g: &mut s.g, u: &mut s.u, hq: &mut s.hq };
-        match lw.ffn {
-            FfnRefs::Dense(m) => gated_mlp(&mlp(model, m), &inp, scratch, proj, true),
-            FfnRefs::Moe { router, shared, shared_gate } => {
-                let moe = c.moe.as_ref().expect("validated: MoE layer has a spec");
-                let layer = MoeLayer {
-                    layer: l,
-                    router: model.mat(router),
-                    spec: &moe.router,
-                    store: model.experts.as_ref(),
-                    telemetry: model.telemetry.layers.get(l),
-                };
-                moe_forward(&layer, &inp, &mut s.moe, proj)?;
-                if let Some(m) = shared {
-                    let sh = &mut s.shared[..n * d];
-                    gated_mlp(&mlp(model, m), &inp, scratch, sh, true); // [T, D]
-                    let gate = shared_gate.map(|g| model.vec(g));
-                    for t in 0..n {
-                        let row = t * d..(t + 1) * d;
-                        let scale = gate.map_or(1.0, |w| sigmoid(dot(w, &xn[row.clone()])));
-                        proj[row.clone()].iter_mut().zip(&sh[row]).for_each(|(p, v)| *p += scale * v);
-                    }
-                }
-            }
-        }
-        add(&mut s.x[..n * d], proj); // residual
-        if l + 1 < layers {
+    rope_angles(model, s, n);
+    for (l, lw) in model.layers.iter().enumerate() {
+        norm(model, lw.attn_norm, &s.x[..n * d], &mut s.xn[..n * d]);
+        attention(model, l, s, n); // proj: [T, D]
+        residual(&mut s.x[..n * d], &s.proj[..n * d], c.scales.residual);
+        prefetch_next_layer(model, l, s, n);
+        norm(model, lw.ffn_norm, &s.x[..n * d], &mut s.xn[..n * d]);
+        ffn_or_moe(model, l, s, n)?; // proj: [T, D]
+        residual(&mut s.x[..n * d], &s.proj[..n * d], c.scales.residual);
+        if l + 1 < c.num_layers() {
             snap(&mut cap.hidden, l + 1, &s.x);
         }
     }
-
-    // Final norm and lm_head.
-    let (x, xn) = (&s.x[..n * d], &mut s.xn[..n * d]);
-    for t in 0..n {
-        rmsnorm(&x[t * d..(t + 1) * d], model.vec(model.final_norm), eps, &mut xn[t * d..(t + 1) * d]);
-    }
-    snap(&mut cap.hidden, layers, xn);
-    let head = model.mat(model.lm_head);
-    let vocab = c.vocab_size;
-    if let Some(all) = cap.logits.as_deref_mut() {
-        let inp = Input::prepare(xn, d, s.quantize, &mut s.xq);
-        matmul(&head, &inp, &mut all[off * vocab..(off + n) * vocab]); // [T, V]
-        if off + n == total {
-            s.logits.copy_from_slice(&all[(off + n - 1) * vocab..(off + n) * vocab]);
-        }
-    } else if off + n == total {
-        let inp = Input::prepare(&xn[(n - 1) * d..n * d], d, s.quantize, &mut s.xq);
-        matmul(&head, &inp, &mut s.logits); // [V]
-    }
+    norm(model, model.final_norm, &s.x[..n * d], &mut s.xn[..n * d]);
+    snap(&mut cap.hidden, c.num_layers(), &s.xn);
+    lm_head(model, s, n, off, total, cap);
     s.pos += n;
     model.telemetry.tokens.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
     Ok(())
 }
 
-fn mlp(model: &Model, m: MlpRefs) -> Mlp<'_> {
-    Mlp { gate: model.mat(m.gate), up: model.mat(m.up), down: model.mat(m.down) }
-}
-
-fn add(a: &mut [f32], b: &[f32]) {
-    a.iter_mut().zip(b).for_each(|(x, y)| *x += y);
-}
-
-fn add_rows(a: &mut [f32], bias: &[f32]) {
-    for row in a.chunks_exact_mut(bias.len()) {
-        add(row, bias);
+/// `x[t] = embedding[token t] · s_emb`.
+fn embed(model: &Model, s: &mut Session, tokens: &[u32]) {
+    let d = model.config.hidden_size;
+    let table = model.mat(model.embed);
+    let scale = model.config.scales.embedding;
+    for (t, &tok) in tokens.iter().enumerate() {
+        let row = &mut s.x[t * d..(t + 1) * d];
+        table.decode_row(tok as usize, row); // [D]
+        if scale != 1.0 {
+            row.iter_mut().for_each(|v| *v *= scale);
+        }
     }
 }
 
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
+/// RoPE cosines and sines of this chunk's positions: `[T, R/2]` each.
+fn rope_angles(model: &Model, s: &mut Session, n: usize) {
+    let half = model.config.rope.rotary_dim / 2;
+    for t in 0..n {
+        let (cs, sn) = (&mut s.cos[t * half..(t + 1) * half], &mut s.sin[t * half..(t + 1) * half]);
+        model.rope.angles(s.pos + t, cs, sn);
+    }
+}
+
+/// The model's norm (RMSNorm, or LayerNorm with its bias) of each row.
+fn norm(model: &Model, w: NormRefs, x: &[f32], out: &mut [f32]) {
+    norm_rows(model.config.norm, x, model.vec(w.w), model.opt_vec(w.b), out);
+}
+
+/// `x += scale · y`.
+fn residual(x: &mut [f32], y: &[f32], scale: f32) {
+    if scale == 1.0 {
+        x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+    } else {
+        x.iter_mut().zip(y).for_each(|(a, b)| *a += scale * b);
+    }
+}
+
+/// `proj = W_o · attend(q, cache)`: projects this chunk's queries, keys and
+/// values from `xn`, appends the keys and values to the cache, attends.
+fn attention(model: &Model, l: usize, s: &mut Session, n: usize) {
+    let c = &model.config;
+    let lw = &model.layers[l];
+    let (d, h, pos0) = (c.hidden_size, c.num_heads, s.pos);
+    let window = c.layers[l].sliding_window;
+    let sinks = model.opt_vec(lw.sinks);
+    let ad = c.att_dim();
+    match lw.qkv {
+        QkvRefs::Gqa { wq, wk, wv } => {
+            let (qd, kvd, dh) = (c.q_dim(), c.kv_dim(), c.head_dim);
+            gqa_qkv(model, lw, [wq, wk, wv], s, n); // q: [T, H·Dh], k, v: [T, Hkv·Dh]
+            s.kv.store(l, pos0, &s.k[..n * kvd], &s.v[..n * kvd]);
+            let scale = c.attention.softmax_scale.unwrap_or(1.0 / (dh as f32).sqrt());
+            let heads = Heads { h, hkv: c.num_kv_heads, dk: dh, dv: dh, window, scale, sinks };
+            attend(&s.q[..n * qd], s.kv.view(l, pos0 + n), pos0, heads, &mut s.att[..n * ad]); // [T, H·Dh]
+        }
+        QkvRefs::Mla { q, wkv_a, kv_a_norm, wk_b, wv_b } => {
+            let m = *c.mla().expect("MLA weights imply an MLA config");
+            let (r, dr) = (m.kv_lora_rank, m.qk_rope_dim);
+            mla_latent(model, q, wkv_a, kv_a_norm, s, n); // q: [T, H·Dh], k: [T, R + Dr]
+            s.kv.store(l, pos0, &s.k[..n * (r + dr)], &[]);
+            // Absorbed queries: q_abs[t, h] = [W_UK_hᵀ · q_nope[t, h], q_pe[t, h]]   [T, H·(R + Dr)]
+            let dh = c.head_dim;
+            per_head_matmul(
+                &model.mat(wk_b),
+                &s.q[..n * h * dh],
+                dh,
+                0,
+                &mut s.mla.q_abs,
+                r + dr,
+                0,
+                s.quantize,
+                n,
+                h,
+                &mut s.mla.head_in,
+                &mut s.mla.head_q,
+                &mut s.mla.head_out,
+            );
+            for (qa, qh) in s.mla.q_abs[..n * h * (r + dr)].chunks_exact_mut(r + dr).zip(s.q.chunks_exact(dh)) {
+                qa[r..].copy_from_slice(&qh[m.qk_nope_dim..]);
+            }
+            // One latent "kv head" shared by all heads; the values are the latent.
+            let scale = c.attention.softmax_scale.unwrap_or(1.0 / (dh as f32).sqrt());
+            let heads = Heads { h, hkv: 1, dk: r + dr, dv: r, window, scale, sinks };
+            let o_lat = &mut s.mla.o_lat[..n * h * r];
+            attend(&s.mla.q_abs[..n * h * (r + dr)], s.kv.view(l, pos0 + n), pos0, heads, o_lat); // [T, H·R]
+            // att[t, h] = W_UV_h · o_lat[t, h]   [T, H·Dv]
+            per_head_matmul(
+                &model.mat(wv_b),
+                &s.mla.o_lat[..n * h * r],
+                r,
+                0,
+                &mut s.att,
+                m.v_head_dim,
+                0,
+                s.quantize,
+                n,
+                h,
+                &mut s.mla.head_in,
+                &mut s.mla.head_q,
+                &mut s.mla.head_out,
+            );
+        }
+    }
+    let proj = &mut s.proj[..n * d];
+    matmul(&model.mat(lw.wo), &Input::prepare(&s.att[..n * ad], ad, s.quantize, &mut s.xq), proj); // [T, D]
+    if let Some(bo) = model.opt_vec(lw.o_bias) {
+        add_bias(proj, bo);
+    }
+}
+
+/// GQA projections: q, k, v from `xn` (+ bias, q/k norm, clip, RoPE).
+fn gqa_qkv(model: &Model, lw: &LayerRefs, [wq, wk, wv]: [super::TensorRef; 3], s: &mut Session, n: usize) {
+    let c = &model.config;
+    let (d, qd, kvd, dh, half) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.head_dim, c.rope.rotary_dim / 2);
+    let (q, k, v) = (&mut s.q[..n * qd], &mut s.k[..n * kvd], &mut s.v[..n * kvd]);
+    let inp = Input::prepare(&s.xn[..n * d], d, s.quantize, &mut s.xq); // quantised once for q, k and v
+    matmul_many(&mut [(model.mat(wq), &mut *q), (model.mat(wk), &mut *k), (model.mat(wv), &mut *v)], &inp); // [T, H·Dh], [T, Hkv·Dh] ×2
+    if let Some([bq, bk, bv]) = lw.qkv_bias {
+        add_bias(q, model.vec(bq));
+        add_bias(k, model.vec(bk));
+        add_bias(v, model.vec(bv));
+    }
+    if let Some([qn, kn]) = lw.qk_norm {
+        // Per head: rows of Dh; full: rows of the whole projection.
+        let (wqn, wkn) = (model.vec(qn), model.vec(kn));
+        debug_assert!(c.attention.qk_norm == QkNorm::PerHead || wqn.len() == qd);
+        rmsnorm_rows_inplace(q, wqn, c.norm.eps);
+        rmsnorm_rows_inplace(k, wkn, c.norm.eps);
+    }
+    if let Some(clip) = c.attention.clip_qkv {
+        for a in q.iter_mut().chain(k.iter_mut()).chain(v.iter_mut()) {
+            *a = a.clamp(-clip, clip);
+        }
+    }
+    for t in 0..n {
+        let (cs, sn) = (&s.cos[t * half..(t + 1) * half], &s.sin[t * half..(t + 1) * half]);
+        for head in q[t * qd..(t + 1) * qd].chunks_exact_mut(dh).chain(k[t * kvd..(t + 1) * kvd].chunks_exact_mut(dh)) {
+            model.rope.rotate(head, cs, sn);
+        }
+    }
+}
+
+/// MLA projections: q (directly or through its normed low-rank latent) into
+/// `s.q` [T, H·(Dn + Dr)], and the normed latent plus the rotated shared key
+/// into `s.k` [T, R + Dr]; RoPE on each head's last Dr query values and on
+/// the shared key.
+fn mla_latent(
+    model: &Model,
+    q: MlaQuery,
+    wkv_a: super::TensorRef,
+    kv_a_norm: super::TensorRef,
+    s: &mut Session,
+    n: usize,
+) {
+    let c = &model.config;
+    let m = c.mla().expect("MLA config");
+    let (d, qd, dh, half) = (c.hidden_size, c.q_dim(), c.head_dim, c.rope.rotary_dim / 2);
+    let kw = m.kv_lora_rank + m.qk_rope_dim;
+    let (qo, kv) = (&mut s.q[..n * qd], &mut s.k[..n * kw]);
+    let inp = Input::prepare(&s.xn[..n * d], d, s.quantize, &mut s.xq); // shared by q (or q_a) and kv_a
+    match q {
+        MlaQuery::Direct(wq) => matmul_many(&mut [(model.mat(wq), &mut *qo), (model.mat(wkv_a), &mut *kv)], &inp), // [T, H·Dh], [T, R + Dr]
+        MlaQuery::LowRank(wa, norm_w, wb) => {
+            let rq = m.q_lora_rank.expect("low-rank query");
+            let lat = &mut s.mla.q_lat[..n * rq];
+            matmul_many(&mut [(model.mat(wa), &mut *lat), (model.mat(wkv_a), &mut *kv)], &inp); // [T, Rq], [T, R + Dr]
+            rmsnorm_rows_inplace(lat, model.vec(norm_w), c.norm.eps);
+            matmul(&model.mat(wb), &Input::prepare(lat, rq, s.quantize, &mut s.xq), qo); // [T, H·Dh]
+        }
+    }
+    let kn = model.vec(kv_a_norm);
+    for t in 0..n {
+        let row = &mut kv[t * kw..(t + 1) * kw];
+        rmsnorm_rows_inplace(&mut row[..m.kv_lora_rank], kn, c.norm.eps); // the latent, [R]
+        let (cs, sn) = (&s.cos[t * half..(t + 1) * half], &s.sin[t * half..(t + 1) * half]);
+        model.rope.rotate(&mut row[m.kv_lora_rank..], cs, sn); // k_pe, [Dr]
+        for head in qo[t * qd..(t + 1) * qd].chunks_exact_mut(dh) {
+            model.rope.rotate(&mut head[m.qk_nope_dim..], cs, sn); // q_pe, [Dr]
+        }
+    }
+}
+
+/// For each head h: `out[t, h·so + oo ..][..rh] = W_h · x[t, h·si + oi ..][..W.cols]`,
+/// where `W_h` is rows `h·rh..(h+1)·rh` of `w` (per-head matrices stacked).
+/// The heads run side by side, each on one thread, through gathered rows.
+#[allow(clippy::too_many_arguments)]
+fn per_head_matmul(
+    w: &Matrix,
+    x: &[f32],
+    si: usize,
+    oi: usize,
+    out: &mut [f32],
+    so: usize,
+    oo: usize,
+    quantize: bool,
+    n: usize,
+    h: usize,
+    head_in: &mut [f32],
+    head_q: &mut [BlockQ8],
+    head_out: &mut [f32],
+) {
+    let (rh, ci) = (w.rows / h, w.cols);
+    let (head_in, head_out) = (&mut head_in[..h * n * ci], &mut head_out[..h * n * rh]);
+    for (hh, rows) in head_in.chunks_exact_mut(n * ci).enumerate() {
+        for (t, row) in rows.chunks_exact_mut(ci).enumerate() {
+            let at = t * h * si + hh * si + oi;
+            row.copy_from_slice(&x[at..at + ci]);
+        }
+    }
+    // Blocks per head when quantised (at least one slot per head either way,
+    // so the zip below visits every head).
+    let qw = if quantize && w.dtype.is_quantized() && ci.is_multiple_of(32) { n * ci / 32 } else { 0 };
+    let head_q = &mut head_q[..h * qw.max(1)];
+    head_in
+        .par_chunks(n * ci)
+        .zip(head_out.par_chunks_mut(n * rh))
+        .zip(head_q.par_chunks_mut(qw.max(1)))
+        .enumerate()
+        .for_each(|(hh, ((xin, y), q))| {
+            let inp = Input::prepare(xin, ci, qw > 0, q);
+            matmul_serial(&w.row_range(hh * rh, rh), &inp, y); // [T, rh]
+        });
+    for (hh, rows) in head_out.chunks_exact(n * rh).enumerate() {
+        for (t, row) in rows.chunks_exact(rh).enumerate() {
+            let at = t * h * so + hh * so + oo;
+            out[at..at + rh].copy_from_slice(row);
+        }
+    }
+}
+
+/// When the next layer is a MoE block and experts stream: run its router on
+/// this residual, normed as the next layer will norm its own, and queue the
+/// experts it picks for background reads while this layer's FFN and the next
+/// attention compute. Only the store's reads change; no number does.
+fn prefetch_next_layer(model: &Model, l: usize, s: &mut Session, n: usize) {
+    if !model.experts.wants_prefetch() {
+        return;
+    }
+    let Some(next) = model.layers.get(l + 1) else { return };
+    let Some(layer) = moe_layer(model, l + 1, next) else { return };
+    let d = model.config.hidden_size;
+    norm(model, next.ffn_norm, &s.x[..n * d], &mut s.moe.pred_x[..n * d]);
+    let experts = predict(&layer, n, &mut s.moe);
+    model.experts.prefetch(l + 1, experts);
+}
+
+/// The routed half of layer `l`'s MoE block, if it has one.
+fn moe_layer<'a>(model: &'a Model, l: usize, lw: &LayerRefs) -> Option<MoeLayer<'a>> {
+    let FfnRefs::Moe { router, router_bias, correction, .. } = lw.ffn else { return None };
+    let moe = model.config.moe.as_ref().expect("validated: MoE layer has a spec");
+    Some(MoeLayer {
+        layer: l,
+        router: model.mat(router),
+        router_bias: model.opt_vec(router_bias),
+        correction: model.opt_vec(correction),
+        spec: &moe.router,
+        act: moe.activation,
+        store: model.experts.as_ref(),
+        telemetry: model.telemetry.layers.get(l),
+    })
+}
+
+/// `proj = ffn(xn)`: the dense MLP, or the MoE block (router, routed
+/// experts, shared expert).
+fn ffn_or_moe(model: &Model, l: usize, s: &mut Session, n: usize) -> Result<()> {
+    let lw = &model.layers[l];
+    let d = model.config.hidden_size;
+    let proj = &mut s.proj[..n * d];
+    let inp = Input::prepare(&s.xn[..n * d], d, s.quantize, &mut s.xq); // shared by router, experts, shared expert
+    let scratch = MlpScratch { g: &mut s.g, u: &mut s.u, hq: &mut s.hq };
+    match lw.ffn {
+        FfnRefs::Dense(m) => {
+            // Every supported family's dense layers are SiLU-gated.
+            gated_mlp(&mlp(model, m), Activation::Silu, &inp, scratch, proj, true);
+            Ok(())
+        }
+        FfnRefs::Moe { shared, shared_gate, .. } => {
+            let block = MoeBlock {
+                routed: moe_layer(model, l, lw).expect("a MoE layer"),
+                shared: shared.map(|m| mlp(model, m)),
+                shared_gate: model.opt_vec(shared_gate),
+            };
+            moe_block(&block, &inp, &mut s.moe, scratch, &mut s.shared[..n * d], proj)
+        }
+    }
+}
+
+/// `logits = lm_head · xn (+ bias) / s_logits` for the last token, or for
+/// every token when captured.
+fn lm_head(model: &Model, s: &mut Session, n: usize, off: usize, total: usize, cap: &mut Capture) {
+    let c = &model.config;
+    let (d, vocab) = (c.hidden_size, c.vocab_size);
+    let head = model.mat(model.lm_head);
+    let finish = |y: &mut [f32]| {
+        if let Some(b) = model.opt_vec(model.lm_head_bias) {
+            add_bias(y, b);
+        }
+        if c.scales.logits_divisor != 1.0 {
+            y.iter_mut().for_each(|v| *v /= c.scales.logits_divisor);
+        }
+    };
+    let xn = &s.xn[..n * d];
+    if let Some(all) = cap.logits.as_deref_mut() {
+        let y = &mut all[off * vocab..(off + n) * vocab];
+        matmul(&head, &Input::prepare(xn, d, s.quantize, &mut s.xq), y); // [T, V]
+        finish(y);
+        if off + n == total {
+            s.logits.copy_from_slice(&y[(n - 1) * vocab..n * vocab]);
+        }
+    } else if off + n == total {
+        let inp = Input::prepare(&xn[(n - 1) * d..n * d], d, s.quantize, &mut s.xq);
+        matmul(&head, &inp, &mut s.logits); // [V]
+        finish(&mut s.logits);
+    }
+}
+
+fn mlp(model: &Model, m: MlpRefs) -> Mlp<'_> {
+    Mlp { gate: model.mat(m.gate), up: model.mat(m.up), down: model.mat(m.down), bias: None }
 }

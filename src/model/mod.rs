@@ -1,11 +1,13 @@
 //! A loaded model: the validated file, its canonical config, and typed
 //! references to every dense weight. Read-only after load and shared by every
-//! session (`Send + Sync`); per-conversation state lives in
-//! [`crate::engine::session::Session`].
+//! session (`Send + Sync`); per-conversation state (KV cache, workspace)
+//! lives beside it in [`session::Session`], as llama2.c keeps `RunState`
+//! beside `Transformer`.
 
 pub mod blocks;
 pub mod config;
 pub mod forward;
+pub mod session;
 pub mod store;
 pub mod tensors;
 
@@ -31,7 +33,7 @@ pub struct TensorRef {
     pub cols: usize,
 }
 
-/// A dense gated MLP: `down(silu(gate · x) * (up · x))`.
+/// A dense gated MLP: `down(act(gate · x) * (up · x))`.
 #[derive(Clone, Copy, Debug)]
 pub struct MlpRefs {
     /// [F, D]
@@ -47,11 +49,15 @@ pub struct MlpRefs {
 pub enum FfnRefs {
     /// A dense MLP.
     Dense(MlpRefs),
-    /// The MoE block: router, optional shared expert and its gate; the routed
-    /// experts themselves are fetched through the [`ExpertStore`].
+    /// The MoE block: router (and its biases), optional shared expert and its
+    /// gate; the routed experts themselves are fetched through the [`ExpertStore`].
     Moe {
         /// [E, D] router (f32).
         router: TensorRef,
+        /// [E] router bias.
+        router_bias: Option<TensorRef>,
+        /// [E] selection-only score bias.
+        correction: Option<TensorRef>,
         /// Shared expert, if the model has one.
         shared: Option<MlpRefs>,
         /// [1, D] sigmoid gate of the shared expert (f32).
@@ -59,18 +65,59 @@ pub enum FfnRefs {
     },
 }
 
+/// A norm's scale and, for LayerNorm, its bias.
+#[derive(Clone, Copy, Debug)]
+pub struct NormRefs {
+    /// [D]
+    pub w: TensorRef,
+    /// [D]
+    pub b: Option<TensorRef>,
+}
+
+/// How a layer's queries, keys and values are projected.
+#[derive(Clone, Copy, Debug)]
+pub enum QkvRefs {
+    /// Grouped-query attention.
+    Gqa {
+        /// [H·Dh, D]
+        wq: TensorRef,
+        /// [Hkv·Dh, D]
+        wk: TensorRef,
+        /// [Hkv·Dh, D]
+        wv: TensorRef,
+    },
+    /// Multi-head latent attention.
+    Mla {
+        /// The query: one projection [H·Dh, D], or `q_a` [Rq, D] → RMSNorm → `q_b` [H·Dh, Rq].
+        q: MlaQuery,
+        /// [R + Dr, D] latent and shared rotated key.
+        wkv_a: TensorRef,
+        /// [R] RMSNorm of the latent.
+        kv_a_norm: TensorRef,
+        /// [H·R, Dn] per-head key up-projections, transposed.
+        wk_b: TensorRef,
+        /// [H·Dv, R] per-head value up-projections.
+        wv_b: TensorRef,
+    },
+}
+
+/// The query path of MLA.
+#[derive(Clone, Copy, Debug)]
+pub enum MlaQuery {
+    /// [H·Dh, D]
+    Direct(TensorRef),
+    /// Low rank: [Rq, D], its [Rq] norm, [H·Dh, Rq].
+    LowRank(TensorRef, TensorRef, TensorRef),
+}
+
 /// References to one layer's dense weights.
 #[derive(Clone, Copy, Debug)]
 pub struct LayerRefs {
-    /// [D]
-    pub attn_norm: TensorRef,
-    /// [H·Dh, D]
-    pub wq: TensorRef,
-    /// [Hkv·Dh, D]
-    pub wk: TensorRef,
-    /// [Hkv·Dh, D]
-    pub wv: TensorRef,
-    /// [D, H·Dh]
+    /// Norm before attention.
+    pub attn_norm: NormRefs,
+    /// q, k, v (or latent) projections.
+    pub qkv: QkvRefs,
+    /// [D, H·Dv]
     pub wo: TensorRef,
     /// q, k, v biases.
     pub qkv_bias: Option<[TensorRef; 3]>,
@@ -78,8 +125,10 @@ pub struct LayerRefs {
     pub o_bias: Option<TensorRef>,
     /// q and k norm scales.
     pub qk_norm: Option<[TensorRef; 2]>,
-    /// [D]
-    pub ffn_norm: TensorRef,
+    /// [H] attention sink logits.
+    pub sinks: Option<TensorRef>,
+    /// Norm before the FFN.
+    pub ffn_norm: NormRefs,
     /// Dense MLP or MoE.
     pub ffn: FfnRefs,
 }
@@ -91,10 +140,12 @@ pub struct Model {
     pub config: ModelConfig,
     /// [V, D]
     pub embed: TensorRef,
-    /// [D]
-    pub final_norm: TensorRef,
+    /// The final norm.
+    pub final_norm: NormRefs,
     /// [V, D]; the embedding when tied.
     pub lm_head: TensorRef,
+    /// [V] lm_head bias.
+    pub lm_head_bias: Option<TensorRef>,
     /// One per decoder layer.
     pub layers: Vec<LayerRefs>,
     /// Source of the routed experts' weights.
@@ -143,32 +194,50 @@ impl Model {
     pub fn from_file_with(file: Arc<ColibriFile>, opts: &StoreOptions) -> Result<Model> {
         let cfg = file.meta().config.clone();
         let r = |id: TensorId| tensor_ref(&file, id);
+        let layer_norm = cfg.norm.kind == config::NormKind::Layer;
         let mut layers = Vec::with_capacity(cfg.layers.len());
         for (l, spec) in cfg.layers.iter().enumerate() {
             let t = |x| r(TensorId::Layer(l, x));
+            let opt = |on: bool, x| if on { t(x).map(Some) } else { Ok(None) };
             let mlp = |g, u, d| -> Result<MlpRefs> { Ok(MlpRefs { gate: t(g)?, up: t(u)?, down: t(d)? }) };
-            let has_shared = cfg.moe.as_ref().and_then(|m| m.shared_expert.as_ref());
+            let norm = |w, b| -> Result<NormRefs> { Ok(NormRefs { w: t(w)?, b: opt(layer_norm, b)? }) };
+            let moe = cfg.moe.as_ref();
+            let has_shared = moe.and_then(|m| m.shared_expert.as_ref());
             let ffn = match spec.ffn {
                 FfnSpec::Dense { .. } => FfnRefs::Dense(mlp(L::Gate, L::Up, L::Down)?),
                 FfnSpec::Moe => FfnRefs::Moe {
                     router: t(L::Router)?,
+                    router_bias: opt(moe.is_some_and(|m| m.router.bias), L::RouterBias)?,
+                    correction: opt(moe.is_some_and(|m| m.router.correction_bias), L::RouterCorrection)?,
                     shared: has_shared.map(|_| mlp(L::SharedGate, L::SharedUp, L::SharedDown)).transpose()?,
                     shared_gate: has_shared.filter(|s| s.sigmoid_gate).map(|_| t(L::SharedExpertGate)).transpose()?,
                 },
             };
+            let qkv = match cfg.mla() {
+                None => QkvRefs::Gqa { wq: t(L::Wq)?, wk: t(L::Wk)?, wv: t(L::Wv)? },
+                Some(m) => QkvRefs::Mla {
+                    q: match m.q_lora_rank {
+                        None => MlaQuery::Direct(t(L::Wq)?),
+                        Some(_) => MlaQuery::LowRank(t(L::WqA)?, t(L::QANorm)?, t(L::WqB)?),
+                    },
+                    wkv_a: t(L::WkvA)?,
+                    kv_a_norm: t(L::KvANorm)?,
+                    wk_b: t(L::WkB)?,
+                    wv_b: t(L::WvB)?,
+                },
+            };
             layers.push(LayerRefs {
-                attn_norm: t(L::AttnNorm)?,
-                wq: t(L::Wq)?,
-                wk: t(L::Wk)?,
-                wv: t(L::Wv)?,
+                attn_norm: norm(L::AttnNorm, L::AttnNormBias)?,
+                qkv,
                 wo: t(L::Wo)?,
                 qkv_bias: if cfg.attention.qkv_bias { Some([t(L::Bq)?, t(L::Bk)?, t(L::Bv)?]) } else { None },
-                o_bias: if cfg.attention.o_bias { Some(t(L::Bo)?) } else { None },
+                o_bias: opt(cfg.attention.o_bias, L::Bo)?,
                 qk_norm: match cfg.attention.qk_norm {
                     config::QkNorm::None => None,
                     _ => Some([t(L::QNorm)?, t(L::KNorm)?]),
                 },
-                ffn_norm: t(L::FfnNorm)?,
+                sinks: opt(cfg.attention.sinks, L::Sinks)?,
+                ffn_norm: norm(L::FfnNorm, L::FfnNormBias)?,
                 ffn,
             });
         }
@@ -186,7 +255,11 @@ impl Model {
             heat: placed.heat,
             warnings: placed.warnings,
             telemetry: Telemetry::new(experts_per_layer),
-            final_norm: r(TensorId::FinalNorm)?,
+            final_norm: NormRefs {
+                w: r(TensorId::FinalNorm)?,
+                b: if layer_norm { Some(r(TensorId::FinalNormBias)?) } else { None },
+            },
+            lm_head_bias: if cfg.lm_head_bias { Some(r(TensorId::LmHeadBias)?) } else { None },
             embed,
             lm_head,
             layers,
@@ -260,6 +333,12 @@ impl Model {
         }
     }
 
+    /// The f32 vector view of an optional tensor.
+    #[inline]
+    pub fn opt_vec(&self, t: Option<TensorRef>) -> Option<&[f32]> {
+        t.map(|t| self.vec(t))
+    }
+
     /// An f32 vector view (norm scales, biases).
     #[inline]
     pub fn vec(&self, t: TensorRef) -> &[f32] {
@@ -287,7 +366,9 @@ pub(crate) fn tensor_ref(file: &ColibriFile, id: TensorId) -> Result<TensorRef> 
     let (rows, cols) = match t.shape.as_slice() {
         [c] => (1, *c),
         [r, c] => (*r, *c),
-        s => return Err(Error::format(file.path(), format!("tensor {name}: expected 1 or 2 dimensions, got {s:?}"))),
+        // Stacked per-head matrices ([H, rows, cols]) are viewed as one.
+        [h, r, c] => (*h * *r, *c),
+        s => return Err(Error::format(file.path(), format!("tensor {name}: expected 1 to 3 dimensions, got {s:?}"))),
     };
     let tr = TensorRef { idx, rows, cols };
     let view = file.tensor_at(idx);

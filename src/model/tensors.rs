@@ -6,13 +6,15 @@
 //!
 //! Matrices are `[out, in]`, row-major, one output per row (as `nn.Linear`).
 
-use super::config::{FfnSpec, ModelConfig, QkNorm};
+use super::config::{FfnSpec, ModelConfig, NormKind, QkNorm};
 
 /// Which tensor of a layer's attention or FFN.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum LayerTensor {
-    /// [D] RMSNorm scale before attention.
+    /// [D] norm scale before attention.
     AttnNorm,
+    /// [D] LayerNorm bias before attention.
+    AttnNormBias,
     /// [H·Dh, D]
     Wq,
     /// [Hkv·Dh, D]
@@ -33,8 +35,27 @@ pub enum LayerTensor {
     QNorm,
     /// [Dh] (per head) or [Hkv·Dh] (full)
     KNorm,
-    /// [D] RMSNorm scale before the FFN.
+    /// [D] norm scale before the FFN.
     FfnNorm,
+    /// [D] LayerNorm bias before the FFN.
+    FfnNormBias,
+    /// [H] attention sink logits.
+    Sinks,
+    /// MLA [Rq, D]: the low-rank query projection (with `q_lora_rank`).
+    WqA,
+    /// MLA [Rq]: RMSNorm scale of the query latent.
+    QANorm,
+    /// MLA [H·Dh, Rq]: query up-projection (with `q_lora_rank`; else `Wq` is [H·Dh, D]).
+    WqB,
+    /// MLA [R + Dr, D]: the latent and the shared rotated key.
+    WkvA,
+    /// MLA [R]: RMSNorm scale of the latent.
+    KvANorm,
+    /// MLA [H, R, Dn]: each head's key up-projection, transposed
+    /// (`q_nope · W_UK` is then an ordinary matmul; the absorbed form).
+    WkB,
+    /// MLA [H, Dv, R]: each head's value up-projection.
+    WvB,
     /// Dense MLP [F, D]
     Gate,
     /// Dense MLP [F, D]
@@ -43,6 +64,10 @@ pub enum LayerTensor {
     Down,
     /// [E, D] router
     Router,
+    /// [E] router bias
+    RouterBias,
+    /// [E] selection-only score bias (e_score_correction_bias)
+    RouterCorrection,
     /// Shared expert [Fs, D]
     SharedGate,
     /// Shared expert [Fs, D]
@@ -62,11 +87,19 @@ pub enum ExpertTensor {
     Up,
     /// [D, F]
     Down,
+    /// [F]
+    GateBias,
+    /// [F]
+    UpBias,
+    /// [D]
+    DownBias,
 }
 
 impl ExpertTensor {
-    /// The three, in slab order.
+    /// The three matrices, in slab order.
     pub const ALL: [ExpertTensor; 3] = [ExpertTensor::Gate, ExpertTensor::Up, ExpertTensor::Down];
+    /// Their biases, in slab order after the matrices.
+    pub const BIASES: [ExpertTensor; 3] = [ExpertTensor::GateBias, ExpertTensor::UpBias, ExpertTensor::DownBias];
 }
 
 /// Identity of one canonical tensor.
@@ -76,8 +109,12 @@ pub enum TensorId {
     Embed,
     /// [D] final norm
     FinalNorm,
+    /// [D] final LayerNorm bias
+    FinalNormBias,
     /// [V, D] (absent when tied)
     LmHead,
+    /// [V] lm_head bias
+    LmHeadBias,
     /// A per-layer tensor.
     Layer(usize, LayerTensor),
     /// (layer, expert, which)
@@ -90,10 +127,24 @@ impl std::fmt::Display for TensorId {
         match self {
             TensorId::Embed => f.write_str("embed"),
             TensorId::FinalNorm => f.write_str("final_norm"),
+            TensorId::FinalNormBias => f.write_str("final_norm.bias"),
             TensorId::LmHead => f.write_str("lm_head"),
+            TensorId::LmHeadBias => f.write_str("lm_head.bias"),
             TensorId::Layer(l, t) => {
                 let n = match t {
                     L::AttnNorm => "attn_norm",
+                    L::AttnNormBias => "attn_norm.bias",
+                    L::FfnNormBias => "ffn_norm.bias",
+                    L::Sinks => "attn.sinks",
+                    L::WqA => "attn.wq_a",
+                    L::QANorm => "attn.q_a_norm",
+                    L::WqB => "attn.wq_b",
+                    L::WkvA => "attn.wkv_a",
+                    L::KvANorm => "attn.kv_a_norm",
+                    L::WkB => "attn.wk_b",
+                    L::WvB => "attn.wv_b",
+                    L::RouterBias => "moe.router.bias",
+                    L::RouterCorrection => "moe.router.correction",
                     L::Wq => "attn.wq",
                     L::Wk => "attn.wk",
                     L::Wv => "attn.wv",
@@ -121,6 +172,9 @@ impl std::fmt::Display for TensorId {
                     ExpertTensor::Gate => "gate",
                     ExpertTensor::Up => "up",
                     ExpertTensor::Down => "down",
+                    ExpertTensor::GateBias => "gate.bias",
+                    ExpertTensor::UpBias => "up.bias",
+                    ExpertTensor::DownBias => "down.bias",
                 };
                 write!(f, "layers.{l}.moe.experts.{e}.{n}")
             }
@@ -155,16 +209,39 @@ pub struct PlannedTensor {
 pub fn tensor_plan(cfg: &ModelConfig) -> Vec<PlannedTensor> {
     use LayerTensor as L;
     let (v, d, q, kv, dh) = (cfg.vocab_size, cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
+    let (h, layer_norm) = (cfg.num_heads, cfg.norm.kind == NormKind::Layer);
     let mut out = Vec::new();
     let mut push = |id, shape: Vec<usize>, role| out.push(PlannedTensor { id, shape, role });
     push(TensorId::Embed, vec![v, d], Role::Matrix);
     for (l, layer) in cfg.layers.iter().enumerate() {
         let t = |x| TensorId::Layer(l, x);
         push(t(L::AttnNorm), vec![d], Role::Small);
-        push(t(L::Wq), vec![q, d], Role::Matrix);
-        push(t(L::Wk), vec![kv, d], Role::Matrix);
-        push(t(L::Wv), vec![kv, d], Role::Matrix);
-        push(t(L::Wo), vec![d, q], Role::Matrix);
+        if layer_norm {
+            push(t(L::AttnNormBias), vec![d], Role::Small);
+        }
+        match cfg.mla() {
+            None => {
+                push(t(L::Wq), vec![q, d], Role::Matrix);
+                push(t(L::Wk), vec![kv, d], Role::Matrix);
+                push(t(L::Wv), vec![kv, d], Role::Matrix);
+            }
+            Some(m) => {
+                match m.q_lora_rank {
+                    None => push(t(L::Wq), vec![q, d], Role::Matrix),
+                    Some(rq) => {
+                        push(t(L::WqA), vec![rq, d], Role::Matrix);
+                        push(t(L::QANorm), vec![rq], Role::Small);
+                        push(t(L::WqB), vec![q, rq], Role::Matrix);
+                    }
+                }
+                let r = m.kv_lora_rank;
+                push(t(L::WkvA), vec![r + m.qk_rope_dim, d], Role::Matrix);
+                push(t(L::KvANorm), vec![r], Role::Small);
+                push(t(L::WkB), vec![h, r, m.qk_nope_dim], Role::Matrix);
+                push(t(L::WvB), vec![h, m.v_head_dim, r], Role::Matrix);
+            }
+        }
+        push(t(L::Wo), vec![d, cfg.att_dim()], Role::Matrix);
         if cfg.attention.qkv_bias {
             push(t(L::Bq), vec![q], Role::Small);
             push(t(L::Bk), vec![kv], Role::Small);
@@ -184,7 +261,13 @@ pub fn tensor_plan(cfg: &ModelConfig) -> Vec<PlannedTensor> {
                 push(t(L::KNorm), vec![kv], Role::Small);
             }
         }
+        if cfg.attention.sinks {
+            push(t(L::Sinks), vec![h], Role::Small);
+        }
         push(t(L::FfnNorm), vec![d], Role::Small);
+        if layer_norm {
+            push(t(L::FfnNormBias), vec![d], Role::Small);
+        }
         match layer.ffn {
             FfnSpec::Dense { ffn_dim: f } => {
                 push(t(L::Gate), vec![f, d], Role::Matrix);
@@ -195,6 +278,12 @@ pub fn tensor_plan(cfg: &ModelConfig) -> Vec<PlannedTensor> {
                 let moe = cfg.moe.as_ref().expect("validated: MoE layer has a MoE spec");
                 let (e, f) = (moe.num_experts, moe.expert_ffn_dim);
                 push(t(L::Router), vec![e, d], Role::Small);
+                if moe.router.bias {
+                    push(t(L::RouterBias), vec![e], Role::Small);
+                }
+                if moe.router.correction_bias {
+                    push(t(L::RouterCorrection), vec![e], Role::Small);
+                }
                 if let Some(s) = &moe.shared_expert {
                     push(t(L::SharedGate), vec![s.ffn_dim, d], Role::Matrix);
                     push(t(L::SharedUp), vec![s.ffn_dim, d], Role::Matrix);
@@ -204,16 +293,28 @@ pub fn tensor_plan(cfg: &ModelConfig) -> Vec<PlannedTensor> {
                     }
                 }
                 for x in 0..e {
-                    push(TensorId::Expert(l, x, ExpertTensor::Gate), vec![f, d], Role::Matrix);
-                    push(TensorId::Expert(l, x, ExpertTensor::Up), vec![f, d], Role::Matrix);
-                    push(TensorId::Expert(l, x, ExpertTensor::Down), vec![d, f], Role::Matrix);
+                    let id = |w| TensorId::Expert(l, x, w);
+                    push(id(ExpertTensor::Gate), vec![f, d], Role::Matrix);
+                    push(id(ExpertTensor::Up), vec![f, d], Role::Matrix);
+                    push(id(ExpertTensor::Down), vec![d, f], Role::Matrix);
+                    if moe.expert_bias {
+                        push(id(ExpertTensor::GateBias), vec![f], Role::Small);
+                        push(id(ExpertTensor::UpBias), vec![f], Role::Small);
+                        push(id(ExpertTensor::DownBias), vec![d], Role::Small);
+                    }
                 }
             }
         }
     }
     push(TensorId::FinalNorm, vec![d], Role::Small);
+    if layer_norm {
+        push(TensorId::FinalNormBias, vec![d], Role::Small);
+    }
     if !cfg.tie_embeddings {
         push(TensorId::LmHead, vec![v, d], Role::Matrix);
+    }
+    if cfg.lm_head_bias {
+        push(TensorId::LmHeadBias, vec![v], Role::Small);
     }
     out
 }

@@ -1,7 +1,9 @@
 //! The gated feed-forward network used by dense layers, routed experts and
-//! shared experts alike: `down(silu(gate · x) ⊙ (up · x))`.
+//! shared experts alike: `down(act(gate · x + bg, up · x + bu)) + bd`, where
+//! `act` is `silu(g) · u` for most models (biases only where the model has them).
 
 use crate::kernels::{BlockQ8, Input, Matrix, matmul, matmul_many, matmul_serial};
+use crate::model::config::Activation;
 
 /// x · sigmoid(x), written to saturate cleanly for large |x|.
 #[inline]
@@ -15,7 +17,8 @@ pub fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
 
-/// The three matrices of a gated MLP (a dense layer, a routed or shared expert).
+/// The three matrices of a gated MLP (a dense layer, a routed or shared
+/// expert) and their biases, if it has them.
 #[derive(Clone, Copy, Debug)]
 pub struct Mlp<'a> {
     /// [F, D]
@@ -24,6 +27,28 @@ pub struct Mlp<'a> {
     pub up: Matrix<'a>,
     /// [D, F]
     pub down: Matrix<'a>,
+    /// [F], [F], [D]: gate, up and down biases.
+    pub bias: Option<[&'a [f32]; 3]>,
+}
+
+/// `act(g, u)` over one row pair, in place in `g`.
+#[inline]
+fn activate(act: Activation, g: &mut [f32], u: &[f32]) {
+    match act {
+        Activation::Silu => g.iter_mut().zip(u).for_each(|(a, &b)| *a = silu(*a) * b),
+        Activation::ClampedSwiglu { alpha, limit } => g.iter_mut().zip(u).for_each(|(a, &b)| {
+            let x = a.min(limit);
+            let y = b.clamp(-limit, limit);
+            *a = (y + 1.0) * (x * sigmoid(alpha * x));
+        }),
+    }
+}
+
+/// Adds `bias` to each row of `y`.
+pub fn add_bias(y: &mut [f32], bias: &[f32]) {
+    for row in y.chunks_exact_mut(bias.len()) {
+        row.iter_mut().zip(bias).for_each(|(a, b)| *a += b);
+    }
 }
 
 /// Scratch for one gated-MLP call over n rows.
@@ -39,7 +64,7 @@ pub struct MlpScratch<'a> {
 /// Runs the gated MLP on the n rows of `x` ([n, D]) into `out` ([n, D]).
 /// `parallel`: split each matrix across the pool (false when the caller
 /// already runs several MLPs side by side, one per thread).
-pub fn gated_mlp(m: &Mlp, x: &Input, s: MlpScratch, out: &mut [f32], parallel: bool) {
+pub fn gated_mlp(m: &Mlp, act: Activation, x: &Input, s: MlpScratch, out: &mut [f32], parallel: bool) {
     let f = m.gate.rows;
     let n = x.x.len() / x.cols;
     let (g, u) = (&mut s.g[..n * f], &mut s.u[..n * f]);
@@ -49,13 +74,18 @@ pub fn gated_mlp(m: &Mlp, x: &Input, s: MlpScratch, out: &mut [f32], parallel: b
         matmul_serial(&m.gate, x, g); // [n, F]
         matmul_serial(&m.up, x, u); // [n, F]
     }
-    for (a, b) in g.iter_mut().zip(u.iter()) {
-        *a = silu(*a) * b; // [n, F]
+    if let Some([bg, bu, _]) = m.bias {
+        add_bias(g, bg);
+        add_bias(u, bu);
     }
+    activate(act, g, u); // [n, F]
     let h = Input::prepare(g, f, m.down.dtype.is_quantized(), s.hq);
     if parallel {
         matmul(&m.down, &h, out); // [n, D]
     } else {
         matmul_serial(&m.down, &h, out); // [n, D]
+    }
+    if let Some([_, _, bd]) = m.bias {
+        add_bias(out, bd);
     }
 }

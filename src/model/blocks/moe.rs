@@ -14,10 +14,10 @@
 //! resident model), otherwise as many as it can hold at a time. Each unique
 //! expert is leased, and so read, once per chunk for all of its tokens.
 
-use super::ffn::{MlpScratch, gated_mlp};
+use super::ffn::{Mlp, MlpScratch, gated_mlp, sigmoid};
 use crate::error::Result;
 use crate::kernels::{BlockQ8, Input, Matrix, matmul};
-use crate::model::config::{RouterScore, RouterSpec};
+use crate::model::config::{Activation, GroupLimit, GroupScore, RouterScore, RouterSpec};
 use crate::model::store::telemetry::LayerTelemetry;
 use crate::model::store::{Busy, ExpertStore, Lease};
 
@@ -44,8 +44,25 @@ pub fn top_k(scores: &[f32], k: usize, idx: &mut [u32]) {
 }
 
 /// Turns one token's router logits into K expert ids and weights.
-/// `probs` is scratch of length E.
-pub fn route(logits: &[f32], spec: &RouterSpec, probs: &mut [f32], ids: &mut [u32], w: &mut [f32]) {
+/// `probs` (the scores the weights come from) and `sel` (the scores the
+/// choice is made on) are scratch of length E.
+///
+/// 1. scores: softmax or sigmoid of the logits, or the logits themselves
+///    when the softmax is over the chosen experts only;
+/// 2. selection scores: the scores plus the correction bias, if any;
+/// 3. group limit: only the experts of the best groups stay eligible;
+/// 4. top-k of the selection scores;
+/// 5. weights: the scores of the chosen (softmax over the chosen logits for
+///    `SoftmaxSelected`), optionally renormalised, then scaled.
+pub fn route(
+    logits: &[f32],
+    spec: &RouterSpec,
+    correction: Option<&[f32]>,
+    probs: &mut [f32],
+    sel: &mut [f32],
+    ids: &mut [u32],
+    w: &mut [f32],
+) {
     match spec.score {
         RouterScore::Softmax => {
             let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
@@ -56,10 +73,26 @@ pub fn route(logits: &[f32], spec: &RouterSpec, probs: &mut [f32], ids: &mut [u3
             }
             probs.iter_mut().for_each(|p| *p /= z);
         }
+        RouterScore::Sigmoid => probs.iter_mut().zip(logits).for_each(|(p, &l)| *p = sigmoid(l)),
+        RouterScore::SoftmaxSelected => probs.copy_from_slice(logits),
     }
-    top_k(probs, spec.top_k, ids);
+    sel.copy_from_slice(probs);
+    if let Some(bias) = correction {
+        sel.iter_mut().zip(bias).for_each(|(s, b)| *s += b);
+    }
+    if let Some(g) = spec.groups {
+        limit_groups(sel, &g);
+    }
+    top_k(sel, spec.top_k, ids);
     for (wi, &e) in w.iter_mut().zip(ids.iter()) {
         *wi = probs[e as usize];
+    }
+    if spec.score == RouterScore::SoftmaxSelected {
+        // ids are best first, so w[0] is the largest logit.
+        let m = w[0];
+        w.iter_mut().for_each(|x| *x = (*x - m).exp());
+        let z: f32 = w.iter().sum();
+        w.iter_mut().for_each(|x| *x /= z);
     }
     if spec.renormalize {
         let s: f32 = w.iter().sum();
@@ -70,12 +103,53 @@ pub fn route(logits: &[f32], spec: &RouterSpec, probs: &mut [f32], ids: &mut [u3
     }
 }
 
+/// Masks (to −∞) the selection scores of every expert outside the
+/// `top_groups` best groups. Group ties go to the lower group.
+fn limit_groups(sel: &mut [f32], g: &GroupLimit) {
+    let size = sel.len() / g.groups;
+    // A group's score: its best expert, or the sum of its two best.
+    let score = |grp: &[f32]| {
+        let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+        for &x in grp {
+            if x > a {
+                b = a;
+                a = x;
+            } else if x > b {
+                b = x;
+            }
+        }
+        match g.score {
+            GroupScore::Max => a,
+            GroupScore::TopTwoSum if size > 1 => a + b,
+            GroupScore::TopTwoSum => a,
+        }
+    };
+    // At most 64 groups are kept on the stack (DeepSeek uses 8; validated ≤ E).
+    let mut scores = [f32::NEG_INFINITY; MAX_GROUPS];
+    let n = g.groups.min(MAX_GROUPS);
+    for (i, s) in scores[..n].iter_mut().enumerate() {
+        *s = score(&sel[i * size..(i + 1) * size]);
+    }
+    let mut keep = [0u32; MAX_GROUPS];
+    top_k(&scores[..n], g.top_groups.min(n), &mut keep[..g.top_groups.min(n)]);
+    for i in 0..n {
+        if !keep[..g.top_groups.min(n)].contains(&(i as u32)) {
+            sel[i * size..(i + 1) * size].fill(f32::NEG_INFINITY);
+        }
+    }
+}
+
+/// Most expert groups a router may have (checked when the config is validated).
+pub const MAX_GROUPS: usize = 64;
+
 /// Scratch for one MoE call over up to C tokens, allocated once per session.
 pub struct MoeScratch {
     /// [C, E] router logits.
     pub logits: Vec<f32>,
-    /// [E] softmax scratch.
+    /// [E] score scratch.
     pub probs: Vec<f32>,
+    /// [E] selection score scratch.
+    pub sel: Vec<f32>,
     /// [C, K] chosen experts.
     pub ids: Vec<u32>,
     /// [C, K] their weights.
@@ -121,6 +195,7 @@ impl MoeScratch {
         MoeScratch {
             logits: vec![0.0; c * e],
             probs: vec![0.0; e],
+            sel: vec![0.0; e],
             ids: vec![0; ck],
             weights: vec![0.0; ck],
             starts: vec![0; e + 1],
@@ -149,8 +224,14 @@ pub struct MoeLayer<'a> {
     pub layer: usize,
     /// [E, D] router weights.
     pub router: Matrix<'a>,
+    /// [E] router bias.
+    pub router_bias: Option<&'a [f32]>,
+    /// [E] selection-only score bias.
+    pub correction: Option<&'a [f32]>,
     /// Routing rule.
     pub spec: &'a RouterSpec,
+    /// How each expert combines its gate and up projections.
+    pub act: Activation,
     /// Source of the experts' weights.
     pub store: &'a dyn ExpertStore,
     /// Where routing decisions are counted, if anywhere.
@@ -240,7 +321,7 @@ fn run_experts(m: &MoeLayer, w: &Wave, starts: &[usize], lo: usize, hi: usize, g
         let weights = m.store.view(&w.leases[w.lease_of[e] as usize])?;
         let x = Input { x: mine.x, q: mine.xq, cols: mine.d };
         let scratch = MlpScratch { g: mine.g, u: mine.u, hq: mine.hq };
-        gated_mlp(&weights, &x, scratch, mine.outs, !par); // [rows, D]
+        gated_mlp(&weights, m.act, &x, scratch, mine.outs, !par); // [rows, D]
     }
     Ok(())
 }
@@ -253,9 +334,13 @@ pub fn moe_forward(m: &MoeLayer, x: &Input, s: &mut MoeScratch, out: &mut [f32])
     let n = x.x.len() / d;
     let logits = &mut s.logits[..n * e_n];
     matmul(router, x, logits); // [n, E]
+    if let Some(b) = m.router_bias {
+        logits.chunks_exact_mut(e_n).for_each(|row| row.iter_mut().zip(b).for_each(|(l, b)| *l += b));
+    }
     for t in 0..n {
         let ids = &mut s.ids[t * k..(t + 1) * k];
-        route(&logits[t * e_n..(t + 1) * e_n], spec, &mut s.probs, ids, &mut s.weights[t * k..(t + 1) * k]);
+        let w = &mut s.weights[t * k..(t + 1) * k];
+        route(&logits[t * e_n..(t + 1) * e_n], spec, m.correction, &mut s.probs, &mut s.sel, ids, w);
         if let Some(tel) = m.telemetry {
             tel.record(ids, top2_margin(&s.probs, ids));
         }
@@ -351,6 +436,38 @@ pub fn moe_forward(m: &MoeLayer, x: &Input, s: &mut MoeScratch, out: &mut [f32])
     Ok(())
 }
 
+/// A whole MoE block: the router and its routed experts, and the shared
+/// expert that runs on every token (scaled by `sigmoid(w · x)` when gated).
+pub struct MoeBlock<'a> {
+    /// Router and routed experts.
+    pub routed: MoeLayer<'a>,
+    /// The shared expert.
+    pub shared: Option<Mlp<'a>>,
+    /// [D] its sigmoid gate.
+    pub shared_gate: Option<&'a [f32]>,
+}
+
+/// `out = Σ_k w_k · expert_k(x) + gate(x) · shared(x)` for the n rows of `x`;
+/// `shared_out` ([n, D]) is scratch for the shared expert.
+pub fn moe_block(
+    b: &MoeBlock,
+    x: &Input,
+    s: &mut MoeScratch,
+    mlp: MlpScratch,
+    shared_out: &mut [f32],
+    out: &mut [f32],
+) -> Result<()> {
+    moe_forward(&b.routed, x, s, out)?; // [n, D]
+    let Some(shared) = &b.shared else { return Ok(()) };
+    let d = x.cols;
+    gated_mlp(shared, b.routed.act, x, mlp, shared_out, true); // [n, D]
+    for ((o, sh), xr) in out.chunks_exact_mut(d).zip(shared_out.chunks_exact(d)).zip(x.x.chunks_exact(d)) {
+        let scale = b.shared_gate.map_or(1.0, |w| sigmoid(w.iter().zip(xr).map(|(a, b)| a * b).sum()));
+        o.iter_mut().zip(sh).for_each(|(p, v)| *p += scale * v);
+    }
+    Ok(())
+}
+
 /// p(first choice) − p(second choice) of one token, from the softmax
 /// probabilities `probs` and its ranked choices `ids`.
 fn top2_margin(probs: &[f32], ids: &[u32]) -> f32 {
@@ -367,14 +484,19 @@ fn top2_margin(probs: &[f32], ids: &[u32]) -> f32 {
 /// Predicts which experts a layer's router picks for the first `n` rows of
 /// `s.pred_x` (its expected input): the unique ids, ascending, in `s.pred`.
 /// Uses the routing scratch, which [`moe_forward`] overwrites before reading.
-pub fn predict<'s>(router: &Matrix, spec: &RouterSpec, n: usize, s: &'s mut MoeScratch) -> &'s [u32] {
+pub fn predict<'s>(m: &MoeLayer, n: usize, s: &'s mut MoeScratch) -> &'s [u32] {
+    let (router, spec) = (&m.router, m.spec);
     let (e_n, k, d) = (router.rows, spec.top_k, router.cols);
     let logits = &mut s.logits[..n * e_n];
     matmul(router, &Input::plain(&s.pred_x[..n * d], d), logits); // [n, E]
+    if let Some(b) = m.router_bias {
+        logits.chunks_exact_mut(e_n).for_each(|row| row.iter_mut().zip(b).for_each(|(l, b)| *l += b));
+    }
     s.mark.fill(false);
     for t in 0..n {
         let ids = &mut s.ids[t * k..(t + 1) * k];
-        route(&logits[t * e_n..(t + 1) * e_n], spec, &mut s.probs, ids, &mut s.weights[t * k..(t + 1) * k]);
+        let w = &mut s.weights[t * k..(t + 1) * k];
+        route(&logits[t * e_n..(t + 1) * e_n], spec, m.correction, &mut s.probs, &mut s.sel, ids, w);
         for &e in ids.iter() {
             s.mark[e as usize] = true;
         }
@@ -425,16 +547,89 @@ mod tests {
     #[test]
     fn routing_weights_follow_the_spec() {
         let logits = [0.5f32, 2.0, -1.0, 1.0];
-        let mut probs = [0.0; 4];
+        let (mut probs, mut sel) = ([0.0; 4], [0.0; 4]);
         let (mut ids, mut w) = ([0u32; 2], [0.0f32; 2]);
-        let spec = RouterSpec { top_k: 2, score: RouterScore::Softmax, renormalize: false, scale: 1.0 };
-        route(&logits, &spec, &mut probs, &mut ids, &mut w);
+        let spec = RouterSpec { top_k: 2, ..Default::default() };
+        route(&logits, &spec, None, &mut probs, &mut sel, &mut ids, &mut w);
         assert_eq!(ids, [1, 3]);
         let z: f32 = logits.iter().map(|l| l.exp()).sum();
         assert!((w[0] - 2f32.exp() / z).abs() < 1e-6 && (w[1] - 1f32.exp() / z).abs() < 1e-6);
         let spec = RouterSpec { renormalize: true, ..spec };
-        route(&logits, &spec, &mut probs, &mut ids, &mut w);
+        route(&logits, &spec, None, &mut probs, &mut sel, &mut ids, &mut w);
         assert!((w[0] + w[1] - 1.0).abs() < 1e-6);
         assert!((w[0] / w[1] - 1f32.exp()).abs() < 1e-5);
+    }
+
+    /// The DeepSeek-V3 rule written out plainly: sigmoid scores, choice on
+    /// score + bias within the best groups (by the sum of their two best),
+    /// weights from the scores alone, renormalised and scaled.
+    fn reference_v3(logits: &[f32], bias: &[f32], groups: usize, top_groups: usize, k: usize) -> (Vec<u32>, Vec<f32>) {
+        let e = logits.len();
+        let scores: Vec<f32> = logits.iter().map(|&l| sigmoid(l)).collect();
+        let choice: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
+        let size = e / groups;
+        let mut gs: Vec<(usize, f32)> = (0..groups)
+            .map(|g| {
+                let mut v: Vec<f32> = choice[g * size..(g + 1) * size].to_vec();
+                v.sort_by(|a, b| b.total_cmp(a));
+                (g, v[0] + v[1])
+            })
+            .collect();
+        gs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let kept: Vec<usize> = gs[..top_groups].iter().map(|g| g.0).collect();
+        let mut cand: Vec<usize> = (0..e).filter(|i| kept.contains(&(i / size))).collect();
+        cand.sort_by(|a, b| choice[*b].total_cmp(&choice[*a]).then(a.cmp(b)));
+        let ids: Vec<u32> = cand[..k].iter().map(|&i| i as u32).collect();
+        let sum: f32 = ids.iter().map(|&i| scores[i as usize]).sum();
+        let w = ids.iter().map(|&i| scores[i as usize] / sum * 2.5).collect();
+        (ids, w)
+    }
+
+    #[test]
+    fn grouped_sigmoid_routing_with_a_correction_bias_matches_the_plain_rule() {
+        let mut seed = 11u64;
+        let mut rnd = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+        };
+        let spec = RouterSpec {
+            top_k: 3,
+            score: RouterScore::Sigmoid,
+            renormalize: true,
+            scale: 2.5,
+            correction_bias: true,
+            groups: Some(GroupLimit { groups: 4, top_groups: 2, score: GroupScore::TopTwoSum }),
+            ..Default::default()
+        };
+        for _ in 0..200 {
+            let logits: Vec<f32> = (0..12).map(|_| rnd()).collect();
+            let bias: Vec<f32> = (0..12).map(|_| rnd() * 0.2).collect();
+            let (mut probs, mut sel, mut ids, mut w) = ([0.0; 12], [0.0; 12], [0u32; 3], [0.0f32; 3]);
+            route(&logits, &spec, Some(&bias), &mut probs, &mut sel, &mut ids, &mut w);
+            let (want_ids, want_w) = reference_v3(&logits, &bias, 4, 2, 3);
+            assert_eq!(ids.to_vec(), want_ids);
+            for (a, b) in w.iter().zip(&want_w) {
+                assert!((a - b).abs() < 1e-6, "{a} vs {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn softmax_over_the_selected_logits_and_group_max() {
+        let logits = [0.5f32, 2.0, -1.0, 1.0, 3.0, 0.0];
+        let (mut probs, mut sel, mut ids, mut w) = ([0.0; 6], [0.0; 6], [0u32; 2], [0.0f32; 2]);
+        let spec = RouterSpec { top_k: 2, score: RouterScore::SoftmaxSelected, ..Default::default() };
+        route(&logits, &spec, None, &mut probs, &mut sel, &mut ids, &mut w);
+        assert_eq!(ids, [4, 1]);
+        let z = 3f32.exp() + 2f32.exp();
+        assert!((w[0] - 3f32.exp() / z).abs() < 1e-6 && (w[1] - 2f32.exp() / z).abs() < 1e-6);
+        // Groups of two scored by their best: {0,1} 2.0, {2,3} 1.0, {4,5} 3.0; keep one group.
+        let spec = RouterSpec {
+            top_k: 2,
+            groups: Some(GroupLimit { groups: 3, top_groups: 1, score: GroupScore::Max }),
+            ..Default::default()
+        };
+        route(&logits, &spec, None, &mut probs, &mut sel, &mut ids, &mut w);
+        assert_eq!(ids, [4, 5]);
     }
 }

@@ -1,4 +1,35 @@
-//! RMSNorm.
+//! RMSNorm and LayerNorm.
+
+use crate::model::config::{NormKind, NormSpec};
+
+/// The model's norm of one row: RMSNorm, or LayerNorm when `bias` is given
+/// (LayerNorm always has one in the supported models).
+pub fn norm(spec: NormSpec, x: &[f32], w: &[f32], bias: Option<&[f32]>, out: &mut [f32]) {
+    match (spec.kind, bias) {
+        (NormKind::Layer, Some(b)) => layernorm(x, w, b, spec.eps, out),
+        _ => rmsnorm(x, w, spec.eps, out),
+    }
+}
+
+/// [`norm`] of each D-wide row of `x` into `out`.
+pub fn norm_rows(spec: NormSpec, x: &[f32], w: &[f32], bias: Option<&[f32]>, out: &mut [f32]) {
+    let d = w.len();
+    for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        norm(spec, xr, w, bias, or);
+    }
+}
+
+/// `out = (x − mean) / sqrt(var + eps) * w + b` (biased variance, as torch),
+/// statistics in f64.
+pub fn layernorm(x: &[f32], w: &[f32], b: &[f32], eps: f32, out: &mut [f32]) {
+    let n = x.len() as f64;
+    let mean = x.iter().map(|&v| v as f64).sum::<f64>() / n;
+    let var = x.iter().map(|&v| (v as f64 - mean) * (v as f64 - mean)).sum::<f64>() / n;
+    let inv = 1.0 / (var + eps as f64).sqrt();
+    for (((o, &v), &g), &c) in out.iter_mut().zip(x).zip(w).zip(b) {
+        *o = ((v as f64 - mean) * inv) as f32 * g + c;
+    }
+}
 
 /// `out = x / sqrt(mean(x²) + eps) * w` for one row; the mean square is
 /// accumulated in f64 so long rows do not lose precision.

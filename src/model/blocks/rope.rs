@@ -11,20 +11,31 @@ pub struct Rope {
     pub inv_freq: Vec<f32>,
     /// Multiplier on cos and sin (YaRN's attention factor; 1 otherwise).
     pub magnitude: f32,
+    /// Rotate adjacent pairs (2i, 2i+1) instead of halves (i, i + R/2).
+    pub interleaved: bool,
 }
 
 impl Rope {
     /// Builds the frequency ladder for `spec`, following the variant's rule.
     pub fn new(spec: &RopeSpec) -> Rope {
+        let (inv_freq, magnitude) = Self::ladder(spec);
+        Rope { inv_freq, magnitude, interleaved: spec.interleaved }
+    }
+
+    /// Rotates the first R dimensions of one head in the model's layout.
+    #[inline]
+    pub fn rotate(&self, head: &mut [f32], cos: &[f32], sin: &[f32]) {
+        if self.interleaved { apply_pairs(head, cos, sin) } else { apply(head, cos, sin) }
+    }
+
+    fn ladder(spec: &RopeSpec) -> (Vec<f32>, f32) {
         let r = spec.rotary_dim;
         // θ^(2i/R) in f32, as transformers computes it.
         let base: Vec<f32> = (0..r / 2).map(|i| (spec.theta as f32).powf((2 * i) as f32 / r as f32)).collect();
         let plain: Vec<f32> = base.iter().map(|b| 1.0 / b).collect();
         match &spec.scaling {
-            RopeScaling::None => Rope { inv_freq: plain, magnitude: 1.0 },
-            RopeScaling::Linear { factor } => {
-                Rope { inv_freq: plain.iter().map(|f| f / *factor as f32).collect(), magnitude: 1.0 }
-            }
+            RopeScaling::None => (plain, 1.0),
+            RopeScaling::Linear { factor } => (plain.iter().map(|f| f / *factor as f32).collect(), 1.0),
             RopeScaling::Yarn {
                 factor,
                 original_max_position_embeddings,
@@ -54,7 +65,7 @@ impl Rope {
                         interp * (1.0 - extrapolate) + plain[i] * extrapolate
                     })
                     .collect();
-                Rope { inv_freq, magnitude: *attention_factor as f32 }
+                (inv_freq, *attention_factor as f32)
             }
             RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
                 let old = *original_max_position_embeddings as f64;
@@ -76,7 +87,7 @@ impl Rope {
                     })
                     .map(|f| f as f32)
                     .collect();
-                Rope { inv_freq, magnitude: 1.0 }
+                (inv_freq, 1.0)
             }
         }
     }
@@ -103,12 +114,25 @@ pub fn apply(head: &mut [f32], cos: &[f32], sin: &[f32]) {
     }
 }
 
+/// As [`apply`] for the interleaved layout: dimensions 2i and 2i+1 rotate
+/// together by angle i. (transformers' DeepSeek code de-interleaves q and k
+/// and then rotates halves; scores only see the dot product, which is the
+/// same for both orders as long as q and k agree.)
+#[inline]
+pub fn apply_pairs(head: &mut [f32], cos: &[f32], sin: &[f32]) {
+    for (i, p) in head[..2 * cos.len()].chunks_exact_mut(2).enumerate() {
+        let (x1, x2) = (p[0], p[1]);
+        p[0] = x1 * cos[i] - x2 * sin[i];
+        p[1] = x2 * cos[i] + x1 * sin[i];
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn spec(scaling: RopeScaling) -> RopeSpec {
-        RopeSpec { theta: 10000.0, rotary_dim: 8, scaling }
+        RopeSpec { theta: 10000.0, rotary_dim: 8, scaling, interleaved: false }
     }
 
     #[test]

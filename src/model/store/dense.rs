@@ -30,7 +30,7 @@ pub(crate) struct DenseCopy {
 fn expert_tensors(file: &ColibriFile) -> Vec<bool> {
     let mut is_expert = vec![false; file.meta().tensors.len()];
     for s in &file.meta().experts {
-        for which in ExpertTensor::ALL {
+        for which in ExpertTensor::ALL.into_iter().chain(ExpertTensor::BIASES) {
             if let Some(i) = file.index_of(&TensorId::Expert(s.layer, s.expert, which).to_string()) {
                 is_expert[i] = true;
             }

@@ -274,11 +274,18 @@ pub(crate) fn busy() -> bool {
     BUSY.with(|b| b.get() > 0)
 }
 
+/// One expert's tensors in the file.
+#[derive(Clone, Copy, Debug)]
+struct ExpertRefs {
+    mats: [TensorRef; 3],
+    bias: Option<[TensorRef; 3]>,
+}
+
 /// Every expert resident through the file mapping.
 pub struct ResidentStore {
     file: Arc<ColibriFile>,
-    /// refs[layer][expert] = [gate, up, down]; empty for dense layers.
-    refs: Vec<Vec<[TensorRef; 3]>>,
+    /// refs[layer][expert] = ([gate, up, down], their biases); empty for dense layers.
+    refs: Vec<Vec<ExpertRefs>>,
     lookups: Vec<std::sync::atomic::AtomicU64>,
 }
 
@@ -289,9 +296,13 @@ impl ResidentStore {
         for l in 0..cfg.layers.len() {
             let n = cfg.experts_in_layer(l);
             let mut layer = Vec::with_capacity(n);
+            let biased = cfg.moe.as_ref().is_some_and(|m| m.expert_bias);
             for e in 0..n {
                 let r = |x| tensor_ref(&file, TensorId::Expert(l, e, x));
-                layer.push([r(ExpertTensor::Gate)?, r(ExpertTensor::Up)?, r(ExpertTensor::Down)?]);
+                let [g, u, d] = ExpertTensor::ALL;
+                let [bg, bu, bd] = ExpertTensor::BIASES;
+                let bias = if biased { Some([r(bg)?, r(bu)?, r(bd)?]) } else { None };
+                layer.push(ExpertRefs { mats: [r(g)?, r(u)?, r(d)?], bias });
             }
             refs.push(layer);
         }
@@ -310,8 +321,14 @@ impl ExpertStore for ResidentStore {
         if !matches!(lease.place, Place::Resident) {
             return Err(Error::InvalidInput("an expert lease was used with a store that did not issue it".into()));
         }
-        let [g, u, d] = self.refs[lease.layer()][lease.expert()];
-        Ok(ExpertView { gate: matrix(&self.file, g), up: matrix(&self.file, u), down: matrix(&self.file, d) })
+        let ExpertRefs { mats: [g, u, d], bias } = self.refs[lease.layer()][lease.expert()];
+        let vec = |t: TensorRef| -> &[f32] { bytemuck::cast_slice(matrix(&self.file, t).bytes) };
+        Ok(ExpertView {
+            gate: matrix(&self.file, g),
+            up: matrix(&self.file, u),
+            down: matrix(&self.file, d),
+            bias: bias.map(|b| b.map(vec)),
+        })
     }
 
     fn stats(&self) -> StoreStats {

@@ -57,7 +57,9 @@ pub(crate) struct ExpertLoc {
     pub(crate) off: u64,
     /// Slab length.
     pub(crate) len: u64,
-    mats: [MatLoc; 3],
+    /// Gate, up, down, then (when `biased`) their biases.
+    mats: [MatLoc; 6],
+    biased: bool,
 }
 
 /// Every routed expert's slab and matrices, `[layer][expert]` (empty rows
@@ -72,14 +74,17 @@ pub(crate) fn expert_locs(file: &ColibriFile) -> Result<Vec<Vec<ExpertLoc>>> {
         let mut layer = Vec::with_capacity(n);
         for e in 0..n {
             let (off, len) = file.expert_slab(l, e).ok_or_else(|| bad(format!("expert slab ({l}, {e}) is missing")))?;
-            let mut mats = [MatLoc { rel: 0, len: 0, dtype: DType::F32, rows: 0, cols: 0 }; 3];
-            for (m, which) in mats.iter_mut().zip(ExpertTensor::ALL) {
+            let mut mats = [MatLoc { rel: 0, len: 0, dtype: DType::F32, rows: 0, cols: 0 }; 6];
+            let biased = cfg.moe.as_ref().is_some_and(|m| m.expert_bias);
+            let which_all = ExpertTensor::ALL.into_iter().chain(ExpertTensor::BIASES);
+            for (m, which) in mats.iter_mut().zip(which_all).take(if biased { 6 } else { 3 }) {
                 let name = TensorId::Expert(l, e, which).to_string();
                 let i = file.index_of(&name).ok_or_else(|| bad(format!("tensor {name} is missing")))?;
                 let t = &file.meta().tensors[i];
                 let (rows, cols) = match t.shape.as_slice() {
                     [r, c] => (*r, *c),
-                    s => return Err(bad(format!("tensor {name}: expected 2 dimensions, got {s:?}"))),
+                    [c] => (1, *c),
+                    s => return Err(bad(format!("tensor {name}: expected 1 or 2 dimensions, got {s:?}"))),
                 };
                 let abs = file.data_offset() + t.offset;
                 // The reader checked the tensor lies inside its slab.
@@ -88,7 +93,7 @@ pub(crate) fn expert_locs(file: &ColibriFile) -> Result<Vec<Vec<ExpertLoc>>> {
                     return Err(bad(format!("tensor {name}: misplaced inside its expert slab")));
                 }
             }
-            layer.push(ExpertLoc { off, len, mats });
+            layer.push(ExpertLoc { off, len, mats, biased });
         }
         out.push(layer);
     }
@@ -471,7 +476,18 @@ impl Shared {
                 Error::InvalidInput(format!("internal error: expert {e} of layer {l} is misaligned in its slot"))
             })
         };
-        Ok(ExpertView { gate: m(0)?, up: m(1)?, down: m(2)? })
+        let bias = if loc.biased {
+            let v = |i: usize| -> Result<&'a [f32]> {
+                let b = m(i)?;
+                bytemuck::try_cast_slice(b.bytes).map_err(|_| {
+                    Error::InvalidInput(format!("internal error: a bias of expert {e} of layer {l} is misaligned"))
+                })
+            };
+            Some([v(3)?, v(4)?, v(5)?])
+        } else {
+            None
+        };
+        Ok(ExpertView { gate: m(0)?, up: m(1)?, down: m(2)?, bias })
     }
 
     /// One step of an I/O thread: takes a request and reads it; false on shutdown.

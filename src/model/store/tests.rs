@@ -525,3 +525,23 @@ fn byte_sizes_parse_in_decimal_and_binary_units() {
         assert!(e.contains(why) && e.contains("4GB"), "{s:?}: {e}");
     }
 }
+
+#[test]
+fn streamed_experts_with_biases_and_the_new_paths_match_resident() {
+    // Expert biases live in the slab; MLA, sinks, grouped sigmoid routing and
+    // the clamped SwiGLU all run through the store's views.
+    let dir = tempfile::tempdir().unwrap();
+    let p2 = pool(2);
+    for dtype in [DType::F32, DType::Q8_0] {
+        let path = dir.path().join(format!("frontier-{dtype}.colibri"));
+        write_random_model(&path, &crate::synth::frontier_config(), dtype, 3);
+        let toks = prompt(17, 1);
+        let want = run(&Model::open(&path).unwrap(), &p2, &toks, 5, 6).unwrap();
+        assert!(want.logits.iter().all(|b| f32::from_bits(*b).is_finite()), "{dtype}: non-finite logits");
+        for policy in Policy::all() {
+            let m = Model::open_with(&path, &opts(Some(slots(&path, 4)), policy)).unwrap();
+            assert!(m.streams());
+            assert!(run(&m, &p2, &toks, 5, 6).unwrap() == want, "{dtype} {policy:?}: streamed output differs");
+        }
+    }
+}

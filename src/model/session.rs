@@ -1,5 +1,6 @@
 //! Per-conversation state: the KV cache and every activation buffer, sized
-//! once at creation so the forward pass never allocates.
+//! once at creation so the forward pass never allocates. It lives beside the
+//! model (the engine wraps it) because the forward pass is its only user.
 
 use crate::kernels::BlockQ8;
 use crate::model::Model;
@@ -67,8 +68,10 @@ pub struct Session {
     pub k: Vec<f32>,
     /// [C, Hkv·Dh] values of this chunk.
     pub v: Vec<f32>,
-    /// [C, H·Dh] attention output.
+    /// [C, H·Dv] attention output.
     pub att: Vec<f32>,
+    /// MLA buffers (empty for GQA).
+    pub mla: MlaScratch,
     /// [C, D] block output before the residual add.
     pub proj: Vec<f32>,
     /// [C, D] shared expert output.
@@ -79,7 +82,7 @@ pub struct Session {
     pub u: Vec<f32>,
     /// Some matrix is block-quantised, so activations are quantised too.
     pub quantize: bool,
-    /// [C, max(D, H·Dh)/32] quantised copy of the current matmul input.
+    /// [C, max(D, H·Dh, H·Dv)/32] quantised copy of the current matmul input.
     pub xq: Vec<BlockQ8>,
     /// [C, Fmax/32] quantised MLP hidden activations.
     pub hq: Vec<BlockQ8>,
@@ -107,6 +110,10 @@ impl Session {
         let max_seq = max_seq.clamp(1, c.max_seq_len);
         let chunk = chunk.clamp(1, max_seq);
         let (d, l, kv) = (c.hidden_size, c.num_layers(), c.kv_dim());
+        let (k_width, v_width) = match c.mla() {
+            Some(m) => (m.kv_lora_rank + m.qk_rope_dim, 0),
+            None => (kv, kv),
+        };
         let mut fmax = 1;
         for layer in &c.layers {
             if let FfnSpec::Dense { ffn_dim } = layer.ffn {
@@ -127,19 +134,20 @@ impl Session {
             max_seq,
             chunk,
             pos: 0,
-            kv: KvCache::new(kv_dtype, l, max_seq, kv),
+            kv: KvCache::new(kv_dtype, l, max_seq, k_width, v_width),
             x: vec![0.0; chunk * d],
             xn: vec![0.0; chunk * d],
             q: vec![0.0; chunk * c.q_dim()],
-            k: vec![0.0; chunk * kv],
+            k: vec![0.0; chunk * k_width],
             v: vec![0.0; chunk * kv],
-            att: vec![0.0; chunk * c.q_dim()],
+            att: vec![0.0; chunk * c.att_dim()],
+            mla: MlaScratch::new(c, chunk),
             proj: vec![0.0; chunk * d],
             shared: vec![0.0; chunk * d],
             g: vec![0.0; chunk * fmax],
             u: vec![0.0; chunk * fmax],
             quantize: model.has_block_weights(),
-            xq: vec![BlockQ8::default(); chunk * d.max(c.q_dim()) / 32],
+            xq: vec![BlockQ8::default(); chunk * d.max(c.q_dim()).max(c.att_dim()) / 32],
             hq: vec![BlockQ8::default(); chunk * fmax / 32],
             cos: vec![0.0; chunk * half],
             sin: vec![0.0; chunk * half],
@@ -154,14 +162,50 @@ impl Session {
     }
 }
 
-/// `[L, S, Hkv·Dh]` keys and values in f32 or f16.
+/// Buffers of multi-head latent attention for up to C tokens.
+#[derive(Default)]
+pub struct MlaScratch {
+    /// [C, Rq] query latent (with `q_lora_rank`).
+    pub q_lat: Vec<f32>,
+    /// [C, H·(R + Dr)] absorbed queries: `W_UKᵀ · q_nope` then the rotated `q_pe`.
+    pub q_abs: Vec<f32>,
+    /// [C, H·R] attention output in latent space.
+    pub o_lat: Vec<f32>,
+    /// [H, C, max(Dn, R)] one head's rows gathered for its own matmul.
+    pub head_in: Vec<f32>,
+    /// [H, C·max(Dn, R)/32 + 1] the same, quantised.
+    pub head_q: Vec<BlockQ8>,
+    /// [H, C, max(R, Dv)] one head's matmul output.
+    pub head_out: Vec<f32>,
+}
+
+impl MlaScratch {
+    fn new(c: &crate::model::config::ModelConfig, chunk: usize) -> MlaScratch {
+        let Some(m) = c.mla() else { return MlaScratch::default() };
+        let (h, r) = (c.num_heads, m.kv_lora_rank);
+        let inw = m.qk_nope_dim.max(r);
+        MlaScratch {
+            q_lat: vec![0.0; chunk * m.q_lora_rank.unwrap_or(0)],
+            q_abs: vec![0.0; chunk * h * (r + m.qk_rope_dim)],
+            o_lat: vec![0.0; chunk * h * r],
+            head_in: vec![0.0; h * chunk * inw],
+            head_q: vec![BlockQ8::default(); h * (chunk * inw / 32 + 1)],
+            head_out: vec![0.0; h * chunk * r.max(m.v_head_dim)],
+        }
+    }
+}
+
+/// `[L, S, Wk]` keys and `[L, S, Wv]` values in f32 or f16: per position
+/// Wk = Wv = Hkv·Dh for GQA; for MLA the keys are the latent and the rotated
+/// key (R + Dr) and there are no separate values (Wv = 0: they are the latent).
 pub struct KvCache {
     /// Element type (f32 or f16).
     pub dtype: DType,
     /// S: positions per layer.
     max_seq: usize,
-    /// Bytes of one position of one layer.
-    row_bytes: usize,
+    /// Values per position of one layer, keys and values.
+    k_width: usize,
+    v_width: usize,
     /// Keys (after norm and RoPE) as `dtype` values; f32 storage only for
     /// its alignment.
     k: Vec<f32>,
@@ -170,30 +214,46 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    fn new(dtype: DType, layers: usize, max_seq: usize, kv_dim: usize) -> KvCache {
+    fn new(dtype: DType, layers: usize, max_seq: usize, k_width: usize, v_width: usize) -> KvCache {
         assert!(matches!(dtype, DType::F32 | DType::F16), "the KV cache holds f32 or f16, not {dtype}");
-        let row_bytes = kv_dim * dtype.row_bytes(1).expect("an element type");
+        let es = dtype.row_bytes(1).expect("an element type");
         // Zeroed allocations: pages are only committed as positions fill.
-        let words = (layers * max_seq * row_bytes).div_ceil(4);
-        KvCache { dtype, max_seq, row_bytes, k: vec![0.0; words], v: vec![0.0; words] }
+        let words = |w: usize| (layers * max_seq * w * es).div_ceil(4);
+        KvCache { dtype, max_seq, k_width, v_width, k: vec![0.0; words(k_width)], v: vec![0.0; words(v_width)] }
     }
 
-    /// Stores the keys and values (`[n, Hkv·Dh]` f32 each) of positions
-    /// `pos0..pos0+n` of layer `l`, converted to the cache's type.
-    pub fn store(&mut self, l: usize, pos0: usize, kv_dim: usize, k: &[f32], v: &[f32]) {
-        let rb = self.row_bytes;
-        let at = (l * self.max_seq + pos0) * rb;
-        let len = k.len() / kv_dim * rb;
-        let kb: &mut [u8] = bytemuck::cast_slice_mut(&mut self.k);
-        crate::quant::encode(self.dtype, k, kv_dim, &mut kb[at..at + len]);
-        let vb: &mut [u8] = bytemuck::cast_slice_mut(&mut self.v);
-        crate::quant::encode(self.dtype, v, kv_dim, &mut vb[at..at + len]);
+    /// Bytes the cache holds per token (all layers, keys and values).
+    pub fn bytes_per_token(&self, layers: usize) -> usize {
+        layers * (self.k_width + self.v_width) * self.dtype.row_bytes(1).expect("an element type")
+    }
+
+    /// Stores the keys (`[n, Wk]` f32) and values (`[n, Wv]`; empty for MLA)
+    /// of positions `pos0..pos0+n` of layer `l`, converted to the cache's type.
+    pub fn store(&mut self, l: usize, pos0: usize, k: &[f32], v: &[f32]) {
+        let es = self.dtype.row_bytes(1).expect("an element type");
+        for (buf, w, x) in [(&mut self.k, self.k_width, k), (&mut self.v, self.v_width, v)] {
+            if w == 0 {
+                continue;
+            }
+            let at = (l * self.max_seq + pos0) * w * es;
+            let len = x.len() * es;
+            let b: &mut [u8] = bytemuck::cast_slice_mut(buf);
+            crate::quant::encode(self.dtype, x, w, &mut b[at..at + len]);
+        }
     }
 
     /// Layer `l`'s keys and values of positions `0..len`.
     pub fn view(&self, l: usize, len: usize) -> KvView<'_> {
-        let at = l * self.max_seq * self.row_bytes;
+        let es = self.dtype.row_bytes(1).expect("an element type");
         let (kb, vb): (&[u8], &[u8]) = (bytemuck::cast_slice(&self.k), bytemuck::cast_slice(&self.v));
-        KvView { dtype: self.dtype, k: &kb[at..at + len * self.row_bytes], v: &vb[at..at + len * self.row_bytes] }
+        let ka = l * self.max_seq * self.k_width * es;
+        let k = &kb[ka..ka + len * self.k_width * es];
+        if self.v_width == 0 {
+            // MLA: the values are the first R values of each key row.
+            return KvView { dtype: self.dtype, k, v: k, k_row: self.k_width, v_row: self.k_width };
+        }
+        let va = l * self.max_seq * self.v_width * es;
+        let v = &vb[va..va + len * self.v_width * es];
+        KvView { dtype: self.dtype, k, v, k_row: self.k_width, v_row: self.v_width }
     }
 }
