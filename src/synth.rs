@@ -85,7 +85,14 @@ pub fn config_for(dtype: DType) -> ModelConfig {
 /// sliding window. Not any real model: it exists to test invariants
 /// (prefill = decode, thread count, placement) over the new code paths.
 pub fn frontier_config() -> ModelConfig {
-    let mla = MlaSpec { q_lora_rank: Some(32), kv_lora_rank: 32, qk_nope_dim: 32, qk_rope_dim: 16, v_head_dim: 16 };
+    let mla = MlaSpec {
+        q_lora_rank: Some(32),
+        kv_lora_rank: 32,
+        qk_nope_dim: 32,
+        qk_rope_dim: 16,
+        v_head_dim: 16,
+        latent_eps: 1e-6,
+    };
     ModelConfig {
         vocab_size: 61,
         hidden_size: 64,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -59,33 +60,72 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 # info
 
 
-def _params(cfg: dict) -> tuple[int, int]:
-    """Total and active-per-token parameter counts from the canonical config."""
-    d, v = cfg["hidden_size"], cfg["vocab_size"]
-    q, kv = cfg["num_heads"] * cfg["head_dim"], cfg["num_kv_heads"] * cfg["head_dim"]
-    attn = d * q * 2 + d * kv * 2
-    total = active = v * d * (1 if cfg["tie_embeddings"] else 2)
+def _params(cfg: dict, tensors: list[tuple[str, str, tuple[int, ...], int]]) -> tuple[int, int]:
+    """Total and active-per-token parameter counts, from the tensor table:
+    everything but the routed experts is active, plus top-k experts per MoE layer."""
+    count = {name: math.prod(shape) for name, _, shape, _ in tensors}
+    total = sum(count.values())
+    experts: dict[str, int] = {}  # "layers.L" -> parameters of all its routed experts
+    for name, n in count.items():
+        if ".moe.experts." in name:
+            layer = name.split(".moe.experts.")[0]
+            experts[layer] = experts.get(layer, 0) + n
     moe: dict[str, Any] = cfg.get("moe") or {}
-    for layer in cfg["layers"]:
-        total += attn
-        active += attn
-        ffn = layer["ffn"]
-        if ffn["kind"] == "dense":
-            total += 3 * d * ffn["ffn_dim"]
-            active += 3 * d * ffn["ffn_dim"]
-        else:
-            expert = 3 * d * moe["expert_ffn_dim"]
-            shared = 3 * d * moe["shared_expert"]["ffn_dim"] if moe.get("shared_expert") else 0
-            router = moe["num_experts"] * d
-            total += moe["num_experts"] * expert + shared + router
-            active += moe["router"]["top_k"] * expert + shared + router
+    active = total - sum(experts.values())
+    if moe:
+        active += sum(n * moe["router"]["top_k"] // moe["num_experts"] for n in experts.values())
     return total, active
+
+
+def _attention(cfg: dict) -> str:
+    """One line on the attention: kind, heads, widths, windows, sinks."""
+    att = cfg["attention"]
+    kind = att.get("kind", {"type": "gqa"})
+    if kind.get("type") == "mla":
+        text = (
+            f"MLA, {cfg['num_heads']} heads, latent {kind['kv_lora_rank']} + rope {kind['qk_rope_dim']}, "
+            f"q/k {kind['qk_nope_dim']}+{kind['qk_rope_dim']}, v {kind['v_head_dim']}"
+        )
+        if kind.get("q_lora_rank"):
+            text += f", q rank {kind['q_lora_rank']}"
+    else:
+        text = f"GQA, heads {cfg['num_heads']}/{cfg['num_kv_heads']} x {cfg['head_dim']}"
+    windows = sorted({layer["sliding_window"] for layer in cfg["layers"] if layer.get("sliding_window")})
+    if windows:
+        sliding = sum(1 for layer in cfg["layers"] if layer.get("sliding_window"))
+        text += f", sliding window {'/'.join(map(str, windows))} on {sliding} of {len(cfg['layers'])} layers"
+    if att.get("sinks"):
+        text += ", sinks"
+    return text
+
+
+def _kv_bytes_per_token(cfg: dict, dtype: str) -> int:
+    """KV-cache bytes per token over all layers: K and V of each kv head (GQA),
+    or the compressed latent and the rotated key (MLA)."""
+    kind = cfg["attention"].get("kind", {"type": "gqa"})
+    if kind.get("type") == "mla":
+        width = kind["kv_lora_rank"] + kind["qk_rope_dim"]
+    else:
+        width = 2 * cfg["num_kv_heads"] * cfg["head_dim"]
+    return len(cfg["layers"]) * width * (2 if dtype == "f16" else 4)
+
+
+def _source_format(engine: Engine) -> str:
+    """What the checkpoint was stored as, when the file recorded it."""
+    src = engine.source_config or {}
+    quant = (src.get("quantization_config") or {}).get("quant_method")
+    dtype = src.get("torch_dtype") or src.get("dtype")
+    parts = [p for p in (quant, dtype) if p]
+    return " / ".join(str(p) for p in parts) if parts else "unknown"
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
     engine = Engine(args.model, threads=1)
     cfg = engine.config
-    total, active = _params(cfg)
+    all_tensors = engine.tensors()
+    total, active = _params(cfg, all_tensors)
+    kv_dtype = engine.kv_cache_dtype
+    kv_bytes = _kv_bytes_per_token(cfg, kv_dtype)
     if args.json:
         out: dict[str, Any] = {
             "architecture": engine.architecture,
@@ -93,6 +133,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
             "file_bytes": engine.file_size,
             "context_length": engine.context_length,
             "parameters": {"total": total, "active_per_token": active},
+            "attention": _attention(cfg),
+            "kv_cache": {"dtype": kv_dtype, "bytes_per_token": kv_bytes},
+            "source_format": _source_format(engine),
             "tokenizer": engine.has_tokenizer,
             "chat_template": engine.chat_template is not None,
             "config": cfg,
@@ -116,10 +159,10 @@ def _cmd_info(args: argparse.Namespace) -> int:
             f"{moe.get('num_experts', 0)} routed, top-{moe.get('router', {}).get('top_k', 0)}"
             + (", 1 shared" if moe.get("shared_expert") else ""),
         ),
-        (
-            "hidden",
-            f"{cfg['hidden_size']}, heads {cfg['num_heads']}/{cfg['num_kv_heads']} x {cfg['head_dim']}",
-        ),
+        ("hidden", str(cfg["hidden_size"])),
+        ("attention", _attention(cfg)),
+        ("KV cache", f"{kv_dtype}, {_human(kv_bytes)} per token ({_human(kv_bytes * 4096)} at 4k context)"),
+        ("source", _source_format(engine)),
         ("context", str(engine.context_length)),
         ("vocabulary", str(engine.vocab_size)),
         ("tokenizer", "yes" if engine.has_tokenizer else "no (token ids only)"),
@@ -129,7 +172,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     if args.tensors:
-        tensors = engine.tensors()
+        tensors = all_tensors
         name_w = max(len(n) for n, _, _, _ in tensors)
         print(f"\n{'tensor':<{name_w}}  {'dtype':<6}  {'shape':<16}  bytes")
         for name, dtype, shape, nbytes in tensors:

@@ -14,7 +14,8 @@ use crate::error::Result;
 use crate::model::config::*;
 use crate::model::tensors::{ExpertTensor, LayerTensor, TensorId};
 
-pub static ARCH: Arch = Arch { hf_class: "MixtralForCausalLM", model_type: "mixtral", config, source };
+pub static ARCH: Arch =
+    Arch { hf_class: "MixtralForCausalLM", model_type: "mixtral", config, source, ignored: super::nothing_ignored };
 
 fn config(c: &HfConfig) -> Result<ModelConfig> {
     c.require_silu("hidden_act")?;

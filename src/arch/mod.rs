@@ -8,8 +8,13 @@
 //! mapping). [`REGISTRY`] is the single table keyed by class name; nothing
 //! else in the crate matches on the architecture.
 
+mod deepseek;
+mod glm4_moe;
+mod gpt_oss;
+mod granitemoe;
 mod mixtral;
 mod olmoe;
+mod phimoe;
 mod qwen2_moe;
 mod qwen3_moe;
 
@@ -31,6 +36,15 @@ pub struct Arch {
     pub config: fn(&HfConfig) -> Result<ModelConfig>,
     /// Where a canonical tensor comes from in the Hub checkpoint.
     pub source: fn(&HfConfig, &ModelConfig, TensorId) -> Source,
+    /// Hub tensors the engine does not use and the converter may skip (e.g.
+    /// DeepSeek-V3's multi-token-prediction layer); every other unused
+    /// tensor is an error.
+    pub ignored: fn(&HfConfig, &str) -> bool,
+}
+
+/// For adapters whose checkpoints hold nothing to skip.
+pub(crate) fn nothing_ignored(_: &HfConfig, _: &str) -> bool {
+    false
 }
 
 /// How one canonical tensor is cut out of one Hub tensor. The steps apply in
@@ -92,7 +106,18 @@ impl Source {
 }
 
 /// Every supported architecture.
-pub static REGISTRY: &[&Arch] = &[&mixtral::ARCH, &qwen2_moe::ARCH, &qwen3_moe::ARCH, &olmoe::ARCH];
+pub static REGISTRY: &[&Arch] = &[
+    &mixtral::ARCH,
+    &qwen2_moe::ARCH,
+    &qwen3_moe::ARCH,
+    &olmoe::ARCH,
+    &deepseek::V2,
+    &deepseek::V3,
+    &gpt_oss::ARCH,
+    &glm4_moe::ARCH,
+    &granitemoe::ARCH,
+    &phimoe::ARCH,
+];
 
 /// Comma-separated class names, for error messages and docs.
 pub fn supported_list() -> String {
@@ -305,6 +330,38 @@ impl HfConfig {
                     truncate,
                 }
             }
+            "longrope" => {
+                let list = |k: &str| -> Result<Vec<f64>> {
+                    p.and_then(|p| p.get(k))
+                        .and_then(Value::as_array)
+                        .and_then(|a| a.iter().map(Value::as_f64).collect::<Option<Vec<f64>>>())
+                        .ok_or_else(|| self.err(format!("longrope scaling needs `{k}` as a list of numbers")))
+                };
+                let original = match (
+                    self.opt_usize("original_max_position_embeddings")?,
+                    num("original_max_position_embeddings"),
+                ) {
+                    (Some(o), _) => o,
+                    (None, Some(o)) => o as usize,
+                    (None, None) => {
+                        return Err(self.err("longrope scaling needs original_max_position_embeddings".into()));
+                    }
+                };
+                // transformers' default attention factor, used when no mscale is given.
+                let factor = num("factor").unwrap_or(max_pos as f64 / original.max(1) as f64);
+                let default = num("attention_factor").unwrap_or(if factor <= 1.0 {
+                    1.0
+                } else {
+                    (1.0 + factor.ln() / (original as f64).ln()).sqrt()
+                });
+                RopeScaling::LongRope {
+                    short_factor: list("short_factor")?,
+                    long_factor: list("long_factor")?,
+                    original_max_position_embeddings: original,
+                    short_mscale: num("short_mscale").unwrap_or(default),
+                    long_mscale: num("long_mscale").unwrap_or(default),
+                }
+            }
             "llama3" => RopeScaling::Llama3 {
                 factor: need("factor")?,
                 low_freq_factor: need("low_freq_factor")?,
@@ -313,7 +370,7 @@ impl HfConfig {
             },
             other => {
                 return Err(Error::Unsupported(format!(
-                    "{}: rope scaling type \"{other}\" is not supported (supported: default, linear, yarn, llama3)",
+                    "{}: rope scaling type \"{other}\" is not supported (supported: default, linear, yarn, longrope, llama3)",
                     self.path.display()
                 )));
             }

@@ -19,7 +19,8 @@ use crate::error::Result;
 use crate::model::config::*;
 use crate::model::tensors::TensorId;
 
-pub static ARCH: Arch = Arch { hf_class: "Qwen2MoeForCausalLM", model_type: "qwen2_moe", config, source };
+pub static ARCH: Arch =
+    Arch { hf_class: "Qwen2MoeForCausalLM", model_type: "qwen2_moe", config, source, ignored: super::nothing_ignored };
 
 fn config(c: &HfConfig) -> Result<ModelConfig> {
     c.require_silu("hidden_act")?;

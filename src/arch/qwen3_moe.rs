@@ -16,7 +16,8 @@ use crate::error::Result;
 use crate::model::config::*;
 use crate::model::tensors::TensorId;
 
-pub static ARCH: Arch = Arch { hf_class: "Qwen3MoeForCausalLM", model_type: "qwen3_moe", config, source };
+pub static ARCH: Arch =
+    Arch { hf_class: "Qwen3MoeForCausalLM", model_type: "qwen3_moe", config, source, ignored: super::nothing_ignored };
 
 fn config(c: &HfConfig) -> Result<ModelConfig> {
     c.require_silu("hidden_act")?;

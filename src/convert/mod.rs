@@ -197,8 +197,12 @@ fn derived_shape(s: &Source, shape: &[usize]) -> std::result::Result<Vec<usize>,
         shape.remove(0);
     }
     if s.transpose || s.rows.is_some() || s.transpose_blocks {
-        let [r, c] = shape[..] else {
-            return Err(format!("tensor {} has shape {shape:?}; the adapter needs 2 dimensions here", s.name));
+        // A vector takes row picks as a column (e.g. half of a stacked gate/up bias).
+        let vector = shape.len() == 1 && !s.transpose && !s.transpose_blocks;
+        let (r, c) = match shape[..] {
+            [r, c] => (r, c),
+            [r] if vector => (r, 1),
+            _ => return Err(format!("tensor {} has shape {shape:?}; the adapter needs 2 dimensions here", s.name)),
         };
         let (mut r, mut c) = if s.transpose { (c, r) } else { (r, c) };
         let mut len = r;
@@ -212,7 +216,7 @@ fn derived_shape(s: &Source, shape: &[usize]) -> std::result::Result<Vec<usize>,
         if s.transpose_blocks {
             (r, c) = (r / len * c, len);
         }
-        shape = vec![r, c];
+        shape = if vector { vec![r] } else { vec![r, c] };
     }
     Ok(shape)
 }
@@ -227,7 +231,7 @@ fn materialize<'a>(ck: &'a Checkpoint, s: &Source, t: &SrcTensor) -> Result<(DTy
     }
     let (shape, mut v) = ck.decode_f32(&s.name, t, s.index)?;
     if s.transpose || s.rows.is_some() || s.transpose_blocks {
-        let (mut r, mut c) = (shape[0], shape[1]);
+        let (mut r, mut c) = (shape[0], shape.get(1).copied().unwrap_or(1));
         if s.transpose {
             v = transpose(&v, r, c);
             (r, c) = (c, r);
@@ -339,7 +343,8 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
     }
     let used: std::collections::HashSet<&str> = sources.iter().map(|(_, s, _)| s.name.as_str()).collect();
     let tied_head = |n: &str| cfg.tie_embeddings && n == "lm_head.weight";
-    let unused: Vec<&str> = ck.names().filter(|n| !used.contains(n) && !ignorable(n) && !tied_head(n)).collect();
+    let unused: Vec<&str> =
+        ck.names().filter(|n| !used.contains(n) && !ignorable(n) && !tied_head(n) && !(arch.ignored)(&hf, n)).collect();
     if !unused.is_empty() {
         let more = if unused.len() > 5 { format!(" and {} more", unused.len() - 5) } else { String::new() };
         return Err(Error::checkpoint(

@@ -132,6 +132,22 @@ pub enum RopeScaling {
         /// Round the ramp bounds to whole dimensions (transformers' default).
         truncate: bool,
     },
+    /// LongRoPE (Phi-3, Phi-MoE): per-frequency divisors; the magnitude is
+    /// `short_mscale` while the call's sequence fits the original context
+    /// and `long_mscale` past it. The frequencies are always the short ones:
+    /// transformers' Phi-MoE recomputes them without the sequence length.
+    LongRope {
+        /// R/2 divisors of the inverse frequencies.
+        short_factor: Vec<f64>,
+        /// R/2 divisors for long sequences (kept for the record; unused, as in transformers).
+        long_factor: Vec<f64>,
+        /// Context length the model was trained at.
+        original_max_position_embeddings: usize,
+        /// Magnitude for sequences up to the original length.
+        short_mscale: f64,
+        /// Magnitude for longer sequences.
+        long_mscale: f64,
+    },
     /// Llama-3 style smooth per-frequency scaling.
     Llama3 {
         /// Scale for low frequencies.
@@ -197,7 +213,7 @@ pub enum AttentionKind {
 /// (the config's `head_dim`); the cache holds one compressed latent of
 /// `kv_lora_rank` values plus the shared rotated key of `rope` values per
 /// token, and keys and values are recovered from it through `kv_b`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct MlaSpec {
     /// Rank of the low-rank query path (`q_a` → norm → `q_b`); `None` = one q projection.
     pub q_lora_rank: Option<usize>,
@@ -209,6 +225,9 @@ pub struct MlaSpec {
     pub qk_rope_dim: usize,
     /// Per-head value width.
     pub v_head_dim: usize,
+    /// Epsilon of the RMSNorms of the query and key/value latents
+    /// (transformers leaves them at 1e-6 whatever `rms_norm_eps` says).
+    pub latent_eps: f32,
 }
 
 /// How router logits become expert weights.
@@ -221,6 +240,14 @@ pub enum RouterScore {
     SoftmaxSelected,
     /// Sigmoid of each logit, then top-k (DeepSeek-V3, GLM-4.5).
     Sigmoid,
+    /// Phi-MoE's sparsemixer as transformers runs it in eval mode: top-2 by
+    /// logit, each weight a softmax over the experts whose logit lies within
+    /// a relative `2·jitter_eps` of that choice's (the first choice left out
+    /// of the second's).
+    SparseMixer {
+        /// `router_jitter_noise`.
+        jitter_eps: f32,
+    },
 }
 
 /// Group-limited selection: experts are split into `groups` equal groups,
@@ -455,6 +482,19 @@ impl ModelConfig {
                     return bad(format!("rope scaling factor {factor} must be > 0"));
                 }
             }
+            RopeScaling::LongRope { short_factor, long_factor, .. } => {
+                let half = rd / 2;
+                if short_factor.len() != half || long_factor.len() != half {
+                    return bad(format!(
+                        "longrope needs {half} short and long factors (rotary_dim {rd}), got {} and {}",
+                        short_factor.len(),
+                        long_factor.len()
+                    ));
+                }
+                if short_factor.iter().chain(long_factor).any(|f| !(f.is_finite() && *f > 0.0)) {
+                    return bad("longrope factors must be finite and > 0".into());
+                }
+            }
         }
         if let Some(m) = self.mla() {
             let dims = [m.kv_lora_rank, m.qk_nope_dim, m.qk_rope_dim, m.v_head_dim, m.q_lora_rank.unwrap_or(1)];
@@ -495,6 +535,11 @@ impl ModelConfig {
                         return bad(format!("layer {i} is MoE but the config has no MoE block"));
                     };
                     let (e, k, f) = (moe.num_experts, moe.router.top_k, moe.expert_ffn_dim);
+                    if matches!(moe.router.score, RouterScore::SparseMixer { .. }) && (k != 2 || e < 2) {
+                        return bad(format!(
+                            "the sparsemixer router picks exactly 2 of at least 2 experts, not {k} of {e}"
+                        ));
+                    }
                     if e == 0 || e > 4096 || k == 0 || k > e || f == 0 || f > LIMIT {
                         return bad(format!("MoE block: num_experts {e}, top_k {k}, expert_ffn_dim {f} out of range"));
                     }

@@ -108,7 +108,7 @@ fn forward_chunk(
 
     embed(model, s, tokens); // x: [T, D]
     snap(&mut cap.hidden, 0, &s.x);
-    rope_angles(model, s, n);
+    rope_angles(model, s, n, s.pos - off + total);
     for (l, lw) in model.layers.iter().enumerate() {
         norm(model, lw.attn_norm, &s.x[..n * d], &mut s.xn[..n * d]);
         attention(model, l, s, n); // proj: [T, D]
@@ -144,11 +144,13 @@ fn embed(model: &Model, s: &mut Session, tokens: &[u32]) {
 }
 
 /// RoPE cosines and sines of this chunk's positions: `[T, R/2]` each.
-fn rope_angles(model: &Model, s: &mut Session, n: usize) {
+/// `seq_len` is where the whole call's sequence ends (LongRoPE's switch, as
+/// transformers decides it per call).
+fn rope_angles(model: &Model, s: &mut Session, n: usize, seq_len: usize) {
     let half = model.config.rope.rotary_dim / 2;
     for t in 0..n {
         let (cs, sn) = (&mut s.cos[t * half..(t + 1) * half], &mut s.sin[t * half..(t + 1) * half]);
-        model.rope.angles(s.pos + t, cs, sn);
+        model.rope.angles(s.pos + t, seq_len, cs, sn);
     }
 }
 
@@ -295,14 +297,14 @@ fn mla_latent(
             let rq = m.q_lora_rank.expect("low-rank query");
             let lat = &mut s.mla.q_lat[..n * rq];
             matmul_many(&mut [(model.mat(wa), &mut *lat), (model.mat(wkv_a), &mut *kv)], &inp); // [T, Rq], [T, R + Dr]
-            rmsnorm_rows_inplace(lat, model.vec(norm_w), c.norm.eps);
+            rmsnorm_rows_inplace(lat, model.vec(norm_w), m.latent_eps);
             matmul(&model.mat(wb), &Input::prepare(lat, rq, s.quantize, &mut s.xq), qo); // [T, H·Dh]
         }
     }
     let kn = model.vec(kv_a_norm);
     for t in 0..n {
         let row = &mut kv[t * kw..(t + 1) * kw];
-        rmsnorm_rows_inplace(&mut row[..m.kv_lora_rank], kn, c.norm.eps); // the latent, [R]
+        rmsnorm_rows_inplace(&mut row[..m.kv_lora_rank], kn, m.latent_eps); // the latent, [R]
         let (cs, sn) = (&s.cos[t * half..(t + 1) * half], &s.sin[t * half..(t + 1) * half]);
         model.rope.rotate(&mut row[m.kv_lora_rank..], cs, sn); // k_pe, [Dr]
         for head in qo[t * qd..(t + 1) * qd].chunks_exact_mut(dh) {

@@ -75,6 +75,15 @@ pub fn route(
         }
         RouterScore::Sigmoid => probs.iter_mut().zip(logits).for_each(|(p, &l)| *p = sigmoid(l)),
         RouterScore::SoftmaxSelected => probs.copy_from_slice(logits),
+        RouterScore::SparseMixer { jitter_eps } => {
+            sparse_mixer(logits, jitter_eps, ids, w);
+            // The softmax over all experts, for the telemetry's margins only.
+            let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            probs.iter_mut().zip(logits).for_each(|(p, &l)| *p = (l - m).exp());
+            let z: f32 = probs.iter().sum();
+            probs.iter_mut().for_each(|p| *p /= z);
+            return;
+        }
     }
     sel.copy_from_slice(probs);
     if let Some(bias) = correction {
@@ -101,6 +110,43 @@ pub fn route(
     if spec.scale != 1.0 {
         w.iter_mut().for_each(|x| *x *= spec.scale);
     }
+}
+
+/// Phi-MoE's sparsemixer in eval mode (transformers' `sparsemixer` with
+/// `training=False`), for K = 2. For each choice c with logit m (the best
+/// logit, then the best of the others), its weight is a softmax restricted to
+/// the experts j with `(m − s_j) / max(|s_j|, m) <= 2·eps` (the second choice
+/// also leaves out the first), evaluated at c.
+fn sparse_mixer(s: &[f32], eps: f32, ids: &mut [u32], w: &mut [f32]) {
+    let argmax = |skip: Option<usize>| {
+        let mut best = usize::MAX;
+        for (j, &v) in s.iter().enumerate() {
+            if Some(j) != skip && (best == usize::MAX || v > s[best]) {
+                best = j;
+            }
+        }
+        best
+    };
+    let weight = |c: usize, skip: Option<usize>| {
+        let m = s[c];
+        let mut z = 0.0f32;
+        for (j, &v) in s.iter().enumerate() {
+            // As torch: masked when the ratio is > 2·eps (a NaN ratio is kept).
+            let ratio = (m - v) / v.abs().max(m);
+            let masked = ratio.partial_cmp(&(2.0 * eps)) == Some(std::cmp::Ordering::Greater);
+            let kept = Some(j) != skip && !masked;
+            if kept {
+                z += (v - m).exp();
+            }
+        }
+        1.0 / z
+    };
+    let first = argmax(None);
+    let second = argmax(Some(first));
+    ids[0] = first as u32;
+    ids[1] = second as u32;
+    w[0] = weight(first, None);
+    w[1] = weight(second, Some(first));
 }
 
 /// Masks (to −∞) the selection scores of every expert outside the

@@ -13,13 +13,21 @@ pub struct Rope {
     pub magnitude: f32,
     /// Rotate adjacent pairs (2i, 2i+1) instead of halves (i, i + R/2).
     pub interleaved: bool,
+    /// LongRoPE: past this sequence length the magnitude becomes the second value.
+    pub long: Option<(usize, f32)>,
 }
 
 impl Rope {
     /// Builds the frequency ladder for `spec`, following the variant's rule.
     pub fn new(spec: &RopeSpec) -> Rope {
         let (inv_freq, magnitude) = Self::ladder(spec);
-        Rope { inv_freq, magnitude, interleaved: spec.interleaved }
+        let long = match &spec.scaling {
+            RopeScaling::LongRope { original_max_position_embeddings, long_mscale, .. } => {
+                Some((*original_max_position_embeddings, *long_mscale as f32))
+            }
+            _ => None,
+        };
+        Rope { inv_freq, magnitude, interleaved: spec.interleaved, long }
     }
 
     /// Rotates the first R dimensions of one head in the model's layout.
@@ -35,6 +43,11 @@ impl Rope {
         let plain: Vec<f32> = base.iter().map(|b| 1.0 / b).collect();
         match &spec.scaling {
             RopeScaling::None => (plain, 1.0),
+            RopeScaling::LongRope { short_factor, short_mscale, .. } => {
+                // 1 / (f · θ^(2i/R)), in f32 as transformers computes it.
+                let f = base.iter().zip(short_factor).map(|(b, &f)| 1.0 / (f as f32 * b)).collect();
+                (f, *short_mscale as f32)
+            }
             RopeScaling::Linear { factor } => (plain.iter().map(|f| f / *factor as f32).collect(), 1.0),
             RopeScaling::Yarn {
                 factor,
@@ -92,12 +105,17 @@ impl Rope {
         }
     }
 
-    /// Fills `cos` and `sin` (each R/2 long) for position `pos`.
-    pub fn angles(&self, pos: usize, cos: &mut [f32], sin: &mut [f32]) {
+    /// Fills `cos` and `sin` (each R/2 long) for position `pos` of a call
+    /// whose sequence ends at length `seq_len` (only LongRoPE looks at it).
+    pub fn angles(&self, pos: usize, seq_len: usize, cos: &mut [f32], sin: &mut [f32]) {
+        let magnitude = match self.long {
+            Some((original, long)) if seq_len > original => long,
+            _ => self.magnitude,
+        };
         for ((c, s), &f) in cos.iter_mut().zip(sin.iter_mut()).zip(&self.inv_freq) {
             let a = (pos as f32 * f) as f64;
-            *c = a.cos() as f32 * self.magnitude;
-            *s = a.sin() as f32 * self.magnitude;
+            *c = a.cos() as f32 * magnitude;
+            *s = a.sin() as f32 * magnitude;
         }
     }
 }
@@ -140,11 +158,11 @@ mod tests {
         let rope = Rope::new(&spec(RopeScaling::None));
         let (mut c, mut s) = (vec![0.0; 4], vec![0.0; 4]);
         let x: Vec<f32> = (0..10).map(|i| i as f32 * 0.3 - 1.0).collect();
-        rope.angles(0, &mut c, &mut s);
+        rope.angles(0, 1, &mut c, &mut s);
         let mut y = x.clone();
         apply(&mut y, &c, &s);
         assert_eq!(x, y);
-        rope.angles(17, &mut c, &mut s);
+        rope.angles(17, 18, &mut c, &mut s);
         apply(&mut y, &c, &s);
         let n = |v: &[f32]| v.iter().map(|a| a * a).sum::<f32>();
         assert!((n(&x) - n(&y)).abs() < 1e-4);
@@ -160,9 +178,9 @@ mod tests {
         let dot_at = |p: usize| {
             let (mut c, mut s) = (vec![0.0; 4], vec![0.0; 4]);
             let (mut a, mut b) = (q.clone(), k.clone());
-            rope.angles(p, &mut c, &mut s);
+            rope.angles(p, p + 1, &mut c, &mut s);
             apply(&mut a, &c, &s);
-            rope.angles(p + 3, &mut c, &mut s);
+            rope.angles(p + 3, p + 4, &mut c, &mut s);
             apply(&mut b, &c, &s);
             a.iter().zip(&b).map(|(x, y)| x * y).sum::<f32>()
         };
