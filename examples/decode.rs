@@ -1,7 +1,7 @@
 //! Quick decode/prefill timing on a synthetic model of real MoE widths.
 //!
 //! ```text
-//! cargo run --release --example decode -- [olmoe|qwen3] [DTYPE] [LAYERS] [THREADS] [TOKENS] [PROMPT]
+//! cargo run --release --example decode -- [olmoe|qwen3|dsv2lite|gptoss] [DTYPE] [LAYERS] [THREADS] [TOKENS] [PROMPT]
 //! ```
 //!
 //! The model is written once to `.cache/synth/` (random weights, so routing is
@@ -27,6 +27,8 @@ fn main() {
     let cfg = match shape {
         "olmoe" => colibri::synth::olmoe_width(layers),
         "qwen3" => colibri::synth::qwen3_30b_width(layers),
+        "dsv2lite" => colibri::synth::deepseek_v2_lite_width(layers),
+        "gptoss" => colibri::synth::gpt_oss_20b_width(layers),
         other => panic!("unknown shape {other}"),
     };
     let dir = PathBuf::from(".cache/synth");

@@ -292,3 +292,77 @@ pub fn qwen3_30b_width(layers: usize) -> ModelConfig {
         scales: Scales::default(),
     }
 }
+
+/// DeepSeek-V2-Lite widths with `layers` decoder layers (hidden 2048, MLA with
+/// latent 512 + rope 64, 16 heads of nope 128 / v 128, no query low rank; a
+/// dense first layer of 10944, then 64 experts of 1408, top-6, 2 shared;
+/// vocabulary 102400).
+pub fn deepseek_v2_lite_width(layers: usize) -> ModelConfig {
+    let mla = MlaSpec {
+        q_lora_rank: None,
+        kv_lora_rank: 512,
+        qk_nope_dim: 128,
+        qk_rope_dim: 64,
+        v_head_dim: 128,
+        latent_eps: 1e-6,
+    };
+    ModelConfig {
+        vocab_size: 102400,
+        hidden_size: 2048,
+        num_heads: 16,
+        num_kv_heads: 16,
+        head_dim: 192,
+        max_seq_len: 4096,
+        norm: NormSpec::rms(1e-6),
+        rope: RopeSpec { theta: 10000.0, rotary_dim: 64, scaling: RopeScaling::None, interleaved: true },
+        attention: AttentionSpec { kind: AttentionKind::Mla(mla), ..Default::default() },
+        moe: Some(MoeSpec {
+            num_experts: 64,
+            expert_ffn_dim: 1408,
+            router: RouterSpec { top_k: 6, ..Default::default() },
+            activation: Activation::Silu,
+            expert_bias: false,
+            shared_expert: Some(SharedExpertSpec { ffn_dim: 2816, sigmoid_gate: false }),
+        }),
+        layers: (0..layers)
+            .map(|l| LayerSpec {
+                sliding_window: None,
+                ffn: if l == 0 { FfnSpec::Dense { ffn_dim: 10944 } } else { FfnSpec::Moe },
+            })
+            .collect(),
+        tie_embeddings: false,
+        lm_head_bias: false,
+        scales: Scales::default(),
+    }
+}
+
+/// GPT-OSS-20B widths with `layers` decoder layers (hidden 2880, 64/8 heads of
+/// 64 with sinks, sliding window 128 on even layers, 32 experts of 2880,
+/// top-4, biases everywhere, clamped SwiGLU; vocabulary 201088).
+pub fn gpt_oss_20b_width(layers: usize) -> ModelConfig {
+    ModelConfig {
+        vocab_size: 201088,
+        hidden_size: 2880,
+        num_heads: 64,
+        num_kv_heads: 8,
+        head_dim: 64,
+        max_seq_len: 4096,
+        norm: NormSpec::rms(1e-5),
+        rope: RopeSpec { theta: 150000.0, rotary_dim: 64, scaling: RopeScaling::None, interleaved: false },
+        attention: AttentionSpec { qkv_bias: true, o_bias: true, sinks: true, ..Default::default() },
+        moe: Some(MoeSpec {
+            num_experts: 32,
+            expert_ffn_dim: 2880,
+            router: RouterSpec { top_k: 4, score: RouterScore::SoftmaxSelected, bias: true, ..Default::default() },
+            activation: Activation::ClampedSwiglu { alpha: 1.702, limit: 7.0 },
+            expert_bias: true,
+            shared_expert: None,
+        }),
+        layers: (0..layers)
+            .map(|l| LayerSpec { sliding_window: (l % 2 == 0).then_some(128), ffn: FfnSpec::Moe })
+            .collect(),
+        tie_embeddings: false,
+        lm_head_bias: false,
+        scales: Scales::default(),
+    }
+}
