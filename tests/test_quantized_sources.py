@@ -11,6 +11,7 @@ for bit: the reader's dequantisation is the only step that differs.
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -192,3 +193,23 @@ def test_golden_folder_is_untouched():
     # The tests above edit copies only.
     assert (GOLDEN / "olmoe" / "config.json").exists()
     assert "quantization_config" not in json.loads((GOLDEN / "olmoe" / "config.json").read_text())
+
+
+def test_mxfp4_nan_scale_and_mismatched_blocks_name_the_tensor(tmp_path):
+    src = copy_case_single_file("gpt_oss_mxfp4", tmp_path / "src")
+    tensors = load_tensors(src)
+    name = "model.layers.1.mlp.experts.down_proj"
+    out = tmp_path / "o.colibri"
+    # One E8M0 scale of 255 (NaN).
+    dtype, shape, data = tensors[name + "_scales"]
+    bad = bytearray(data)
+    bad[7] = 255
+    write_safetensors(src / "model.safetensors", {**tensors, name + "_scales": (dtype, shape, bytes(bad))})
+    with pytest.raises(colibri.CheckpointError, match=re.escape(f"MXFP4 tensor {name}") + ".*255"):
+        colibri.convert(src, out, progress=False)
+    # Scales of a shape that does not match the blocks.
+    short = (dtype, [shape[0], shape[1], shape[2] - 1], data[: len(data) // shape[2] * (shape[2] - 1)])
+    write_safetensors(src / "model.safetensors", {**tensors, name + "_scales": short})
+    with pytest.raises(colibri.CheckpointError, match=f"MXFP4 tensor {name}"):
+        colibri.convert(src, out, progress=False)
+    assert not out.exists()
