@@ -59,7 +59,11 @@ def copy_case_single_file(case: str, dst: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def converted(tmp_path_factory):
-    """converted(case, dtype) -> path of the .colibri file, converting once."""
+    """converted(case, dtype) -> path of the .colibri file, converting once.
+
+    `dtype=None` keeps the source's type; for a quantised source (MXFP4),
+    whose default is q8_0, it means bf16, which holds MXFP4 values exactly, so
+    parity checks the reading of the codes and nothing else."""
     root = tmp_path_factory.mktemp("converted")
     cache: dict[tuple[str, str | None], Path] = {}
 
@@ -67,7 +71,10 @@ def converted(tmp_path_factory):
         key = (case, dtype)
         if key not in cache:
             out = root / f"{case}-{dtype or 'auto'}.colibri"
-            colibri.convert(GOLDEN / case, out, dtype=dtype, progress=False)
+            quantised = "quantization_config" in json.loads((GOLDEN / case / "config.json").read_text())
+            colibri.convert(
+                GOLDEN / case, out, dtype=dtype or ("bf16" if quantised else None), progress=False
+            )
             cache[key] = out
         return cache[key]
 

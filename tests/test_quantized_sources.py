@@ -127,6 +127,15 @@ def rewrite(folder, tensors=None, config=None):
         (folder / "config.json").write_text(json.dumps(config))
 
 
+def test_quantised_sources_default_to_q8_0(tmp_path):
+    fp8, _ = make_fp8_pair("olmoe", tmp_path)
+    report = colibri.convert(fp8, tmp_path / "o.colibri", progress=False)
+    assert report["dtype"] == "q8_0"
+    assert (
+        colibri.convert(GOLDEN / "gpt_oss_mxfp4", tmp_path / "g.colibri", progress=False)["dtype"] == "q8_0"
+    )
+
+
 def test_fp8_errors_name_the_tensor(tmp_path):
     fp8, tensors, cfg = fp8_case(tmp_path)
     name = "model.layers.1.self_attn.q_proj.weight"

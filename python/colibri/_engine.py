@@ -740,8 +740,9 @@ def convert(
         dst: output file. Refused if it exists, unless ``force=True``.
         dtype: storage type of the weight matrices, one of
             :func:`colibri.supported_dtypes`, or ``None`` to keep the
-            source's own type. Norms, biases and the router are always
-            stored in f32.
+            source's own type (``q8_0`` for FP8 and MXFP4 checkpoints, whose
+            types colibri does not store). Norms, biases and the router are
+            always stored in f32.
         progress: draw a progress bar on stderr (default: when stderr is a terminal).
 
     Returns a summary: ``path``, ``architecture``, ``dtype``, ``tensors``, ``bytes``.

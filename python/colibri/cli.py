@@ -439,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=["auto", *supported_dtypes()],
         default="auto",
-        help="storage type of the weight matrices (default: keep the source's)",
+        help="storage type of the weight matrices (default: keep the source's; q8_0 for FP8/MXFP4 sources)",
     )
     c.add_argument("--force", action="store_true", help="overwrite the output if it exists")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")

@@ -358,13 +358,16 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
         ));
     }
 
-    // Storage types: matrices in the requested type (default: the source's),
-    // small tensors in f32.
+    // Storage types: matrices in the requested type (default: the source's;
+    // q8_0 when some matrices are FP8 or MXFP4, which no element type holds
+    // and bf16 would store at two to four times their size), small tensors in f32.
     let embed_src = sources.iter().find(|(p, _, _)| p.id == TensorId::Embed).and_then(|(_, _, t)| match t.enc {
         safetensors::Encoding::Plain(d) => Some(d),
         _ => None,
     });
-    let weight_dtype = opts.dtype.or(embed_src).unwrap_or(DType::F32);
+    let quantised_src = sources.iter().any(|(_, _, t)| !matches!(t.enc, safetensors::Encoding::Plain(_)));
+    let default = if quantised_src { Some(DType::Q8_0) } else { embed_src };
+    let weight_dtype = opts.dtype.or(default).unwrap_or(DType::F32);
     let items: Vec<ToPlace> = sources
         .iter()
         .map(|(p, _, _)| ToPlace {
