@@ -233,3 +233,25 @@ def test_interactive_chat_in_a_terminal(chatml):
     os.write(main, b"\x04")  # Ctrl-D
     assert p.wait(timeout=30) == 0
     os.close(main)
+
+
+def test_info_tells_attention_kind_kv_bytes_and_source(tmp_path):
+    out = tmp_path / "ds.colibri"
+    assert run("convert", str(GOLDEN / "deepseek_v3"), "-o", str(out)).returncode == 0
+    r = run_in(["info", str(out), "--json"])
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    cfg = json.loads((GOLDEN / "deepseek_v3" / "config.json").read_text())
+    assert info["attention"].startswith("MLA")
+    assert f"latent {cfg['kv_lora_rank']}" in info["attention"]
+    # The latent and the rotated key per layer, f32 (an unquantised model).
+    width = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+    assert info["kv_cache"] == {"dtype": "f32", "bytes_per_token": cfg["num_hidden_layers"] * width * 4}
+    assert info["source_format"] == cfg.get("torch_dtype", cfg.get("dtype", "unknown"))
+    # Every tensor is counted once; three of nine experts are active per MoE layer.
+    assert info["parameters"]["total"] > info["parameters"]["active_per_token"]
+    gpt = tmp_path / "g.colibri"
+    assert run("convert", str(GOLDEN / "gpt_oss_mxfp4"), "-o", str(gpt)).returncode == 0
+    r = run_in(["info", str(gpt)])
+    assert r.returncode == 0, r.stderr
+    assert "sinks" in r.stdout and "sliding window" in r.stdout and "mxfp4" in r.stdout
