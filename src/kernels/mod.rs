@@ -2,9 +2,13 @@
 //!
 //! Model code calls [`matmul`] (or [`matmul_many`]) with [`Matrix`] views and
 //! an [`Input`], and never names a dtype or an ISA. The dot product for each
-//! dtype comes from a table chosen once at start-up by run-time feature
+//! dtype comes from a [`Table`] chosen once at start-up by run-time feature
 //! detection: AVX2+FMA+F16C on x86_64, NEON on aarch64, the scalar reference
-//! everywhere else or when `COLIBRI_ISA=scalar` is set.
+//! everywhere else; `COLIBRI_ISA=scalar|avx2|neon` asks for one (a table this
+//! CPU cannot run is refused with a note on stderr, and the best one is used;
+//! `avx512` and `amx` are known names without a table yet). Each table gives
+//! every weight type its [`TypeKernels`] by an exhaustive `match` over
+//! [`DType`], so a type without kernels does not compile.
 //!
 //! Block-quantised weights are multiplied with the activation quantised to
 //! 8 bits ([`BlockQ8`]); an [`Input`] carries both forms so one quantisation
@@ -23,10 +27,9 @@
 #[cfg(target_arch = "aarch64")]
 mod aarch64;
 pub mod scalar;
+mod table;
 #[cfg(target_arch = "x86_64")]
 mod x86_64;
-
-use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
@@ -85,147 +88,91 @@ pub struct GroupKernels {
     pub many: Option<Gemm8Fn>,
 }
 
-/// Which instruction set the kernel table uses.
+/// What a weight type's kernels multiply against.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Isa {
-    /// Portable reference kernels.
-    Scalar,
-    /// x86_64 AVX2 + FMA + F16C.
-    Avx2,
-    /// aarch64 NEON.
-    Neon,
+pub enum Activation {
+    /// The f32 rows as they are (element types).
+    F32,
+    /// The rows quantised to [`BlockQ8`] (block types). In every table this
+    /// is exactly the types with [`DType::is_quantized`] (tested), which is
+    /// what callers of [`Input::prepare`] go by.
+    Q8,
 }
 
-struct Table {
-    isa: Isa,
-    /// Indexed like `DType::ALL`.
-    dot: [DotFn; 6],
-    /// 1×4 tiles for q8_0, q4_0, q4_1 (`None`: four single dots).
-    tile: Option<[Dot4Fn; 3]>,
-    /// Indexed like `DType::INTERLEAVED`.
-    group: [GroupKernels; 3],
-    /// f32 and f16 `o += a · v`.
-    axpy: [AxpyFn; 2],
+/// How a weight type's rows are stored, with the kernels for that layout.
+#[derive(Clone, Copy)]
+pub enum Layout {
+    /// Row-major: one dot per (row, token).
+    Rows {
+        /// One row against one token.
+        dot: DotFn,
+        /// One row against four tokens, the same bits as four `dot`s
+        /// (`None`: four single dots).
+        tile: Option<Dot4Fn>,
+    },
+    /// Interleaved in groups of eight rows ([`crate::quant::x8`]).
+    Groups(GroupKernels),
 }
 
-fn scalar_f32(row: &[u8], x: &[f32], _: &[BlockQ8]) -> f32 {
-    scalar::dot_f32(bytemuck::cast_slice(row), x)
-}
-fn scalar_bf16(row: &[u8], x: &[f32], _: &[BlockQ8]) -> f32 {
-    scalar::dot_bf16(bytemuck::cast_slice(row), x)
-}
-fn scalar_f16(row: &[u8], x: &[f32], _: &[BlockQ8]) -> f32 {
-    scalar::dot_f16(bytemuck::cast_slice(row), x)
-}
-fn scalar_q8_0(row: &[u8], _: &[f32], q: &[BlockQ8]) -> f32 {
-    scalar::dot_q8_0(bytemuck::cast_slice(row), q)
-}
-fn scalar_q4_0(row: &[u8], _: &[f32], q: &[BlockQ8]) -> f32 {
-    scalar::dot_q4_0(bytemuck::cast_slice(row), q)
-}
-fn scalar_q4_1(row: &[u8], _: &[f32], q: &[BlockQ8]) -> f32 {
-    scalar::dot_q4_1(bytemuck::cast_slice(row), q)
+/// One weight type's entry in a kernel table (ggml's `type_traits_cpu`).
+#[derive(Clone, Copy)]
+pub struct TypeKernels {
+    /// What the kernels multiply against.
+    pub activation: Activation,
+    /// The storage layout and its kernels.
+    pub layout: Layout,
+    /// `o += a · v` for a row `v` of this type (the KV cache's types: f32
+    /// and f16; `None` for the others).
+    pub axpy: Option<AxpyFn>,
 }
 
-const SCALAR: [DotFn; 6] = [scalar_f32, scalar_bf16, scalar_f16, scalar_q8_0, scalar_q4_0, scalar_q4_1];
+pub use table::{Isa, Table};
 
-fn scalar_gemv8_q8_0(g: &[u8], q: &[BlockQ8]) -> [f32; 8] {
-    scalar::gemv8_q8_0(bytemuck::cast_slice(g), q)
-}
-fn scalar_gemv8_q4_0(g: &[u8], q: &[BlockQ8]) -> [f32; 8] {
-    scalar::gemv8_q4_0(bytemuck::cast_slice(g), q)
-}
-fn scalar_gemv8_q4_1(g: &[u8], q: &[BlockQ8]) -> [f32; 8] {
-    scalar::gemv8_q4_1(bytemuck::cast_slice(g), q)
-}
-
-fn scalar_axpy_f32(o: &mut [f32], a: f32, v: &[u8]) {
-    scalar::axpy_f32(o, a, bytemuck::cast_slice(v));
-}
-fn scalar_axpy_f16(o: &mut [f32], a: f32, v: &[u8]) {
-    scalar::axpy_f16(o, a, bytemuck::cast_slice(v));
-}
-
-const SCALAR_AXPY: [AxpyFn; 2] = [scalar_axpy_f32, scalar_axpy_f16];
-
-const SCALAR_GROUP: [GroupKernels; 3] = [
-    GroupKernels { one: scalar_gemv8_q8_0, many: None },
-    GroupKernels { one: scalar_gemv8_q4_0, many: None },
-    GroupKernels { one: scalar_gemv8_q4_1, many: None },
-];
-
-fn dtype_index(d: DType) -> usize {
-    DType::ALL.iter().position(|&x| x == d).expect("every dtype is in ALL")
-}
-
-fn table() -> &'static Table {
-    static TABLE: OnceLock<Table> = OnceLock::new();
-    TABLE.get_or_init(|| {
-        let forced_scalar = std::env::var("COLIBRI_ISA").is_ok_and(|v| v.eq_ignore_ascii_case("scalar"));
-        if !forced_scalar {
-            #[cfg(target_arch = "x86_64")]
-            if let (Some(dot), Some(group)) = (x86_64::avx2_table(), x86_64::avx2_groups()) {
-                let axpy = x86_64::avx2_axpy().unwrap_or(SCALAR_AXPY);
-                return Table { isa: Isa::Avx2, dot, tile: x86_64::avx2_tiles(), group, axpy };
-            }
-            #[cfg(target_arch = "aarch64")]
-            if let (Some(dot), Some(group)) = (aarch64::neon_table(), aarch64::neon_groups()) {
-                return Table { isa: Isa::Neon, dot, tile: None, group, axpy: SCALAR_AXPY };
-            }
-        }
-        Table { isa: Isa::Scalar, dot: SCALAR, tile: None, group: SCALAR_GROUP, axpy: SCALAR_AXPY }
-    })
+/// The table in use (decided on first use; see [`Table`] and `COLIBRI_ISA`).
+pub fn table() -> Table {
+    table::active()
 }
 
 /// The instruction set in use (decided on first use).
 pub fn isa() -> Isa {
-    table().isa
+    table().isa()
 }
 
-/// The dot product the current table uses for `dtype`.
+/// The kernels the current table has for `dtype`.
+pub fn kernels(dtype: DType) -> TypeKernels {
+    table().kernels(dtype)
+}
+
+/// The dot product the current table uses for a row-major `dtype`.
+///
+/// # Panics
+/// For the interleaved types, which have group kernels instead ([`group_fns`]).
 pub fn dot_fn(dtype: DType) -> DotFn {
-    table().dot[dtype_index(dtype)]
+    match kernels(dtype).layout {
+        Layout::Rows { dot, .. } => dot,
+        Layout::Groups(_) => panic!("{dtype} is stored in groups of eight rows: it has no row dot"),
+    }
 }
 
 /// The 1×4 tile for `dtype`, if the active table has one.
 pub fn tile_fn(dtype: DType) -> Option<Dot4Fn> {
-    let i = dtype_index(dtype).checked_sub(3)?;
-    table().tile.map(|t| t[i])
+    match kernels(dtype).layout {
+        Layout::Rows { tile, .. } => tile,
+        Layout::Groups(_) => None,
+    }
 }
 
 /// `o += a · v` for `v` of `dtype` (f32 or f16; `None` for other types).
 pub fn axpy_fn(dtype: DType) -> Option<AxpyFn> {
-    match dtype {
-        DType::F32 => Some(table().axpy[0]),
-        DType::F16 => Some(table().axpy[1]),
-        _ => None,
-    }
-}
-
-/// The scalar reference of [`axpy_fn`].
-pub fn scalar_axpy_fn(dtype: DType) -> Option<AxpyFn> {
-    match dtype {
-        DType::F32 => Some(SCALAR_AXPY[0]),
-        DType::F16 => Some(SCALAR_AXPY[1]),
-        _ => None,
-    }
+    kernels(dtype).axpy
 }
 
 /// The kernels for an interleaved `dtype` (`None` for row-major types).
 pub fn group_fns(dtype: DType) -> Option<GroupKernels> {
-    let i = DType::INTERLEAVED.iter().position(|&x| x == dtype)?;
-    Some(table().group[i])
-}
-
-/// The scalar reference for an interleaved `dtype` (the test oracle).
-pub fn scalar_group_fn(dtype: DType) -> Option<Gemv8Fn> {
-    let i = DType::INTERLEAVED.iter().position(|&x| x == dtype)?;
-    Some(SCALAR_GROUP[i].one)
-}
-
-/// The scalar reference dot product for `dtype` (the test oracle).
-pub fn scalar_dot_fn(dtype: DType) -> DotFn {
-    SCALAR[dtype_index(dtype)]
+    match kernels(dtype).layout {
+        Layout::Groups(k) => Some(k),
+        Layout::Rows { .. } => None,
+    }
 }
 
 /// A borrowed `[rows, cols]` weight matrix, row-major, in any storage type.
@@ -326,11 +273,12 @@ impl<'a> Input<'a> {
     }
 }
 
-fn check(w: &Matrix, inp: &Input, y: &[f32]) -> usize {
+fn check(w: &Matrix, k: &TypeKernels, inp: &Input, y: &[f32]) -> usize {
     assert_eq!(inp.cols, w.cols, "matmul: input width {} vs matrix cols {}", inp.cols, w.cols);
     let n = inp.rows();
     assert_eq!(y.len(), n * w.rows, "matmul: y is not [n, rows]");
-    assert!(!w.dtype.is_quantized() || inp.q.len() == n * w.cols / 32, "matmul: block weights need a quantised input");
+    let q8 = k.activation == Activation::Q8;
+    assert!(!q8 || inp.q.len() == n * w.cols / 32, "matmul: {} weights need a quantised input", w.dtype);
     n
 }
 
@@ -338,14 +286,14 @@ fn check(w: &Matrix, inp: &Input, y: &[f32]) -> usize {
 /// With several input rows and a tile kernel, four input rows share each
 /// weight block load (the row stays in L1 across the token loop anyway; the
 /// tile saves the unpacking).
-fn rows_into(w: &Matrix, inp: &Input, r0: usize, r1: usize, y: YOut) {
-    if let Some(k) = group_fns(w.dtype) {
-        return groups_into(w, inp, k, r0, r1, y);
-    }
-    let dot = dot_fn(w.dtype);
+fn rows_into(w: &Matrix, k: &TypeKernels, inp: &Input, r0: usize, r1: usize, y: YOut) {
+    let (dot, tile) = match k.layout {
+        Layout::Rows { dot, tile } => (dot, tile),
+        Layout::Groups(g) => return groups_into(w, inp, g, r0, r1, y),
+    };
     let rb = w.row_bytes();
     let n = inp.rows();
-    let tile = if n >= 4 { tile_fn(w.dtype) } else { None };
+    let tile = if n >= 4 { tile } else { None };
     for r in r0..r1 {
         let row = &w.bytes[r * rb..(r + 1) * rb];
         let mut t = 0;
@@ -445,30 +393,35 @@ pub fn matmul(w: &Matrix, inp: &Input, y: &mut [f32]) {
 /// Several matrices reading the same input, as ONE parallel region (e.g.
 /// q, k and v; or an MLP's gate and up): fewer fork-joins per token.
 pub fn matmul_many(jobs: &mut [(Matrix, &mut [f32])], inp: &Input) {
+    matmul_many_in(table(), jobs, inp);
+}
+
+/// [`matmul_many`] with the kernels of `table`.
+fn matmul_many_in(table: Table, jobs: &mut [(Matrix, &mut [f32])], inp: &Input) {
     let threads = rayon::current_num_threads();
     let mut tasks = 0;
     for (w, y) in jobs.iter() {
-        check(w, inp, y);
+        check(w, &table.kernels(w.dtype), inp, y);
         tasks += w.rows.div_ceil(rows_per_task(w, threads));
     }
     if threads == 1 || tasks <= 1 {
         for (w, y) in jobs.iter_mut() {
-            rows_into(w, inp, 0, w.rows, YOut::new(y));
+            rows_into(w, &table.kernels(w.dtype), inp, 0, w.rows, YOut::new(y));
         }
         return;
     }
     // A fixed-size plan: no allocation on the hot path.
     const MAX_JOBS: usize = 4;
     assert!(jobs.len() <= MAX_JOBS, "matmul_many takes at most {MAX_JOBS} matrices");
-    let mut plan: [Option<(Matrix, YOut, usize)>; MAX_JOBS] = [None; MAX_JOBS];
+    let mut plan: [Option<(Matrix, TypeKernels, YOut, usize)>; MAX_JOBS] = [None; MAX_JOBS];
     for (slot, (w, y)) in plan.iter_mut().zip(jobs.iter_mut()) {
-        *slot = Some((*w, YOut::new(y), rows_per_task(w, threads)));
+        *slot = Some((*w, table.kernels(w.dtype), YOut::new(y), rows_per_task(w, threads)));
     }
     (0..tasks).into_par_iter().for_each(|mut i| {
-        for (w, y, chunk) in plan.iter().flatten() {
+        for (w, k, y, chunk) in plan.iter().flatten() {
             let n = w.rows.div_ceil(*chunk);
             if i < n {
-                rows_into(w, inp, i * chunk, ((i + 1) * chunk).min(w.rows), *y);
+                rows_into(w, k, inp, i * chunk, ((i + 1) * chunk).min(w.rows), *y);
                 return;
             }
             i -= n;
@@ -479,8 +432,14 @@ pub fn matmul_many(jobs: &mut [(Matrix, &mut [f32])], inp: &Input) {
 /// As [`matmul`], on the calling thread only (for work already split across
 /// threads at a coarser grain, such as one expert per task).
 pub fn matmul_serial(w: &Matrix, inp: &Input, y: &mut [f32]) {
-    check(w, inp, y);
-    rows_into(w, inp, 0, w.rows, YOut::new(y));
+    matmul_serial_in(table(), w, inp, y);
+}
+
+/// [`matmul_serial`] with the kernels of `table`.
+fn matmul_serial_in(table: Table, w: &Matrix, inp: &Input, y: &mut [f32]) {
+    let k = table.kernels(w.dtype);
+    check(w, &k, inp, y);
+    rows_into(w, &k, inp, 0, w.rows, YOut::new(y));
 }
 
 #[cfg(test)]

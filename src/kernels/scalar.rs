@@ -204,3 +204,71 @@ pub fn gemv8_q4_1(g: &[BlockQ4_1x8], a: &[BlockQ8]) -> [f32; ROWS] {
     }
     acc
 }
+
+// ------------------------------------------------------------------
+// The scalar table: the same functions over raw row bytes, one entry per
+// weight type. The other tables fall back to these entries by name.
+
+use super::{Activation, DotFn, Gemv8Fn, GroupKernels, Layout, TypeKernels};
+use crate::quant::DType;
+
+fn f32_row(row: &[u8], x: &[f32], _: &[BlockQ8]) -> f32 {
+    dot_f32(bytemuck::cast_slice(row), x)
+}
+fn bf16_row(row: &[u8], x: &[f32], _: &[BlockQ8]) -> f32 {
+    dot_bf16(bytemuck::cast_slice(row), x)
+}
+fn f16_row(row: &[u8], x: &[f32], _: &[BlockQ8]) -> f32 {
+    dot_f16(bytemuck::cast_slice(row), x)
+}
+fn q8_0_row(row: &[u8], _: &[f32], q: &[BlockQ8]) -> f32 {
+    dot_q8_0(bytemuck::cast_slice(row), q)
+}
+fn q4_0_row(row: &[u8], _: &[f32], q: &[BlockQ8]) -> f32 {
+    dot_q4_0(bytemuck::cast_slice(row), q)
+}
+fn q4_1_row(row: &[u8], _: &[f32], q: &[BlockQ8]) -> f32 {
+    dot_q4_1(bytemuck::cast_slice(row), q)
+}
+fn q8_0x8_group(g: &[u8], q: &[BlockQ8]) -> [f32; 8] {
+    gemv8_q8_0(bytemuck::cast_slice(g), q)
+}
+fn q4_0x8_group(g: &[u8], q: &[BlockQ8]) -> [f32; 8] {
+    gemv8_q4_0(bytemuck::cast_slice(g), q)
+}
+fn q4_1x8_group(g: &[u8], q: &[BlockQ8]) -> [f32; 8] {
+    gemv8_q4_1(bytemuck::cast_slice(g), q)
+}
+fn f32_axpy(o: &mut [f32], a: f32, v: &[u8]) {
+    axpy_f32(o, a, bytemuck::cast_slice(v));
+}
+fn f16_axpy(o: &mut [f32], a: f32, v: &[u8]) {
+    axpy_f16(o, a, bytemuck::cast_slice(v));
+}
+
+/// The scalar kernels of `dtype`: one dot per row (no tiles) and one token
+/// per group call.
+pub(super) fn kernels(dtype: DType) -> TypeKernels {
+    use Activation::{F32, Q8};
+    let rows = |activation: Activation, dot: DotFn| TypeKernels {
+        activation,
+        layout: Layout::Rows { dot, tile: None },
+        axpy: None,
+    };
+    let group = |one: Gemv8Fn| TypeKernels {
+        activation: Q8,
+        layout: Layout::Groups(GroupKernels { one, many: None }),
+        axpy: None,
+    };
+    match dtype {
+        DType::F32 => TypeKernels { axpy: Some(f32_axpy), ..rows(F32, f32_row) },
+        DType::Bf16 => rows(F32, bf16_row),
+        DType::F16 => TypeKernels { axpy: Some(f16_axpy), ..rows(F32, f16_row) },
+        DType::Q8_0 => rows(Q8, q8_0_row),
+        DType::Q4_0 => rows(Q8, q4_0_row),
+        DType::Q4_1 => rows(Q8, q4_1_row),
+        DType::Q8_0x8 => group(q8_0x8_group),
+        DType::Q4_0x8 => group(q4_0x8_group),
+        DType::Q4_1x8 => group(q4_1x8_group),
+    }
+}

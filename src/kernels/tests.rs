@@ -1,5 +1,7 @@
-//! Every kernel of the active table against the scalar reference, over every
-//! weight type at awkward lengths, and matmul against a naive product.
+//! Every kernel of every table this CPU runs against the scalar reference,
+//! over every weight type at awkward lengths, and matmul against a naive
+//! product. The tables are swept explicitly, so a run on an AVX2 machine tests
+//! the AVX2 and the scalar kernels whatever `COLIBRI_ISA` says.
 
 use super::*;
 use crate::quant;
@@ -26,30 +28,65 @@ fn lengths(dtype: DType) -> Vec<usize> {
     }
 }
 
+/// Every weight type, row-major and interleaved.
+fn every_dtype() -> impl Iterator<Item = DType> {
+    DType::ALL.into_iter().chain(DType::INTERLEAVED)
+}
+
+/// Every table this CPU runs (the scalar one first).
+fn tables() -> Vec<Table> {
+    let t = Table::available();
+    eprintln!("tables under test: {:?} (active: {})", t.iter().map(|t| t.isa()).collect::<Vec<_>>(), isa());
+    t
+}
+
+fn row_dot(table: Table, dtype: DType) -> DotFn {
+    match table.kernels(dtype).layout {
+        Layout::Rows { dot, .. } => dot,
+        Layout::Groups(_) => panic!("{dtype} has no row dot"),
+    }
+}
+
+#[test]
+fn every_table_has_an_entry_of_the_right_shape_for_every_type() {
+    for table in tables() {
+        for dtype in every_dtype() {
+            let k = table.kernels(dtype);
+            let want = if dtype.is_quantized() { Activation::Q8 } else { Activation::F32 };
+            assert_eq!(k.activation, want, "{} {dtype}: Input::prepare goes by is_quantized", table.isa());
+            let grouped = matches!(k.layout, Layout::Groups(_));
+            assert_eq!(grouped, dtype.group_rows() > 1, "{} {dtype}: layout", table.isa());
+            assert_eq!(k.axpy.is_some(), matches!(dtype, DType::F32 | DType::F16), "{} {dtype}: axpy", table.isa());
+        }
+    }
+}
+
 /// Allowed |simd - scalar| relative to Σ|w·x|: the two sum in different
 /// orders (and the SIMD kernels use FMA), so they agree to f32 rounding of a
 /// sum of n terms.
 const REL_TOL: f32 = 2e-6;
 
 #[test]
-fn active_kernels_match_the_scalar_reference() {
-    eprintln!("kernel table: {:?}", isa());
-    let mut s = 17u64;
-    for dtype in DType::ALL {
-        for n in lengths(dtype) {
-            let w: Vec<f32> = (0..n).map(|_| lcg(&mut s)).collect();
-            let x: Vec<f32> = (0..n).map(|_| lcg(&mut s) * 3.0).collect();
-            let buf = encoded(dtype, &w, n);
-            let row = &bytemuck::cast_slice::<u64, u8>(&buf)[..dtype.row_bytes(n).unwrap()];
-            let mut q = vec![BlockQ8::default(); n / 32];
-            let inp = Input::prepare(&x, n, dtype.is_quantized(), &mut q);
-            let (xr, qr) = inp.row(0);
-            let want = scalar_dot_fn(dtype)(row, xr, qr);
-            let got = dot_fn(dtype)(row, xr, qr);
-            let mut wd = vec![0f32; n];
-            quant::decode(dtype, row, n, &mut wd);
-            let scale: f32 = wd.iter().zip(&x).map(|(a, b)| (a * b).abs()).sum::<f32>().max(1e-6);
-            assert!((got - want).abs() <= REL_TOL * scale * (n as f32).sqrt(), "{dtype} n={n}: {got} vs {want}");
+fn row_kernels_of_every_table_match_the_scalar_reference() {
+    for table in tables() {
+        let mut s = 17u64;
+        for dtype in DType::ALL {
+            for n in lengths(dtype) {
+                let w: Vec<f32> = (0..n).map(|_| lcg(&mut s)).collect();
+                let x: Vec<f32> = (0..n).map(|_| lcg(&mut s) * 3.0).collect();
+                let buf = encoded(dtype, &w, n);
+                let row = &bytemuck::cast_slice::<u64, u8>(&buf)[..dtype.row_bytes(n).unwrap()];
+                let mut q = vec![BlockQ8::default(); n / 32];
+                let inp = Input::prepare(&x, n, dtype.is_quantized(), &mut q);
+                let (xr, qr) = inp.row(0);
+                let want = row_dot(Table::SCALAR, dtype)(row, xr, qr);
+                let got = row_dot(table, dtype)(row, xr, qr);
+                let mut wd = vec![0f32; n];
+                quant::decode(dtype, row, n, &mut wd);
+                let scale: f32 = wd.iter().zip(&x).map(|(a, b)| (a * b).abs()).sum::<f32>().max(1e-6);
+                let tol = REL_TOL * scale * (n as f32).sqrt();
+                assert!((got - want).abs() <= tol, "{} {dtype} n={n}: {got} vs {want}", table.isa());
+            }
         }
     }
 }
@@ -59,59 +96,72 @@ fn quantised_dots_approximate_the_exact_product() {
     // Against the f64 product of the DEQUANTISED weights with the f32
     // activation: the only remaining error is the 8-bit activation rounding,
     // ~ |w|·|x| / 254 per term in the worst case, far less on average.
-    let mut s = 5u64;
-    for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
-        let n = 1024;
-        let w: Vec<f32> = (0..n).map(|_| lcg(&mut s)).collect();
-        let x: Vec<f32> = (0..n).map(|_| lcg(&mut s)).collect();
-        let buf = encoded(dtype, &w, n);
-        let row = &bytemuck::cast_slice::<u64, u8>(&buf)[..dtype.row_bytes(n).unwrap()];
-        let mut wd = vec![0f32; n];
-        quant::decode(dtype, row, n, &mut wd);
-        let exact: f64 = wd.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
-        let mut q = vec![BlockQ8::default(); n / 32];
-        let inp = Input::prepare(&x, n, true, &mut q);
-        let (xr, qr) = inp.row(0);
-        let got = dot_fn(dtype)(row, xr, qr) as f64;
-        let l1: f64 = wd.iter().zip(&x).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
-        assert!((got - exact).abs() < 0.01 * l1, "{dtype}: {got} vs {exact} (l1 {l1})");
+    for table in tables() {
+        let mut s = 5u64;
+        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+            let n = 1024;
+            let w: Vec<f32> = (0..n).map(|_| lcg(&mut s)).collect();
+            let x: Vec<f32> = (0..n).map(|_| lcg(&mut s)).collect();
+            let buf = encoded(dtype, &w, n);
+            let row = &bytemuck::cast_slice::<u64, u8>(&buf)[..dtype.row_bytes(n).unwrap()];
+            let mut wd = vec![0f32; n];
+            quant::decode(dtype, row, n, &mut wd);
+            let exact: f64 = wd.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
+            let mut q = vec![BlockQ8::default(); n / 32];
+            let inp = Input::prepare(&x, n, true, &mut q);
+            let (xr, qr) = inp.row(0);
+            let got = row_dot(table, dtype)(row, xr, qr) as f64;
+            let l1: f64 = wd.iter().zip(&x).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+            assert!((got - exact).abs() < 0.01 * l1, "{} {dtype}: {got} vs {exact} (l1 {l1})", table.isa());
+        }
     }
 }
 
+/// Per table: parallel == serial, all tokens at once == one token at a time
+/// (prefill and decode give the same bits), and both near the f64 product.
 #[test]
-fn matmul_matches_naive_for_every_type_and_shape() {
-    let mut s = 7u64;
-    for dtype in DType::ALL.into_iter().chain(DType::INTERLEAVED) {
-        let shapes: &[(usize, usize, usize)] = if dtype.group_rows() > 1 {
-            &[(8, 32, 1), (16, 64, 2), (40, 96, 5), (256, 32, 1), (64, 1024, 3), (24, 64, 9)]
-        } else if dtype.is_quantized() {
-            &[(1, 32, 1), (3, 64, 2), (31, 96, 5), (255, 32, 1), (64, 1024, 3)]
-        } else {
-            &[(1, 1, 1), (3, 7, 2), (31, 33, 5), (255, 17, 1), (64, 1023, 3)]
-        };
-        for &(rows, cols, n) in shapes {
-            let wf: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut s)).collect();
-            let buf = encoded(dtype, &wf, cols);
-            let bytes = &bytemuck::cast_slice::<u64, u8>(&buf)[..dtype.row_bytes(cols).unwrap() * rows];
-            let m = Matrix::new(dtype, rows, cols, bytes).unwrap();
-            let mut wd = vec![0f32; rows * cols];
-            quant::decode(dtype, bytes, cols, &mut wd);
-            let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s)).collect();
-            let mut q = vec![BlockQ8::default(); n * cols / 32];
-            let inp = Input::prepare(&x, cols, dtype.is_quantized(), &mut q);
-            let mut y = vec![0f32; n * rows];
-            matmul(&m, &inp, &mut y);
-            let mut y2 = vec![0f32; n * rows];
-            matmul_serial(&m, &inp, &mut y2);
-            assert_eq!(y, y2, "{dtype}: parallel and serial differ");
-            // Quantised inputs lose ~1/254 of each term; element types only rounding.
-            let tol = if dtype.is_quantized() { 0.01 } else { 1e-5 };
-            for t in 0..n {
-                for r in 0..rows {
-                    let terms = (0..cols).map(|c| wd[r * cols + c] as f64 * x[t * cols + c] as f64);
-                    let (want, l1) = terms.fold((0.0, 0.0), |(s, a), v| (s + v, a + v.abs()));
-                    let got = y[t * rows + r] as f64;
-                    assert!((want - got).abs() <= tol * l1.max(1e-3), "{dtype} {rows}x{cols} n={n}: {want} vs {got}");
+fn matmul_matches_naive_for_every_table_type_and_shape() {
+    for table in tables() {
+        let mut s = 7u64;
+        for dtype in every_dtype() {
+            let shapes: &[(usize, usize, usize)] = if dtype.group_rows() > 1 {
+                &[(8, 32, 1), (16, 64, 2), (40, 96, 5), (256, 32, 1), (64, 1024, 3), (24, 64, 9)]
+            } else if dtype.is_quantized() {
+                &[(1, 32, 1), (3, 64, 2), (31, 96, 5), (255, 32, 1), (64, 1024, 3), (7, 64, 9)]
+            } else {
+                &[(1, 1, 1), (3, 7, 2), (31, 33, 5), (255, 17, 1), (64, 1023, 3), (7, 31, 9)]
+            };
+            for &(rows, cols, n) in shapes {
+                let what = format!("{} {dtype} {rows}x{cols} n={n}", table.isa());
+                let wf: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut s)).collect();
+                let buf = encoded(dtype, &wf, cols);
+                let bytes = &bytemuck::cast_slice::<u64, u8>(&buf)[..dtype.row_bytes(cols).unwrap() * rows];
+                let m = Matrix::new(dtype, rows, cols, bytes).unwrap();
+                let mut wd = vec![0f32; rows * cols];
+                quant::decode(dtype, bytes, cols, &mut wd);
+                let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s)).collect();
+                let mut q = vec![BlockQ8::default(); n * cols / 32];
+                let inp = Input::prepare(&x, cols, dtype.is_quantized(), &mut q);
+                let mut y = vec![0f32; n * rows];
+                matmul_many_in(table, &mut [(m, &mut y)], &inp);
+                let mut y2 = vec![0f32; n * rows];
+                matmul_serial_in(table, &m, &inp, &mut y2);
+                assert_eq!(y, y2, "{what}: parallel and serial differ");
+                for t in 0..n {
+                    let one = Input { x: inp.row(t).0, q: inp.row(t).1, cols };
+                    let mut y1 = vec![0f32; rows];
+                    matmul_serial_in(table, &m, &one, &mut y1);
+                    assert_eq!(y1, y[t * rows..(t + 1) * rows], "{what}: token {t} alone differs");
+                }
+                // Quantised inputs lose ~1/254 of each term; element types only rounding.
+                let tol = if dtype.is_quantized() { 0.01 } else { 1e-5 };
+                for t in 0..n {
+                    for r in 0..rows {
+                        let terms = (0..cols).map(|c| wd[r * cols + c] as f64 * x[t * cols + c] as f64);
+                        let (want, l1) = terms.fold((0.0, 0.0), |(s, a), v| (s + v, a + v.abs()));
+                        let got = y[t * rows + r] as f64;
+                        assert!((want - got).abs() <= tol * l1.max(1e-3), "{what}: {want} vs {got}");
+                    }
                 }
             }
         }
@@ -151,71 +201,80 @@ fn matmul_many_equals_separate_matmuls() {
 }
 
 #[test]
-fn tiles_match_single_dots() {
-    let mut s = 23u64;
-    for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
-        let Some(tile) = tile_fn(dtype) else { continue };
-        for n in [32, 96, 2048] {
-            let w: Vec<f32> = (0..n).map(|_| lcg(&mut s)).collect();
-            let buf = encoded(dtype, &w, n);
-            let row = &bytemuck::cast_slice::<u64, u8>(&buf)[..dtype.row_bytes(n).unwrap()];
-            let x: Vec<f32> = (0..4 * n).map(|_| lcg(&mut s)).collect();
-            let mut q = vec![BlockQ8::default(); 4 * n / 32];
-            let inp = Input::prepare(&x, n, true, &mut q);
-            let got = tile(row, [inp.row(0).1, inp.row(1).1, inp.row(2).1, inp.row(3).1]);
-            for (t, g) in got.iter().enumerate() {
-                let (xr, qr) = inp.row(t);
-                assert_eq!(*g, dot_fn(dtype)(row, xr, qr), "{dtype}: tile and single dot must agree bit for bit");
-                let (xr, qr) = inp.row(t);
-                let want = scalar_dot_fn(dtype)(row, xr, qr);
-                let scale: f32 = (0..n).map(|i| (w[i] * xr[i]).abs()).sum::<f32>().max(1e-6);
-                assert!((g - want).abs() <= REL_TOL * scale * (n as f32).sqrt(), "{dtype} n={n} t={t}: {g} vs {want}");
+fn tiles_of_every_table_match_single_dots() {
+    for table in tables() {
+        let mut s = 23u64;
+        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+            let Layout::Rows { dot, tile: Some(tile) } = table.kernels(dtype).layout else { continue };
+            for n in [32, 96, 2048] {
+                let w: Vec<f32> = (0..n).map(|_| lcg(&mut s)).collect();
+                let buf = encoded(dtype, &w, n);
+                let row = &bytemuck::cast_slice::<u64, u8>(&buf)[..dtype.row_bytes(n).unwrap()];
+                let x: Vec<f32> = (0..4 * n).map(|_| lcg(&mut s)).collect();
+                let mut q = vec![BlockQ8::default(); 4 * n / 32];
+                let inp = Input::prepare(&x, n, true, &mut q);
+                let got = tile(row, [inp.row(0).1, inp.row(1).1, inp.row(2).1, inp.row(3).1]);
+                for (t, g) in got.iter().enumerate() {
+                    let what = format!("{} {dtype} n={n} t={t}", table.isa());
+                    let (xr, qr) = inp.row(t);
+                    assert_eq!(*g, dot(row, xr, qr), "{what}: tile and single dot must agree bit for bit");
+                    let want = row_dot(Table::SCALAR, dtype)(row, xr, qr);
+                    let scale: f32 = (0..n).map(|i| (w[i] * xr[i]).abs()).sum::<f32>().max(1e-6);
+                    assert!((g - want).abs() <= REL_TOL * scale * (n as f32).sqrt(), "{what}: {g} vs {want}");
+                }
             }
         }
     }
 }
 
-/// Each interleaved kernel against its scalar twin, the four-token kernel
-/// against the one-token kernel (bit for bit), and both against the
-/// row-major kernels of the same values.
+/// Each interleaved kernel of every table against its scalar twin, the
+/// four-token kernel against the one-token kernel (bit for bit), and both
+/// against the row-major kernels of the same values.
 #[test]
-fn group_kernels_match_scalar_and_row_kernels() {
-    let mut s = 31u64;
-    for dtype in DType::INTERLEAVED {
-        let k = group_fns(dtype).unwrap();
-        for n in [32, 64, 160, 2048 + 32] {
-            let w: Vec<f32> = (0..8 * n).map(|_| lcg(&mut s)).collect();
-            let buf = encoded(dtype, &w, n);
-            let group = &bytemuck::cast_slice::<u64, u8>(&buf)[..8 * dtype.row_bytes(n).unwrap()];
-            let rbuf = encoded(dtype.base(), &w, n);
-            let rows = &bytemuck::cast_slice::<u64, u8>(&rbuf)[..8 * dtype.row_bytes(n).unwrap()];
-            let rb = dtype.row_bytes(n).unwrap();
-            // Large activations make the 16-bit partial sums of the 4-bit
-            // kernels approach their bound.
-            let x: Vec<f32> = (0..4 * n).map(|i| if i % 7 == 0 { 1.0 } else { lcg(&mut s) * 3.0 }).collect();
-            let mut q = vec![BlockQ8::default(); 4 * n / 32];
-            let inp = Input::prepare(&x, n, true, &mut q);
-            let qs = [inp.row(0).1, inp.row(1).1, inp.row(2).1, inp.row(3).1];
-            for t in 0..4 {
-                let got = (k.one)(group, qs[t]);
-                if let Some(many) = k.many {
-                    // Every tile width that includes token t, t first or last.
-                    for (lo, hi) in [(t, 4), (0, t + 1)] {
-                        let mut out = vec![[0f32; 8]; hi - lo];
-                        many(group, &qs[lo..hi], &mut out);
-                        let at = if lo == t { 0 } else { t };
-                        assert_eq!(out[at], got, "{dtype}: {}-token tile and one-token kernel differ", hi - lo);
+fn group_kernels_of_every_table_match_scalar_and_row_kernels() {
+    let group = |table: Table, dtype: DType| match table.kernels(dtype).layout {
+        Layout::Groups(k) => k,
+        Layout::Rows { .. } => panic!("{dtype} is row-major"),
+    };
+    for table in tables() {
+        let mut s = 31u64;
+        for dtype in DType::INTERLEAVED {
+            let k = group(table, dtype);
+            for n in [32, 64, 160, 2048 + 32] {
+                let w: Vec<f32> = (0..8 * n).map(|_| lcg(&mut s)).collect();
+                let buf = encoded(dtype, &w, n);
+                let g = &bytemuck::cast_slice::<u64, u8>(&buf)[..8 * dtype.row_bytes(n).unwrap()];
+                let rbuf = encoded(dtype.base(), &w, n);
+                let rows = &bytemuck::cast_slice::<u64, u8>(&rbuf)[..8 * dtype.row_bytes(n).unwrap()];
+                let rb = dtype.row_bytes(n).unwrap();
+                // Large activations make the 16-bit partial sums of the 4-bit
+                // kernels approach their bound.
+                let x: Vec<f32> = (0..4 * n).map(|i| if i % 7 == 0 { 1.0 } else { lcg(&mut s) * 3.0 }).collect();
+                let mut q = vec![BlockQ8::default(); 4 * n / 32];
+                let inp = Input::prepare(&x, n, true, &mut q);
+                let qs = [inp.row(0).1, inp.row(1).1, inp.row(2).1, inp.row(3).1];
+                for t in 0..4 {
+                    let what = format!("{} {dtype} n={n} t={t}", table.isa());
+                    let got = (k.one)(g, qs[t]);
+                    if let Some(many) = k.many {
+                        // Every tile width that includes token t, t first or last.
+                        for (lo, hi) in [(t, 4), (0, t + 1)] {
+                            let mut out = vec![[0f32; 8]; hi - lo];
+                            many(g, &qs[lo..hi], &mut out);
+                            let at = if lo == t { 0 } else { t };
+                            assert_eq!(out[at], got, "{what}: {}-token tile and one-token kernel differ", hi - lo);
+                        }
                     }
-                }
-                let want = scalar_group_fn(dtype).unwrap()(group, qs[t]);
-                for l in 0..8 {
-                    let row = &rows[l * rb..(l + 1) * rb];
-                    let (xr, qr) = inp.row(t);
-                    let plain = scalar_dot_fn(dtype.base())(row, xr, qr);
-                    let scale: f32 = (0..n).map(|i| (w[l * n + i] * xr[i]).abs()).sum::<f32>().max(1e-6);
-                    let tol = REL_TOL * scale * (n as f32).sqrt();
-                    assert!((got[l] - want[l]).abs() <= tol, "{dtype} n={n} row {l}: {} vs {}", got[l], want[l]);
-                    assert!((want[l] - plain).abs() <= tol, "{dtype} n={n} row {l}: {} vs row-major {plain}", want[l]);
+                    let want = (group(Table::SCALAR, dtype).one)(g, qs[t]);
+                    for l in 0..8 {
+                        let row = &rows[l * rb..(l + 1) * rb];
+                        let (xr, qr) = inp.row(t);
+                        let plain = row_dot(Table::SCALAR, dtype.base())(row, xr, qr);
+                        let scale: f32 = (0..n).map(|i| (w[l * n + i] * xr[i]).abs()).sum::<f32>().max(1e-6);
+                        let tol = REL_TOL * scale * (n as f32).sqrt();
+                        assert!((got[l] - want[l]).abs() <= tol, "{what} row {l}: {} vs {}", got[l], want[l]);
+                        assert!((want[l] - plain).abs() <= tol, "{what} row {l}: {} vs row-major {plain}", want[l]);
+                    }
                 }
             }
         }
@@ -247,20 +306,22 @@ fn interleaved_rows_decode_like_row_major() {
 }
 
 #[test]
-fn axpy_kernels_match_the_scalar_reference() {
-    let mut s = 53u64;
-    for dtype in [DType::F32, DType::F16] {
-        for n in [1, 7, 8, 9, 31, 128, 129] {
-            let v: Vec<f32> = (0..n).map(|_| lcg(&mut s)).collect();
-            let buf = encoded(dtype, &v, n);
-            let bytes = &bytemuck::cast_slice::<u64, u8>(&buf)[..dtype.row_bytes(n).unwrap()];
-            let o0: Vec<f32> = (0..n).map(|_| lcg(&mut s)).collect();
-            let (mut got, mut want) = (o0.clone(), o0.clone());
-            axpy_fn(dtype).unwrap()(&mut got, 0.37, bytes);
-            scalar_axpy_fn(dtype).unwrap()(&mut want, 0.37, bytes);
-            for (g, w) in got.iter().zip(&want) {
-                // One rounding (FMA) against two: within an ulp or two.
-                assert!((g - w).abs() <= 1e-6 * (1.0 + w.abs()), "{dtype} n={n}: {g} vs {w}");
+fn axpy_kernels_of_every_table_match_the_scalar_reference() {
+    for table in tables() {
+        let mut s = 53u64;
+        for dtype in [DType::F32, DType::F16] {
+            for n in [1, 7, 8, 9, 31, 128, 129] {
+                let v: Vec<f32> = (0..n).map(|_| lcg(&mut s)).collect();
+                let buf = encoded(dtype, &v, n);
+                let bytes = &bytemuck::cast_slice::<u64, u8>(&buf)[..dtype.row_bytes(n).unwrap()];
+                let o0: Vec<f32> = (0..n).map(|_| lcg(&mut s)).collect();
+                let (mut got, mut want) = (o0.clone(), o0.clone());
+                table.kernels(dtype).axpy.unwrap()(&mut got, 0.37, bytes);
+                Table::SCALAR.kernels(dtype).axpy.unwrap()(&mut want, 0.37, bytes);
+                for (g, w) in got.iter().zip(&want) {
+                    // One rounding (FMA) against two: within an ulp or two.
+                    assert!((g - w).abs() <= 1e-6 * (1.0 + w.abs()), "{} {dtype} n={n}: {g} vs {w}", table.isa());
+                }
             }
         }
     }

@@ -1,59 +1,76 @@
 //! aarch64 kernels (NEON, part of the baseline of every aarch64 target Rust
-//! supports, still detected at run time for symmetry with x86_64). Types
-//! without a NEON kernel here use the scalar reference.
+//! supports, still detected at run time for symmetry with x86_64). The
+//! functions here are safe wrappers over `unsafe` NEON kernels, reachable
+//! only through [`Neon::kernels`]; an [`Neon`] is made only by
+//! [`Neon::detect`]. Types without a NEON kernel use the scalar entry, named
+//! in the table so that each choice is visible.
 
-use super::{BlockQ8, DotFn, GroupKernels, SCALAR};
+use super::{BlockQ8, DotFn, Gemv8Fn, GroupKernels, Layout, TypeKernels, scalar};
+use crate::quant::DType;
 
 mod neon;
 
+/// Proof that this CPU runs the NEON table: only [`Neon::detect`] makes one.
+#[derive(Clone, Copy, Debug)]
+pub struct Neon(());
+
+impl Neon {
+    /// `Some` when this CPU has NEON.
+    pub fn detect() -> Option<Neon> {
+        std::arch::is_aarch64_feature_detected!("neon").then_some(Neon(()))
+    }
+
+    /// The NEON kernels of `dtype` (row dots one token at a time, group
+    /// kernels one token at a time: prefill calls them per token).
+    pub fn kernels(self, dtype: DType) -> TypeKernels {
+        let dot = |dot: DotFn| TypeKernels { layout: Layout::Rows { dot, tile: None }, ..scalar::kernels(dtype) };
+        let group = |one: Gemv8Fn| TypeKernels {
+            layout: Layout::Groups(GroupKernels { one, many: None }),
+            ..scalar::kernels(dtype)
+        };
+        match dtype {
+            DType::F32 => dot(f32_dot),
+            DType::Bf16 => dot(bf16_dot),
+            DType::F16 => scalar::kernels(DType::F16),
+            DType::Q8_0 => dot(q8_0_dot),
+            DType::Q4_0 => scalar::kernels(DType::Q4_0),
+            DType::Q4_1 => scalar::kernels(DType::Q4_1),
+            DType::Q8_0x8 => group(q8_0x8_gemv),
+            DType::Q4_0x8 => group(q4_0x8_gemv),
+            DType::Q4_1x8 => group(q4_1x8_gemv),
+        }
+    }
+}
+
+// SAFETY (every block below): reachable only through `Neon::kernels`, which
+// needs a `Neon`, made only by `Neon::detect` after NEON was detected.
+
 fn f32_dot(row: &[u8], x: &[f32], q: &[BlockQ8]) -> f32 {
-    // SAFETY: only installed by `neon_table` after NEON was detected.
+    // SAFETY: NEON was detected (see above).
     unsafe { neon::dot_f32(row, x, q) }
 }
 
 fn bf16_dot(row: &[u8], x: &[f32], q: &[BlockQ8]) -> f32 {
-    // SAFETY: only installed by `neon_table` after NEON was detected.
+    // SAFETY: NEON was detected (see above).
     unsafe { neon::dot_bf16(row, x, q) }
 }
 
 fn q8_0_dot(row: &[u8], x: &[f32], q: &[BlockQ8]) -> f32 {
-    // SAFETY: only installed by `neon_table` after NEON was detected.
+    // SAFETY: NEON was detected (see above).
     unsafe { neon::dot_q8_0(row, x, q) }
 }
 
-/// NEON kernels where they exist, scalar elsewhere; `None` without NEON.
-pub fn neon_table() -> Option<[DotFn; 6]> {
-    if !std::arch::is_aarch64_feature_detected!("neon") {
-        return None;
-    }
-    let mut t = SCALAR;
-    t[0] = f32_dot;
-    t[1] = bf16_dot;
-    t[3] = q8_0_dot;
-    Some(t)
-}
-
 fn q8_0x8_gemv(group: &[u8], q: &[BlockQ8]) -> [f32; 8] {
-    // SAFETY: only installed by `neon_groups` after NEON was detected.
+    // SAFETY: NEON was detected (see above).
     unsafe { neon::gemv8_q8_0(group, q) }
 }
 
 fn q4_0x8_gemv(group: &[u8], q: &[BlockQ8]) -> [f32; 8] {
-    // SAFETY: only installed by `neon_groups` after NEON was detected.
+    // SAFETY: NEON was detected (see above).
     unsafe { neon::gemv8_q4_0(group, q) }
 }
 
 fn q4_1x8_gemv(group: &[u8], q: &[BlockQ8]) -> [f32; 8] {
-    // SAFETY: only installed by `neon_groups` after NEON was detected.
+    // SAFETY: NEON was detected (see above).
     unsafe { neon::gemv8_q4_1(group, q) }
-}
-
-/// NEON kernels for the interleaved types (one token at a time: prefill
-/// calls them per token); `None` without NEON.
-pub fn neon_groups() -> Option<[GroupKernels; 3]> {
-    std::arch::is_aarch64_feature_detected!("neon").then_some([
-        GroupKernels { one: q8_0x8_gemv, many: None },
-        GroupKernels { one: q4_0x8_gemv, many: None },
-        GroupKernels { one: q4_1x8_gemv, many: None },
-    ])
 }

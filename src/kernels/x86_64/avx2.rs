@@ -7,6 +7,13 @@
 //! 2·127·127 < 2^15, so the 16-bit intermediate never saturates (weights are
 //! in [-127, 127], activations in [-127, 127]).
 //!
+//! Kernels are written over small `#[inline(always)]` primitives: the
+//! element loads of [`Elem`] (f32, bf16, f16 to f32 lanes; one dot and one
+//! axpy serve all three), the int8 dot `sum4_u8_i8` (the one instruction
+//! AVX-VNNI will replace), `hsum`, `f16_to_f32`; inlined into the
+//! `#[target_feature]` outer functions they compile to the same code as
+//! before they were factored out (kernel_speed, one and four tokens).
+//!
 //! The whole body of each `unsafe fn` here is the unsafe operation (raw
 //! loads and `AVX2, FMA and F16C` intrinsics), justified once by the function's
 //! `# Safety` section rather than by one `unsafe {}` block per intrinsic.
@@ -37,20 +44,26 @@ unsafe fn f16_to_f32(bits: u16) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_set1_epi16(bits as i16)))
 }
 
-/// Signed bytes x · signed bytes y, summed in groups of four into 8 f32 lanes.
+/// Unsigned bytes x · signed bytes y, summed in groups of four into 8 i32
+/// lanes (`maddubs` then `madd` by ones: what AVX-VNNI's `vpdpbusd` does in
+/// one instruction). `maddubs` saturates its 16-bit pair sums, so callers
+/// keep `x` below 128 (|w| or 4-bit codes).
 #[inline(always)]
-unsafe fn dot_i8(x: __m256i, y: __m256i) -> __m256 {
-    let ax = _mm256_sign_epi8(x, x);
-    let sy = _mm256_sign_epi8(y, x);
-    let pairs = _mm256_maddubs_epi16(ax, sy);
-    _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+unsafe fn sum4_u8_i8(x: __m256i, y: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(x, y), _mm256_set1_epi16(1))
 }
 
 /// Unsigned bytes x (< 128) · signed bytes y, summed into 8 f32 lanes.
 #[inline(always)]
 unsafe fn dot_u8_i8(x: __m256i, y: __m256i) -> __m256 {
-    let pairs = _mm256_maddubs_epi16(x, y);
-    _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+    _mm256_cvtepi32_ps(sum4_u8_i8(x, y))
+}
+
+/// Signed bytes x · signed bytes y, summed in groups of four into 8 f32
+/// lanes, by the sign trick: `|x|` · `sign(x)·y`.
+#[inline(always)]
+unsafe fn dot_i8(x: __m256i, y: __m256i) -> __m256 {
+    dot_u8_i8(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x))
 }
 
 /// 16 bytes of packed nibbles → 32 bytes: low nibbles, then high nibbles.
@@ -63,80 +76,107 @@ unsafe fn unpack_nibbles(p: *const u8) -> __m256i {
     _mm256_set_m128i(hi, lo)
 }
 
-/// # Safety
-/// AVX2 and FMA must be available; `row` holds `x.len()` f32 values.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_f32(row: &[u8], x: &[f32], _q: &[BlockQ8]) -> f32 {
+/// An element type of weight rows and KV rows: how eight of them load as
+/// f32 lanes, and one as an f32 (the tails).
+trait Elem: Copy {
+    /// Eight values at `p` (unaligned) as f32 lanes.
+    unsafe fn load8(p: *const Self) -> __m256;
+    /// One value as f32.
+    fn to_f32(self) -> f32;
+}
+
+impl Elem for f32 {
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> __m256 {
+        _mm256_loadu_ps(p)
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+/// bf16 as its raw bits; widening is exact (the bits are the f32's top half).
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+struct Bf16(u16);
+
+impl Elem for Bf16 {
+    #[inline(always)]
+    unsafe fn load8(p: *const Bf16) -> __m256 {
+        let h = _mm_loadu_si128(p as *const __m128i);
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f32::from_bits((self.0 as u32) << 16)
+    }
+}
+
+/// f16 as its raw bits, converted by F16C.
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+struct F16(u16);
+
+impl Elem for F16 {
+    #[inline(always)]
+    unsafe fn load8(p: *const F16) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        half::f16::from_bits(self.0).to_f32()
+    }
+}
+
+/// `Σ w·x` over a row of `E` (`x.len()` values): four FMA chains of eight
+/// lanes, then eight lanes, then the scalar tail.
+#[inline(always)]
+unsafe fn dot_elems<E: Elem>(row: &[u8], x: &[f32]) -> f32 {
     let n = x.len();
-    debug_assert_eq!(row.len(), n * 4);
-    let w = row.as_ptr() as *const f32;
+    debug_assert_eq!(row.len(), n * std::mem::size_of::<E>());
+    let w = row.as_ptr() as *const E;
     let xp = x.as_ptr();
     let mut acc = [_mm256_setzero_ps(); 4];
     let mut i = 0;
     while i + 32 <= n {
         for (k, a) in acc.iter_mut().enumerate() {
-            *a = _mm256_fmadd_ps(_mm256_loadu_ps(w.add(i + 8 * k)), _mm256_loadu_ps(xp.add(i + 8 * k)), *a);
+            *a = _mm256_fmadd_ps(E::load8(w.add(i + 8 * k)), _mm256_loadu_ps(xp.add(i + 8 * k)), *a);
         }
         i += 32;
     }
     while i + 8 <= n {
-        acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(w.add(i)), _mm256_loadu_ps(xp.add(i)), acc[0]);
+        acc[0] = _mm256_fmadd_ps(E::load8(w.add(i)), _mm256_loadu_ps(xp.add(i)), acc[0]);
         i += 8;
     }
     let mut s = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
     while i < n {
-        s += *w.add(i) * x[i];
+        s += w.add(i).read_unaligned().to_f32() * x[i];
         i += 1;
     }
     s
 }
 
-#[inline(always)]
-unsafe fn load_bf16x8(p: *const u16) -> __m256 {
-    let h = _mm_loadu_si128(p as *const __m128i);
-    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+/// # Safety
+/// AVX2 and FMA must be available; `row` holds `x.len()` f32 values.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_f32(row: &[u8], x: &[f32], _q: &[BlockQ8]) -> f32 {
+    dot_elems::<f32>(row, x)
 }
 
-#[inline(always)]
-unsafe fn load_f16x8(p: *const u16) -> __m256 {
-    _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+/// # Safety
+/// AVX2 and FMA must be available; `row` holds `x.len()` bf16 values.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_bf16(row: &[u8], x: &[f32], _q: &[BlockQ8]) -> f32 {
+    dot_elems::<Bf16>(row, x)
 }
 
-macro_rules! half_dot {
-    ($name:ident, $load:ident, $scalar:expr) => {
-        /// # Safety
-        /// AVX2, FMA and F16C must be available; `row` holds `x.len()` 16-bit values.
-        #[target_feature(enable = "avx2,fma,f16c")]
-        pub unsafe fn $name(row: &[u8], x: &[f32], _q: &[BlockQ8]) -> f32 {
-            let n = x.len();
-            debug_assert_eq!(row.len(), n * 2);
-            let w = row.as_ptr() as *const u16;
-            let xp = x.as_ptr();
-            let mut acc = [_mm256_setzero_ps(); 4];
-            let mut i = 0;
-            while i + 32 <= n {
-                for (k, a) in acc.iter_mut().enumerate() {
-                    *a = _mm256_fmadd_ps($load(w.add(i + 8 * k)), _mm256_loadu_ps(xp.add(i + 8 * k)), *a);
-                }
-                i += 32;
-            }
-            while i + 8 <= n {
-                acc[0] = _mm256_fmadd_ps($load(w.add(i)), _mm256_loadu_ps(xp.add(i)), acc[0]);
-                i += 8;
-            }
-            let mut s = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-            let conv: fn(u16) -> f32 = $scalar;
-            while i < n {
-                s += conv(w.add(i).read_unaligned()) * x[i];
-                i += 1;
-            }
-            s
-        }
-    };
+/// # Safety
+/// AVX2, FMA and F16C must be available; `row` holds `x.len()` f16 values.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_f16(row: &[u8], x: &[f32], _q: &[BlockQ8]) -> f32 {
+    dot_elems::<F16>(row, x)
 }
-
-half_dot!(dot_bf16, load_bf16x8, |b| f32::from_bits((b as u32) << 16));
-half_dot!(dot_f16, load_f16x8, |b| half::f16::from_bits(b).to_f32());
 
 /// Σ over blocks of scale · products, as two interleaved FMA chains (even and
 /// odd blocks) so the 4-cycle FMA latency is not paid once per block.
@@ -238,7 +278,7 @@ unsafe fn tile4(
             let ba = q[t].get_unchecked(i);
             let y = _mm256_loadu_si256(ba.qs.as_ptr() as *const __m256i);
             let y = if signed { _mm256_sign_epi8(y, wsign) } else { y };
-            let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wabs, y), _mm256_set1_epi16(1)));
+            let p = dot_u8_i8(wabs, y);
             a[i & 1] = _mm256_fmadd_ps(_mm256_set1_ps(dw * ba.d), p, a[i & 1]);
         }
     }
@@ -355,7 +395,6 @@ unsafe fn prefetch_ahead(p: *const u8, len: usize) {
 
 #[inline(always)]
 unsafe fn gemm8_q8_0<const T: usize>(g: *const BlockQ8_0x8, nb: usize, q: [*const BlockQ8; T]) -> [__m256; T] {
-    let ones = _mm256_set1_epi16(1);
     let mut acc = [_mm256_setzero_ps(); T];
     for b in 0..nb {
         let bw = &*g.add(b);
@@ -367,7 +406,7 @@ unsafe fn gemm8_q8_0<const T: usize>(g: *const BlockQ8_0x8, nb: usize, q: [*cons
             let wabs = _mm256_sign_epi8(w, w);
             for (t, s) in isum.iter_mut().enumerate() {
                 let a = _mm256_sign_epi8(act4(&*q[t].add(b), 4 * k), w);
-                *s = _mm256_add_epi32(*s, _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, a), ones));
+                *s = _mm256_add_epi32(*s, sum4_u8_i8(wabs, a));
             }
         }
         for t in 0..T {
@@ -486,32 +525,38 @@ group_kernels!(gemv8_q8_0, gemm8x4_q8_0, gemm8_q8_0, BlockQ8_0x8);
 group_kernels!(gemv8_q4_0, gemm8x4_q4_0, gemm8_q4_0, BlockQ4_0x8);
 group_kernels!(gemv8_q4_1, gemm8x4_q4_1, gemm8_q4_1, BlockQ4_1x8);
 
-macro_rules! axpy {
-    ($name:ident, $elem:ty, $load:expr, $scalar:expr) => {
-        /// `o += a · v`.
-        ///
-        /// # Safety
-        /// AVX2, FMA and F16C must be available; `v` holds `o.len()` values.
-        #[target_feature(enable = "avx2,fma,f16c")]
-        pub unsafe fn $name(o: &mut [f32], a: f32, v: &[u8]) {
-            let n = o.len();
-            debug_assert_eq!(v.len(), n * std::mem::size_of::<$elem>());
-            let (op, vp) = (o.as_mut_ptr(), v.as_ptr() as *const $elem);
-            let av = _mm256_set1_ps(a);
-            let load: unsafe fn(*const $elem) -> __m256 = $load;
-            let mut i = 0;
-            while i + 8 <= n {
-                _mm256_storeu_ps(op.add(i), _mm256_fmadd_ps(av, load(vp.add(i)), _mm256_loadu_ps(op.add(i))));
-                i += 8;
-            }
-            let conv: fn($elem) -> f32 = $scalar;
-            while i < n {
-                *op.add(i) += a * conv(vp.add(i).read_unaligned());
-                i += 1;
-            }
-        }
-    };
+/// `o += a · v` over a row of `E`.
+#[inline(always)]
+unsafe fn axpy_elems<E: Elem>(o: &mut [f32], a: f32, v: &[u8]) {
+    let n = o.len();
+    debug_assert_eq!(v.len(), n * std::mem::size_of::<E>());
+    let (op, vp) = (o.as_mut_ptr(), v.as_ptr() as *const E);
+    let av = _mm256_set1_ps(a);
+    let mut i = 0;
+    while i + 8 <= n {
+        _mm256_storeu_ps(op.add(i), _mm256_fmadd_ps(av, E::load8(vp.add(i)), _mm256_loadu_ps(op.add(i))));
+        i += 8;
+    }
+    while i < n {
+        *op.add(i) += a * vp.add(i).read_unaligned().to_f32();
+        i += 1;
+    }
 }
 
-axpy!(axpy_f32, f32, |p| _mm256_loadu_ps(p), |x| x);
-axpy!(axpy_f16, u16, |p| load_f16x8(p), |b| half::f16::from_bits(b).to_f32());
+/// `o += a · v` for f32 `v`.
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available; `v` holds `o.len()` values.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn axpy_f32(o: &mut [f32], a: f32, v: &[u8]) {
+    axpy_elems::<f32>(o, a, v)
+}
+
+/// `o += a · v` for f16 `v`.
+///
+/// # Safety
+/// As [`axpy_f32`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn axpy_f16(o: &mut [f32], a: f32, v: &[u8]) {
+    axpy_elems::<F16>(o, a, v)
+}

@@ -1,23 +1,59 @@
-//! x86_64 kernels: AVX2 + FMA + F16C. Each public function here is a safe
-//! wrapper that may only be reached through the table built by
-//! [`super::table`], which installs them only after run-time detection of
-//! all three features.
+//! x86_64 kernels: AVX2 + FMA + F16C. The functions here are safe wrappers
+//! over `unsafe` kernels that need those features; they are reachable only
+//! through [`Avx2::kernels`], and an [`Avx2`] is made only by
+//! [`Avx2::detect`] after run-time detection of all three features.
 
 mod avx2;
 
-use super::{AxpyFn, BlockQ8, Dot4Fn, DotFn, GroupKernels};
+use super::{Activation, BlockQ8, Dot4Fn, DotFn, Gemm8Fn, Gemv8Fn, GroupKernels, Layout, TypeKernels};
+use crate::quant::DType;
 
-/// True when this CPU has everything the AVX2 kernels use.
-pub fn has_avx2() -> bool {
-    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+/// Proof that this CPU runs the AVX2 table: only [`Avx2::detect`] makes one.
+#[derive(Clone, Copy, Debug)]
+pub struct Avx2(());
+
+impl Avx2 {
+    /// `Some` when this CPU has everything the AVX2 kernels use.
+    pub fn detect() -> Option<Avx2> {
+        let has =
+            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
+        has.then_some(Avx2(()))
+    }
+
+    /// The AVX2 kernels of `dtype`: every type has its own.
+    pub fn kernels(self, dtype: DType) -> TypeKernels {
+        use Activation::{F32, Q8};
+        let rows = |activation: Activation, dot: DotFn, tile: Option<Dot4Fn>| TypeKernels {
+            activation,
+            layout: Layout::Rows { dot, tile },
+            axpy: None,
+        };
+        let group = |one: Gemv8Fn, many: Gemm8Fn| TypeKernels {
+            activation: Q8,
+            layout: Layout::Groups(GroupKernels { one, many: Some(many) }),
+            axpy: None,
+        };
+        match dtype {
+            DType::F32 => TypeKernels { axpy: Some(f32_axpy), ..rows(F32, f32_dot, None) },
+            DType::Bf16 => rows(F32, bf16_dot, None),
+            DType::F16 => TypeKernels { axpy: Some(f16_axpy), ..rows(F32, f16_dot, None) },
+            DType::Q8_0 => rows(Q8, q8_0_dot, Some(q8_0_dot4)),
+            DType::Q4_0 => rows(Q8, q4_0_dot, Some(q4_0_dot4)),
+            DType::Q4_1 => rows(Q8, q4_1_dot, Some(q4_1_dot4)),
+            DType::Q8_0x8 => group(q8_0x8_gemv, q8_0x8_gemm4),
+            DType::Q4_0x8 => group(q4_0x8_gemv, q4_0x8_gemm4),
+            DType::Q4_1x8 => group(q4_1x8_gemv, q4_1x8_gemm4),
+        }
+    }
 }
 
 macro_rules! safe_wrapper {
     ($name:ident, $inner:path) => {
         fn $name(row: &[u8], x: &[f32], q: &[BlockQ8]) -> f32 {
-            // SAFETY: this wrapper is only stored in the kernel table after
-            // `has_avx2()` returned true on this CPU (see `avx2_table`), so
-            // the target features the inner function enables are present.
+            // SAFETY: this wrapper is reachable only through `Avx2::kernels`,
+            // which needs an `Avx2`, made only by `Avx2::detect` once it has
+            // seen AVX2, FMA and F16C on this CPU: the target features the
+            // inner function enables are present.
             unsafe { $inner(row, x, q) }
         }
     };
@@ -33,7 +69,7 @@ safe_wrapper!(q4_1_dot, avx2::dot_q4_1);
 macro_rules! safe_wrapper4 {
     ($name:ident, $inner:path) => {
         fn $name(row: &[u8], q: [&[BlockQ8]; 4]) -> [f32; 4] {
-            // SAFETY: as `safe_wrapper`: installed only after `has_avx2()`.
+            // SAFETY: as `safe_wrapper`: reachable only through `Avx2::kernels`.
             unsafe { $inner(row, q) }
         }
     };
@@ -43,25 +79,14 @@ safe_wrapper4!(q8_0_dot4, avx2::dot4_q8_0);
 safe_wrapper4!(q4_0_dot4, avx2::dot4_q4_0);
 safe_wrapper4!(q4_1_dot4, avx2::dot4_q4_1);
 
-/// The AVX2 1×4 tiles for the block types (q8_0, q4_0, q4_1).
-pub fn avx2_tiles() -> Option<[Dot4Fn; 3]> {
-    has_avx2().then_some([q8_0_dot4, q4_0_dot4, q4_1_dot4])
-}
-
-/// The AVX2 dot products by dtype order of `DType::ALL`, or `None` when the
-/// CPU lacks a required feature.
-pub fn avx2_table() -> Option<[DotFn; 6]> {
-    has_avx2().then_some([f32_dot, bf16_dot, f16_dot, q8_0_dot, q4_0_dot, q4_1_dot])
-}
-
 macro_rules! safe_group {
     ($one:ident, $four:ident, $inner1:path, $inner4:path) => {
         fn $one(group: &[u8], q: &[BlockQ8]) -> [f32; 8] {
-            // SAFETY: as `safe_wrapper`: installed only after `has_avx2()`.
+            // SAFETY: as `safe_wrapper`: reachable only through `Avx2::kernels`.
             unsafe { $inner1(group, q) }
         }
         fn $four(group: &[u8], q: &[&[BlockQ8]], out: &mut [[f32; 8]]) {
-            // SAFETY: as `safe_wrapper`: installed only after `has_avx2()`.
+            // SAFETY: as `safe_wrapper`: reachable only through `Avx2::kernels`.
             unsafe { $inner4(group, q, out) }
         }
     };
@@ -71,26 +96,12 @@ safe_group!(q8_0x8_gemv, q8_0x8_gemm4, avx2::gemv8_q8_0, avx2::gemm8x4_q8_0);
 safe_group!(q4_0x8_gemv, q4_0x8_gemm4, avx2::gemv8_q4_0, avx2::gemm8x4_q4_0);
 safe_group!(q4_1x8_gemv, q4_1x8_gemm4, avx2::gemv8_q4_1, avx2::gemm8x4_q4_1);
 
-/// The AVX2 kernels for the interleaved types (q8_0x8, q4_0x8, q4_1x8).
-pub fn avx2_groups() -> Option<[GroupKernels; 3]> {
-    has_avx2().then_some([
-        GroupKernels { one: q8_0x8_gemv, many: Some(q8_0x8_gemm4) },
-        GroupKernels { one: q4_0x8_gemv, many: Some(q4_0x8_gemm4) },
-        GroupKernels { one: q4_1x8_gemv, many: Some(q4_1x8_gemm4) },
-    ])
-}
-
 fn f32_axpy(o: &mut [f32], a: f32, v: &[u8]) {
-    // SAFETY: as `safe_wrapper`: installed only after `has_avx2()`.
+    // SAFETY: as `safe_wrapper`: reachable only through `Avx2::kernels`.
     unsafe { avx2::axpy_f32(o, a, v) }
 }
 
 fn f16_axpy(o: &mut [f32], a: f32, v: &[u8]) {
-    // SAFETY: as `safe_wrapper`: installed only after `has_avx2()`.
+    // SAFETY: as `safe_wrapper`: reachable only through `Avx2::kernels`.
     unsafe { avx2::axpy_f16(o, a, v) }
-}
-
-/// The AVX2 `o += a · v` for f32 and f16 `v`.
-pub fn avx2_axpy() -> Option<[AxpyFn; 2]> {
-    has_avx2().then_some([f32_axpy, f16_axpy])
 }
