@@ -127,13 +127,44 @@ def rewrite(folder, tensors=None, config=None):
         (folder / "config.json").write_text(json.dumps(config))
 
 
-def test_quantised_sources_default_to_q8_0(tmp_path):
+def test_quantised_sources_keep_their_kind_by_default(tmp_path):
+    # FP8 matrices become q8_0, MXFP4 experts stay mxfp4 (the file keeps the
+    # checkpoint's size), everything else keeps its source type.
     fp8, _ = make_fp8_pair("olmoe", tmp_path)
-    report = colibri.convert(fp8, tmp_path / "o.colibri", progress=False)
-    assert report["dtype"] == "q8_0"
+    out = tmp_path / "o.colibri"
+    assert colibri.convert(fp8, out, progress=False)["dtype"] == "q8_0"
+    for name, d, shape, _ in colibri.Engine(out).tensors():
+        if name == "embed" or len(shape) == 1 or "router" in name:
+            assert d == "f32", name  # the f32 source embedding; small tensors
+        else:  # FP8 matrices: q8_0 where rows are whole blocks, else the bf16 fallback
+            assert d == ("q8_0" if shape[-1] % 32 == 0 else "bf16"), (name, d)
+    g = tmp_path / "g.colibri"
+    assert colibri.convert(GOLDEN / "gpt_oss_mxfp4", g, progress=False)["dtype"] == "mxfp4"
+    kinds = {name: d for name, d, _, _ in colibri.Engine(g).tensors()}
     assert (
-        colibri.convert(GOLDEN / "gpt_oss_mxfp4", tmp_path / "g.colibri", progress=False)["dtype"] == "q8_0"
+        kinds["layers.0.moe.experts.0.gate"] == "mxfp4x8"
+        and kinds["layers.0.moe.experts.0.down"] == "mxfp4x8"
     )
+    assert kinds["layers.0.attn.wq"] == "bf16" and kinds["embed"] == "bf16"
+    # 17 bytes per 32 weights: the experts take exactly the Hub's bytes.
+    hub = load_tensors(GOLDEN / "gpt_oss_mxfp4")
+    src_bytes = sum(len(b) for n, (_, _, b) in hub.items() if n.endswith(("_blocks", "_scales")))
+    got_bytes = sum(b for n, d, _, b in colibri.Engine(g).tensors() if d == "mxfp4x8")
+    assert got_bytes == src_bytes
+
+
+def test_mxfp4_storage_reads_the_same_values_as_bf16(tmp_path, golden):
+    # The experts' values are exact in both; the difference is only that
+    # mxfp4 multiplies against 8-bit activations, as every block type does.
+    g = golden("gpt_oss_mxfp4")
+    m, b = tmp_path / "m.colibri", tmp_path / "b.colibri"
+    colibri.convert(GOLDEN / "gpt_oss_mxfp4", m, progress=False)
+    colibri.convert(GOLDEN / "gpt_oss_mxfp4", b, dtype="bf16", progress=False)
+    ids = g["ids_33"]
+    lm, lb = colibri.Engine(m).logits(ids), colibri.Engine(b).logits(ids)
+    scale = float(np.abs(lb).max())
+    assert float(np.abs(lm - lb).max()) < 0.05 * scale
+    assert (lm.argmax(-1) == lb.argmax(-1)).mean() >= 0.9
 
 
 def test_fp8_errors_name_the_tensor(tmp_path):

@@ -358,21 +358,30 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
         ));
     }
 
-    // Storage types: matrices in the requested type (default: the source's;
-    // q8_0 when some matrices are FP8 or MXFP4, which no element type holds
-    // and bf16 would store at two to four times their size), small tensors in f32.
+    // Storage types: matrices in the requested type; by default in the
+    // source's own, as closely as colibri stores it (MXFP4 stays mxfp4, FP8
+    // becomes q8_0: no element type holds it, and bf16 would store it at
+    // twice the size); small tensors in f32.
     let embed_src = sources.iter().find(|(p, _, _)| p.id == TensorId::Embed).and_then(|(_, _, t)| match t.enc {
         safetensors::Encoding::Plain(d) => Some(d),
         _ => None,
     });
-    let quantised_src = sources.iter().any(|(_, _, t)| !matches!(t.enc, safetensors::Encoding::Plain(_)));
-    let default = if quantised_src { Some(DType::Q8_0) } else { embed_src };
-    let weight_dtype = opts.dtype.or(default).unwrap_or(DType::F32);
+    let plain_default = embed_src.unwrap_or(DType::F32);
+    let own = |t: &SrcTensor| match t.enc {
+        safetensors::Encoding::Plain(_) => plain_default,
+        safetensors::Encoding::Fp8 { .. } => DType::Q8_0,
+        safetensors::Encoding::Mxfp4 { .. } => DType::Mxfp4,
+    };
+    // The type recorded for the file: the requested one, else that of the
+    // quantised source tensors (they hold most of the bytes), else the embedding's.
+    let weight_dtype = opts
+        .dtype
+        .unwrap_or_else(|| sources.iter().map(|(_, _, t)| own(t)).find(|d| d.is_quantized()).unwrap_or(plain_default));
     let items: Vec<ToPlace> = sources
         .iter()
-        .map(|(p, _, _)| ToPlace {
+        .map(|(p, _, t)| ToPlace {
             name: p.id.to_string(),
-            dtype: storage_dtype(p.role, weight_dtype, &p.shape),
+            dtype: storage_dtype(p.role, opts.dtype.unwrap_or_else(|| own(t)), &p.shape),
             shape: p.shape.clone(),
             expert: match p.id {
                 TensorId::Expert(l, e, _) => Some((l, e)),

@@ -64,8 +64,11 @@ pub(super) fn recode(
         let name = p.id.to_string();
         let i = file.index_of(&name).ok_or_else(|| Error::format(src, format!("tensor {name} is missing")))?;
         sources.push(i);
+        // Without a requested type each tensor keeps its own (a file may mix
+        // types, e.g. MXFP4 experts beside bf16 attention).
+        let own = file.meta().tensors[i].dtype.base();
         items.push(ToPlace {
-            dtype: storage_dtype(p.role, weight_dtype, &p.shape),
+            dtype: storage_dtype(p.role, if opts.dtype.is_some() { weight_dtype } else { own }, &p.shape),
             shape: p.shape.clone(),
             expert: match p.id {
                 TensorId::Expert(l, e, _) => Some((l, e)),

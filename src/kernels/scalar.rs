@@ -87,6 +87,7 @@ pub fn axpy_f16(o: &mut [f32], a: f32, v: &[u16]) {
 }
 
 use super::BlockQ8;
+use crate::quant::mxfp4::{BlockMxfp4, LUT2, half_scale};
 use crate::quant::q4_0::BlockQ4_0;
 use crate::quant::q4_1::BlockQ4_1;
 use crate::quant::q8_0::BlockQ8_0;
@@ -147,7 +148,22 @@ pub fn dot_q4_1(w: &[BlockQ4_1], a: &[BlockQ8]) -> f32 {
     s
 }
 
-use crate::quant::x8::{BlockQ4_0x8, BlockQ4_1x8, BlockQ8_0x8, ROWS};
+/// mxfp4 weight row · quantised activation: per block the integer
+/// `Σ LUT2[c]·q` (doubled E2M1 values) times `2^(e−128)·dₐ`.
+pub fn dot_mxfp4(w: &[BlockMxfp4], a: &[BlockQ8]) -> f32 {
+    let mut s = 0f32;
+    for (bw, ba) in w.iter().zip(a) {
+        let mut dot = 0i32;
+        for j in 0..16 {
+            dot += LUT2[(bw.qs[j] & 0xF) as usize] as i32 * ba.qs[j] as i32;
+            dot += LUT2[(bw.qs[j] >> 4) as usize] as i32 * ba.qs[j + 16] as i32;
+        }
+        s += half_scale(bw.e) * ba.d * dot as f32;
+    }
+    s
+}
+
+use crate::quant::x8::{BlockMxfp4x8, BlockQ4_0x8, BlockQ4_1x8, BlockQ8_0x8, ROWS};
 
 /// Σ over the 32 values of row `l` of a 4-bit group block: code · activation.
 fn nibble_dot(qs: &[u8; 16 * ROWS], l: usize, a: &[i8; 32]) -> i32 {
@@ -192,6 +208,25 @@ pub fn gemv8_q4_0(g: &[BlockQ4_0x8], a: &[BlockQ8]) -> [f32; ROWS] {
     acc
 }
 
+/// Eight interleaved mxfp4 rows · one quantised activation row.
+pub fn gemv8_mxfp4(g: &[BlockMxfp4x8], a: &[BlockQ8]) -> [f32; ROWS] {
+    let mut acc = [0f32; ROWS];
+    for (bw, ba) in g.iter().zip(a) {
+        for (l, s) in acc.iter_mut().enumerate() {
+            let mut dot = 0i32;
+            for j in 0..4 {
+                for i in 0..4 {
+                    let byte = bw.qs[32 * j + 4 * l + i];
+                    dot += LUT2[(byte & 0xF) as usize] as i32 * ba.qs[4 * j + i] as i32;
+                    dot += LUT2[(byte >> 4) as usize] as i32 * ba.qs[16 + 4 * j + i] as i32;
+                }
+            }
+            *s += half_scale(bw.e[l]) * ba.d * dot as f32;
+        }
+    }
+    acc
+}
+
 /// Eight interleaved q4_1 rows · one quantised activation row.
 pub fn gemv8_q4_1(g: &[BlockQ4_1x8], a: &[BlockQ8]) -> [f32; ROWS] {
     let mut acc = [0f32; ROWS];
@@ -229,6 +264,12 @@ fn q4_0_row(row: &[u8], _: &[f32], q: &[BlockQ8]) -> f32 {
 }
 fn q4_1_row(row: &[u8], _: &[f32], q: &[BlockQ8]) -> f32 {
     dot_q4_1(bytemuck::cast_slice(row), q)
+}
+fn mxfp4_row(row: &[u8], _: &[f32], q: &[BlockQ8]) -> f32 {
+    dot_mxfp4(bytemuck::cast_slice(row), q)
+}
+fn mxfp4x8_group(g: &[u8], q: &[BlockQ8]) -> [f32; 8] {
+    gemv8_mxfp4(bytemuck::cast_slice(g), q)
 }
 fn q8_0x8_group(g: &[u8], q: &[BlockQ8]) -> [f32; 8] {
     gemv8_q8_0(bytemuck::cast_slice(g), q)
@@ -270,5 +311,7 @@ pub(super) fn kernels(dtype: DType) -> TypeKernels {
         DType::Q8_0x8 => group(q8_0x8_group),
         DType::Q4_0x8 => group(q4_0x8_group),
         DType::Q4_1x8 => group(q4_1x8_group),
+        DType::Mxfp4 => rows(Q8, mxfp4_row),
+        DType::Mxfp4x8 => group(mxfp4x8_group),
     }
 }

@@ -6,6 +6,7 @@
 //! block-quantised types of the speed work plug in as new variants with their
 //! `#[repr(C)]` blocks in files beside this one.
 
+pub mod mxfp4;
 pub mod q4_0;
 pub mod q4_1;
 pub mod q8_0;
@@ -32,6 +33,8 @@ pub enum DType {
     /// Blocks of 32 4-bit codes with an f16 scale and minimum ([`q4_1`]).
     #[serde(rename = "q4_1")]
     Q4_1,
+    /// Blocks of 32 E2M1 codes with a shared E8M0 exponent ([`mxfp4`]).
+    Mxfp4,
     /// q8_0 rows interleaved in groups of eight ([`x8`]).
     #[serde(rename = "q8_0x8")]
     Q8_0x8,
@@ -41,15 +44,18 @@ pub enum DType {
     /// q4_1 rows interleaved in groups of eight ([`x8`]).
     #[serde(rename = "q4_1x8")]
     Q4_1x8,
+    /// mxfp4 rows interleaved in groups of eight ([`x8`]).
+    Mxfp4x8,
 }
 
 impl DType {
     /// The weight types a user chooses from, in the order the docs list them.
-    pub const ALL: [DType; 6] = [DType::F32, DType::Bf16, DType::F16, DType::Q8_0, DType::Q4_0, DType::Q4_1];
+    pub const ALL: [DType; 7] =
+        [DType::F32, DType::Bf16, DType::F16, DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Mxfp4];
 
     /// The interleaved storage forms of the block types (chosen by the
     /// converter, never by name), in the order of their row-major twins.
-    pub const INTERLEAVED: [DType; 3] = [DType::Q8_0x8, DType::Q4_0x8, DType::Q4_1x8];
+    pub const INTERLEAVED: [DType; 4] = [DType::Q8_0x8, DType::Q4_0x8, DType::Q4_1x8, DType::Mxfp4x8];
 
     /// The interleaved form of a block type, if it has one.
     pub fn interleaved(self) -> Option<DType> {
@@ -57,6 +63,7 @@ impl DType {
             DType::Q8_0 => Some(DType::Q8_0x8),
             DType::Q4_0 => Some(DType::Q4_0x8),
             DType::Q4_1 => Some(DType::Q4_1x8),
+            DType::Mxfp4 => Some(DType::Mxfp4x8),
             _ => None,
         }
     }
@@ -67,6 +74,7 @@ impl DType {
             DType::Q8_0x8 => DType::Q8_0,
             DType::Q4_0x8 => DType::Q4_0,
             DType::Q4_1x8 => DType::Q4_1,
+            DType::Mxfp4x8 => DType::Mxfp4,
             d => d,
         }
     }
@@ -89,6 +97,8 @@ impl DType {
             DType::Q8_0x8 => "q8_0x8",
             DType::Q4_0x8 => "q4_0x8",
             DType::Q4_1x8 => "q4_1x8",
+            DType::Mxfp4 => "mxfp4",
+            DType::Mxfp4x8 => "mxfp4x8",
         }
     }
 
@@ -110,6 +120,7 @@ impl DType {
             DType::Q8_0 => std::mem::size_of::<q8_0::BlockQ8_0>(),
             DType::Q4_0 => std::mem::size_of::<q4_0::BlockQ4_0>(),
             DType::Q4_1 => std::mem::size_of::<q4_1::BlockQ4_1>(),
+            DType::Mxfp4 => std::mem::size_of::<mxfp4::BlockMxfp4>(),
             _ => unreachable!("base() is a row type"),
         }
     }
@@ -129,6 +140,7 @@ impl DType {
             "q8_0" => Some(DType::Q8_0),
             "q4_0" => Some(DType::Q4_0),
             "q4_1" => Some(DType::Q4_1),
+            "mxfp4" => Some(DType::Mxfp4),
             _ => None,
         }
     }
@@ -188,6 +200,7 @@ pub fn encode(dtype: DType, src: &[f32], cols: usize, dst: &mut [u8]) {
             DType::Q8_0x8 => x8::pack::<x8::BlockQ8_0x8>(cast(rows), nb, cast_mut(dst)),
             DType::Q4_0x8 => x8::pack::<x8::BlockQ4_0x8>(cast(rows), nb, cast_mut(dst)),
             DType::Q4_1x8 => x8::pack::<x8::BlockQ4_1x8>(cast(rows), nb, cast_mut(dst)),
+            DType::Mxfp4x8 => x8::pack::<x8::BlockMxfp4x8>(cast(rows), nb, cast_mut(dst)),
             _ => unreachable!("group_rows() > 1 only for interleaved types"),
         }
         return;
@@ -209,6 +222,7 @@ fn encode_rows(dtype: DType, src: &[f32], dst: &mut [u8]) {
         DType::Q8_0 => q8_0::quantize(src, bytemuck::cast_slice_mut(dst)),
         DType::Q4_0 => q4_0::quantize(src, bytemuck::cast_slice_mut(dst)),
         DType::Q4_1 => q4_1::quantize(src, bytemuck::cast_slice_mut(dst)),
+        DType::Mxfp4 => mxfp4::quantize(src, bytemuck::cast_slice_mut(dst)),
         DType::F32 => {
             for (d, s) in dst.chunks_exact_mut(4).zip(src) {
                 d.copy_from_slice(&s.to_le_bytes());
@@ -241,6 +255,7 @@ pub fn decode(dtype: DType, src: &[u8], cols: usize, dst: &mut [f32]) {
             DType::Q8_0x8 => x8::unpack::<x8::BlockQ8_0x8>(cast(src), nb, cast_mut(out)),
             DType::Q4_0x8 => x8::unpack::<x8::BlockQ4_0x8>(cast(src), nb, cast_mut(out)),
             DType::Q4_1x8 => x8::unpack::<x8::BlockQ4_1x8>(cast(src), nb, cast_mut(out)),
+            DType::Mxfp4x8 => x8::unpack::<x8::BlockMxfp4x8>(cast(src), nb, cast_mut(out)),
             _ => unreachable!("group_rows() > 1 only for interleaved types"),
         }
         decode_rows(dtype.base(), bytemuck::cast_slice(&rows), dst);
@@ -263,6 +278,7 @@ pub fn decode_group_row(dtype: DType, src: &[u8], l: usize, dst: &mut [f32]) {
         DType::Q8_0x8 => each::<x8::BlockQ8_0x8>(DType::Q8_0, src, l, dst),
         DType::Q4_0x8 => each::<x8::BlockQ4_0x8>(DType::Q4_0, src, l, dst),
         DType::Q4_1x8 => each::<x8::BlockQ4_1x8>(DType::Q4_1, src, l, dst),
+        DType::Mxfp4x8 => each::<x8::BlockMxfp4x8>(DType::Mxfp4, src, l, dst),
         _ => panic!("decode_group_row: {dtype} is not an interleaved type"),
     }
 }
@@ -273,6 +289,7 @@ fn decode_rows(dtype: DType, src: &[u8], dst: &mut [f32]) {
         DType::Q8_0 => q8_0::dequantize(bytemuck::cast_slice(src), dst),
         DType::Q4_0 => q4_0::dequantize(bytemuck::cast_slice(src), dst),
         DType::Q4_1 => q4_1::dequantize(bytemuck::cast_slice(src), dst),
+        DType::Mxfp4 => mxfp4::dequantize(bytemuck::cast_slice(src), dst),
         DType::F32 => {
             for (d, s) in dst.iter_mut().zip(src.chunks_exact(4)) {
                 *d = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
@@ -356,11 +373,16 @@ mod tests {
         let skewed: Vec<f32> = xs.iter().map(|v| v.abs() + 0.01).collect();
         let (s40, s41) = (relative_rms_error(DType::Q4_0, &skewed), relative_rms_error(DType::Q4_1, &skewed));
         assert!(s41 < 0.5 * s40, "skewed: q4_1 {s41} vs q4_0 {s40}");
+        // mxfp4: 15 non-uniform levels and a power-of-two scale (so up to a
+        // factor 2 of range unused); measured 0.118 on this data, q4_0's class.
+        let em = relative_rms_error(DType::Mxfp4, &xs);
+        assert!(em < 0.15, "mxfp4 {em}");
+        eprintln!("relative RMS error: q8_0 {e8:.4}, q4_0 {e40:.4}, q4_1 {e41:.4}, mxfp4 {em:.4}");
     }
 
     #[test]
     fn block_types_need_whole_blocks_and_handle_zeros() {
-        for dt in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+        for dt in [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Mxfp4] {
             assert_eq!(dt.row_bytes(33), None);
             assert!(dt.row_bytes(64).is_some());
             let zeros = vec![0f32; 64];

@@ -22,7 +22,9 @@
 //!   for `j` in 0..4, `i` in 0..4 (the low nibbles of a 32-byte run are
 //!   columns `4j..4j+4` of every row, the high nibbles columns `16+4j..`).
 //! - q4_1x8 (160 bytes): `d[8]`, `m[8]` f16 minimums, then `qs` as q4_0x8.
+//! - mxfp4x8 (136 bytes): `e[8]` E8M0 exponents, then `qs` as q4_0x8.
 
+use super::mxfp4::BlockMxfp4;
 use super::q4_0::BlockQ4_0;
 use super::q4_1::BlockQ4_1;
 use super::q8_0::BlockQ8_0;
@@ -64,6 +66,17 @@ pub struct BlockQ4_1x8 {
     pub qs: [u8; 16 * ROWS],
 }
 const _: () = assert!(std::mem::size_of::<BlockQ4_1x8>() == ROWS * std::mem::size_of::<BlockQ4_1>());
+
+/// One block column of eight mxfp4 rows.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct BlockMxfp4x8 {
+    /// The eight rows' shared exponents.
+    pub e: [u8; ROWS],
+    /// Packed codes.
+    pub qs: [u8; 16 * ROWS],
+}
+const _: () = assert!(std::mem::size_of::<BlockMxfp4x8>() == ROWS * std::mem::size_of::<BlockMxfp4>());
 
 /// Position in an interleaved `qs` of value `i` (0..32) of row `l`, for the
 /// byte types, and (byte index, high nibble?) for the 4-bit types.
@@ -163,6 +176,21 @@ impl Interleave for BlockQ4_1x8 {
     }
     fn unpack(&self, l: usize) -> BlockQ4_1 {
         BlockQ4_1 { d: self.d[l], m: self.m[l], qs: unpack_codes(&self.qs, l) }
+    }
+}
+
+impl Interleave for BlockMxfp4x8 {
+    type Row = BlockMxfp4;
+    fn pack(rows: [&BlockMxfp4; ROWS]) -> Self {
+        let mut g: Self = bytemuck::Zeroable::zeroed();
+        for (l, r) in rows.iter().enumerate() {
+            g.e[l] = r.e;
+            pack_codes(&mut g.qs, l, &r.qs);
+        }
+        g
+    }
+    fn unpack(&self, l: usize) -> BlockMxfp4 {
+        BlockMxfp4 { e: self.e[l], qs: unpack_codes(&self.qs, l) }
     }
 }
 

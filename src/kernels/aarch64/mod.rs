@@ -38,6 +38,8 @@ impl Neon {
             DType::Q8_0x8 => group(q8_0x8_gemv),
             DType::Q4_0x8 => group(q4_0x8_gemv),
             DType::Q4_1x8 => group(q4_1x8_gemv),
+            DType::Mxfp4 => scalar::kernels(DType::Mxfp4),
+            DType::Mxfp4x8 => group(mxfp4x8_gemv),
         }
     }
 }
@@ -73,4 +75,9 @@ fn q4_0x8_gemv(group: &[u8], q: &[BlockQ8]) -> [f32; 8] {
 fn q4_1x8_gemv(group: &[u8], q: &[BlockQ8]) -> [f32; 8] {
     // SAFETY: NEON was detected (see above).
     unsafe { neon::gemv8_q4_1(group, q) }
+}
+
+fn mxfp4x8_gemv(group: &[u8], q: &[BlockQ8]) -> [f32; 8] {
+    // SAFETY: NEON was detected (see above).
+    unsafe { neon::gemv8_mxfp4(group, q) }
 }

@@ -9,8 +9,9 @@
 use std::arch::aarch64::*;
 
 use crate::kernels::BlockQ8;
+use crate::quant::mxfp4::{LUT2, half_scale};
 use crate::quant::q8_0::BlockQ8_0;
-use crate::quant::x8::{BlockQ4_0x8, BlockQ4_1x8, BlockQ8_0x8};
+use crate::quant::x8::{BlockMxfp4x8, BlockQ4_0x8, BlockQ4_1x8, BlockQ8_0x8};
 
 /// # Safety
 /// NEON must be available; `row` holds `x.len()` f32 values.
@@ -197,6 +198,31 @@ pub unsafe fn gemv8_q4_1(group: &[u8], q: &[BlockQ8]) -> [f32; 8] {
         let s = ba.scaled_sum();
         acc0 = vfmaq_n_f32(vfmaq_f32(acc0, d0, vcvtq_f32_s32(r0)), m0, s);
         acc1 = vfmaq_n_f32(vfmaq_f32(acc1, d1, vcvtq_f32_s32(r1)), m1, s);
+    }
+    store8(acc0, acc1)
+}
+
+/// # Safety
+/// NEON must be available; `group` holds whole mxfp4x8 blocks and `q` at least as many.
+#[target_feature(enable = "neon")]
+pub unsafe fn gemv8_mxfp4(group: &[u8], q: &[BlockQ8]) -> [f32; 8] {
+    let nb = group.len() / std::mem::size_of::<BlockMxfp4x8>();
+    debug_assert!(q.len() >= nb);
+    let g = group.as_ptr() as *const BlockMxfp4x8;
+    // Codes → doubled E2M1 values by a table lookup.
+    let lut = vld1q_s8(LUT2.as_ptr());
+    let (mut acc0, mut acc1) = (vdupq_n_f32(0.0), vdupq_n_f32(0.0));
+    for (b, ba) in q[..nb].iter().enumerate() {
+        let bw = &*g.add(b);
+        let p = bw.qs.as_ptr();
+        let (r0, r1) = group_sums(ba, |k| {
+            let (c0, c1) = nibbles(p, k);
+            (vqtbl1q_s8(lut, vreinterpretq_u8_s8(c0)), vqtbl1q_s8(lut, vreinterpretq_u8_s8(c1)))
+        });
+        let f: [f32; 8] = std::array::from_fn(|l| half_scale(bw.e[l]) * ba.d);
+        let (d0, d1) = (vld1q_f32(f.as_ptr()), vld1q_f32(f.as_ptr().add(4)));
+        acc0 = vfmaq_f32(acc0, d0, vcvtq_f32_s32(r0));
+        acc1 = vfmaq_f32(acc1, d1, vcvtq_f32_s32(r1));
     }
     store8(acc0, acc1)
 }

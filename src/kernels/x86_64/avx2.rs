@@ -22,10 +22,11 @@
 use std::arch::x86_64::*;
 
 use crate::kernels::BlockQ8;
+use crate::quant::mxfp4::{BlockMxfp4, LUT2};
 use crate::quant::q4_0::BlockQ4_0;
 use crate::quant::q4_1::BlockQ4_1;
 use crate::quant::q8_0::BlockQ8_0;
-use crate::quant::x8::{BlockQ4_0x8, BlockQ4_1x8, BlockQ8_0x8};
+use crate::quant::x8::{BlockMxfp4x8, BlockQ4_0x8, BlockQ4_1x8, BlockQ8_0x8};
 
 #[inline(always)]
 unsafe fn hsum(v: __m256) -> f32 {
@@ -231,6 +232,43 @@ pub unsafe fn dot_q4_0(row: &[u8], _x: &[f32], q: &[BlockQ8]) -> f32 {
         let ba = q.get_unchecked(i);
         let d = _mm256_set1_ps(f16_to_f32(bw.d) * ba.d);
         let x = _mm256_sub_epi8(unpack_nibbles(bw.qs.as_ptr()), eight);
+        let y = _mm256_loadu_si256(ba.qs.as_ptr() as *const __m256i);
+        (d, dot_i8(x, y))
+    };
+    two_chains(nb, block)
+}
+
+/// The doubled E2M1 values in both 128-bit lanes, for `pshufb` lookups.
+#[inline(always)]
+unsafe fn lut2() -> __m256i {
+    let t = _mm_loadu_si128(LUT2.as_ptr() as *const __m128i);
+    _mm256_set_m128i(t, t)
+}
+
+/// 2^(e − 128) for each of eight E8M0 bytes, exactly (as `half_scale`):
+/// `e << 23` is the f32 2^(e − 127) for e ≥ 1 (halving it is exact, into the
+/// subnormals too); e = 0 takes 2^-128 directly.
+#[inline(always)]
+unsafe fn half_scales8(e: *const u8) -> __m256 {
+    let ei = _mm256_cvtepu8_epi32(_mm_loadl_epi64(e as *const __m128i));
+    let pow = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(ei, 23)), _mm256_set1_ps(0.5));
+    let zero = _mm256_castsi256_ps(_mm256_cmpeq_epi32(ei, _mm256_setzero_si256()));
+    _mm256_blendv_ps(pow, _mm256_set1_ps(f32::from_bits(1 << 21)), zero)
+}
+
+/// # Safety
+/// As [`dot_q8_0`], for mxfp4 blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_mxfp4(row: &[u8], _x: &[f32], q: &[BlockQ8]) -> f32 {
+    let nb = row.len() / std::mem::size_of::<BlockMxfp4>();
+    debug_assert!(q.len() >= nb);
+    let w = row.as_ptr() as *const BlockMxfp4;
+    let lut = lut2();
+    let block = |i: usize| {
+        let bw = &*w.add(i);
+        let ba = q.get_unchecked(i);
+        let d = _mm256_set1_ps(crate::quant::mxfp4::half_scale(bw.e) * ba.d);
+        let x = _mm256_shuffle_epi8(lut, unpack_nibbles(bw.qs.as_ptr()));
         let y = _mm256_loadu_si256(ba.qs.as_ptr() as *const __m256i);
         (d, dot_i8(x, y))
     };
@@ -475,6 +513,47 @@ unsafe fn gemm8_q4_1<const T: usize>(g: *const BlockQ4_1x8, nb: usize, q: [*cons
     acc
 }
 
+/// Doubled E2M1 values · activations of one mxfp4 group block, per lane
+/// (row), by the sign trick. 16-bit partial sums stay below
+/// 8 · 2 · 12 · 127 = 24384, so they are summed in 16 bits and widened once.
+#[inline(always)]
+unsafe fn mxfp4_sums<const T: usize>(qs: *const u8, ba: [&BlockQ8; T]) -> [__m256i; T] {
+    let mask = _mm256_set1_epi8(0x0F);
+    let lut = lut2();
+    let mut s16 = [_mm256_setzero_si256(); T];
+    for j in 0..4 {
+        let raw = _mm256_loadu_si256(qs.add(32 * j) as *const __m256i);
+        let lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(raw, mask));
+        let hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask));
+        let (lo_abs, hi_abs) = (_mm256_sign_epi8(lo, lo), _mm256_sign_epi8(hi, hi));
+        for (t, s) in s16.iter_mut().enumerate() {
+            let p = _mm256_add_epi16(
+                _mm256_maddubs_epi16(lo_abs, _mm256_sign_epi8(act4(ba[t], 4 * j), lo)),
+                _mm256_maddubs_epi16(hi_abs, _mm256_sign_epi8(act4(ba[t], 16 + 4 * j), hi)),
+            );
+            *s = _mm256_add_epi16(*s, p);
+        }
+    }
+    let ones = _mm256_set1_epi16(1);
+    s16.map(|s| _mm256_madd_epi16(s, ones))
+}
+
+#[inline(always)]
+unsafe fn gemm8_mxfp4<const T: usize>(g: *const BlockMxfp4x8, nb: usize, q: [*const BlockQ8; T]) -> [__m256; T] {
+    let mut acc = [_mm256_setzero_ps(); T];
+    for b in 0..nb {
+        let bw = &*g.add(b);
+        prefetch_ahead(bw as *const BlockMxfp4x8 as *const u8, std::mem::size_of::<BlockMxfp4x8>());
+        let dw = half_scales8(bw.e.as_ptr());
+        let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q[t].add(b));
+        let sums = mxfp4_sums(bw.qs.as_ptr(), ba);
+        for t in 0..T {
+            acc[t] = scale_acc(acc[t], dw, ba[t], sums[t]);
+        }
+    }
+    acc
+}
+
 #[inline(always)]
 unsafe fn store8(v: __m256) -> [f32; 8] {
     let mut out = [0f32; 8];
@@ -524,6 +603,7 @@ macro_rules! group_kernels {
 group_kernels!(gemv8_q8_0, gemm8x4_q8_0, gemm8_q8_0, BlockQ8_0x8);
 group_kernels!(gemv8_q4_0, gemm8x4_q4_0, gemm8_q4_0, BlockQ4_0x8);
 group_kernels!(gemv8_q4_1, gemm8x4_q4_1, gemm8_q4_1, BlockQ4_1x8);
+group_kernels!(gemv8_mxfp4, gemm8x4_mxfp4, gemm8_mxfp4, BlockMxfp4x8);
 
 /// `o += a · v` over a row of `E`.
 #[inline(always)]

@@ -43,6 +43,8 @@ impl Avx2 {
             DType::Q8_0x8 => group(q8_0x8_gemv, q8_0x8_gemm4),
             DType::Q4_0x8 => group(q4_0x8_gemv, q4_0x8_gemm4),
             DType::Q4_1x8 => group(q4_1x8_gemv, q4_1x8_gemm4),
+            DType::Mxfp4 => rows(Q8, mxfp4_dot, None),
+            DType::Mxfp4x8 => group(mxfp4x8_gemv, mxfp4x8_gemm4),
         }
     }
 }
@@ -65,6 +67,7 @@ safe_wrapper!(f16_dot, avx2::dot_f16);
 safe_wrapper!(q8_0_dot, avx2::dot_q8_0);
 safe_wrapper!(q4_0_dot, avx2::dot_q4_0);
 safe_wrapper!(q4_1_dot, avx2::dot_q4_1);
+safe_wrapper!(mxfp4_dot, avx2::dot_mxfp4);
 
 macro_rules! safe_wrapper4 {
     ($name:ident, $inner:path) => {
@@ -95,6 +98,7 @@ macro_rules! safe_group {
 safe_group!(q8_0x8_gemv, q8_0x8_gemm4, avx2::gemv8_q8_0, avx2::gemm8x4_q8_0);
 safe_group!(q4_0x8_gemv, q4_0x8_gemm4, avx2::gemv8_q4_0, avx2::gemm8x4_q4_0);
 safe_group!(q4_1x8_gemv, q4_1x8_gemm4, avx2::gemv8_q4_1, avx2::gemm8x4_q4_1);
+safe_group!(mxfp4x8_gemv, mxfp4x8_gemm4, avx2::gemv8_mxfp4, avx2::gemm8x4_mxfp4);
 
 fn f32_axpy(o: &mut [f32], a: f32, v: &[u8]) {
     // SAFETY: as `safe_wrapper`: reachable only through `Avx2::kernels`.
