@@ -20,10 +20,10 @@ use super::blocks::ffn::{Mlp, MlpScratch, add_bias, gated_mlp};
 use super::blocks::moe::{MoeBlock, MoeLayer, moe_block, predict};
 use super::blocks::norm::{norm_rows, rmsnorm_rows_inplace};
 use super::config::{Activation, QkNorm};
-use super::session::Session;
+use super::session::{HeadScratch, Session};
 use super::{FfnRefs, LayerRefs, MlaQuery, MlpRefs, Model, NormRefs, QkvRefs};
 use crate::error::{Error, Result};
-use crate::kernels::{BlockQ8, Input, Matrix, matmul, matmul_many, matmul_serial};
+use crate::kernels::{Input, Matrix, matmul, matmul_many, matmul_serial};
 
 /// Optional outputs beyond the last token's logits (always left in
 /// `Session::logits`).
@@ -193,20 +193,16 @@ fn attention(model: &Model, l: usize, s: &mut Session, n: usize) {
             s.kv.store(l, pos0, &s.k[..n * (r + dr)], &[]);
             // Absorbed queries: q_abs[t, h] = [W_UK_hᵀ · q_nope[t, h], q_pe[t, h]]   [T, H·(R + Dr)]
             let dh = c.head_dim;
+            let quantize = s.quantize;
             per_head_matmul(
                 &model.mat(wk_b),
+                h,
                 &s.q[..n * h * dh],
                 dh,
-                0,
                 &mut s.mla.q_abs,
                 r + dr,
-                0,
-                s.quantize,
-                n,
-                h,
-                &mut s.mla.head_in,
-                &mut s.mla.head_q,
-                &mut s.mla.head_out,
+                quantize,
+                &mut s.mla.heads,
             );
             for (qa, qh) in s.mla.q_abs[..n * h * (r + dr)].chunks_exact_mut(r + dr).zip(s.q.chunks_exact(dh)) {
                 qa[r..].copy_from_slice(&qh[m.qk_nope_dim..]);
@@ -217,21 +213,8 @@ fn attention(model: &Model, l: usize, s: &mut Session, n: usize) {
             let o_lat = &mut s.mla.o_lat[..n * h * r];
             attend(&s.mla.q_abs[..n * h * (r + dr)], s.kv.view(l, pos0 + n), pos0, heads, o_lat); // [T, H·R]
             // att[t, h] = W_UV_h · o_lat[t, h]   [T, H·Dv]
-            per_head_matmul(
-                &model.mat(wv_b),
-                &s.mla.o_lat[..n * h * r],
-                r,
-                0,
-                &mut s.att,
-                m.v_head_dim,
-                0,
-                s.quantize,
-                n,
-                h,
-                &mut s.mla.head_in,
-                &mut s.mla.head_q,
-                &mut s.mla.head_out,
-            );
+            let o_lat = &s.mla.o_lat[..n * h * r];
+            per_head_matmul(&model.mat(wv_b), h, o_lat, r, &mut s.att, m.v_head_dim, quantize, &mut s.mla.heads);
         }
     }
     let proj = &mut s.proj[..n * d];
@@ -313,49 +296,43 @@ fn mla_latent(
     }
 }
 
-/// For each head h: `out[t, h·so + oo ..][..rh] = W_h · x[t, h·si + oi ..][..W.cols]`,
-/// where `W_h` is rows `h·rh..(h+1)·rh` of `w` (per-head matrices stacked).
-/// The heads run side by side, each on one thread, through gathered rows.
+/// For each of the `h` heads: `out[t, head][..rh] = W_head · x[t, head][..W.cols]`,
+/// where `x` rows are `[T, H, sx]`, `out` rows `[T, H, so]` (each head's part
+/// at the start of its stride) and `W_head` is rows `head·rh..(head+1)·rh` of
+/// `w` (per-head matrices stacked, rh = rows / H). The heads run side by
+/// side, each on one thread, through gathered rows.
 #[allow(clippy::too_many_arguments)]
 fn per_head_matmul(
     w: &Matrix,
+    h: usize,
     x: &[f32],
-    si: usize,
-    oi: usize,
+    sx: usize,
     out: &mut [f32],
     so: usize,
-    oo: usize,
     quantize: bool,
-    n: usize,
-    h: usize,
-    head_in: &mut [f32],
-    head_q: &mut [BlockQ8],
-    head_out: &mut [f32],
+    s: &mut HeadScratch,
 ) {
-    let (rh, ci) = (w.rows / h, w.cols);
-    let (head_in, head_out) = (&mut head_in[..h * n * ci], &mut head_out[..h * n * rh]);
-    for (hh, rows) in head_in.chunks_exact_mut(n * ci).enumerate() {
+    let (n, rh, ci) = (x.len() / (h * sx), w.rows / h, w.cols);
+    let (input, output) = (&mut s.input[..h * n * ci], &mut s.output[..h * n * rh]);
+    for (head, rows) in input.chunks_exact_mut(n * ci).enumerate() {
         for (t, row) in rows.chunks_exact_mut(ci).enumerate() {
-            let at = t * h * si + hh * si + oi;
-            row.copy_from_slice(&x[at..at + ci]);
+            let at = (t * h + head) * sx;
+            row.copy_from_slice(&x[at..at + ci]); // [T, ci] of this head
         }
     }
     // Blocks per head when quantised (at least one slot per head either way,
     // so the zip below visits every head).
     let qw = if quantize && w.dtype.is_quantized() && ci.is_multiple_of(32) { n * ci / 32 } else { 0 };
-    let head_q = &mut head_q[..h * qw.max(1)];
-    head_in
-        .par_chunks(n * ci)
-        .zip(head_out.par_chunks_mut(n * rh))
-        .zip(head_q.par_chunks_mut(qw.max(1)))
-        .enumerate()
-        .for_each(|(hh, ((xin, y), q))| {
+    let q = &mut s.q[..h * qw.max(1)];
+    input.par_chunks(n * ci).zip(output.par_chunks_mut(n * rh)).zip(q.par_chunks_mut(qw.max(1))).enumerate().for_each(
+        |(head, ((xin, y), q))| {
             let inp = Input::prepare(xin, ci, qw > 0, q);
-            matmul_serial(&w.row_range(hh * rh, rh), &inp, y); // [T, rh]
-        });
-    for (hh, rows) in head_out.chunks_exact(n * rh).enumerate() {
+            matmul_serial(&w.row_range(head * rh, rh), &inp, y); // [T, rh]
+        },
+    );
+    for (head, rows) in output.chunks_exact(n * rh).enumerate() {
         for (t, row) in rows.chunks_exact(rh).enumerate() {
-            let at = t * h * so + hh * so + oo;
+            let at = (t * h + head) * so;
             out[at..at + rh].copy_from_slice(row);
         }
     }

@@ -171,12 +171,20 @@ pub struct MlaScratch {
     pub q_abs: Vec<f32>,
     /// [C, H·R] attention output in latent space.
     pub o_lat: Vec<f32>,
-    /// [H, C, max(Dn, R)] one head's rows gathered for its own matmul.
-    pub head_in: Vec<f32>,
+    /// The per-head products' gather buffers.
+    pub heads: HeadScratch,
+}
+
+/// Buffers of per-head matrix products (each head's rows gathered, multiplied
+/// by its own matrix, scattered back).
+#[derive(Default)]
+pub struct HeadScratch {
+    /// [H, C, max(Dn, R)] each head's input rows.
+    pub input: Vec<f32>,
     /// [H, C·max(Dn, R)/32 + 1] the same, quantised.
-    pub head_q: Vec<BlockQ8>,
-    /// [H, C, max(R, Dv)] one head's matmul output.
-    pub head_out: Vec<f32>,
+    pub q: Vec<BlockQ8>,
+    /// [H, C, max(R, Dv)] each head's output rows.
+    pub output: Vec<f32>,
 }
 
 impl MlaScratch {
@@ -188,9 +196,11 @@ impl MlaScratch {
             q_lat: vec![0.0; chunk * m.q_lora_rank.unwrap_or(0)],
             q_abs: vec![0.0; chunk * h * (r + m.qk_rope_dim)],
             o_lat: vec![0.0; chunk * h * r],
-            head_in: vec![0.0; h * chunk * inw],
-            head_q: vec![BlockQ8::default(); h * (chunk * inw / 32 + 1)],
-            head_out: vec![0.0; h * chunk * r.max(m.v_head_dim)],
+            heads: HeadScratch {
+                input: vec![0.0; h * chunk * inw],
+                q: vec![BlockQ8::default(); h * (chunk * inw / 32 + 1)],
+                output: vec![0.0; h * chunk * r.max(m.v_head_dim)],
+            },
         }
     }
 }
