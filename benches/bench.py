@@ -32,6 +32,8 @@ Examples::
     python benches/bench.py --models olmoe --types f16 --threads 2
     python benches/bench.py --verify --layers 2
     python benches/bench.py --noisy --write-docs     # the documented run
+    python benches/bench.py --models deepseek_v2_lite,gpt_oss_20b --pairs q8_0:Q8_0,q4_0:Q4_0 --threads 2
+    python benches/bench.py --models deepseek_v2_lite --kv   # KV-cache bytes per token at 4k, both engines
 """
 
 from __future__ import annotations
@@ -217,7 +219,20 @@ def worker(spec: dict) -> dict:
     res["decode_cpu_s"] = cpu_s() - c0
     res["decode_s"], res["decode_n"] = sec, got - 1
     res["peak_rss_mb"] = peak_rss_mb()
+    res["load_avg"] = loadavg()
+    if spec["engine"] == "colibri":
+        res["extension"] = extension_digest()
     return res
+
+
+def extension_digest() -> str:
+    """The imported colibri extension's hash (it can be rebuilt under a long run)."""
+    import hashlib
+
+    import colibri
+
+    so = next(iter(sorted(Path(colibri.__file__).resolve().parent.glob("_colibri*"))), None)
+    return hashlib.sha256(so.read_bytes()).hexdigest()[:12] if so else "?"
 
 
 # ---------------------------------------------------------------- parent side
@@ -468,6 +483,12 @@ def bench(args, log) -> dict:
             if twin not in args.gguf_types.split(","):
                 twin = "F16"
             pairs.append((t, twin))
+        if args.pairs:
+            # Explicit colibri:GGUF pairs, e.g. q4_0:MXFP4 (different types, labelled as such).
+            pairs = [tuple(x.split(":")) for x in args.pairs.split(",") if x]
+            for t, _ in pairs:
+                if t not in supported:
+                    raise SystemExit(f"colibri does not support {t} (supported: {', '.join(supported)})")
         ensure_models(shape, args.layers, sorted({g for _, g in pairs}), log)
         for ctype, gtype in pairs:
             if f"{shape.name}:{ctype}" in args.skip.split(","):
@@ -505,6 +526,10 @@ def bench(args, log) -> dict:
                         }
                         r = run_worker(spec)
                         runs[eng].append(r)
+                        if "extension" in r:
+                            result.setdefault("extensions", [])
+                            if r["extension"] not in result["extensions"]:
+                                result["extensions"].append(r["extension"])
                         log(
                             f"{shape.name} {ctype}/{gtype} t{th} rep{rep} {eng}: "
                             + ", ".join(f"{n}={r[f'prefill{n}_s']:.3f}s" for n in prompts)
@@ -620,6 +645,63 @@ def verify(args, log) -> list[dict]:
             }
             log(json.dumps(row))
             out.append(row)
+    return out
+
+
+# ---------------------------------------------------------------- KV cache
+
+
+LLAMA_KV_CODE = r"""
+import sys, llama_cpp
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_batch=512, n_ubatch=512,
+                      n_threads=2, n_threads_batch=2, use_mmap=True, verbose=True)
+"""
+
+
+def kv_cache(args, log) -> list[dict]:
+    """KV-cache bytes per token: colibri's (`colibri info --json`, the cache it
+    allocates per token) and llama.cpp's own `llama_kv_cache: size = ...`
+    lines for a context of --kv-ctx tokens (SWA caches included)."""
+    import re
+
+    out = []
+    for name in args.models.split(","):
+        shape = mm.SHAPES[name]
+        ctype, gtype = args.kv_type, GGUF_TWIN[args.kv_type]
+        ensure_models(shape, args.layers, [gtype], log)
+        cpath = colibri_file(shape, args.layers, ctype, log)
+        info = json.loads(
+            subprocess.run(
+                [sys.executable, "-m", "colibri", "info", str(cpath), "--json"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        )
+        gpath = mm.gguf_path(shape, args.layers, gtype)
+        p = subprocess.run(
+            [sys.executable, "-c", LLAMA_KV_CODE, str(gpath), str(args.kv_ctx)],
+            capture_output=True,
+            text=True,
+        )
+        # One "llama_kv_cache: size = X MiB (...)" line per cache (two for SWA models).
+        lines = [
+            ln.strip() for ln in p.stderr.splitlines() if re.match(r"llama_kv_cache: size = +[0-9.]+ MiB", ln)
+        ]
+        if p.returncode != 0 or not lines:
+            raise RuntimeError(f"llama.cpp KV size not found (rc {p.returncode}):\n{p.stderr[-3000:]}")
+        mib = sum(float(re.search(r"size = +([0-9.]+) MiB", ln).group(1)) for ln in lines)  # type: ignore[union-attr]
+        row = {
+            "model": name,
+            "colibri_dtype": info["kv_cache"]["dtype"],
+            "colibri_bytes_per_token": int(info["kv_cache"]["bytes_per_token"]),
+            "llama_lines": lines,
+            "llama_desc": "; ".join(re.sub(r"^.*?size = ", "", ln) for ln in lines),
+            "llama_mib": mib,
+            "llama_bytes_per_token": mib * 2**20 / args.kv_ctx,
+        }
+        log(json.dumps(row))
+        out.append(row)
     return out
 
 
@@ -810,7 +892,14 @@ def machine_facts() -> str:
     )
 
 
-def write_docs(text: str) -> None:
+def write_docs(text: str, section: str = "") -> None:
+    """Replaces the text between the results markers (``<!-- results:start -->``,
+    or ``<!-- results-SECTION:start -->`` for another section) of the doc."""
+    RESULTS_START, RESULTS_END = (
+        (f"<!-- results-{section}:start -->", f"<!-- results-{section}:end -->")
+        if section
+        else (globals()["RESULTS_START"], globals()["RESULTS_END"])
+    )
     body = DOC.read_text() if DOC.exists() else f"# Benchmarks\n\n{RESULTS_START}\n{RESULTS_END}\n"
     if RESULTS_START not in body:
         body += f"\n{RESULTS_START}\n{RESULTS_END}\n"
@@ -837,6 +926,11 @@ def main(argv: list[str] | None = None) -> int:
         default="F16,Q8_0,Q4_0",
         help="GGUF types that may be used; a colibri type without its twin here is compared with F16",
     )
+    ap.add_argument(
+        "--pairs",
+        default="",
+        help="explicit colibri:GGUF type pairs instead of --types, e.g. q8_0:Q8_0,q4_0:Q4_0,q4_0:MXFP4",
+    )
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--prompts", default="64,512", help="prefill prompt lengths")
     ap.add_argument("--decode-tokens", type=int, default=64)
@@ -854,10 +948,22 @@ def main(argv: list[str] | None = None) -> int:
         "--skip", default="", help="comma list of model:type cells to leave out, e.g. qwen3moe:f32"
     )
     ap.add_argument("--verify", action="store_true", help="compare both engines' logits instead of timing")
+    ap.add_argument(
+        "--kv",
+        action="store_true",
+        help="KV-cache bytes per token at --kv-ctx tokens in both engines (colibri info; llama.cpp's log)",
+    )
+    ap.add_argument("--kv-ctx", type=int, default=4096)
+    ap.add_argument("--kv-type", default="q8_0", help="colibri / GGUF weight type of the files --kv opens")
     ap.add_argument("--verify-types", default="f16,q8_0,q4_0")
     ap.add_argument("--verify-tokens", type=int, default=32)
     ap.add_argument("--json", type=Path, help="also write the raw results here")
     ap.add_argument("--write-docs", action="store_true", help=f"put the tables into {DOC.relative_to(REPO)}")
+    ap.add_argument(
+        "--docs-section",
+        default="",
+        help="with --write-docs: write between <!-- results-SECTION:start/end --> instead of the main ones",
+    )
     ap.add_argument(
         "--report", type=Path, help="print (and with --write-docs, write) the tables of a saved run"
     )
@@ -873,6 +979,22 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.quick:
         args.layers, args.reps, args.prompts, args.decode_tokens = 1, 1, "64,128", 16
+    if args.kv:
+        rows = kv_cache(args, log)
+        print(
+            f"| model | colibri KV type | colibri bytes / token | colibri at {args.kv_ctx} (MiB) "
+            f"| llama.cpp KV | llama.cpp bytes / token | llama.cpp at {args.kv_ctx} (MiB) "
+            "| colibri / llama.cpp |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(
+                f"| {r['model']} | {r['colibri_dtype']} | {r['colibri_bytes_per_token']} "
+                f"| {r['colibri_bytes_per_token'] * args.kv_ctx / 2**20:.1f} | {r['llama_desc']} "
+                f"| {r['llama_bytes_per_token']:.0f} | {r['llama_mib']:.1f} "
+                f"| {r['colibri_bytes_per_token'] / r['llama_bytes_per_token']:.2f} |"
+            )
+        return 0
     if args.verify:
         rows = verify(args, log)
         print(
@@ -903,7 +1025,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n\n".join([res["machine"], markdown(res), bytes_table(res)])
     print(text)
     if args.write_docs:
-        write_docs(text)
+        write_docs(text, args.docs_section)
         log(f"wrote {DOC}")
     return 0
 

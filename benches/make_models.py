@@ -25,6 +25,8 @@ Usage::
     python benches/make_models.py                      # both shapes, 4 layers, F16 + Q8_0 + Q4_0
     python benches/make_models.py --shapes olmoe --layers 1 --gguf-types F16
     python benches/make_models.py --sizes               # print sizes, write nothing
+    python benches/make_models.py --shapes deepseek_v2_lite,gpt_oss_20b   # the MLA and GPT-OSS shapes
+    python benches/make_models.py --shapes gpt_oss_20b --gguf-types MXFP4  # experts MXFP4, rest Q4_0
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -65,9 +68,23 @@ class Shape:
     rope_theta: float
     rms_eps: float
     max_pos: int
+    # DeepSeek-V2 (MLA, shared experts, leading dense layers); 0 elsewhere.
+    shared_experts: int = 0
+    dense_layers: int = 0
+    dense_ffn: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
+    # GPT-OSS: sliding window of the even layers; 0 elsewhere.
+    sliding_window: int = 0
 
     def hf_config(self, layers: int) -> dict:
         """config.json as the Hub's checkpoint spells it, with `layers` layers."""
+        if self.model_type == "deepseek_v2":
+            return self._deepseek_v2_config(layers)
+        if self.model_type == "gpt_oss":
+            return self._gpt_oss_config(layers)
         common = {
             "architectures": [self.hf_class],
             "model_type": self.model_type,
@@ -119,6 +136,97 @@ class Shape:
             "eos_token_id": 151645,
         }
 
+    def _deepseek_v2_config(self, layers: int) -> dict:
+        # deepseek-ai/DeepSeek-V2-Lite's config.json, less its YaRN rope
+        # scaling (not needed at the benchmark's lengths) and the auto_map.
+        return {
+            "architectures": [self.hf_class],
+            "model_type": self.model_type,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "aux_loss_alpha": 0.001,
+            "bos_token_id": 100000,
+            "eos_token_id": 100001,
+            "first_k_dense_replace": self.dense_layers,
+            "hidden_act": "silu",
+            "hidden_size": self.hidden,
+            "initializer_range": 0.02,
+            "intermediate_size": self.dense_ffn,
+            "kv_lora_rank": self.kv_lora_rank,
+            "max_position_embeddings": self.max_pos,
+            "moe_intermediate_size": self.expert_ffn,
+            "moe_layer_freq": 1,
+            "n_group": 1,
+            "n_routed_experts": self.experts,
+            "n_shared_experts": self.shared_experts,
+            "norm_topk_prob": self.norm_topk_prob,
+            "num_attention_heads": self.heads,
+            "num_experts_per_tok": self.top_k,
+            "num_hidden_layers": layers,
+            "num_key_value_heads": self.kv_heads,
+            "pretraining_tp": 1,
+            "q_lora_rank": None,
+            "qk_nope_head_dim": self.qk_nope_dim,
+            "qk_rope_head_dim": self.qk_rope_dim,
+            "rms_norm_eps": self.rms_eps,
+            "rope_scaling": None,
+            "rope_theta": self.rope_theta,
+            "routed_scaling_factor": 1.0,
+            "scoring_func": "softmax",
+            "seq_aux": True,
+            "tie_word_embeddings": False,
+            "topk_group": 1,
+            "topk_method": "greedy",
+            "torch_dtype": "float16",
+            "use_cache": True,
+            "v_head_dim": self.v_head_dim,
+            "vocab_size": self.vocab,
+        }
+
+    def _gpt_oss_config(self, layers: int) -> dict:
+        # openai/gpt-oss-20b's config.json, less its MXFP4 quantization_config
+        # (the experts are written in f16 here).
+        return {
+            "architectures": [self.hf_class],
+            "model_type": self.model_type,
+            "attention_bias": True,
+            "attention_dropout": 0.0,
+            "eos_token_id": 200002,
+            "experts_per_token": self.top_k,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "hidden_size": self.hidden,
+            "initial_context_length": 4096,
+            "initializer_range": 0.02,
+            "intermediate_size": self.expert_ffn,
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            "max_position_embeddings": self.max_pos,
+            "num_attention_heads": self.heads,
+            "num_experts_per_tok": self.top_k,
+            "num_hidden_layers": layers,
+            "num_key_value_heads": self.kv_heads,
+            "num_local_experts": self.experts,
+            "output_router_logits": False,
+            "pad_token_id": 199999,
+            "rms_norm_eps": self.rms_eps,
+            "rope_scaling": {
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "factor": 32.0,
+                "original_max_position_embeddings": 4096,
+                "rope_type": "yarn",
+                "truncate": False,
+            },
+            "rope_theta": self.rope_theta,
+            "router_aux_loss_coef": 0.9,
+            "sliding_window": self.sliding_window,
+            "swiglu_limit": 7.0,
+            "tie_word_embeddings": False,
+            "torch_dtype": "float16",
+            "use_cache": True,
+            "vocab_size": self.vocab,
+        }
+
 
 SHAPES = {
     "olmoe": Shape(
@@ -159,9 +267,59 @@ SHAPES = {
         rms_eps=1e-6,
         max_pos=40960,
     ),
+    "deepseek_v2_lite": Shape(
+        name="deepseek_v2_lite",
+        hf_class="DeepseekV2ForCausalLM",
+        model_type="deepseek_v2",
+        gguf_arch="deepseek2",
+        hidden=2048,
+        experts=64,
+        top_k=6,
+        expert_ffn=1408,
+        heads=16,
+        kv_heads=16,
+        head_dim=192,  # qk_nope + qk_rope
+        vocab=102400,
+        qk_norm="none",
+        norm_topk_prob=False,
+        rope_theta=10000.0,
+        rms_eps=1e-6,
+        max_pos=163840,
+        shared_experts=2,
+        dense_layers=1,
+        dense_ffn=10944,
+        kv_lora_rank=512,
+        qk_nope_dim=128,
+        qk_rope_dim=64,
+        v_head_dim=128,
+    ),
+    "gpt_oss_20b": Shape(
+        name="gpt_oss_20b",
+        hf_class="GptOssForCausalLM",
+        model_type="gpt_oss",
+        gguf_arch="gpt-oss",
+        hidden=2880,
+        experts=32,
+        top_k=4,
+        expert_ffn=2880,
+        heads=64,
+        kv_heads=8,
+        head_dim=64,
+        vocab=201088,
+        qk_norm="none",
+        norm_topk_prob=True,
+        rope_theta=150000.0,
+        rms_eps=1e-5,
+        max_pos=131072,
+        sliding_window=128,
+    ),
 }
 
-GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+# The shapes written when --shapes is not given (the first two of the suite).
+DEFAULT_SHAPES = "olmoe,qwen3moe"
+
+# "MXFP4" is GPT-OSS's own layout: routed experts in MXFP4, every other matrix Q4_0.
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "MXFP4")
 
 
 @dataclass(frozen=True)
@@ -170,11 +328,17 @@ class Tensor:
 
     name: str
     shape: tuple[int, ...]
-    kind: str  # "matrix", "embed", "router" or "norm"
+    # "matrix" ([out, in]), "matrix_t" (stacked [.., in, out], used as x @ W),
+    # "embed", "router", "norm", "bias" or "sink"
+    kind: str
 
 
 def hf_tensors(s: Shape, layers: int) -> list[Tensor]:
     """Every tensor of the Hub checkpoint, in file order."""
+    if s.model_type == "deepseek_v2":
+        return _deepseek_v2_tensors(s, layers)
+    if s.model_type == "gpt_oss":
+        return _gpt_oss_tensors(s, layers)
     d, q, kv = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
     qn, kn = (q, kv) if s.qk_norm == "full" else (s.head_dim, s.head_dim)
     out = [Tensor("model.embed_tokens.weight", (s.vocab, d), "embed")]
@@ -202,15 +366,90 @@ def hf_tensors(s: Shape, layers: int) -> list[Tensor]:
     return out
 
 
+def _deepseek_v2_tensors(s: Shape, layers: int) -> list[Tensor]:
+    d, h = s.hidden, s.heads
+    qk = s.qk_nope_dim + s.qk_rope_dim
+    out = [Tensor("model.embed_tokens.weight", (s.vocab, d), "embed")]
+    for layer in range(layers):
+        p = f"model.layers.{layer}"
+        a = f"{p}.self_attn"
+        out += [
+            Tensor(f"{p}.input_layernorm.weight", (d,), "norm"),
+            Tensor(f"{a}.q_proj.weight", (h * qk, d), "matrix"),
+            Tensor(f"{a}.kv_a_proj_with_mqa.weight", (s.kv_lora_rank + s.qk_rope_dim, d), "matrix"),
+            Tensor(f"{a}.kv_a_layernorm.weight", (s.kv_lora_rank,), "norm"),
+            Tensor(f"{a}.kv_b_proj.weight", (h * (s.qk_nope_dim + s.v_head_dim), s.kv_lora_rank), "matrix"),
+            Tensor(f"{a}.o_proj.weight", (d, h * s.v_head_dim), "matrix"),
+            Tensor(f"{p}.post_attention_layernorm.weight", (d,), "norm"),
+        ]
+        if layer < s.dense_layers:
+            f = s.dense_ffn
+            out += [
+                Tensor(f"{p}.mlp.gate_proj.weight", (f, d), "matrix"),
+                Tensor(f"{p}.mlp.up_proj.weight", (f, d), "matrix"),
+                Tensor(f"{p}.mlp.down_proj.weight", (d, f), "matrix"),
+            ]
+            continue
+        out.append(Tensor(f"{p}.mlp.gate.weight", (s.experts, d), "router"))
+        f = s.expert_ffn
+        for e in range(s.experts):
+            out += [
+                Tensor(f"{p}.mlp.experts.{e}.gate_proj.weight", (f, d), "matrix"),
+                Tensor(f"{p}.mlp.experts.{e}.up_proj.weight", (f, d), "matrix"),
+                Tensor(f"{p}.mlp.experts.{e}.down_proj.weight", (d, f), "matrix"),
+            ]
+        fs = f * s.shared_experts
+        out += [
+            Tensor(f"{p}.mlp.shared_experts.gate_proj.weight", (fs, d), "matrix"),
+            Tensor(f"{p}.mlp.shared_experts.up_proj.weight", (fs, d), "matrix"),
+            Tensor(f"{p}.mlp.shared_experts.down_proj.weight", (d, fs), "matrix"),
+        ]
+    out += [Tensor("model.norm.weight", (d,), "norm"), Tensor("lm_head.weight", (s.vocab, d), "matrix")]
+    return out
+
+
+def _gpt_oss_tensors(s: Shape, layers: int) -> list[Tensor]:
+    d, q, kv, e, f = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim, s.experts, s.expert_ffn
+    out = [Tensor("model.embed_tokens.weight", (s.vocab, d), "embed")]
+    for layer in range(layers):
+        p = f"model.layers.{layer}"
+        a = f"{p}.self_attn"
+        out += [
+            Tensor(f"{p}.input_layernorm.weight", (d,), "norm"),
+            Tensor(f"{a}.q_proj.weight", (q, d), "matrix"),
+            Tensor(f"{a}.q_proj.bias", (q,), "bias"),
+            Tensor(f"{a}.k_proj.weight", (kv, d), "matrix"),
+            Tensor(f"{a}.k_proj.bias", (kv,), "bias"),
+            Tensor(f"{a}.v_proj.weight", (kv, d), "matrix"),
+            Tensor(f"{a}.v_proj.bias", (kv,), "bias"),
+            Tensor(f"{a}.o_proj.weight", (d, q), "matrix"),
+            Tensor(f"{a}.o_proj.bias", (d,), "bias"),
+            Tensor(f"{a}.sinks", (s.heads,), "sink"),
+            Tensor(f"{p}.post_attention_layernorm.weight", (d,), "norm"),
+            Tensor(f"{p}.mlp.router.weight", (e, d), "router"),
+            Tensor(f"{p}.mlp.router.bias", (e,), "bias"),
+            # Stacked experts used as x @ W: gate_up [E, D, 2F] (gate = even
+            # columns, up = odd), down [E, F, D].
+            Tensor(f"{p}.mlp.experts.gate_up_proj", (e, d, 2 * f), "matrix_t"),
+            Tensor(f"{p}.mlp.experts.gate_up_proj_bias", (e, 2 * f), "bias"),
+            Tensor(f"{p}.mlp.experts.down_proj", (e, f, d), "matrix_t"),
+            Tensor(f"{p}.mlp.experts.down_proj_bias", (e, d), "bias"),
+        ]
+    out += [Tensor("model.norm.weight", (d,), "norm"), Tensor("lm_head.weight", (s.vocab, d), "matrix")]
+    return out
+
+
 def draw(shape_name: str, t: Tensor) -> np.ndarray:
     """Deterministic values of one tensor (f32), seeded by its name."""
     rng = np.random.default_rng(zlib.crc32(f"{shape_name}/{t.name}".encode()))
     x = rng.standard_normal(t.shape, dtype=np.float32)
     if t.kind == "norm":
         return 1.0 + np.float32(0.1) * x
-    if t.kind == "embed":
+    if t.kind in ("embed", "sink"):
         return x
-    scale = 1.0 / np.sqrt(t.shape[-1])
+    if t.kind == "bias":
+        return np.float32(0.1) * x
+    scale = 1.0 / np.sqrt(t.shape[-2] if t.kind == "matrix_t" else t.shape[-1])
     if t.kind == "router":
         scale *= 2.0
     x *= np.float32(scale)
@@ -274,38 +513,195 @@ class SafetensorsFile:
 # ---------------------------------------------------------------- GGUF
 
 
-def gguf_plan(s: Shape, layers: int) -> list[tuple[str, list[str], str]]:
-    """(GGUF name, Hub names stacked into it, kind) in file order.
+@dataclass(frozen=True)
+class Entry:
+    """One GGUF tensor: its name, the Hub tensors it is made of, and how.
+
+    Without ``parts``, the Hub tensors are stacked (several) or copied (one).
+    With it, ``parts(st)`` gives the 2-D blocks whose rows, one block after
+    the other, are the tensor's rows (``shape`` is then the GGUF tensor's
+    NumPy shape, outermost first); for a "norm" entry ``parts`` gives the
+    whole array. "norm" entries (norms, biases, sinks, routers) stay f32.
+    """
+
+    name: str
+    hf: tuple[str, ...]
+    kind: str  # "matrix" (takes the file's type) or "norm" (f32)
+    parts: Callable | None = None
+    shape: tuple[int, ...] | None = None
+
+
+def gguf_plan(s: Shape, layers: int) -> list[Entry]:
+    """The GGUF tensors in file order.
 
     Experts are stacked as llama.cpp's converter does: ``[E, F, D]`` for
     gate/up and ``[E, D, F]`` for down (GGUF reverses the dimensions, so
     llama.cpp sees ``{D, F, E}`` and ``{F, D, E}``).
     """
-    plan = [("token_embd.weight", ["model.embed_tokens.weight"], "matrix")]
+    if s.model_type == "deepseek_v2":
+        return _deepseek_v2_plan(s, layers)
+    if s.model_type == "gpt_oss":
+        return _gpt_oss_plan(s, layers)
+
+    def e(name, hf, kind):
+        return Entry(name, tuple(hf), kind)
+
+    plan = [e("token_embd.weight", ["model.embed_tokens.weight"], "matrix")]
     for layer in range(layers):
         p, b = f"model.layers.{layer}", f"blk.{layer}"
         plan += [
-            (f"{b}.attn_norm.weight", [f"{p}.input_layernorm.weight"], "norm"),
-            (f"{b}.attn_q.weight", [f"{p}.self_attn.q_proj.weight"], "matrix"),
-            (f"{b}.attn_k.weight", [f"{p}.self_attn.k_proj.weight"], "matrix"),
-            (f"{b}.attn_v.weight", [f"{p}.self_attn.v_proj.weight"], "matrix"),
-            (f"{b}.attn_output.weight", [f"{p}.self_attn.o_proj.weight"], "matrix"),
-            (f"{b}.attn_q_norm.weight", [f"{p}.self_attn.q_norm.weight"], "norm"),
-            (f"{b}.attn_k_norm.weight", [f"{p}.self_attn.k_norm.weight"], "norm"),
-            (f"{b}.ffn_norm.weight", [f"{p}.post_attention_layernorm.weight"], "norm"),
+            e(f"{b}.attn_norm.weight", [f"{p}.input_layernorm.weight"], "norm"),
+            e(f"{b}.attn_q.weight", [f"{p}.self_attn.q_proj.weight"], "matrix"),
+            e(f"{b}.attn_k.weight", [f"{p}.self_attn.k_proj.weight"], "matrix"),
+            e(f"{b}.attn_v.weight", [f"{p}.self_attn.v_proj.weight"], "matrix"),
+            e(f"{b}.attn_output.weight", [f"{p}.self_attn.o_proj.weight"], "matrix"),
+            e(f"{b}.attn_q_norm.weight", [f"{p}.self_attn.q_norm.weight"], "norm"),
+            e(f"{b}.attn_k_norm.weight", [f"{p}.self_attn.k_norm.weight"], "norm"),
+            e(f"{b}.ffn_norm.weight", [f"{p}.post_attention_layernorm.weight"], "norm"),
             # The router stays f32, as llama.cpp's converter and colibri both keep it.
-            (f"{b}.ffn_gate_inp.weight", [f"{p}.mlp.gate.weight"], "norm"),
+            e(f"{b}.ffn_gate_inp.weight", [f"{p}.mlp.gate.weight"], "norm"),
         ]
         for gg, hf in (
             ("ffn_gate_exps", "gate_proj"),
             ("ffn_up_exps", "up_proj"),
             ("ffn_down_exps", "down_proj"),
         ):
-            names = [f"{p}.mlp.experts.{e}.{hf}.weight" for e in range(s.experts)]
-            plan.append((f"{b}.{gg}.weight", names, "matrix"))
+            names = [f"{p}.mlp.experts.{x}.{hf}.weight" for x in range(s.experts)]
+            plan.append(e(f"{b}.{gg}.weight", names, "matrix"))
     plan += [
-        ("output_norm.weight", ["model.norm.weight"], "norm"),
-        ("output.weight", ["lm_head.weight"], "matrix"),
+        e("output_norm.weight", ["model.norm.weight"], "norm"),
+        e("output.weight", ["lm_head.weight"], "matrix"),
+    ]
+    return plan
+
+
+def _deepseek_v2_plan(s: Shape, layers: int) -> list[Entry]:
+    """llama.cpp's `deepseek2` layout (its converter's DeepseekV2Model).
+
+    `kv_b_proj` [H·(nope + v), R] is split per head into ``attn_k_b``
+    [H, R, nope] (each head's key rows, transposed) and ``attn_v_b``
+    [H, v, R], the absorbed-MLA tensors current llama.cpp requires. RoPE
+    needs no permutation: DeepSeek rotates adjacent pairs, llama.cpp's
+    `deepseek2` rope type is NORM (adjacent pairs) too.
+    """
+    h, dn, dv, r = s.heads, s.qk_nope_dim, s.v_head_dim, s.kv_lora_rank
+
+    def e(name, hf, kind, parts=None, shape=None):
+        return Entry(name, tuple(hf), kind, parts, shape)
+
+    def kv_b(st, name):
+        return st.get(name).reshape(h, dn + dv, r)
+
+    plan = [e("token_embd.weight", ["model.embed_tokens.weight"], "matrix")]
+    for layer in range(layers):
+        p, b, a = f"model.layers.{layer}", f"blk.{layer}", f"model.layers.{layer}.self_attn"
+        kvb = f"{a}.kv_b_proj.weight"
+        plan += [
+            e(f"{b}.attn_norm.weight", [f"{p}.input_layernorm.weight"], "norm"),
+            e(f"{b}.attn_q.weight", [f"{a}.q_proj.weight"], "matrix"),
+            e(f"{b}.attn_kv_a_mqa.weight", [f"{a}.kv_a_proj_with_mqa.weight"], "matrix"),
+            e(f"{b}.attn_kv_a_norm.weight", [f"{a}.kv_a_layernorm.weight"], "norm"),
+            e(
+                f"{b}.attn_k_b.weight",
+                [kvb],
+                "matrix",
+                lambda st, n=kvb: [kv_b(st, n)[i, :dn, :].T for i in range(h)],
+                (h, r, dn),
+            ),
+            e(
+                f"{b}.attn_v_b.weight",
+                [kvb],
+                "matrix",
+                lambda st, n=kvb: [kv_b(st, n)[i, dn:, :] for i in range(h)],
+                (h, dv, r),
+            ),
+            e(f"{b}.attn_output.weight", [f"{a}.o_proj.weight"], "matrix"),
+            e(f"{b}.ffn_norm.weight", [f"{p}.post_attention_layernorm.weight"], "norm"),
+        ]
+        if layer < s.dense_layers:
+            for gg in ("gate", "up", "down"):
+                plan.append(e(f"{b}.ffn_{gg}.weight", [f"{p}.mlp.{gg}_proj.weight"], "matrix"))
+            continue
+        plan.append(e(f"{b}.ffn_gate_inp.weight", [f"{p}.mlp.gate.weight"], "norm"))
+        for gg in ("gate", "up", "down"):
+            names = [f"{p}.mlp.experts.{x}.{gg}_proj.weight" for x in range(s.experts)]
+            plan.append(e(f"{b}.ffn_{gg}_exps.weight", names, "matrix"))
+        for gg in ("gate", "up", "down"):
+            plan.append(
+                e(f"{b}.ffn_{gg}_shexp.weight", [f"{p}.mlp.shared_experts.{gg}_proj.weight"], "matrix")
+            )
+    plan += [
+        e("output_norm.weight", ["model.norm.weight"], "norm"),
+        e("output.weight", ["lm_head.weight"], "matrix"),
+    ]
+    return plan
+
+
+def _gpt_oss_plan(s: Shape, layers: int) -> list[Entry]:
+    """llama.cpp's `gpt-oss` layout (its converter's GptOssModel, bf16/f16 path).
+
+    ``gate_up_proj`` [E, D, 2F] (x @ W) becomes ``ffn_gate_exps`` /
+    ``ffn_up_exps`` [E, F, D] from its even / odd columns, transposed;
+    ``down_proj`` [E, F, D] becomes ``ffn_down_exps`` [E, D, F]; the biases
+    split the same way; ``sinks`` is ``attn_sinks.weight``.
+    """
+    d, f, ne = s.hidden, s.expert_ffn, s.experts
+
+    def e(name, hf, kind, parts=None, shape=None):
+        return Entry(name, tuple(hf), kind, parts, shape)
+
+    plan = [e("token_embd.weight", ["model.embed_tokens.weight"], "matrix")]
+    for layer in range(layers):
+        p, b, a = f"model.layers.{layer}", f"blk.{layer}", f"model.layers.{layer}.self_attn"
+        x = f"{p}.mlp.experts"
+        gu, gub, dn, dnb = (
+            f"{x}.gate_up_proj",
+            f"{x}.gate_up_proj_bias",
+            f"{x}.down_proj",
+            f"{x}.down_proj_bias",
+        )
+        plan.append(e(f"{b}.attn_norm.weight", [f"{p}.input_layernorm.weight"], "norm"))
+        for gg, hf in (
+            ("attn_q", "q_proj"),
+            ("attn_k", "k_proj"),
+            ("attn_v", "v_proj"),
+            ("attn_output", "o_proj"),
+        ):
+            plan.append(e(f"{b}.{gg}.weight", [f"{a}.{hf}.weight"], "matrix"))
+            plan.append(e(f"{b}.{gg}.bias", [f"{a}.{hf}.bias"], "norm"))
+        plan += [
+            e(f"{b}.attn_sinks.weight", [f"{a}.sinks"], "norm"),
+            e(f"{b}.post_attention_norm.weight", [f"{p}.post_attention_layernorm.weight"], "norm"),
+            e(f"{b}.ffn_gate_inp.weight", [f"{p}.mlp.router.weight"], "norm"),
+            e(f"{b}.ffn_gate_inp.bias", [f"{p}.mlp.router.bias"], "norm"),
+            e(
+                f"{b}.ffn_gate_exps.weight",
+                [gu],
+                "matrix",
+                lambda st, n=gu: [st.get(n)[i][:, 0::2].T for i in range(ne)],
+                (ne, f, d),
+            ),
+            e(f"{b}.ffn_gate_exps.bias", [gub], "norm", lambda st, n=gub: st.get(n)[:, 0::2], (ne, f)),
+            e(
+                f"{b}.ffn_up_exps.weight",
+                [gu],
+                "matrix",
+                lambda st, n=gu: [st.get(n)[i][:, 1::2].T for i in range(ne)],
+                (ne, f, d),
+            ),
+            e(f"{b}.ffn_up_exps.bias", [gub], "norm", lambda st, n=gub: st.get(n)[:, 1::2], (ne, f)),
+            e(
+                f"{b}.ffn_down_exps.weight",
+                [dn],
+                "matrix",
+                lambda st, n=dn: [st.get(n)[i].T for i in range(ne)],
+                (ne, d, f),
+            ),
+            e(f"{b}.ffn_down_exps.bias", [dnb], "norm"),
+        ]
+    plan += [
+        e("output_norm.weight", ["model.norm.weight"], "norm"),
+        e("output.weight", ["lm_head.weight"], "matrix"),
     ]
     return plan
 
@@ -314,6 +710,13 @@ def _qtype(name: str):
     import gguf
 
     return gguf.GGMLQuantizationType[name]
+
+
+def tensor_type(gtype: str, name: str) -> str:
+    """The GGUF type of one matrix in a file of `gtype` ("MXFP4": experts only)."""
+    if gtype == "MXFP4":
+        return "MXFP4" if "_exps." in name else "Q4_0"
+    return gtype
 
 
 def _encode(x16: np.ndarray, gtype: str) -> np.ndarray:
@@ -335,6 +738,60 @@ def _row_bytes(cols: int, gtype: str) -> int:
     return cols // block * size
 
 
+def _add_metadata(w, s: Shape, layers: int, cfg: dict) -> None:
+    """The architecture's GGUF keys, as llama.cpp's converter writes them."""
+    import gguf
+
+    w.add_context_length(s.max_pos)
+    w.add_embedding_length(s.hidden)
+    w.add_block_count(layers)
+    w.add_head_count(s.heads)
+    w.add_rope_freq_base(s.rope_theta)
+    w.add_layer_norm_rms_eps(s.rms_eps)
+    w.add_expert_count(s.experts)
+    w.add_expert_used_count(s.top_k)
+    w.add_vocab_size(s.vocab)
+    if s.model_type == "deepseek_v2":
+        # MLA is stored as MQA over the latent: one kv head, keys of
+        # kv_lora_rank + rope, values of kv_lora_rank; the MLA head sizes
+        # (nope + rope, v) separately.
+        w.add_feed_forward_length(s.dense_ffn)
+        w.add_head_count_kv(1)
+        w.add_leading_dense_block_count(s.dense_layers)
+        # llama.cpp reads q_lora_rank unless the layer count is a known
+        # "lite" one (26 or 27 layers); 0 means q_proj, no q_a/q_b.
+        w.add_q_lora_rank(0)
+        w.add_kv_lora_rank(s.kv_lora_rank)
+        w.add_key_length(s.kv_lora_rank + s.qk_rope_dim)
+        w.add_value_length(s.kv_lora_rank)
+        w.add_key_length_mla(s.qk_nope_dim + s.qk_rope_dim)
+        w.add_value_length_mla(s.v_head_dim)
+        w.add_expert_feed_forward_length(s.expert_ffn)
+        w.add_expert_shared_count(s.shared_experts)
+        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
+        w.add_rope_dimension_count(s.qk_rope_dim)
+        return
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count_kv(s.kv_heads)
+    if s.model_type == "gpt_oss":
+        rs = cfg["rope_scaling"]
+        w.add_key_length(s.head_dim)
+        w.add_value_length(s.head_dim)
+        w.add_expert_feed_forward_length(s.expert_ffn)
+        w.add_sliding_window(s.sliding_window)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rs["factor"])
+        w.add_rope_scaling_orig_ctx_len(rs["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rs["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rs["beta_slow"])
+        return
+    if s.model_type == "qwen3_moe":
+        w.add_expert_feed_forward_length(s.expert_ffn)
+        w.add_key_length(s.head_dim)
+        w.add_value_length(s.head_dim)
+
+
 def write_gguf(s: Shape, layers: int, st: SafetensorsFile, gtype: str, path: Path, log) -> None:
     import gguf
 
@@ -342,21 +799,7 @@ def write_gguf(s: Shape, layers: int, st: SafetensorsFile, gtype: str, path: Pat
     w = gguf.GGUFWriter(None, s.gguf_arch)
     arch = s.gguf_arch
     w.add_name(f"random {s.name} {layers}-layer ({gtype})")
-    w.add_context_length(s.max_pos)
-    w.add_embedding_length(s.hidden)
-    w.add_block_count(layers)
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(s.heads)
-    w.add_head_count_kv(s.kv_heads)
-    w.add_rope_freq_base(s.rope_theta)
-    w.add_layer_norm_rms_eps(s.rms_eps)
-    w.add_expert_count(s.experts)
-    w.add_expert_used_count(s.top_k)
-    if s.model_type == "qwen3_moe":
-        w.add_expert_feed_forward_length(s.expert_ffn)
-        w.add_key_length(s.head_dim)
-        w.add_value_length(s.head_dim)
-    w.add_vocab_size(s.vocab)
+    _add_metadata(w, s, layers, cfg)
     ftype = {
         "F32": gguf.LlamaFileType.ALL_F32,
         "F16": gguf.LlamaFileType.MOSTLY_F16,
@@ -364,6 +807,7 @@ def write_gguf(s: Shape, layers: int, st: SafetensorsFile, gtype: str, path: Pat
         "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
         "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
         "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+        "MXFP4": gguf.LlamaFileType.MOSTLY_MXFP4_MOE,
     }[gtype]
     w.add_file_type(ftype)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -373,34 +817,39 @@ def write_gguf(s: Shape, layers: int, st: SafetensorsFile, gtype: str, path: Pat
     assert f"{arch}.vocab_size" in w.kv_data[0]
 
     plan = gguf_plan(s, layers)
-    for gname, hf_names, kind in plan:
-        first = st.header[hf_names[0]]["shape"]
-        shape = ([len(hf_names)] if len(hf_names) > 1 else []) + list(first)
-        if kind == "norm":
-            w.add_tensor_info(gname, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
+    for ent in plan:
+        if ent.shape is not None:
+            shape = list(ent.shape)
         else:
-            qt = _qtype(gtype)
-            nbytes = int(np.prod(shape[:-1])) * _row_bytes(shape[-1], gtype)
-            w.add_tensor_info(gname, shape, np.dtype(np.float16), nbytes, raw_dtype=qt)
+            first = st.header[ent.hf[0]]["shape"]
+            shape = ([len(ent.hf)] if len(ent.hf) > 1 else []) + list(first)
+        if ent.kind == "norm":
+            w.add_tensor_info(ent.name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
+        else:
+            tt = tensor_type(gtype, ent.name)
+            nbytes = int(np.prod(shape[:-1])) * _row_bytes(shape[-1], tt)
+            w.add_tensor_info(ent.name, shape, np.dtype(np.float16), nbytes, raw_dtype=_qtype(tt))
     tmp = path.with_suffix(".tmp")
     w.write_header_to_file(tmp)
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     t0 = time.time()
     chunk_rows = 4096
-    for i, (_gname, hf_names, kind) in enumerate(plan):
-        if kind == "norm":
-            w.write_tensor_data(st.get(hf_names[0]).astype(np.float32))
+    for i, ent in enumerate(plan):
+        if ent.kind == "norm":
+            x = ent.parts(st) if ent.parts else st.get(ent.hf[0])
+            w.write_tensor_data(np.ascontiguousarray(x, dtype=np.float32))
             continue
-        parts = [st.get(n) for n in hf_names]
-        rows, cols = parts[0].shape
-        rb = _row_bytes(cols, gtype)
-        out = np.empty((len(parts) * rows, rb), dtype=np.uint8)
+        tt = tensor_type(gtype, ent.name)
+        parts = ent.parts(st) if ent.parts else [st.get(n) for n in ent.hf]
+        cols = parts[0].shape[1]
+        rb = _row_bytes(cols, tt)
+        out = np.empty((sum(len(part) for part in parts), rb), dtype=np.uint8)
         r = 0
         for part in parts:
-            for a in range(0, rows, chunk_rows):
+            for a in range(0, len(part), chunk_rows):
                 blk = np.ascontiguousarray(part[a : a + chunk_rows])
-                out[r : r + len(blk)] = _encode(blk, gtype).reshape(len(blk), rb)
+                out[r : r + len(blk)] = _encode(blk, tt).reshape(len(blk), rb)
                 r += len(blk)
         w.write_tensor_data(out)
         if i % 10 == 0:
@@ -460,7 +909,7 @@ def sizes(shapes: list[Shape], layers: int, gguf_types: list[str]) -> str:
             elif g == "F32":
                 b = 4.0
             else:
-                b = {"Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q4_1": 20 / 32}[g]
+                b = {"Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q4_1": 20 / 32, "MXFP4": 17 / 32}[g]
             parts.append(f"{g} ~{n * b / 1e9:.1f} GB")
         lines.append(", ".join(parts))
     return "\n".join(lines)
@@ -472,7 +921,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=sizes(list(SHAPES.values()), 4, ["F16", "Q8_0", "Q4_0"]),
     )
-    ap.add_argument("--shapes", default="olmoe,qwen3moe", help="comma list of " + ", ".join(SHAPES))
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma list of " + ", ".join(SHAPES))
     ap.add_argument("--layers", type=int, default=4, help="number of layers (default 4)")
     ap.add_argument(
         "--gguf-types",
