@@ -26,6 +26,8 @@ pub enum Isa {
     Scalar,
     /// x86_64 AVX2 + FMA + F16C.
     Avx2,
+    /// x86_64 AVX2 with AVX-VNNI (`vpdpbusd`) in the integer group kernels.
+    AvxVnni,
     /// aarch64 NEON.
     Neon,
 }
@@ -33,13 +35,13 @@ pub enum Isa {
 impl Isa {
     /// Every instruction set with a table, from the least to the most
     /// preferred (a CPU runs at most one of those after `Scalar` today).
-    pub const ALL: [Isa; 3] = [Isa::Scalar, Isa::Avx2, Isa::Neon];
+    pub const ALL: [Isa; 4] = [Isa::Scalar, Isa::Avx2, Isa::AvxVnni, Isa::Neon];
 
     /// The target architecture whose builds have this table (`None`: all).
     pub fn arch(self) -> Option<&'static str> {
         match self {
             Isa::Scalar => None,
-            Isa::Avx2 => Some("x86_64"),
+            Isa::Avx2 | Isa::AvxVnni => Some("x86_64"),
             Isa::Neon => Some("aarch64"),
         }
     }
@@ -49,6 +51,7 @@ impl Isa {
         match self {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2",
+            Isa::AvxVnni => "avxvnni",
             Isa::Neon => "neon",
         }
     }
@@ -74,6 +77,8 @@ enum Chosen {
     Scalar,
     #[cfg(target_arch = "x86_64")]
     Avx2(x86_64::Avx2),
+    #[cfg(target_arch = "x86_64")]
+    AvxVnni(x86_64::AvxVnni),
     #[cfg(target_arch = "aarch64")]
     Neon(aarch64::Neon),
 }
@@ -91,6 +96,10 @@ impl Table {
             Isa::Avx2 => x86_64::Avx2::detect().map(|t| Table(Chosen::Avx2(t))),
             #[cfg(not(target_arch = "x86_64"))]
             Isa::Avx2 => None,
+            #[cfg(target_arch = "x86_64")]
+            Isa::AvxVnni => x86_64::AvxVnni::detect().map(|t| Table(Chosen::AvxVnni(t))),
+            #[cfg(not(target_arch = "x86_64"))]
+            Isa::AvxVnni => None,
             #[cfg(target_arch = "aarch64")]
             Isa::Neon => aarch64::Neon::detect().map(|t| Table(Chosen::Neon(t))),
             #[cfg(not(target_arch = "aarch64"))]
@@ -114,6 +123,8 @@ impl Table {
             Chosen::Scalar => Isa::Scalar,
             #[cfg(target_arch = "x86_64")]
             Chosen::Avx2(_) => Isa::Avx2,
+            #[cfg(target_arch = "x86_64")]
+            Chosen::AvxVnni(_) => Isa::AvxVnni,
             #[cfg(target_arch = "aarch64")]
             Chosen::Neon(_) => Isa::Neon,
         }
@@ -126,6 +137,8 @@ impl Table {
             Chosen::Scalar => scalar::kernels(dtype),
             #[cfg(target_arch = "x86_64")]
             Chosen::Avx2(t) => t.kernels(dtype),
+            #[cfg(target_arch = "x86_64")]
+            Chosen::AvxVnni(t) => t.kernels(dtype),
             #[cfg(target_arch = "aarch64")]
             Chosen::Neon(t) => t.kernels(dtype),
         }

@@ -54,6 +54,14 @@ unsafe fn sum4_u8_i8(x: __m256i, y: __m256i) -> __m256i {
     _mm256_madd_epi16(_mm256_maddubs_epi16(x, y), _mm256_set1_epi16(1))
 }
 
+/// `acc + sum4_u8_i8(x, y)`: one `vpdpbusd` with AVX-VNNI (`VNNI`), else
+/// `maddubs` + `madd` + add. The two give the same integers: callers keep
+/// `x` below 128, so `maddubs` never saturates.
+#[inline(always)]
+unsafe fn dp4<const VNNI: bool>(acc: __m256i, x: __m256i, y: __m256i) -> __m256i {
+    if VNNI { _mm256_dpbusd_avx_epi32(acc, x, y) } else { _mm256_add_epi32(acc, sum4_u8_i8(x, y)) }
+}
+
 /// Unsigned bytes x (< 128) · signed bytes y, summed into 8 f32 lanes.
 #[inline(always)]
 unsafe fn dot_u8_i8(x: __m256i, y: __m256i) -> __m256 {
@@ -432,7 +440,11 @@ unsafe fn prefetch_ahead(p: *const u8, len: usize) {
 }
 
 #[inline(always)]
-unsafe fn gemm8_q8_0<const T: usize>(g: *const BlockQ8_0x8, nb: usize, q: [*const BlockQ8; T]) -> [__m256; T] {
+unsafe fn gemm8_q8_0<const T: usize, const VNNI: bool>(
+    g: *const BlockQ8_0x8,
+    nb: usize,
+    q: [*const BlockQ8; T],
+) -> [__m256; T] {
     let mut acc = [_mm256_setzero_ps(); T];
     for b in 0..nb {
         let bw = &*g.add(b);
@@ -444,7 +456,7 @@ unsafe fn gemm8_q8_0<const T: usize>(g: *const BlockQ8_0x8, nb: usize, q: [*cons
             let wabs = _mm256_sign_epi8(w, w);
             for (t, s) in isum.iter_mut().enumerate() {
                 let a = _mm256_sign_epi8(act4(&*q[t].add(b), 4 * k), w);
-                *s = _mm256_add_epi32(*s, sum4_u8_i8(wabs, a));
+                *s = dp4::<VNNI>(*s, wabs, a);
             }
         }
         for t in 0..T {
@@ -454,38 +466,48 @@ unsafe fn gemm8_q8_0<const T: usize>(g: *const BlockQ8_0x8, nb: usize, q: [*cons
     acc
 }
 
-/// Unsigned 4-bit codes · activations of one group block, per lane (row):
-/// 16-bit partial sums stay below 8 · 2 · 15 · 127 = 30480, so they are
-/// summed in 16 bits and widened once.
+/// Unsigned 4-bit codes · activations of one group block, per lane (row).
+/// Without VNNI, 16-bit partial sums stay below 8 · 2 · 15 · 127 = 30480,
+/// so they are summed in 16 bits and widened once; with it, `vpdpbusd`
+/// sums straight into 32 bits. The integers are the same.
 #[inline(always)]
-unsafe fn nibble_sums<const T: usize>(qs: *const u8, ba: [&BlockQ8; T]) -> [__m256i; T] {
+unsafe fn nibble_sums<const T: usize, const VNNI: bool>(qs: *const u8, ba: [&BlockQ8; T]) -> [__m256i; T] {
     let mask = _mm256_set1_epi8(0x0F);
-    let mut s16 = [_mm256_setzero_si256(); T];
+    let mut s = [_mm256_setzero_si256(); T];
     for j in 0..4 {
         let raw = _mm256_loadu_si256(qs.add(32 * j) as *const __m256i);
         let lo = _mm256_and_si256(raw, mask);
         let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-        for (t, s) in s16.iter_mut().enumerate() {
-            let p = _mm256_add_epi16(
-                _mm256_maddubs_epi16(lo, act4(ba[t], 4 * j)),
-                _mm256_maddubs_epi16(hi, act4(ba[t], 16 + 4 * j)),
-            );
-            *s = _mm256_add_epi16(*s, p);
+        for (t, s) in s.iter_mut().enumerate() {
+            let (alo, ahi) = (act4(ba[t], 4 * j), act4(ba[t], 16 + 4 * j));
+            *s = if VNNI {
+                _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(*s, lo, alo), hi, ahi)
+            } else {
+                let p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, alo), _mm256_maddubs_epi16(hi, ahi));
+                _mm256_add_epi16(*s, p)
+            };
         }
     }
+    if VNNI {
+        return s;
+    }
     let ones = _mm256_set1_epi16(1);
-    s16.map(|s| _mm256_madd_epi16(s, ones))
+    s.map(|s| _mm256_madd_epi16(s, ones))
 }
 
 #[inline(always)]
-unsafe fn gemm8_q4_0<const T: usize>(g: *const BlockQ4_0x8, nb: usize, q: [*const BlockQ8; T]) -> [__m256; T] {
+unsafe fn gemm8_q4_0<const T: usize, const VNNI: bool>(
+    g: *const BlockQ4_0x8,
+    nb: usize,
+    q: [*const BlockQ8; T],
+) -> [__m256; T] {
     let mut acc = [_mm256_setzero_ps(); T];
     for b in 0..nb {
         let bw = &*g.add(b);
         prefetch_ahead(bw as *const BlockQ4_0x8 as *const u8, std::mem::size_of::<BlockQ4_0x8>());
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(bw.d.as_ptr() as *const __m128i));
         let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q[t].add(b));
-        let sums = nibble_sums(bw.qs.as_ptr(), ba);
+        let sums = nibble_sums::<T, VNNI>(bw.qs.as_ptr(), ba);
         for t in 0..T {
             // Codes are stored +8: Σ (c - 8)·q = Σ c·q - 8·Σq.
             let isum = _mm256_sub_epi32(sums[t], _mm256_set1_epi32(8 * ba[t].sum));
@@ -496,7 +518,11 @@ unsafe fn gemm8_q4_0<const T: usize>(g: *const BlockQ4_0x8, nb: usize, q: [*cons
 }
 
 #[inline(always)]
-unsafe fn gemm8_q4_1<const T: usize>(g: *const BlockQ4_1x8, nb: usize, q: [*const BlockQ8; T]) -> [__m256; T] {
+unsafe fn gemm8_q4_1<const T: usize, const VNNI: bool>(
+    g: *const BlockQ4_1x8,
+    nb: usize,
+    q: [*const BlockQ8; T],
+) -> [__m256; T] {
     let mut acc = [_mm256_setzero_ps(); T];
     for b in 0..nb {
         let bw = &*g.add(b);
@@ -504,7 +530,7 @@ unsafe fn gemm8_q4_1<const T: usize>(g: *const BlockQ4_1x8, nb: usize, q: [*cons
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(bw.d.as_ptr() as *const __m128i));
         let m = _mm256_cvtph_ps(_mm_loadu_si128(bw.m.as_ptr() as *const __m128i));
         let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q[t].add(b));
-        let sums = nibble_sums(bw.qs.as_ptr(), ba);
+        let sums = nibble_sums::<T, VNNI>(bw.qs.as_ptr(), ba);
         for t in 0..T {
             let a = scale_acc(acc[t], dw, ba[t], sums[t]);
             acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(ba[t].scaled_sum()), a);
@@ -514,39 +540,49 @@ unsafe fn gemm8_q4_1<const T: usize>(g: *const BlockQ4_1x8, nb: usize, q: [*cons
 }
 
 /// Doubled E2M1 values · activations of one mxfp4 group block, per lane
-/// (row), by the sign trick. 16-bit partial sums stay below
+/// (row), by the sign trick. Without VNNI, 16-bit partial sums stay below
 /// 8 · 2 · 12 · 127 = 24384, so they are summed in 16 bits and widened once.
 #[inline(always)]
-unsafe fn mxfp4_sums<const T: usize>(qs: *const u8, ba: [&BlockQ8; T]) -> [__m256i; T] {
+unsafe fn mxfp4_sums<const T: usize, const VNNI: bool>(qs: *const u8, ba: [&BlockQ8; T]) -> [__m256i; T] {
     let mask = _mm256_set1_epi8(0x0F);
     let lut = lut2();
-    let mut s16 = [_mm256_setzero_si256(); T];
+    let mut s = [_mm256_setzero_si256(); T];
     for j in 0..4 {
         let raw = _mm256_loadu_si256(qs.add(32 * j) as *const __m256i);
         let lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(raw, mask));
         let hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask));
         let (lo_abs, hi_abs) = (_mm256_sign_epi8(lo, lo), _mm256_sign_epi8(hi, hi));
-        for (t, s) in s16.iter_mut().enumerate() {
-            let p = _mm256_add_epi16(
-                _mm256_maddubs_epi16(lo_abs, _mm256_sign_epi8(act4(ba[t], 4 * j), lo)),
-                _mm256_maddubs_epi16(hi_abs, _mm256_sign_epi8(act4(ba[t], 16 + 4 * j), hi)),
-            );
-            *s = _mm256_add_epi16(*s, p);
+        for (t, s) in s.iter_mut().enumerate() {
+            let alo = _mm256_sign_epi8(act4(ba[t], 4 * j), lo);
+            let ahi = _mm256_sign_epi8(act4(ba[t], 16 + 4 * j), hi);
+            *s = if VNNI {
+                _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(*s, lo_abs, alo), hi_abs, ahi)
+            } else {
+                let p = _mm256_add_epi16(_mm256_maddubs_epi16(lo_abs, alo), _mm256_maddubs_epi16(hi_abs, ahi));
+                _mm256_add_epi16(*s, p)
+            };
         }
     }
+    if VNNI {
+        return s;
+    }
     let ones = _mm256_set1_epi16(1);
-    s16.map(|s| _mm256_madd_epi16(s, ones))
+    s.map(|s| _mm256_madd_epi16(s, ones))
 }
 
 #[inline(always)]
-unsafe fn gemm8_mxfp4<const T: usize>(g: *const BlockMxfp4x8, nb: usize, q: [*const BlockQ8; T]) -> [__m256; T] {
+unsafe fn gemm8_mxfp4<const T: usize, const VNNI: bool>(
+    g: *const BlockMxfp4x8,
+    nb: usize,
+    q: [*const BlockQ8; T],
+) -> [__m256; T] {
     let mut acc = [_mm256_setzero_ps(); T];
     for b in 0..nb {
         let bw = &*g.add(b);
         prefetch_ahead(bw as *const BlockMxfp4x8 as *const u8, std::mem::size_of::<BlockMxfp4x8>());
         let dw = half_scales8(bw.e.as_ptr());
         let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q[t].add(b));
-        let sums = mxfp4_sums(bw.qs.as_ptr(), ba);
+        let sums = mxfp4_sums::<T, VNNI>(bw.qs.as_ptr(), ba);
         for t in 0..T {
             acc[t] = scale_acc(acc[t], dw, ba[t], sums[t]);
         }
@@ -562,22 +598,23 @@ unsafe fn store8(v: __m256) -> [f32; 8] {
 }
 
 macro_rules! group_kernels {
-    ($one:ident, $four:ident, $inner:ident, $block:ty) => {
+    ($one:ident, $four:ident, $inner:ident, $block:ty, $vnni:literal, $features:literal) => {
         /// # Safety
-        /// AVX2, FMA and F16C must be available; `group` holds whole group
-        /// blocks of this type and `q` at least as many activation blocks.
-        #[target_feature(enable = "avx2,fma,f16c")]
+        /// The CPU must have the target features this function enables;
+        /// `group` holds whole group blocks of this type and `q` at least as
+        /// many activation blocks.
+        #[target_feature(enable = $features)]
         pub unsafe fn $one(group: &[u8], q: &[BlockQ8]) -> [f32; 8] {
             let nb = group.len() / std::mem::size_of::<$block>();
             debug_assert!(q.len() >= nb);
-            let [acc] = $inner::<1>(group.as_ptr() as *const $block, nb, [q.as_ptr()]);
+            let [acc] = $inner::<1, $vnni>(group.as_ptr() as *const $block, nb, [q.as_ptr()]);
             store8(acc)
         }
 
         /// # Safety
         /// As the one-token kernel, with 1 to 4 tokens, every `q[t]` long
         /// enough and `out` as long as `q`.
-        #[target_feature(enable = "avx2,fma,f16c")]
+        #[target_feature(enable = $features)]
         pub unsafe fn $four(group: &[u8], q: &[&[BlockQ8]], out: &mut [[f32; 8]]) {
             let nb = group.len() / std::mem::size_of::<$block>();
             debug_assert!(q.iter().all(|r| r.len() >= nb));
@@ -590,20 +627,27 @@ macro_rules! group_kernels {
                 }
             };
             match q.len() {
-                1 => put(&$inner::<1>(g, nb, [p(0)])),
-                2 => put(&$inner::<2>(g, nb, [p(0), p(1)])),
-                3 => put(&$inner::<3>(g, nb, [p(0), p(1), p(2)])),
-                4 => put(&$inner::<4>(g, nb, [p(0), p(1), p(2), p(3)])),
+                1 => put(&$inner::<1, $vnni>(g, nb, [p(0)])),
+                2 => put(&$inner::<2, $vnni>(g, nb, [p(0), p(1)])),
+                3 => put(&$inner::<3, $vnni>(g, nb, [p(0), p(1), p(2)])),
+                4 => put(&$inner::<4, $vnni>(g, nb, [p(0), p(1), p(2), p(3)])),
                 n => panic!("group kernels take 1 to 4 tokens, got {n}"),
             }
         }
     };
 }
 
-group_kernels!(gemv8_q8_0, gemm8x4_q8_0, gemm8_q8_0, BlockQ8_0x8);
-group_kernels!(gemv8_q4_0, gemm8x4_q4_0, gemm8_q4_0, BlockQ4_0x8);
-group_kernels!(gemv8_q4_1, gemm8x4_q4_1, gemm8_q4_1, BlockQ4_1x8);
-group_kernels!(gemv8_mxfp4, gemm8x4_mxfp4, gemm8_mxfp4, BlockMxfp4x8);
+group_kernels!(gemv8_q8_0, gemm8x4_q8_0, gemm8_q8_0, BlockQ8_0x8, false, "avx2,fma,f16c");
+group_kernels!(gemv8_q4_0, gemm8x4_q4_0, gemm8_q4_0, BlockQ4_0x8, false, "avx2,fma,f16c");
+group_kernels!(gemv8_q4_1, gemm8x4_q4_1, gemm8_q4_1, BlockQ4_1x8, false, "avx2,fma,f16c");
+group_kernels!(gemv8_mxfp4, gemm8x4_mxfp4, gemm8_mxfp4, BlockMxfp4x8, false, "avx2,fma,f16c");
+
+// The same kernels with AVX-VNNI's `vpdpbusd` for the integer sums (the
+// same integers, so the same bits as the AVX2 ones).
+group_kernels!(vnni_gemv8_q8_0, vnni_gemm8x4_q8_0, gemm8_q8_0, BlockQ8_0x8, true, "avx2,fma,f16c,avxvnni");
+group_kernels!(vnni_gemv8_q4_0, vnni_gemm8x4_q4_0, gemm8_q4_0, BlockQ4_0x8, true, "avx2,fma,f16c,avxvnni");
+group_kernels!(vnni_gemv8_q4_1, vnni_gemm8x4_q4_1, gemm8_q4_1, BlockQ4_1x8, true, "avx2,fma,f16c,avxvnni");
+group_kernels!(vnni_gemv8_mxfp4, vnni_gemm8x4_mxfp4, gemm8_mxfp4, BlockMxfp4x8, true, "avx2,fma,f16c,avxvnni");
 
 /// `o += a · v` over a row of `E`.
 #[inline(always)]

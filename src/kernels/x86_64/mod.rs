@@ -1,7 +1,9 @@
-//! x86_64 kernels: AVX2 + FMA + F16C. The functions here are safe wrappers
+//! x86_64 kernels: AVX2 + FMA + F16C, and the same with AVX-VNNI for the
+//! integer sums of the group kernels. The functions here are safe wrappers
 //! over `unsafe` kernels that need those features; they are reachable only
-//! through [`Avx2::kernels`], and an [`Avx2`] is made only by
-//! [`Avx2::detect`] after run-time detection of all three features.
+//! through [`Avx2::kernels`] / [`AvxVnni::kernels`], and an [`Avx2`] /
+//! [`AvxVnni`] is made only by its `detect` after run-time detection of
+//! every feature its kernels use.
 
 mod avx2;
 
@@ -45,6 +47,39 @@ impl Avx2 {
             DType::Q4_1x8 => group(q4_1x8_gemv, q4_1x8_gemm4),
             DType::Mxfp4 => rows(Q8, mxfp4_dot, None),
             DType::Mxfp4x8 => group(mxfp4x8_gemv, mxfp4x8_gemm4),
+        }
+    }
+}
+
+/// Proof that this CPU runs the AVX-VNNI table (AVX2, FMA, F16C and
+/// AVX-VNNI): only [`AvxVnni::detect`] makes one.
+#[derive(Clone, Copy, Debug)]
+pub struct AvxVnni(Avx2);
+
+impl AvxVnni {
+    /// `Some` when this CPU has everything the AVX-VNNI kernels use.
+    pub fn detect() -> Option<AvxVnni> {
+        let avx2 = Avx2::detect()?;
+        is_x86_feature_detected!("avxvnni").then_some(AvxVnni(avx2))
+    }
+
+    /// The AVX2 kernels of `dtype`, with `vpdpbusd` in the group kernels
+    /// (where prefill spends its time); the integer sums are the same, so
+    /// the results are the AVX2 table's bit for bit.
+    pub fn kernels(self, dtype: DType) -> TypeKernels {
+        let group = |one: Gemv8Fn, many: Gemm8Fn| TypeKernels {
+            activation: Activation::Q8,
+            layout: Layout::Groups(GroupKernels { one, many: Some(many) }),
+            axpy: None,
+        };
+        match dtype {
+            DType::F32 | DType::Bf16 | DType::F16 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Mxfp4 => {
+                self.0.kernels(dtype)
+            }
+            DType::Q8_0x8 => group(vnni_q8_0x8_gemv, vnni_q8_0x8_gemm4),
+            DType::Q4_0x8 => group(vnni_q4_0x8_gemv, vnni_q4_0x8_gemm4),
+            DType::Q4_1x8 => group(vnni_q4_1x8_gemv, vnni_q4_1x8_gemm4),
+            DType::Mxfp4x8 => group(vnni_mxfp4x8_gemv, vnni_mxfp4x8_gemm4),
         }
     }
 }
@@ -99,6 +134,26 @@ safe_group!(q8_0x8_gemv, q8_0x8_gemm4, avx2::gemv8_q8_0, avx2::gemm8x4_q8_0);
 safe_group!(q4_0x8_gemv, q4_0x8_gemm4, avx2::gemv8_q4_0, avx2::gemm8x4_q4_0);
 safe_group!(q4_1x8_gemv, q4_1x8_gemm4, avx2::gemv8_q4_1, avx2::gemm8x4_q4_1);
 safe_group!(mxfp4x8_gemv, mxfp4x8_gemm4, avx2::gemv8_mxfp4, avx2::gemm8x4_mxfp4);
+
+macro_rules! safe_vnni_group {
+    ($one:ident, $four:ident, $inner1:path, $inner4:path) => {
+        fn $one(group: &[u8], q: &[BlockQ8]) -> [f32; 8] {
+            // SAFETY: reachable only through `AvxVnni::kernels`, which needs an
+            // `AvxVnni`, made only by `AvxVnni::detect` once it has seen AVX2,
+            // FMA, F16C and AVX-VNNI on this CPU.
+            unsafe { $inner1(group, q) }
+        }
+        fn $four(group: &[u8], q: &[&[BlockQ8]], out: &mut [[f32; 8]]) {
+            // SAFETY: as above.
+            unsafe { $inner4(group, q, out) }
+        }
+    };
+}
+
+safe_vnni_group!(vnni_q8_0x8_gemv, vnni_q8_0x8_gemm4, avx2::vnni_gemv8_q8_0, avx2::vnni_gemm8x4_q8_0);
+safe_vnni_group!(vnni_q4_0x8_gemv, vnni_q4_0x8_gemm4, avx2::vnni_gemv8_q4_0, avx2::vnni_gemm8x4_q4_0);
+safe_vnni_group!(vnni_q4_1x8_gemv, vnni_q4_1x8_gemm4, avx2::vnni_gemv8_q4_1, avx2::vnni_gemm8x4_q4_1);
+safe_vnni_group!(vnni_mxfp4x8_gemv, vnni_mxfp4x8_gemm4, avx2::vnni_gemv8_mxfp4, avx2::vnni_gemm8x4_mxfp4);
 
 fn f32_axpy(o: &mut [f32], a: f32, v: &[u8]) {
     // SAFETY: as `safe_wrapper`: reachable only through `Avx2::kernels`.
