@@ -29,7 +29,7 @@
 //! - V3 checkpoints carry the multi-token-prediction layer(s) as
 //!   `model.layers.{num_hidden_layers}..`; they are skipped.
 
-use super::{Arch, HfConfig, Source, llama_name, qwen_moe_name};
+use super::{Arch, HfConfig, Source, leading_dense_layers, llama_name, qwen_moe_name, shared_experts_name};
 use crate::error::{Error, Result};
 use crate::model::config::*;
 use crate::model::tensors::{LayerTensor as L, TensorId};
@@ -159,12 +159,7 @@ fn config(
             expert_bias: false,
             shared_expert: (shared > 0).then_some(SharedExpertSpec { ffn_dim: shared * f, sigmoid_gate: false }),
         }),
-        layers: (0..n)
-            .map(|l| LayerSpec {
-                sliding_window: None,
-                ffn: if l < dense { FfnSpec::Dense { ffn_dim: dense_ffn } } else { FfnSpec::Moe },
-            })
-            .collect(),
+        layers: leading_dense_layers(n, dense, dense_ffn),
         tie_embeddings: c.bool_or("tie_word_embeddings", false)?,
         lm_head_bias: false,
         scales: Scales::default(),
@@ -192,17 +187,9 @@ fn source(_: &HfConfig, cfg: &ModelConfig, id: TensorId) -> Source {
             Source { transpose_blocks: true, ..Source::tensor(attn(l, "kv_b_proj")).rows(dn + dv, 0, dn) }
         }
         TensorId::Layer(l, L::WvB) => Source::tensor(attn(l, "kv_b_proj")).rows(dn + dv, dn, dv),
-        TensorId::Layer(l, L::SharedGate) => {
-            Source::tensor(format!("model.layers.{l}.mlp.shared_experts.gate_proj.weight"))
-        }
-        TensorId::Layer(l, L::SharedUp) => {
-            Source::tensor(format!("model.layers.{l}.mlp.shared_experts.up_proj.weight"))
-        }
-        TensorId::Layer(l, L::SharedDown) => {
-            Source::tensor(format!("model.layers.{l}.mlp.shared_experts.down_proj.weight"))
-        }
         other => Source::tensor(
-            qwen_moe_name(other)
+            shared_experts_name(other)
+                .or_else(|| qwen_moe_name(other))
                 .or_else(|| llama_name(other))
                 .unwrap_or_else(|| format!("<{other} has no DeepSeek name>")),
         ),

@@ -15,10 +15,10 @@
 //!   `routed_scaling_factor`;
 //! - the multi-token-prediction layers past `num_hidden_layers` are skipped.
 
-use super::{Arch, HfConfig, Source, llama_name, qwen_moe_name};
+use super::{Arch, HfConfig, Source, leading_dense_layers, llama_name, qwen_moe_name, shared_experts_name};
 use crate::error::Result;
 use crate::model::config::*;
-use crate::model::tensors::{LayerTensor as L, TensorId};
+use crate::model::tensors::TensorId;
 
 pub static ARCH: Arch = Arch {
     hf_class: "Glm4MoeForCausalLM",
@@ -79,12 +79,7 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
             expert_bias: false,
             shared_expert: (shared > 0).then_some(SharedExpertSpec { ffn_dim: shared * f, sigmoid_gate: false }),
         }),
-        layers: (0..n)
-            .map(|l| LayerSpec {
-                sliding_window: None,
-                ffn: if l < dense { FfnSpec::Dense { ffn_dim: dense_ffn } } else { FfnSpec::Moe },
-            })
-            .collect(),
+        layers: leading_dense_layers(n, dense, dense_ffn),
         tie_embeddings: c.bool_or("tie_word_embeddings", false)?,
         lm_head_bias: false,
         scales: Scales::default(),
@@ -92,15 +87,10 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
 }
 
 fn source(_: &HfConfig, _: &ModelConfig, id: TensorId) -> Source {
-    let shared = |l: usize, w: &str| Source::tensor(format!("model.layers.{l}.mlp.shared_experts.{w}.weight"));
-    match id {
-        TensorId::Layer(l, L::SharedGate) => shared(l, "gate_proj"),
-        TensorId::Layer(l, L::SharedUp) => shared(l, "up_proj"),
-        TensorId::Layer(l, L::SharedDown) => shared(l, "down_proj"),
-        other => Source::tensor(
-            qwen_moe_name(other)
-                .or_else(|| llama_name(other))
-                .unwrap_or_else(|| format!("<{other} has no GLM-4 MoE name>")),
-        ),
-    }
+    Source::tensor(
+        shared_experts_name(id)
+            .or_else(|| qwen_moe_name(id))
+            .or_else(|| llama_name(id))
+            .unwrap_or_else(|| format!("<{id} has no GLM-4 MoE name>")),
+    )
 }

@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use crate::error::{Error, Result};
-use crate::model::config::{ModelConfig, RopeScaling, RopeSpec};
+use crate::model::config::{FfnSpec, LayerSpec, ModelConfig, RopeScaling, RopeSpec};
 use crate::model::tensors::{LayerTensor, TensorId};
 
 /// One supported Hugging Face architecture.
@@ -445,6 +445,28 @@ pub(crate) fn qwen_moe_name(id: TensorId) -> Option<String> {
         }
         _ => return None,
     })
+}
+
+/// `n` layers of which the first `dense` are dense MLPs of `dense_ffn` and the
+/// rest MoE, no sliding window (DeepSeek's and GLM's `first_k_dense_replace`).
+pub(crate) fn leading_dense_layers(n: usize, dense: usize, dense_ffn: usize) -> Vec<LayerSpec> {
+    (0..n)
+        .map(|l| LayerSpec {
+            sliding_window: None,
+            ffn: if l < dense { FfnSpec::Dense { ffn_dim: dense_ffn } } else { FfnSpec::Moe },
+        })
+        .collect()
+}
+
+/// DeepSeek's and GLM's shared experts: `mlp.shared_experts.{gate,up,down}_proj`.
+pub(crate) fn shared_experts_name(id: TensorId) -> Option<String> {
+    let (l, w) = match id {
+        TensorId::Layer(l, LayerTensor::SharedGate) => (l, "gate_proj"),
+        TensorId::Layer(l, LayerTensor::SharedUp) => (l, "up_proj"),
+        TensorId::Layer(l, LayerTensor::SharedDown) => (l, "down_proj"),
+        _ => return None,
+    };
+    Some(format!("model.layers.{l}.mlp.shared_experts.{w}.weight"))
 }
 
 /// Which layers are MoE under Qwen's `mlp_only_layers` / `decoder_sparse_step` rule:

@@ -8,9 +8,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::*;
-use crate::engine::session::Session;
 use crate::model::Model;
 use crate::model::forward::{Capture, forward};
+use crate::model::session::Session;
 use crate::quant::DType;
 use crate::synth::{many_experts_config, write_random_model};
 
