@@ -9,10 +9,10 @@
 //! - every layer is MoE; no biases, no q/k norm;
 //! - `sliding_window` (null in the released checkpoints) masks every layer.
 
-use super::{Arch, HfConfig, Source, llama_name};
+use super::{Arch, HfConfig, Source, expert_part, llama_name};
 use crate::error::Result;
 use crate::model::config::*;
-use crate::model::tensors::{ExpertTensor, LayerTensor, TensorId};
+use crate::model::tensors::{LayerTensor, TensorId};
 
 pub static ARCH: Arch =
     Arch { hf_class: "MixtralForCausalLM", model_type: "mixtral", config, source, ignored: super::nothing_ignored };
@@ -69,14 +69,7 @@ fn hf_name(id: TensorId) -> String {
     match id {
         TensorId::Layer(l, LayerTensor::Router) => format!("model.layers.{l}.block_sparse_moe.gate.weight"),
         TensorId::Expert(l, e, t) => {
-            let (w, kind) = match t {
-                ExpertTensor::Gate => ("w1", "weight"),
-                ExpertTensor::Up => ("w3", "weight"),
-                ExpertTensor::Down => ("w2", "weight"),
-                ExpertTensor::GateBias => ("w1", "bias"),
-                ExpertTensor::UpBias => ("w3", "bias"),
-                ExpertTensor::DownBias => ("w2", "bias"),
-            };
+            let (w, kind) = expert_part(t, ["w1", "w3", "w2"]);
             format!("model.layers.{l}.block_sparse_moe.experts.{e}.{w}.{kind}")
         }
         other => llama_name(other).unwrap_or_else(|| format!("<{other} has no Mixtral name>")),

@@ -24,7 +24,7 @@ use serde_json::Value;
 
 use crate::error::{Error, Result};
 use crate::model::config::{FfnSpec, LayerSpec, ModelConfig, RopeScaling, RopeSpec};
-use crate::model::tensors::{LayerTensor, TensorId};
+use crate::model::tensors::{ExpertTensor, LayerTensor, TensorId};
 
 /// One supported Hugging Face architecture.
 pub struct Arch {
@@ -422,7 +422,6 @@ pub(crate) fn llama_name(id: TensorId) -> Option<String> {
 /// Names of the `mlp.gate` / `mlp.experts.E.{gate,up,down}_proj` MoE layout
 /// used by Qwen2-MoE, Qwen3-MoE and OLMoE.
 pub(crate) fn qwen_moe_name(id: TensorId) -> Option<String> {
-    use crate::model::tensors::ExpertTensor as X;
     use LayerTensor as L;
     Some(match id {
         TensorId::Layer(l, L::Router) => format!("model.layers.{l}.mlp.gate.weight"),
@@ -433,18 +432,25 @@ pub(crate) fn qwen_moe_name(id: TensorId) -> Option<String> {
         TensorId::Layer(l, L::SharedDown) => format!("model.layers.{l}.mlp.shared_expert.down_proj.weight"),
         TensorId::Layer(l, L::SharedExpertGate) => format!("model.layers.{l}.mlp.shared_expert_gate.weight"),
         TensorId::Expert(l, e, t) => {
-            let (n, kind) = match t {
-                X::Gate => ("gate_proj", "weight"),
-                X::Up => ("up_proj", "weight"),
-                X::Down => ("down_proj", "weight"),
-                X::GateBias => ("gate_proj", "bias"),
-                X::UpBias => ("up_proj", "bias"),
-                X::DownBias => ("down_proj", "bias"),
-            };
+            let (n, kind) = expert_part(t, ["gate_proj", "up_proj", "down_proj"]);
             format!("model.layers.{l}.mlp.experts.{e}.{n}.{kind}")
         }
         _ => return None,
     })
+}
+
+/// The Hub module and parameter of one tensor of a per-expert checkpoint,
+/// given the family's module names for gate, up and down: (`w1`, `weight`).
+pub(crate) fn expert_part(t: ExpertTensor, [gate, up, down]: [&'static str; 3]) -> (&'static str, &'static str) {
+    use ExpertTensor as X;
+    match t {
+        X::Gate => (gate, "weight"),
+        X::Up => (up, "weight"),
+        X::Down => (down, "weight"),
+        X::GateBias => (gate, "bias"),
+        X::UpBias => (up, "bias"),
+        X::DownBias => (down, "bias"),
+    }
 }
 
 /// `n` layers of which the first `dense` are dense MLPs of `dense_ffn` and the

@@ -15,10 +15,10 @@
 //!   Phi-MoE recomputes the frequencies without the sequence length);
 //! - `sliding_window` masks every layer when set.
 
-use super::{Arch, HfConfig, Source, llama_name};
+use super::{Arch, HfConfig, Source, expert_part, llama_name};
 use crate::error::Result;
 use crate::model::config::*;
-use crate::model::tensors::{ExpertTensor as X, LayerTensor as L, TensorId};
+use crate::model::tensors::{LayerTensor as L, TensorId};
 
 pub static ARCH: Arch =
     Arch { hf_class: "PhimoeForCausalLM", model_type: "phimoe", config, source, ignored: super::nothing_ignored };
@@ -66,14 +66,10 @@ fn source(_: &HfConfig, _: &ModelConfig, id: TensorId) -> Source {
     let moe = |l: usize| format!("model.layers.{l}.block_sparse_moe");
     match id {
         TensorId::Layer(l, L::Router) => Source::tensor(format!("{}.gate.weight", moe(l))),
-        TensorId::Expert(l, e, w) => {
-            let w = match w {
-                X::Gate => "w1",
-                X::Up => "w3",
-                X::Down => "w2",
-                other => return Source::tensor(format!("<{other:?} has no Phi-MoE name>")),
-            };
-            Source::tensor(format!("{}.experts.{e}.{w}.weight", moe(l)))
+        TensorId::Expert(l, e, t) => {
+            // Mixtral's expert names (w1 gate, w3 up, w2 down).
+            let (w, kind) = expert_part(t, ["w1", "w3", "w2"]);
+            Source::tensor(format!("{}.experts.{e}.{w}.{kind}", moe(l)))
         }
         other => Source::tensor(llama_name(other).unwrap_or_else(|| format!("<{other} has no Phi-MoE name>"))),
     }

@@ -173,16 +173,17 @@ fn residual(x: &mut [f32], y: &[f32], scale: f32) {
 fn attention(model: &Model, l: usize, s: &mut Session, n: usize) {
     let c = &model.config;
     let lw = &model.layers[l];
-    let (d, h, pos0) = (c.hidden_size, c.num_heads, s.pos);
+    let (d, h, dh, pos0) = (c.hidden_size, c.num_heads, c.head_dim, s.pos);
     let window = c.layers[l].sliding_window;
     let sinks = model.opt_vec(lw.sinks);
     let ad = c.att_dim();
+    // Over the q/k head width Dh (MLA: nope + rope, not the latent's width).
+    let scale = c.attention.softmax_scale.unwrap_or(1.0 / (dh as f32).sqrt());
     match lw.qkv {
         QkvRefs::Gqa { wq, wk, wv } => {
-            let (qd, kvd, dh) = (c.q_dim(), c.kv_dim(), c.head_dim);
+            let (qd, kvd) = (c.q_dim(), c.kv_dim());
             gqa_qkv(model, lw, [wq, wk, wv], s, n); // q: [T, H·Dh], k, v: [T, Hkv·Dh]
             s.kv.store(l, pos0, &s.k[..n * kvd], &s.v[..n * kvd]);
-            let scale = c.attention.softmax_scale.unwrap_or(1.0 / (dh as f32).sqrt());
             let heads = Heads { h, hkv: c.num_kv_heads, dk: dh, dv: dh, window, scale, sinks };
             attend(&s.q[..n * qd], s.kv.view(l, pos0 + n), pos0, heads, &mut s.att[..n * ad]); // [T, H·Dh]
         }
@@ -192,7 +193,6 @@ fn attention(model: &Model, l: usize, s: &mut Session, n: usize) {
             mla_latent(model, q, wkv_a, kv_a_norm, s, n); // q: [T, H·Dh], k: [T, R + Dr]
             s.kv.store(l, pos0, &s.k[..n * (r + dr)], &[]);
             // Absorbed queries: q_abs[t, h] = [W_UK_hᵀ · q_nope[t, h], q_pe[t, h]]   [T, H·(R + Dr)]
-            let dh = c.head_dim;
             let quantize = s.quantize;
             per_head_matmul(
                 &model.mat(wk_b),
@@ -208,7 +208,6 @@ fn attention(model: &Model, l: usize, s: &mut Session, n: usize) {
                 qa[r..].copy_from_slice(&qh[m.qk_nope_dim..]);
             }
             // One latent "kv head" shared by all heads; the values are the latent.
-            let scale = c.attention.softmax_scale.unwrap_or(1.0 / (dh as f32).sqrt());
             let heads = Heads { h, hkv: 1, dk: r + dr, dv: r, window, scale, sinks };
             let o_lat = &mut s.mla.o_lat[..n * h * r];
             attend(&s.mla.q_abs[..n * h * (r + dr)], s.kv.view(l, pos0 + n), pos0, heads, o_lat); // [T, H·R]

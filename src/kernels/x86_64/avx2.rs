@@ -466,24 +466,36 @@ unsafe fn gemm8_q8_0<const T: usize, const VNNI: bool>(
     acc
 }
 
-/// Unsigned 4-bit codes · activations of one group block, per lane (row).
-/// Without VNNI, 16-bit partial sums stay below 8 · 2 · 15 · 127 = 30480,
-/// so they are summed in 16 bits and widened once; with it, `vpdpbusd`
-/// sums straight into 32 bits. The integers are the same.
+/// 4-bit codes · activations of one group block, per lane (row). The codes
+/// multiply as they are (q4_0, q4_1: unsigned 0..15), or with `LUT` as the
+/// doubled E2M1 values (mxfp4: −12..12, by the sign trick, `|v|` against the
+/// activation negated where `v < 0`). Without VNNI, 16-bit partial sums stay
+/// below 8 · 2 · 15 · 127 = 30480, so they are summed in 16 bits and widened
+/// once; with it, `vpdpbusd` sums straight into 32 bits. The integers are
+/// the same.
 #[inline(always)]
-unsafe fn nibble_sums<const T: usize, const VNNI: bool>(qs: *const u8, ba: [&BlockQ8; T]) -> [__m256i; T] {
+unsafe fn nibble_sums<const T: usize, const VNNI: bool, const LUT: bool>(
+    qs: *const u8,
+    ba: [&BlockQ8; T],
+) -> [__m256i; T] {
     let mask = _mm256_set1_epi8(0x0F);
+    let lut = lut2();
     let mut s = [_mm256_setzero_si256(); T];
     for j in 0..4 {
         let raw = _mm256_loadu_si256(qs.add(32 * j) as *const __m256i);
         let lo = _mm256_and_si256(raw, mask);
         let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        let (lo, hi) = if LUT { (_mm256_shuffle_epi8(lut, lo), _mm256_shuffle_epi8(lut, hi)) } else { (lo, hi) };
+        let (xlo, xhi) = if LUT { (_mm256_sign_epi8(lo, lo), _mm256_sign_epi8(hi, hi)) } else { (lo, hi) };
         for (t, s) in s.iter_mut().enumerate() {
-            let (alo, ahi) = (act4(ba[t], 4 * j), act4(ba[t], 16 + 4 * j));
+            let (mut alo, mut ahi) = (act4(ba[t], 4 * j), act4(ba[t], 16 + 4 * j));
+            if LUT {
+                (alo, ahi) = (_mm256_sign_epi8(alo, lo), _mm256_sign_epi8(ahi, hi));
+            }
             *s = if VNNI {
-                _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(*s, lo, alo), hi, ahi)
+                _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(*s, xlo, alo), xhi, ahi)
             } else {
-                let p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, alo), _mm256_maddubs_epi16(hi, ahi));
+                let p = _mm256_add_epi16(_mm256_maddubs_epi16(xlo, alo), _mm256_maddubs_epi16(xhi, ahi));
                 _mm256_add_epi16(*s, p)
             };
         }
@@ -507,7 +519,7 @@ unsafe fn gemm8_q4_0<const T: usize, const VNNI: bool>(
         prefetch_ahead(bw as *const BlockQ4_0x8 as *const u8, std::mem::size_of::<BlockQ4_0x8>());
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(bw.d.as_ptr() as *const __m128i));
         let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q[t].add(b));
-        let sums = nibble_sums::<T, VNNI>(bw.qs.as_ptr(), ba);
+        let sums = nibble_sums::<T, VNNI, false>(bw.qs.as_ptr(), ba);
         for t in 0..T {
             // Codes are stored +8: Σ (c - 8)·q = Σ c·q - 8·Σq.
             let isum = _mm256_sub_epi32(sums[t], _mm256_set1_epi32(8 * ba[t].sum));
@@ -530,44 +542,13 @@ unsafe fn gemm8_q4_1<const T: usize, const VNNI: bool>(
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(bw.d.as_ptr() as *const __m128i));
         let m = _mm256_cvtph_ps(_mm_loadu_si128(bw.m.as_ptr() as *const __m128i));
         let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q[t].add(b));
-        let sums = nibble_sums::<T, VNNI>(bw.qs.as_ptr(), ba);
+        let sums = nibble_sums::<T, VNNI, false>(bw.qs.as_ptr(), ba);
         for t in 0..T {
             let a = scale_acc(acc[t], dw, ba[t], sums[t]);
             acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(ba[t].scaled_sum()), a);
         }
     }
     acc
-}
-
-/// Doubled E2M1 values · activations of one mxfp4 group block, per lane
-/// (row), by the sign trick. Without VNNI, 16-bit partial sums stay below
-/// 8 · 2 · 12 · 127 = 24384, so they are summed in 16 bits and widened once.
-#[inline(always)]
-unsafe fn mxfp4_sums<const T: usize, const VNNI: bool>(qs: *const u8, ba: [&BlockQ8; T]) -> [__m256i; T] {
-    let mask = _mm256_set1_epi8(0x0F);
-    let lut = lut2();
-    let mut s = [_mm256_setzero_si256(); T];
-    for j in 0..4 {
-        let raw = _mm256_loadu_si256(qs.add(32 * j) as *const __m256i);
-        let lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(raw, mask));
-        let hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask));
-        let (lo_abs, hi_abs) = (_mm256_sign_epi8(lo, lo), _mm256_sign_epi8(hi, hi));
-        for (t, s) in s.iter_mut().enumerate() {
-            let alo = _mm256_sign_epi8(act4(ba[t], 4 * j), lo);
-            let ahi = _mm256_sign_epi8(act4(ba[t], 16 + 4 * j), hi);
-            *s = if VNNI {
-                _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(*s, lo_abs, alo), hi_abs, ahi)
-            } else {
-                let p = _mm256_add_epi16(_mm256_maddubs_epi16(lo_abs, alo), _mm256_maddubs_epi16(hi_abs, ahi));
-                _mm256_add_epi16(*s, p)
-            };
-        }
-    }
-    if VNNI {
-        return s;
-    }
-    let ones = _mm256_set1_epi16(1);
-    s.map(|s| _mm256_madd_epi16(s, ones))
 }
 
 #[inline(always)]
@@ -582,7 +563,7 @@ unsafe fn gemm8_mxfp4<const T: usize, const VNNI: bool>(
         prefetch_ahead(bw as *const BlockMxfp4x8 as *const u8, std::mem::size_of::<BlockMxfp4x8>());
         let dw = half_scales8(bw.e.as_ptr());
         let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q[t].add(b));
-        let sums = mxfp4_sums::<T, VNNI>(bw.qs.as_ptr(), ba);
+        let sums = nibble_sums::<T, VNNI, true>(bw.qs.as_ptr(), ba);
         for t in 0..T {
             acc[t] = scale_acc(acc[t], dw, ba[t], sums[t]);
         }

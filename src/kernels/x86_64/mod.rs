@@ -118,29 +118,11 @@ safe_wrapper4!(q4_0_dot4, avx2::dot4_q4_0);
 safe_wrapper4!(q4_1_dot4, avx2::dot4_q4_1);
 
 macro_rules! safe_group {
-    ($one:ident, $four:ident, $inner1:path, $inner4:path) => {
+    ($proof:ident: $one:ident, $four:ident, $inner1:path, $inner4:path) => {
         fn $one(group: &[u8], q: &[BlockQ8]) -> [f32; 8] {
-            // SAFETY: as `safe_wrapper`: reachable only through `Avx2::kernels`.
-            unsafe { $inner1(group, q) }
-        }
-        fn $four(group: &[u8], q: &[&[BlockQ8]], out: &mut [[f32; 8]]) {
-            // SAFETY: as `safe_wrapper`: reachable only through `Avx2::kernels`.
-            unsafe { $inner4(group, q, out) }
-        }
-    };
-}
-
-safe_group!(q8_0x8_gemv, q8_0x8_gemm4, avx2::gemv8_q8_0, avx2::gemm8x4_q8_0);
-safe_group!(q4_0x8_gemv, q4_0x8_gemm4, avx2::gemv8_q4_0, avx2::gemm8x4_q4_0);
-safe_group!(q4_1x8_gemv, q4_1x8_gemm4, avx2::gemv8_q4_1, avx2::gemm8x4_q4_1);
-safe_group!(mxfp4x8_gemv, mxfp4x8_gemm4, avx2::gemv8_mxfp4, avx2::gemm8x4_mxfp4);
-
-macro_rules! safe_vnni_group {
-    ($one:ident, $four:ident, $inner1:path, $inner4:path) => {
-        fn $one(group: &[u8], q: &[BlockQ8]) -> [f32; 8] {
-            // SAFETY: reachable only through `AvxVnni::kernels`, which needs an
-            // `AvxVnni`, made only by `AvxVnni::detect` once it has seen AVX2,
-            // FMA, F16C and AVX-VNNI on this CPU.
+            // SAFETY: reachable only through the `kernels` of the proof type
+            // named beside this wrapper, made only by its `detect` once it has
+            // seen on this CPU every feature the inner kernel enables.
             unsafe { $inner1(group, q) }
         }
         fn $four(group: &[u8], q: &[&[BlockQ8]], out: &mut [[f32; 8]]) {
@@ -150,10 +132,14 @@ macro_rules! safe_vnni_group {
     };
 }
 
-safe_vnni_group!(vnni_q8_0x8_gemv, vnni_q8_0x8_gemm4, avx2::vnni_gemv8_q8_0, avx2::vnni_gemm8x4_q8_0);
-safe_vnni_group!(vnni_q4_0x8_gemv, vnni_q4_0x8_gemm4, avx2::vnni_gemv8_q4_0, avx2::vnni_gemm8x4_q4_0);
-safe_vnni_group!(vnni_q4_1x8_gemv, vnni_q4_1x8_gemm4, avx2::vnni_gemv8_q4_1, avx2::vnni_gemm8x4_q4_1);
-safe_vnni_group!(vnni_mxfp4x8_gemv, vnni_mxfp4x8_gemm4, avx2::vnni_gemv8_mxfp4, avx2::vnni_gemm8x4_mxfp4);
+safe_group!(Avx2: q8_0x8_gemv, q8_0x8_gemm4, avx2::gemv8_q8_0, avx2::gemm8x4_q8_0);
+safe_group!(Avx2: q4_0x8_gemv, q4_0x8_gemm4, avx2::gemv8_q4_0, avx2::gemm8x4_q4_0);
+safe_group!(Avx2: q4_1x8_gemv, q4_1x8_gemm4, avx2::gemv8_q4_1, avx2::gemm8x4_q4_1);
+safe_group!(Avx2: mxfp4x8_gemv, mxfp4x8_gemm4, avx2::gemv8_mxfp4, avx2::gemm8x4_mxfp4);
+safe_group!(AvxVnni: vnni_q8_0x8_gemv, vnni_q8_0x8_gemm4, avx2::vnni_gemv8_q8_0, avx2::vnni_gemm8x4_q8_0);
+safe_group!(AvxVnni: vnni_q4_0x8_gemv, vnni_q4_0x8_gemm4, avx2::vnni_gemv8_q4_0, avx2::vnni_gemm8x4_q4_0);
+safe_group!(AvxVnni: vnni_q4_1x8_gemv, vnni_q4_1x8_gemm4, avx2::vnni_gemv8_q4_1, avx2::vnni_gemm8x4_q4_1);
+safe_group!(AvxVnni: vnni_mxfp4x8_gemv, vnni_mxfp4x8_gemm4, avx2::vnni_gemv8_mxfp4, avx2::vnni_gemm8x4_mxfp4);
 
 fn f32_axpy(o: &mut [f32], a: f32, v: &[u8]) {
     // SAFETY: as `safe_wrapper`: reachable only through `Avx2::kernels`.

@@ -14,7 +14,7 @@
 //! resident model), otherwise as many as it can hold at a time. Each unique
 //! expert is leased, and so read, once per chunk for all of its tokens.
 
-use super::ffn::{Mlp, MlpScratch, gated_mlp, sigmoid};
+use super::ffn::{Mlp, MlpScratch, add_bias, gated_mlp, sigmoid};
 use crate::error::Result;
 use crate::kernels::{BlockQ8, Input, Matrix, matmul};
 use crate::model::config::{Activation, GroupLimit, GroupScore, RouterScore, RouterSpec};
@@ -65,23 +65,16 @@ pub fn route(
 ) {
     match spec.score {
         RouterScore::Softmax => {
-            let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-            let mut z = 0.0f32;
-            for (p, &l) in probs.iter_mut().zip(logits) {
-                *p = (l - m).exp();
-                z += *p;
-            }
-            probs.iter_mut().for_each(|p| *p /= z);
+            probs.copy_from_slice(logits);
+            softmax(probs);
         }
         RouterScore::Sigmoid => probs.iter_mut().zip(logits).for_each(|(p, &l)| *p = sigmoid(l)),
         RouterScore::SoftmaxSelected => probs.copy_from_slice(logits),
         RouterScore::SparseMixer { jitter_eps } => {
             sparse_mixer(logits, jitter_eps, ids, w);
             // The softmax over all experts, for the telemetry's margins only.
-            let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-            probs.iter_mut().zip(logits).for_each(|(p, &l)| *p = (l - m).exp());
-            let z: f32 = probs.iter().sum();
-            probs.iter_mut().for_each(|p| *p /= z);
+            probs.copy_from_slice(logits);
+            softmax(probs);
             return;
         }
     }
@@ -97,11 +90,7 @@ pub fn route(
         *wi = probs[e as usize];
     }
     if spec.score == RouterScore::SoftmaxSelected {
-        // ids are best first, so w[0] is the largest logit.
-        let m = w[0];
-        w.iter_mut().for_each(|x| *x = (*x - m).exp());
-        let z: f32 = w.iter().sum();
-        w.iter_mut().for_each(|x| *x /= z);
+        softmax(w); // over the chosen logits
     }
     if spec.renormalize {
         let s: f32 = w.iter().sum();
@@ -110,6 +99,17 @@ pub fn route(
     if spec.scale != 1.0 {
         w.iter_mut().for_each(|x| *x *= spec.scale);
     }
+}
+
+/// `x = softmax(x)` in place, shifted by the maximum.
+fn softmax(x: &mut [f32]) {
+    let m = x.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let mut z = 0.0f32;
+    for v in x.iter_mut() {
+        *v = (*v - m).exp();
+        z += *v;
+    }
+    x.iter_mut().for_each(|v| *v /= z);
 }
 
 /// Phi-MoE's sparsemixer in eval mode (transformers' `sparsemixer` with
@@ -170,16 +170,18 @@ fn limit_groups(sel: &mut [f32], g: &GroupLimit) {
             GroupScore::TopTwoSum => a,
         }
     };
-    // At most 64 groups are kept on the stack (DeepSeek uses 8; validated ≤ E).
+    // Group scores on the stack: the config's validation keeps
+    // top_groups ≤ groups ≤ MAX_GROUPS (DeepSeek uses 8).
+    let (n, top) = (g.groups, g.top_groups);
+    debug_assert!(top <= n && n <= MAX_GROUPS);
     let mut scores = [f32::NEG_INFINITY; MAX_GROUPS];
-    let n = g.groups.min(MAX_GROUPS);
     for (i, s) in scores[..n].iter_mut().enumerate() {
         *s = score(&sel[i * size..(i + 1) * size]);
     }
     let mut keep = [0u32; MAX_GROUPS];
-    top_k(&scores[..n], g.top_groups.min(n), &mut keep[..g.top_groups.min(n)]);
+    top_k(&scores[..n], top, &mut keep[..top]);
     for i in 0..n {
-        if !keep[..g.top_groups.min(n)].contains(&(i as u32)) {
+        if !keep[..top].contains(&(i as u32)) {
             sel[i * size..(i + 1) * size].fill(f32::NEG_INFINITY);
         }
     }
@@ -372,6 +374,14 @@ fn run_experts(m: &MoeLayer, w: &Wave, starts: &[usize], lo: usize, hi: usize, g
     Ok(())
 }
 
+/// `logits = router · x (+ router bias)` for the rows of `x`: [n, E].
+fn router_logits(m: &MoeLayer, x: &Input, logits: &mut [f32]) {
+    matmul(&m.router, x, logits);
+    if let Some(b) = m.router_bias {
+        add_bias(logits, b);
+    }
+}
+
 /// Routed-expert output for the n rows of `x` ([n, D]) into `out` ([n, D]).
 /// The chosen expert ids stay in `s.ids[..n*K]` for telemetry.
 pub fn moe_forward(m: &MoeLayer, x: &Input, s: &mut MoeScratch, out: &mut [f32]) -> Result<()> {
@@ -379,10 +389,7 @@ pub fn moe_forward(m: &MoeLayer, x: &Input, s: &mut MoeScratch, out: &mut [f32])
     let (e_n, k, d) = (router.rows, spec.top_k, router.cols);
     let n = x.x.len() / d;
     let logits = &mut s.logits[..n * e_n];
-    matmul(router, x, logits); // [n, E]
-    if let Some(b) = m.router_bias {
-        logits.chunks_exact_mut(e_n).for_each(|row| row.iter_mut().zip(b).for_each(|(l, b)| *l += b));
-    }
+    router_logits(m, x, logits); // [n, E]
     for t in 0..n {
         let ids = &mut s.ids[t * k..(t + 1) * k];
         let w = &mut s.weights[t * k..(t + 1) * k];
@@ -534,10 +541,7 @@ pub fn predict<'s>(m: &MoeLayer, n: usize, s: &'s mut MoeScratch) -> &'s [u32] {
     let (router, spec) = (&m.router, m.spec);
     let (e_n, k, d) = (router.rows, spec.top_k, router.cols);
     let logits = &mut s.logits[..n * e_n];
-    matmul(router, &Input::plain(&s.pred_x[..n * d], d), logits); // [n, E]
-    if let Some(b) = m.router_bias {
-        logits.chunks_exact_mut(e_n).for_each(|row| row.iter_mut().zip(b).for_each(|(l, b)| *l += b));
-    }
+    router_logits(m, &Input::plain(&s.pred_x[..n * d], d), logits); // [n, E]
     s.mark.fill(false);
     for t in 0..n {
         let ids = &mut s.ids[t * k..(t + 1) * k];
