@@ -293,6 +293,13 @@ class Engine:
         return self._native.kv_dtype()
 
     @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes the KV cache takes per token of context, over all layers: keys
+        and values of every kv head, or for latent attention (DeepSeek) the
+        compressed latent and the rotated key."""
+        return self._native.kv_bytes_per_token()
+
+    @property
     def vocab_size(self) -> int:
         """Number of token ids the model knows."""
         return int(self._meta["config"]["vocab_size"])

@@ -99,17 +99,6 @@ def _attention(cfg: dict) -> str:
     return text
 
 
-def _kv_bytes_per_token(cfg: dict, dtype: str) -> int:
-    """KV-cache bytes per token over all layers: K and V of each kv head (GQA),
-    or the compressed latent and the rotated key (MLA)."""
-    kind = cfg["attention"].get("kind", {"type": "gqa"})
-    if kind.get("type") == "mla":
-        width = kind["kv_lora_rank"] + kind["qk_rope_dim"]
-    else:
-        width = 2 * cfg["num_kv_heads"] * cfg["head_dim"]
-    return len(cfg["layers"]) * width * (2 if dtype == "f16" else 4)
-
-
 def _source_format(engine: Engine) -> str:
     """What the checkpoint was stored as, when the file recorded it."""
     src = engine.source_config or {}
@@ -125,7 +114,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     all_tensors = engine.tensors()
     total, active = _params(cfg, all_tensors)
     kv_dtype = engine.kv_cache_dtype
-    kv_bytes = _kv_bytes_per_token(cfg, kv_dtype)
+    kv_bytes = engine.kv_bytes_per_token
     if args.json:
         out: dict[str, Any] = {
             "architecture": engine.architecture,

@@ -83,6 +83,13 @@ impl Engine {
         self.kv_dtype
     }
 
+    /// Bytes the KV cache of a session takes per token, all layers.
+    pub fn kv_bytes_per_token(&self) -> usize {
+        let c = &self.model.config;
+        let (k, v) = c.kv_widths();
+        c.num_layers() * (k + v) * self.kv_dtype.row_bytes(1).expect("an element type")
+    }
+
     fn check_len(&self, n: usize) -> Result<()> {
         let ctx = self.model.config.max_seq_len;
         if n > ctx {

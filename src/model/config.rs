@@ -425,12 +425,13 @@ impl ModelConfig {
         self.num_heads * self.v_head_dim()
     }
 
-    /// Values one KV-cache row holds per layer and token: keys and values of
-    /// every kv head (GQA), or the latent plus the rotated key (MLA).
-    pub fn kv_cache_width(&self) -> usize {
+    /// Values the KV cache holds per layer and token, as (keys, values): K
+    /// and V of every kv head (GQA), or the latent plus the rotated key and
+    /// no separate values, which are the latent (MLA).
+    pub fn kv_widths(&self) -> (usize, usize) {
         match self.mla() {
-            Some(m) => m.kv_lora_rank + m.qk_rope_dim,
-            None => 2 * self.kv_dim(),
+            Some(m) => (m.kv_lora_rank + m.qk_rope_dim, 0),
+            None => (self.kv_dim(), self.kv_dim()),
         }
     }
 

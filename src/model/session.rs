@@ -110,10 +110,7 @@ impl Session {
         let max_seq = max_seq.clamp(1, c.max_seq_len);
         let chunk = chunk.clamp(1, max_seq);
         let (d, l, kv) = (c.hidden_size, c.num_layers(), c.kv_dim());
-        let (k_width, v_width) = match c.mla() {
-            Some(m) => (m.kv_lora_rank + m.qk_rope_dim, 0),
-            None => (kv, kv),
-        };
+        let (k_width, v_width) = c.kv_widths();
         let mut fmax = 1;
         for layer in &c.layers {
             if let FfnSpec::Dense { ffn_dim } = layer.ffn {
@@ -230,11 +227,6 @@ impl KvCache {
         // Zeroed allocations: pages are only committed as positions fill.
         let words = |w: usize| (layers * max_seq * w * es).div_ceil(4);
         KvCache { dtype, max_seq, k_width, v_width, k: vec![0.0; words(k_width)], v: vec![0.0; words(v_width)] }
-    }
-
-    /// Bytes the cache holds per token (all layers, keys and values).
-    pub fn bytes_per_token(&self, layers: usize) -> usize {
-        layers * (self.k_width + self.v_width) * self.dtype.row_bytes(1).expect("an element type")
     }
 
     /// Stores the keys (`[n, Wk]` f32) and values (`[n, Wv]`; empty for MLA)

@@ -112,6 +112,11 @@ impl NativeEngine {
         self.inner.kv_dtype().name()
     }
 
+    /// Bytes the KV cache takes per token, all layers.
+    fn kv_bytes_per_token(&self) -> usize {
+        self.inner.kv_bytes_per_token()
+    }
+
     /// Routing statistics as JSON text (counts since the file was opened).
     fn routing_stats_json(&self) -> String {
         serde_json::to_string(&self.inner.model().routing_stats()).unwrap_or_default()
