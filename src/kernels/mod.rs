@@ -79,6 +79,19 @@ pub type Gemm8Fn = fn(group: &[u8], q: &[&[BlockQ8]], out: &mut [[f32; 8]]);
 /// Most tokens one [`Gemm8Fn`] call takes.
 pub const GEMM8_TOKENS: usize = 4;
 
+/// One or two interleaved groups (8 or 16 rows, `group` holding whole
+/// groups) against `tokens` activation rows, a multiple of [`TILE_TOKENS`]
+/// (`q` is `[tokens, cols / 32]`), into `out` (`[tokens, TILE_ROWS]`, token
+/// major; the rows past one group come out zero). Per (row, token) the same
+/// bits as [`Gemv8Fn`].
+pub type TileFn = fn(group: &[u8], q: &[BlockQ8], tokens: usize, out: &mut [f32]);
+
+/// The tokens of one [`TileFn`] tile (calls take multiples of it).
+pub const TILE_TOKENS: usize = 16;
+
+/// The weight rows of one [`TileFn`] call at most: two groups.
+pub const TILE_ROWS: usize = 16;
+
 /// The kernels of one interleaved type.
 #[derive(Clone, Copy)]
 pub struct GroupKernels {
@@ -86,6 +99,9 @@ pub struct GroupKernels {
     pub one: Gemv8Fn,
     /// Up to [`GEMM8_TOKENS`] tokens (`None`: single calls).
     pub many: Option<Gemm8Fn>,
+    /// Matrix tiles for prefill: 16 rows by multiples of 16 tokens (`None`:
+    /// the vector kernels do all tokens).
+    pub tile: Option<TileFn>,
 }
 
 /// What a weight type's kernels multiply against.
@@ -315,8 +331,10 @@ fn rows_into(w: &Matrix, k: &TypeKernels, inp: &Input, r0: usize, r1: usize, y: 
 }
 
 /// [`rows_into`] for an interleaved type: `r0` and `r1` are multiples of 8.
-/// Each group of eight rows is read once per four tokens (and once for the
-/// last one to three).
+/// With a tile kernel, pairs of groups take the tokens in whole tiles (up
+/// to [`TILE_BATCH`] per call, which repacks the pair once); each group of
+/// eight rows then takes the rest four tokens at a time (and the last one
+/// to three singly). Every path gives the same bits per (row, token).
 fn groups_into(w: &Matrix, inp: &Input, k: GroupKernels, r0: usize, r1: usize, y: YOut) {
     const G: usize = crate::quant::x8::ROWS;
     debug_assert!(r0.is_multiple_of(G) && r1.is_multiple_of(G));
@@ -327,9 +345,16 @@ fn groups_into(w: &Matrix, inp: &Input, k: GroupKernels, r0: usize, r1: usize, y
             y.set(t * w.rows + g * G + l, v);
         }
     };
+    let tiled = match k.tile {
+        Some(tile) if n >= TILE_TOKENS => {
+            tiles_into(w, inp, tile, r0, r1, y);
+            n / TILE_TOKENS * TILE_TOKENS
+        }
+        _ => 0,
+    };
     for g in r0 / G..r1 / G {
         let group = &w.bytes[g * gb..(g + 1) * gb];
-        let mut t = 0;
+        let mut t = tiled;
         while t < n {
             let m = (n - t).min(GEMM8_TOKENS);
             match k.many {
@@ -348,6 +373,36 @@ fn groups_into(w: &Matrix, inp: &Input, k: GroupKernels, r0: usize, r1: usize, y
                 }
             }
         }
+    }
+}
+
+/// Most tokens one [`TileFn`] call of [`tiles_into`] takes (its output
+/// lives on the stack: 8 KiB).
+const TILE_BATCH: usize = 8 * TILE_TOKENS;
+
+/// The whole tiles of tokens of rows `r0..r1` (whole groups) on `tile`.
+fn tiles_into(w: &Matrix, inp: &Input, tile: TileFn, r0: usize, r1: usize, y: YOut) {
+    const G: usize = crate::quant::x8::ROWS;
+    let gb = G * w.row_bytes();
+    let nb = w.cols / 32;
+    let n = inp.rows() / TILE_TOKENS * TILE_TOKENS;
+    let mut out = [0f32; TILE_BATCH * TILE_ROWS];
+    let mut g = r0 / G;
+    while g < r1 / G {
+        let pair = (r1 / G - g).min(TILE_ROWS / G);
+        let groups = &w.bytes[g * gb..(g + pair) * gb];
+        let mut t = 0;
+        while t < n {
+            let m = (n - t).min(TILE_BATCH);
+            tile(groups, &inp.q[t * nb..(t + m) * nb], m, &mut out[..m * TILE_ROWS]);
+            for i in 0..m {
+                for l in 0..pair * G {
+                    y.set((t + i) * w.rows + g * G + l, out[i * TILE_ROWS + l]);
+                }
+            }
+            t += m;
+        }
+        g += pair;
     }
 }
 
@@ -377,11 +432,16 @@ impl YOut {
 }
 
 /// Rows per task: about 32 KiB of weights, and at least four tasks per
-/// thread; whole groups for the interleaved types.
-fn rows_per_task(w: &Matrix, threads: usize) -> usize {
+/// thread; whole groups for the interleaved types (whole pairs of groups
+/// where the table has tiles).
+fn rows_per_task(w: &Matrix, k: &TypeKernels, threads: usize) -> usize {
     let by_bytes = (32 * 1024 / w.row_bytes().max(1)).max(1);
     let by_threads = w.rows.div_ceil(threads * 4).max(1);
-    by_bytes.min(by_threads).max(1).next_multiple_of(w.dtype.group_rows())
+    let unit = match k.layout {
+        Layout::Groups(GroupKernels { tile: Some(_), .. }) => TILE_ROWS,
+        _ => w.dtype.group_rows(),
+    };
+    by_bytes.min(by_threads).max(1).next_multiple_of(unit)
 }
 
 /// `y[t, r] = Σ_c W[r, c] · x[t, c]` for every row `t` of the input, split by
@@ -401,8 +461,9 @@ fn matmul_many_in(table: Table, jobs: &mut [(Matrix, &mut [f32])], inp: &Input) 
     let threads = rayon::current_num_threads();
     let mut tasks = 0;
     for (w, y) in jobs.iter() {
-        check(w, &table.kernels(w.dtype), inp, y);
-        tasks += w.rows.div_ceil(rows_per_task(w, threads));
+        let k = table.kernels(w.dtype);
+        check(w, &k, inp, y);
+        tasks += w.rows.div_ceil(rows_per_task(w, &k, threads));
     }
     if threads == 1 || tasks <= 1 {
         for (w, y) in jobs.iter_mut() {
@@ -415,7 +476,8 @@ fn matmul_many_in(table: Table, jobs: &mut [(Matrix, &mut [f32])], inp: &Input) 
     assert!(jobs.len() <= MAX_JOBS, "matmul_many takes at most {MAX_JOBS} matrices");
     let mut plan: [Option<(Matrix, TypeKernels, YOut, usize)>; MAX_JOBS] = [None; MAX_JOBS];
     for (slot, (w, y)) in plan.iter_mut().zip(jobs.iter_mut()) {
-        *slot = Some((*w, table.kernels(w.dtype), YOut::new(y), rows_per_task(w, threads)));
+        let k = table.kernels(w.dtype);
+        *slot = Some((*w, k, YOut::new(y), rows_per_task(w, &k, threads)));
     }
     (0..tasks).into_par_iter().for_each(|mut i| {
         for (w, k, y, chunk) in plan.iter().flatten() {

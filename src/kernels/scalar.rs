@@ -298,7 +298,7 @@ pub(super) fn kernels(dtype: DType) -> TypeKernels {
     };
     let group = |one: Gemv8Fn| TypeKernels {
         activation: Q8,
-        layout: Layout::Groups(GroupKernels { one, many: None }),
+        layout: Layout::Groups(GroupKernels { one, many: None, tile: None }),
         axpy: None,
     };
     match dtype {

@@ -28,6 +28,8 @@ pub enum Isa {
     Avx2,
     /// x86_64 AVX2 with AVX-VNNI (`vpdpbusd`) in the integer group kernels.
     AvxVnni,
+    /// x86_64 AVX-VNNI, with AMX int8 tiles for prefill (Linux).
+    Amx,
     /// aarch64 NEON.
     Neon,
 }
@@ -35,13 +37,13 @@ pub enum Isa {
 impl Isa {
     /// Every instruction set with a table, from the least to the most
     /// preferred (a CPU runs at most one of those after `Scalar` today).
-    pub const ALL: [Isa; 4] = [Isa::Scalar, Isa::Avx2, Isa::AvxVnni, Isa::Neon];
+    pub const ALL: [Isa; 5] = [Isa::Scalar, Isa::Avx2, Isa::AvxVnni, Isa::Amx, Isa::Neon];
 
     /// The target architecture whose builds have this table (`None`: all).
     pub fn arch(self) -> Option<&'static str> {
         match self {
             Isa::Scalar => None,
-            Isa::Avx2 | Isa::AvxVnni => Some("x86_64"),
+            Isa::Avx2 | Isa::AvxVnni | Isa::Amx => Some("x86_64"),
             Isa::Neon => Some("aarch64"),
         }
     }
@@ -52,6 +54,7 @@ impl Isa {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2",
             Isa::AvxVnni => "avxvnni",
+            Isa::Amx => "amx",
             Isa::Neon => "neon",
         }
     }
@@ -64,8 +67,8 @@ impl std::fmt::Display for Isa {
 }
 
 /// Names `COLIBRI_ISA` knows that have no table in this build yet (issue 13
-/// part 2 and 3); asking for one picks the best table there is.
-const PLANNED: [&str; 2] = ["avx512", "amx"];
+/// part 2); asking for one picks the best table there is.
+const PLANNED: [&str; 1] = ["avx512"];
 
 /// The kernels of one instruction set, for every weight type; made only by
 /// [`Table::new`] (so only for a CPU that runs them).
@@ -79,6 +82,8 @@ enum Chosen {
     Avx2(x86_64::Avx2),
     #[cfg(target_arch = "x86_64")]
     AvxVnni(x86_64::AvxVnni),
+    #[cfg(target_arch = "x86_64")]
+    Amx(x86_64::Amx),
     #[cfg(target_arch = "aarch64")]
     Neon(aarch64::Neon),
 }
@@ -100,6 +105,10 @@ impl Table {
             Isa::AvxVnni => x86_64::AvxVnni::detect().map(|t| Table(Chosen::AvxVnni(t))),
             #[cfg(not(target_arch = "x86_64"))]
             Isa::AvxVnni => None,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Amx => x86_64::Amx::detect().map(|t| Table(Chosen::Amx(t))),
+            #[cfg(not(target_arch = "x86_64"))]
+            Isa::Amx => None,
             #[cfg(target_arch = "aarch64")]
             Isa::Neon => aarch64::Neon::detect().map(|t| Table(Chosen::Neon(t))),
             #[cfg(not(target_arch = "aarch64"))]
@@ -125,6 +134,8 @@ impl Table {
             Chosen::Avx2(_) => Isa::Avx2,
             #[cfg(target_arch = "x86_64")]
             Chosen::AvxVnni(_) => Isa::AvxVnni,
+            #[cfg(target_arch = "x86_64")]
+            Chosen::Amx(_) => Isa::Amx,
             #[cfg(target_arch = "aarch64")]
             Chosen::Neon(_) => Isa::Neon,
         }
@@ -139,6 +150,8 @@ impl Table {
             Chosen::Avx2(t) => t.kernels(dtype),
             #[cfg(target_arch = "x86_64")]
             Chosen::AvxVnni(t) => t.kernels(dtype),
+            #[cfg(target_arch = "x86_64")]
+            Chosen::Amx(t) => t.kernels(dtype),
             #[cfg(target_arch = "aarch64")]
             Chosen::Neon(t) => t.kernels(dtype),
         }
@@ -200,7 +213,7 @@ mod tests {
         assert!(choose(Some("")).1.is_none());
         let (t, note) = choose(Some(" Scalar "));
         assert_eq!((t.isa(), note), (Isa::Scalar, None));
-        for name in ["avx512", "amx", "sse9"] {
+        for name in ["avx512", "sse9"] {
             let (t, note) = choose(Some(name));
             assert_eq!(t.isa(), best, "{name}");
             assert!(note.unwrap().ends_with(&format!("; using {best}")), "{name}");

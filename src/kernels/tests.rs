@@ -125,7 +125,16 @@ fn matmul_matches_naive_for_every_table_type_and_shape() {
         let mut s = 7u64;
         for dtype in every_dtype() {
             let shapes: &[(usize, usize, usize)] = if dtype.group_rows() > 1 {
-                &[(8, 32, 1), (16, 64, 2), (40, 96, 5), (256, 32, 1), (64, 1024, 3), (24, 64, 9)]
+                &[
+                    (8, 32, 1),
+                    (16, 64, 2),
+                    (40, 96, 5),
+                    (256, 32, 1),
+                    (64, 1024, 3),
+                    (24, 64, 9),
+                    (24, 64, 37),
+                    (48, 160, 16),
+                ]
             } else if dtype.is_quantized() {
                 &[(1, 32, 1), (3, 64, 2), (31, 96, 5), (255, 32, 1), (64, 1024, 3), (7, 64, 9)]
             } else {
@@ -279,6 +288,46 @@ fn group_kernels_of_every_table_match_scalar_and_row_kernels() {
             }
         }
     }
+}
+
+/// Matrix tiles (AMX) against the one-token kernel of the same table, bit
+/// for bit: one and two groups, one and several tiles of tokens, awkward
+/// widths; the rows past one group come out zero.
+#[test]
+fn tiles_of_every_table_give_the_one_token_bits() {
+    let mut ran = 0;
+    for table in tables() {
+        let mut s = 41u64;
+        for dtype in DType::INTERLEAVED {
+            let Layout::Groups(k) = table.kernels(dtype).layout else { panic!("{dtype} is interleaved") };
+            let Some(tile) = k.tile else { continue };
+            ran += 1;
+            for (n, groups, tokens) in [(32, 1, 16), (96, 2, 32), (2048 + 32, 2, 16), (160, 1, 48), (64, 2, 160)] {
+                let what = format!("{} {dtype} n={n} groups={groups} tokens={tokens}", table.isa());
+                let w: Vec<f32> = (0..8 * groups * n).map(|_| lcg(&mut s)).collect();
+                let buf = encoded(dtype, &w, n);
+                let gb = 8 * dtype.row_bytes(n).unwrap();
+                let g = &bytemuck::cast_slice::<u64, u8>(&buf)[..groups * gb];
+                let x: Vec<f32> = (0..tokens * n).map(|i| if i % 5 == 0 { 1.0 } else { lcg(&mut s) * 3.0 }).collect();
+                let mut q = vec![BlockQ8::default(); tokens * n / 32];
+                let inp = Input::prepare(&x, n, true, &mut q);
+                let mut out = vec![f32::NAN; tokens * TILE_ROWS];
+                tile(g, inp.q, tokens, &mut out);
+                for t in 0..tokens {
+                    for h in 0..2 {
+                        let got = &out[t * TILE_ROWS + 8 * h..t * TILE_ROWS + 8 * h + 8];
+                        if h < groups {
+                            let want = (k.one)(&g[h * gb..(h + 1) * gb], inp.row(t).1);
+                            assert_eq!(got, want, "{what}: token {t} group {h}");
+                        } else {
+                            assert!(got.iter().all(|&v| v == 0.0), "{what}: token {t}: rows past the group");
+                        }
+                    }
+                }
+            }
+        }
+    }
+    eprintln!("{ran} tile kernels tested");
 }
 
 /// The AVX-VNNI table sums the same integers as the AVX2 one (`vpdpbusd`

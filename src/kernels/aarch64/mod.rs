@@ -25,7 +25,7 @@ impl Neon {
     pub fn kernels(self, dtype: DType) -> TypeKernels {
         let dot = |dot: DotFn| TypeKernels { layout: Layout::Rows { dot, tile: None }, ..scalar::kernels(dtype) };
         let group = |one: Gemv8Fn| TypeKernels {
-            layout: Layout::Groups(GroupKernels { one, many: None }),
+            layout: Layout::Groups(GroupKernels { one, many: None, tile: None }),
             ..scalar::kernels(dtype)
         };
         match dtype {

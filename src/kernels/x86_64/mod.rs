@@ -5,9 +5,10 @@
 //! [`AvxVnni`] is made only by its `detect` after run-time detection of
 //! every feature its kernels use.
 
+mod amx;
 mod avx2;
 
-use super::{Activation, BlockQ8, Dot4Fn, DotFn, Gemm8Fn, Gemv8Fn, GroupKernels, Layout, TypeKernels};
+use super::{Activation, BlockQ8, Dot4Fn, DotFn, Gemm8Fn, Gemv8Fn, GroupKernels, Layout, TileFn, TypeKernels};
 use crate::quant::DType;
 
 /// Proof that this CPU runs the AVX2 table: only [`Avx2::detect`] makes one.
@@ -32,7 +33,7 @@ impl Avx2 {
         };
         let group = |one: Gemv8Fn, many: Gemm8Fn| TypeKernels {
             activation: Q8,
-            layout: Layout::Groups(GroupKernels { one, many: Some(many) }),
+            layout: Layout::Groups(GroupKernels { one, many: Some(many), tile: None }),
             axpy: None,
         };
         match dtype {
@@ -69,7 +70,7 @@ impl AvxVnni {
     pub fn kernels(self, dtype: DType) -> TypeKernels {
         let group = |one: Gemv8Fn, many: Gemm8Fn| TypeKernels {
             activation: Activation::Q8,
-            layout: Layout::Groups(GroupKernels { one, many: Some(many) }),
+            layout: Layout::Groups(GroupKernels { one, many: Some(many), tile: None }),
             axpy: None,
         };
         match dtype {
@@ -83,6 +84,55 @@ impl AvxVnni {
         }
     }
 }
+
+/// Proof that this CPU and OS run the AMX table (the AVX-VNNI table, plus
+/// AVX-512F, AMX-TILE and AMX-INT8 with the tile state granted and a probe
+/// product that ran): only [`Amx::detect`] makes one.
+#[derive(Clone, Copy, Debug)]
+pub struct Amx(AvxVnni);
+
+impl Amx {
+    /// `Some` when this process can run the AMX tiles (see [`amx::usable`]).
+    pub fn detect() -> Option<Amx> {
+        let vnni = AvxVnni::detect()?;
+        (is_x86_feature_detected!("avx512f") && amx::usable()).then_some(Amx(vnni))
+    }
+
+    /// The AVX-VNNI kernels, with int8 tiles for prefill in the interleaved
+    /// block types (decode, one token per call, stays on the vectors; the
+    /// tiles give the same bits).
+    pub fn kernels(self, dtype: DType) -> TypeKernels {
+        let mut k = self.0.kernels(dtype);
+        let tile: Option<TileFn> = match dtype {
+            DType::F32 | DType::Bf16 | DType::F16 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Mxfp4 => None,
+            DType::Q8_0x8 => Some(amx_q8_0x8),
+            DType::Q4_0x8 => Some(amx_q4_0x8),
+            DType::Q4_1x8 => Some(amx_q4_1x8),
+            DType::Mxfp4x8 => Some(amx_mxfp4x8),
+        };
+        if let Layout::Groups(g) = &mut k.layout {
+            g.tile = tile;
+        }
+        k
+    }
+}
+
+macro_rules! safe_tile {
+    ($name:ident, $block:ty) => {
+        fn $name(group: &[u8], q: &[BlockQ8], tokens: usize, out: &mut [f32]) {
+            // SAFETY: reachable only through `Amx::kernels`, which needs an
+            // `Amx`, made only by `Amx::detect` once this CPU has shown
+            // AVX2, FMA, F16C, AVX-512F and AMX and the process holds the
+            // tile permission (a probe product ran in a child).
+            unsafe { amx::tiles::<$block>(group, q, tokens, out) }
+        }
+    };
+}
+
+safe_tile!(amx_q8_0x8, crate::quant::x8::BlockQ8_0x8);
+safe_tile!(amx_q4_0x8, crate::quant::x8::BlockQ4_0x8);
+safe_tile!(amx_q4_1x8, crate::quant::x8::BlockQ4_1x8);
+safe_tile!(amx_mxfp4x8, crate::quant::x8::BlockMxfp4x8);
 
 macro_rules! safe_wrapper {
     ($name:ident, $inner:path) => {
