@@ -1,5 +1,7 @@
-//! Single-thread speed of each dot kernel on an L2-resident matrix:
-//! `cargo run --release --example kernel_speed`. Reports ns per 32 weights.
+//! Single-thread speed of each kernel on an L2-resident matrix:
+//! `cargo run --release --example kernel_speed -- [TOKENS] [DTYPE]` (default 1:
+//! decode; prefill-like counts such as 64 exercise the tiles). Reports ns
+//! per 32 weights and token, and multiply-adds per second.
 
 use std::time::Instant;
 
@@ -8,18 +10,23 @@ use colibri::quant::{self, DType};
 
 fn main() {
     let (rows, cols) = (256, 2048);
+    let n: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(1);
+    eprintln!("kernels: {}, {n} token(s)", colibri::kernels::isa());
     let vals: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.05).collect();
-    let x: Vec<f32> = (0..cols).map(|i| (i * 31 % 100) as f32 / 50.0 - 1.0).collect();
-    for dtype in DType::ALL.into_iter().chain(DType::INTERLEAVED) {
+    let x: Vec<f32> = (0..n * cols).map(|i| (i * 31 % 100) as f32 / 50.0 - 1.0).collect();
+    let only = std::env::args().nth(2);
+    for dtype in
+        DType::ALL.into_iter().chain(DType::INTERLEAVED).filter(|d| only.as_ref().is_none_or(|o| o == d.name()))
+    {
         let nbytes = dtype.row_bytes(cols).unwrap() * rows;
         let mut buf = vec![0u64; nbytes.div_ceil(8)];
         let bytes = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut buf)[..nbytes];
         quant::encode(dtype, &vals, cols, bytes);
         let m = Matrix::new(dtype, rows, cols, bytes).unwrap();
-        let mut q = vec![BlockQ8::default(); cols / 32];
+        let mut q = vec![BlockQ8::default(); n * cols / 32];
         let inp = Input::prepare(&x, cols, dtype.is_quantized(), &mut q);
-        let mut y = vec![0f32; rows];
-        let reps = 400;
+        let mut y = vec![0f32; n * rows];
+        let reps = (400 / n).max(4);
         let mut best = f64::MAX;
         for _ in 0..5 {
             let t = Instant::now();
@@ -28,10 +35,11 @@ fn main() {
             }
             best = best.min(t.elapsed().as_secs_f64());
         }
-        let blocks = (rows * cols / 32 * reps) as f64;
+        let blocks = (rows * cols / 32 * reps * n) as f64;
         println!(
-            "{dtype:>6}: {:.2} ns / 32 weights, {:.1} GB/s of weights",
+            "{dtype:>7}: {:.3} ns / 32 weights / token, {:.1} GMAC/s, {:.1} GB/s of weights",
             best / blocks * 1e9,
+            blocks * 32.0 / best / 1e9,
             (nbytes * reps) as f64 / best / 1e9
         );
     }

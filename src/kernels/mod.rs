@@ -80,14 +80,16 @@ pub type Gemm8Fn = fn(group: &[u8], q: &[&[BlockQ8]], out: &mut [[f32; 8]]);
 pub const GEMM8_TOKENS: usize = 4;
 
 /// One or two interleaved groups (8 or 16 rows, `group` holding whole
-/// groups) against `tokens` activation rows, a multiple of [`TILE_TOKENS`]
-/// (`q` is `[tokens, cols / 32]`), into `out` (`[tokens, TILE_ROWS]`, token
-/// major; the rows past one group come out zero). Per (row, token) the same
-/// bits as [`Gemv8Fn`].
+/// groups) against `tokens` activation rows (`q` is `[tokens, cols / 32]`),
+/// into `out` (`[tokens, TILE_ROWS]`, token major; the rows past one group
+/// come out zero). Per (row, token) the same bits as [`Gemv8Fn`].
 pub type TileFn = fn(group: &[u8], q: &[BlockQ8], tokens: usize, out: &mut [f32]);
 
-/// The tokens of one [`TileFn`] tile (calls take multiples of it).
+/// The tokens of one [`TileFn`] tile (a call pads its last tile).
 pub const TILE_TOKENS: usize = 16;
+
+/// Fewest tokens a matrix takes on tiles rather than vectors.
+pub const TILE_MIN_TOKENS: usize = 8;
 
 /// The weight rows of one [`TileFn`] call at most: two groups.
 pub const TILE_ROWS: usize = 16;
@@ -331,10 +333,11 @@ fn rows_into(w: &Matrix, k: &TypeKernels, inp: &Input, r0: usize, r1: usize, y: 
 }
 
 /// [`rows_into`] for an interleaved type: `r0` and `r1` are multiples of 8.
-/// With a tile kernel, pairs of groups take the tokens in whole tiles (up
-/// to [`TILE_BATCH`] per call, which repacks the pair once); each group of
-/// eight rows then takes the rest four tokens at a time (and the last one
-/// to three singly). Every path gives the same bits per (row, token).
+/// With a tile kernel and at least [`TILE_MIN_TOKENS`] tokens, pairs of
+/// groups take all tokens on tiles (up to [`TILE_BATCH`] per call, which
+/// repacks the pair once); else each group of eight rows takes them four
+/// tokens at a time (and the last one to three singly). Every path gives
+/// the same bits per (row, token).
 fn groups_into(w: &Matrix, inp: &Input, k: GroupKernels, r0: usize, r1: usize, y: YOut) {
     const G: usize = crate::quant::x8::ROWS;
     debug_assert!(r0.is_multiple_of(G) && r1.is_multiple_of(G));
@@ -346,9 +349,9 @@ fn groups_into(w: &Matrix, inp: &Input, k: GroupKernels, r0: usize, r1: usize, y
         }
     };
     let tiled = match k.tile {
-        Some(tile) if n >= TILE_TOKENS => {
+        Some(tile) if n >= TILE_MIN_TOKENS => {
             tiles_into(w, inp, tile, r0, r1, y);
-            n / TILE_TOKENS * TILE_TOKENS
+            n
         }
         _ => 0,
     };
@@ -380,12 +383,12 @@ fn groups_into(w: &Matrix, inp: &Input, k: GroupKernels, r0: usize, r1: usize, y
 /// lives on the stack: 8 KiB).
 const TILE_BATCH: usize = 8 * TILE_TOKENS;
 
-/// The whole tiles of tokens of rows `r0..r1` (whole groups) on `tile`.
+/// All tokens of rows `r0..r1` (whole groups) on `tile`.
 fn tiles_into(w: &Matrix, inp: &Input, tile: TileFn, r0: usize, r1: usize, y: YOut) {
     const G: usize = crate::quant::x8::ROWS;
     let gb = G * w.row_bytes();
     let nb = w.cols / 32;
-    let n = inp.rows() / TILE_TOKENS * TILE_TOKENS;
+    let n = inp.rows();
     let mut out = [0f32; TILE_BATCH * TILE_ROWS];
     let mut g = r0 / G;
     while g < r1 / G {

@@ -291,8 +291,8 @@ fn group_kernels_of_every_table_match_scalar_and_row_kernels() {
 }
 
 /// Matrix tiles (AMX) against the one-token kernel of the same table, bit
-/// for bit: one and two groups, one and several tiles of tokens, awkward
-/// widths; the rows past one group come out zero.
+/// for bit: one and two groups, one and several tiles of tokens and partial
+/// tiles, awkward widths; the rows past one group come out zero.
 #[test]
 fn tiles_of_every_table_give_the_one_token_bits() {
     let mut ran = 0;
@@ -302,7 +302,16 @@ fn tiles_of_every_table_give_the_one_token_bits() {
             let Layout::Groups(k) = table.kernels(dtype).layout else { panic!("{dtype} is interleaved") };
             let Some(tile) = k.tile else { continue };
             ran += 1;
-            for (n, groups, tokens) in [(32, 1, 16), (96, 2, 32), (2048 + 32, 2, 16), (160, 1, 48), (64, 2, 160)] {
+            for (n, groups, tokens) in [
+                (32, 1, 16),
+                (96, 2, 32),
+                (2048 + 32, 2, 16),
+                (160, 1, 48),
+                (64, 2, 160),
+                (64, 2, 1),
+                (96, 1, 21),
+                (2048, 2, 37),
+            ] {
                 let what = format!("{} {dtype} n={n} groups={groups} tokens={tokens}", table.isa());
                 let w: Vec<f32> = (0..8 * groups * n).map(|_| lcg(&mut s)).collect();
                 let buf = encoded(dtype, &w, n);

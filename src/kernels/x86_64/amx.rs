@@ -49,45 +49,57 @@ struct Config {
 const _: () = assert!(std::mem::size_of::<Config>() == 64);
 
 impl Config {
-    /// tmm0: A, 16 tokens × 32 activation bytes; tmm1: B, 8 rows of 64
-    /// bytes; tmm2: C, 16 tokens × 16 rows of i32.
+    /// Two sets of three tiles, for alternate block columns: tmm0 / tmm3,
+    /// A, 16 tokens × 32 activation bytes; tmm1 / tmm4, B, 8 rows of 64
+    /// bytes; tmm2 / tmm5, C, 16 tokens × 16 rows of i32.
     const fn tiles() -> Config {
         let mut c = Config { palette: 1, start_row: 0, reserved: [0; 14], colsb: [0; 16], rows: [0; 16] };
-        c.colsb[0] = 32;
-        c.rows[0] = TOKENS as u8;
-        c.colsb[1] = 64;
-        c.rows[1] = 8;
-        c.colsb[2] = 64;
-        c.rows[2] = TOKENS as u8;
+        let mut set = 0;
+        while set < 2 {
+            let (a, b, s) = (3 * set, 3 * set + 1, 3 * set + 2);
+            c.colsb[a] = 32;
+            c.rows[a] = TOKENS as u8;
+            c.colsb[b] = 64;
+            c.rows[b] = 8;
+            c.colsb[s] = 64;
+            c.rows[s] = TOKENS as u8;
+            set += 1;
+        }
         c
     }
 }
 
 /// One call's weights in the B layout, with their scales (and minimums) as
-/// f32: per block column `w[512 b..]`, `scales[16 b..]`, `mins[16 b..]`.
+/// f32: per block column `w[512 b..]`, `scales[16 b..]`, `mins[16 b..]`;
+/// and a zero-padded copy of a last, partial tile of tokens.
 #[derive(Default)]
 pub struct Packed {
     w: Vec<i8>,
     scales: Vec<f32>,
     mins: Vec<f32>,
+    pad: Vec<BlockQ8>,
 }
 
 impl Packed {
-    fn reset(&mut self, nb: usize, mins: bool) {
-        self.w.clear();
-        self.w.resize(nb * PACKED, 0);
-        self.scales.clear();
-        self.scales.resize(nb * ROWS, 0.0);
-        self.mins.clear();
-        if mins {
+    /// Room for `nb` block columns (kept between calls: no clearing, every
+    /// byte a call reads is written by its packing).
+    fn reserve(&mut self, nb: usize) {
+        if self.w.len() < nb * PACKED {
+            self.w.resize(nb * PACKED, 0);
+            self.scales.resize(nb * ROWS, 0.0);
             self.mins.resize(nb * ROWS, 0.0);
         }
     }
 
-    /// Block column `b`, half `h` (the group): the 32 bytes of B row `k`.
-    fn row(&mut self, b: usize, k: usize, h: usize) -> &mut [i8] {
-        let at = b * PACKED + 64 * k + 32 * h;
-        &mut self.w[at..at + 32]
+    /// Half `h` of block column `b` as zeros (no second group).
+    fn zero(&mut self, b: usize, h: usize) {
+        for k in 0..8 {
+            let at = b * PACKED + 64 * k + 32 * h;
+            self.w[at..at + 32].fill(0);
+        }
+        let at = ROWS * b + GROUP * h;
+        self.scales[at..at + GROUP].fill(0.0);
+        self.mins[at..at + GROUP].fill(0.0);
     }
 }
 
@@ -96,24 +108,33 @@ thread_local! {
     static PACK: RefCell<Packed> = RefCell::new(Packed::default());
 }
 
-fn f16s(d: &[u16; GROUP], out: &mut [f32]) {
-    for (o, &d) in out.iter_mut().zip(d) {
-        *o = half::f16::from_bits(d).to_f32();
-    }
+/// Where one group block goes in the packed buffers: its half of a block
+/// column's B rows (`w`, rows 64 bytes apart), its eight scales and its
+/// eight minimums.
+pub struct Dest {
+    w: *mut i8,
+    scales: *mut f32,
+    mins: *mut f32,
+}
+
+/// Eight f16 values as f32.
+#[inline(always)]
+unsafe fn f16x8(d: &[u16; GROUP], out: *mut f32) {
+    _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr() as *const __m128i)));
 }
 
 /// Widens a group block's 4-bit codes into B rows: low nibbles of run `j`
 /// are weights `4j..4j+4` of each row (B row `j`), high nibbles weights
-/// `16 + 4j..` (B row `4 + j`), each code through `value`.
-fn unpack_codes(p: &mut Packed, b: usize, h: usize, qs: &[u8; 16 * GROUP], value: impl Fn(u8) -> i8) {
+/// `16 + 4j..` (B row `4 + j`), each code through `value` (32 at a time).
+#[inline(always)]
+unsafe fn unpack_codes(qs: &[u8; 16 * GROUP], w: *mut i8, value: impl Fn(__m256i) -> __m256i) {
+    let mask = _mm256_set1_epi8(0x0F);
     for j in 0..4 {
-        let run = &qs[32 * j..32 * j + 32];
-        for (o, &c) in p.row(b, j, h).iter_mut().zip(run) {
-            *o = value(c & 0xF);
-        }
-        for (o, &c) in p.row(b, 4 + j, h).iter_mut().zip(run) {
-            *o = value(c >> 4);
-        }
+        let raw = _mm256_loadu_si256(qs.as_ptr().add(32 * j) as *const __m256i);
+        let lo = _mm256_and_si256(raw, mask);
+        let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        _mm256_storeu_si256(w.add(64 * j) as *mut __m256i, value(lo));
+        _mm256_storeu_si256(w.add(64 * (4 + j)) as *mut __m256i, value(hi));
     }
 }
 
@@ -121,59 +142,70 @@ fn unpack_codes(p: &mut Packed, b: usize, h: usize, qs: &[u8; 16 * GROUP], value
 pub trait TileBlock: bytemuck::Pod {
     /// Whether the type adds `min · Σ activations` per block (q4_1).
     const MINS: bool;
-    /// Puts this group block into half `h` of packed block column `b`.
-    fn pack(&self, p: &mut Packed, b: usize, h: usize);
+    /// Writes this group block to `to` as signed bytes and f32 scales.
+    ///
+    /// # Safety
+    /// AVX2 and F16C; `to` points into buffers with room for a block column.
+    unsafe fn pack(&self, to: &Dest);
 }
 
 impl TileBlock for BlockQ8_0x8 {
     const MINS: bool = false;
-    fn pack(&self, p: &mut Packed, b: usize, h: usize) {
+    #[inline(always)]
+    unsafe fn pack(&self, to: &Dest) {
         for k in 0..8 {
-            p.row(b, k, h).copy_from_slice(&self.qs[32 * k..32 * k + 32]);
+            let v = _mm256_loadu_si256(self.qs.as_ptr().add(32 * k) as *const __m256i);
+            _mm256_storeu_si256(to.w.add(64 * k) as *mut __m256i, v);
         }
-        f16s(&self.d, &mut p.scales[ROWS * b + GROUP * h..]);
+        f16x8(&self.d, to.scales);
     }
 }
 
 impl TileBlock for BlockQ4_0x8 {
     const MINS: bool = false;
-    fn pack(&self, p: &mut Packed, b: usize, h: usize) {
+    #[inline(always)]
+    unsafe fn pack(&self, to: &Dest) {
         // Codes are stored +8: the tile sums Σ (c − 8)·q directly.
-        unpack_codes(p, b, h, &self.qs, |c| c as i8 - 8);
-        f16s(&self.d, &mut p.scales[ROWS * b + GROUP * h..]);
+        let eight = _mm256_set1_epi8(8);
+        unpack_codes(&self.qs, to.w, |c| _mm256_sub_epi8(c, eight));
+        f16x8(&self.d, to.scales);
     }
 }
 
 impl TileBlock for BlockQ4_1x8 {
     const MINS: bool = true;
-    fn pack(&self, p: &mut Packed, b: usize, h: usize) {
-        unpack_codes(p, b, h, &self.qs, |c| c as i8);
-        f16s(&self.d, &mut p.scales[ROWS * b + GROUP * h..]);
-        f16s(&self.m, &mut p.mins[ROWS * b + GROUP * h..]);
+    #[inline(always)]
+    unsafe fn pack(&self, to: &Dest) {
+        unpack_codes(&self.qs, to.w, |c| c);
+        f16x8(&self.d, to.scales);
+        f16x8(&self.m, to.mins);
     }
 }
 
 impl TileBlock for BlockMxfp4x8 {
     const MINS: bool = false;
-    fn pack(&self, p: &mut Packed, b: usize, h: usize) {
-        unpack_codes(p, b, h, &self.qs, |c| LUT2[c as usize]);
-        for (o, &e) in p.scales[ROWS * b + GROUP * h..][..GROUP].iter_mut().zip(&self.e) {
-            *o = half_scale(e);
+    #[inline(always)]
+    unsafe fn pack(&self, to: &Dest) {
+        let lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(LUT2.as_ptr() as *const __m128i));
+        unpack_codes(&self.qs, to.w, |c| _mm256_shuffle_epi8(lut, c));
+        for (l, &e) in self.e.iter().enumerate() {
+            *to.scales.add(l) = half_scale(e);
         }
     }
 }
 
 /// One or two interleaved groups (`groups`, whole groups of `B`) against
-/// `tokens` tokens (a multiple of [`TOKENS`]) whose quantised rows are
-/// `q` (`[tokens, nb]`): `out[t · 16 + r]` for token `t`, row `r` of the
-/// groups (rows past the groups come out zero).
+/// `tokens` tokens whose quantised rows are `q` (`[tokens, nb]`):
+/// `out[t · 16 + r]` for token `t`, row `r` of the groups (rows past the
+/// groups come out zero). A last tile with fewer than 16 tokens runs on a
+/// zero-padded copy of their rows.
 ///
 /// # Safety
 /// The CPU must have AVX-512F, AVX2, FMA and F16C, AMX-TILE and AMX-INT8,
 /// and this process the kernel's permission to use tiles ([`usable`]).
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 pub unsafe fn tiles<B: TileBlock>(groups: &[u8], q: &[BlockQ8], tokens: usize, out: &mut [f32]) {
-    assert!(tokens > 0 && tokens.is_multiple_of(TOKENS), "tiles take whole tiles of tokens, got {tokens}");
+    assert!(tokens > 0, "tiles need at least one token");
     let nb = q.len() / tokens;
     assert_eq!(q.len(), tokens * nb, "q is not [tokens, nb]");
     let blocks: &[B] = bytemuck::cast_slice(groups);
@@ -181,58 +213,133 @@ pub unsafe fn tiles<B: TileBlock>(groups: &[u8], q: &[BlockQ8], tokens: usize, o
     assert!(nb > 0 && (ng == 1 || ng == 2) && blocks.len() == ng * nb, "tiles take one or two whole groups");
     assert_eq!(out.len(), tokens * ROWS, "out is not [tokens, 16]");
     PACK.with_borrow_mut(|p| {
-        p.reset(nb, B::MINS);
+        p.reserve(nb);
         for (h, g) in blocks.chunks_exact(nb).enumerate() {
             for (b, blk) in g.iter().enumerate() {
-                blk.pack(p, b, h);
+                // The packing is the first touch of the weights: ask for
+                // them ahead, as the vector kernels do.
+                super::avx2::prefetch_ahead(blk as *const B as *const u8, std::mem::size_of::<B>());
+                let at = ROWS * b + GROUP * h;
+                let to = Dest {
+                    w: p.w.as_mut_ptr().add(b * PACKED + 32 * h),
+                    scales: p.scales.as_mut_ptr().add(at),
+                    mins: p.mins.as_mut_ptr().add(at),
+                };
+                blk.pack(&to);
             }
         }
-        multiply::<B>(p, q, nb, out);
+        if ng == 1 {
+            (0..nb).for_each(|b| p.zero(b, 1));
+        }
+        let cfg = Config::tiles();
+        asm!("ldtilecfg [{}]", in(reg) &cfg, options(nostack, readonly));
+        let whole = tokens / TOKENS * TOKENS;
+        for (c, qc) in q[..whole * nb].chunks_exact(TOKENS * nb).enumerate() {
+            let acc = tile::<B>(p, qc.as_ptr(), nb);
+            for (t, acc) in acc.iter().enumerate() {
+                _mm512_storeu_ps(out.as_mut_ptr().add((c * TOKENS + t) * ROWS), *acc);
+            }
+        }
+        if whole < tokens {
+            let rest = tokens - whole;
+            p.pad.clear();
+            p.pad.extend_from_slice(&q[whole * nb..]);
+            p.pad.resize(TOKENS * nb, BlockQ8::default());
+            let acc = tile::<B>(p, p.pad.as_ptr(), nb);
+            for (t, acc) in acc[..rest].iter().enumerate() {
+                _mm512_storeu_ps(out.as_mut_ptr().add((whole + t) * ROWS), *acc);
+            }
+        }
+        asm!("tilerelease", options(nostack, nomem));
     });
 }
 
-/// The tile products and the scaling, over packed weights.
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn multiply<B: TileBlock>(p: &Packed, q: &[BlockQ8], nb: usize, out: &mut [f32]) {
-    #[repr(C, align(64))]
-    struct Sums([i32; TOKENS * ROWS]);
-    let mut c = Sums([0; TOKENS * ROWS]);
-    let cfg = Config::tiles();
-    let a_stride = nb * std::mem::size_of::<BlockQ8>();
-    let qs_at = std::mem::offset_of!(BlockQ8, qs);
-    asm!("ldtilecfg [{}]", in(reg) &cfg, options(nostack, readonly));
-    for (chunk, qc) in q.chunks_exact(TOKENS * nb).enumerate() {
-        let mut acc = [_mm512_setzero_ps(); TOKENS];
-        for b in 0..nb {
-            let a = (qc.as_ptr().add(b) as *const u8).add(qs_at);
-            let w = p.w.as_ptr().add(b * PACKED);
+/// Issues block column `b` into tile set 0 or 1 (`tilezero`, the two
+/// loads, `tdpbssd`): `tile` starts the next block before it stores and
+/// scales this one, so the tile unit runs ahead of the vector unit.
+macro_rules! issue {
+    ($set0:literal, $a:expr, $sa:expr, $w:expr) => {
+        if $set0 {
             asm!(
                 "tilezero tmm2",
                 "tileloadd tmm0, [{a} + {sa} * 1]",
                 "tileloadd tmm1, [{w} + {s64} * 1]",
                 "tdpbssd tmm2, tmm0, tmm1",
-                "tilestored [{c} + {s64} * 1], tmm2",
-                a = in(reg) a,
-                sa = in(reg) a_stride,
-                w = in(reg) w,
-                s64 = in(reg) 64usize,
-                c = in(reg) c.0.as_mut_ptr(),
-                options(nostack),
-            );
-            let dw = _mm512_loadu_ps(p.scales.as_ptr().add(ROWS * b));
-            let m = if B::MINS { _mm512_loadu_ps(p.mins.as_ptr().add(ROWS * b)) } else { _mm512_setzero_ps() };
-            for (t, acc) in acc.iter_mut().enumerate() {
-                let ba = &qc[t * nb + b];
-                let isum = _mm512_cvtepi32_ps(_mm512_load_si512(c.0.as_ptr().add(ROWS * t) as *const __m512i));
-                let s = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(ba.d)), isum, *acc);
-                *acc = if B::MINS { _mm512_fmadd_ps(m, _mm512_set1_ps(ba.scaled_sum()), s) } else { s };
-            }
+                a = in(reg) $a, sa = in(reg) $sa, w = in(reg) $w, s64 = in(reg) 64usize,
+                options(nostack, readonly),
+            )
+        } else {
+            asm!(
+                "tilezero tmm5",
+                "tileloadd tmm3, [{a} + {sa} * 1]",
+                "tileloadd tmm4, [{w} + {s64} * 1]",
+                "tdpbssd tmm5, tmm3, tmm4",
+                a = in(reg) $a, sa = in(reg) $sa, w = in(reg) $w, s64 = in(reg) 64usize,
+                options(nostack, readonly),
+            )
         }
-        for (t, acc) in acc.iter().enumerate() {
-            _mm512_storeu_ps(out.as_mut_ptr().add((chunk * TOKENS + t) * ROWS), *acc);
+    };
+}
+
+/// `acc[t] += dw · da[t] · sums[t]` for block column `b` (and the
+/// minimums' term), per token `t`.
+#[inline(always)]
+unsafe fn scale<B: TileBlock>(
+    acc: &mut [__m512; TOKENS],
+    p: &Packed,
+    q: *const BlockQ8,
+    nb: usize,
+    b: usize,
+    sums: *const i32,
+) {
+    let dw = _mm512_loadu_ps(p.scales.as_ptr().add(ROWS * b));
+    let m = if B::MINS { _mm512_loadu_ps(p.mins.as_ptr().add(ROWS * b)) } else { _mm512_setzero_ps() };
+    let ba = q.add(b);
+    // Unrolled by hand so the sixteen accumulators stay in registers.
+    macro_rules! scale {
+        ($($t:literal)*) => {$(
+            let bt = &*ba.add($t * nb);
+            let isum = _mm512_cvtepi32_ps(_mm512_load_si512(sums.add(ROWS * $t) as *const __m512i));
+            let s = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(bt.d)), isum, acc[$t]);
+            acc[$t] = if B::MINS { _mm512_fmadd_ps(m, _mm512_set1_ps(bt.scaled_sum()), s) } else { s };
+        )*};
+    }
+    scale!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
+}
+
+/// 16 tokens (`q`, `[16, nb]`) against the packed pair: the 16 × 16 f32
+/// results, one register per token.
+#[inline(always)]
+unsafe fn tile<B: TileBlock>(p: &Packed, q: *const BlockQ8, nb: usize) -> [__m512; TOKENS] {
+    /// Two buffers: the sums of block `b` go to `b % 2` and are scaled one
+    /// block later, so the vector loads never wait on fresh tile stores.
+    #[repr(C, align(64))]
+    struct Sums([[i32; TOKENS * ROWS]; 2]);
+    let mut c = Sums([[0; TOKENS * ROWS]; 2]);
+    let sa = nb * std::mem::size_of::<BlockQ8>();
+    let a = |b: usize| (q.add(b) as *const u8).add(std::mem::offset_of!(BlockQ8, qs));
+    let w = |b: usize| p.w.as_ptr().add(b * PACKED);
+    let mut acc = [_mm512_setzero_ps(); TOKENS];
+    issue!(true, a(0), sa, w(0));
+    for b in 0..nb {
+        let even = b % 2 == 0;
+        match (even, b + 1 < nb) {
+            (true, true) => issue!(false, a(b + 1), sa, w(b + 1)),
+            (false, true) => issue!(true, a(b + 1), sa, w(b + 1)),
+            _ => {}
+        }
+        let cp = c.0[b % 2].as_mut_ptr();
+        if even {
+            asm!("tilestored [{c} + {s64} * 1], tmm2", c = in(reg) cp, s64 = in(reg) 64usize, options(nostack));
+        } else {
+            asm!("tilestored [{c} + {s64} * 1], tmm5", c = in(reg) cp, s64 = in(reg) 64usize, options(nostack));
+        }
+        if b > 0 {
+            scale::<B>(&mut acc, p, q, nb, b - 1, c.0[(b - 1) % 2].as_ptr());
         }
     }
-    asm!("tilerelease", options(nostack, nomem));
+    scale::<B>(&mut acc, p, q, nb, nb - 1, c.0[(nb - 1) % 2].as_ptr());
+    acc
 }
 
 /// CPUID leaf 7: AMX-TILE (EDX bit 24) and AMX-INT8 (EDX bit 25).

@@ -430,7 +430,7 @@ const PREFETCH_AHEAD: usize = 16 * 1024;
 /// bytes on. The address may lie past the data: a prefetch never faults, and
 /// the pointer is never dereferenced.
 #[inline(always)]
-unsafe fn prefetch_ahead(p: *const u8, len: usize) {
+pub(super) unsafe fn prefetch_ahead(p: *const u8, len: usize) {
     let p = p.wrapping_add(PREFETCH_AHEAD);
     let mut off = 0;
     while off < len {
