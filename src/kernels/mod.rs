@@ -63,9 +63,35 @@ pub type DotFn = fn(row: &[u8], x: &[f32], q: &[BlockQ8]) -> f32;
 /// One weight row against four activation rows (block types only).
 pub type Dot4Fn = fn(row: &[u8], q: [&[BlockQ8]; 4]) -> [f32; 4];
 
-/// `o += a · v` with `v` given as the raw bytes of f32 or f16 values (the KV
-/// cache's element types).
-pub type AxpyFn = fn(o: &mut [f32], a: f32, v: &[u8]);
+/// Up to [`KV_QUERIES`] query rows `x` against one KV-cache row given as the
+/// raw bytes of its f32 or f16 values: `out[i] = row · x[i]`. Per query the
+/// same bits whatever the number of queries (decode passes one).
+pub type DotsFn = fn(row: &[u8], x: &[&[f32]], out: &mut [f32]);
+
+/// `o[i] += a[i] · v` for up to [`KV_QUERIES`] rows `o` (`[a.len(), len]`)
+/// and one KV-cache row `v`; per row the same bits whatever the number of rows.
+pub type AxpysFn = fn(o: &mut [f32], a: &[f32], v: &[u8]);
+
+/// `o[i] += Σ_j p[i·ps + j] · v_j` for up to [`KV_QUERIES`] rows `o`
+/// (`[n, len]`, n = ⌈p.len() / ps⌉) and `nk` value rows, `v_j` starting at
+/// element `j · vs` of `v`: the same bits as `nk` [`AxpysFn`] calls, key by
+/// key, with the sums kept in registers across the keys.
+pub type PvFn = fn(o: &mut [f32], p: &[f32], ps: usize, v: &[u8], vs: usize, nk: usize);
+
+/// Most queries one [`DotsFn`], [`AxpysFn`] or [`PvFn`] call takes.
+pub const KV_QUERIES: usize = 4;
+
+/// The attention kernels of a KV-cache element type: each key and value row
+/// is read once for up to four queries.
+#[derive(Clone, Copy)]
+pub struct KvKernels {
+    /// Scores.
+    pub dots: DotsFn,
+    /// Value accumulation, one key.
+    pub axpys: AxpysFn,
+    /// Value accumulation, a run of keys every query sees.
+    pub pv: PvFn,
+}
 
 /// Eight interleaved rows (one group of an interleaved type) against one
 /// activation row: the eight outputs.
@@ -139,9 +165,9 @@ pub struct TypeKernels {
     pub activation: Activation,
     /// The storage layout and its kernels.
     pub layout: Layout,
-    /// `o += a · v` for a row `v` of this type (the KV cache's types: f32
-    /// and f16; `None` for the others).
-    pub axpy: Option<AxpyFn>,
+    /// Attention over rows of this type (the KV cache's types: f32 and f16;
+    /// `None` for the others).
+    pub kv: Option<KvKernels>,
 }
 
 pub use table::{Isa, Table};
@@ -180,9 +206,10 @@ pub fn tile_fn(dtype: DType) -> Option<Dot4Fn> {
     }
 }
 
-/// `o += a · v` for `v` of `dtype` (f32 or f16; `None` for other types).
-pub fn axpy_fn(dtype: DType) -> Option<AxpyFn> {
-    kernels(dtype).axpy
+/// The attention kernels for a KV cache of `dtype` (f32 or f16; `None` for
+/// other types).
+pub fn kv_fns(dtype: DType) -> Option<KvKernels> {
+    kernels(dtype).kv
 }
 
 /// The kernels for an interleaved `dtype` (`None` for row-major types).

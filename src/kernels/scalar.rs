@@ -244,7 +244,7 @@ pub fn gemv8_q4_1(g: &[BlockQ4_1x8], a: &[BlockQ8]) -> [f32; ROWS] {
 // The scalar table: the same functions over raw row bytes, one entry per
 // weight type. The other tables fall back to these entries by name.
 
-use super::{Activation, DotFn, Gemv8Fn, GroupKernels, Layout, TypeKernels};
+use super::{Activation, AxpysFn, DotFn, Gemv8Fn, GroupKernels, KvKernels, Layout, TypeKernels};
 use crate::quant::DType;
 
 fn f32_row(row: &[u8], x: &[f32], _: &[BlockQ8]) -> f32 {
@@ -280,12 +280,47 @@ fn q4_0x8_group(g: &[u8], q: &[BlockQ8]) -> [f32; 8] {
 fn q4_1x8_group(g: &[u8], q: &[BlockQ8]) -> [f32; 8] {
     gemv8_q4_1(bytemuck::cast_slice(g), q)
 }
-fn f32_axpy(o: &mut [f32], a: f32, v: &[u8]) {
-    axpy_f32(o, a, bytemuck::cast_slice(v));
+fn f32_dots(row: &[u8], x: &[&[f32]], out: &mut [f32]) {
+    for (o, x) in out.iter_mut().zip(x) {
+        *o = dot_f32(bytemuck::cast_slice(row), x);
+    }
 }
-fn f16_axpy(o: &mut [f32], a: f32, v: &[u8]) {
-    axpy_f16(o, a, bytemuck::cast_slice(v));
+fn f16_dots(row: &[u8], x: &[&[f32]], out: &mut [f32]) {
+    for (o, x) in out.iter_mut().zip(x) {
+        *o = dot_f16(bytemuck::cast_slice(row), x);
+    }
 }
+fn f32_axpys(o: &mut [f32], a: &[f32], v: &[u8]) {
+    let v: &[f32] = bytemuck::cast_slice(v);
+    for (o, &a) in o.chunks_exact_mut(v.len().max(1)).zip(a) {
+        axpy_f32(o, a, v);
+    }
+}
+fn f16_axpys(o: &mut [f32], a: &[f32], v: &[u8]) {
+    let v: &[u16] = bytemuck::cast_slice(v);
+    for (o, &a) in o.chunks_exact_mut(v.len().max(1)).zip(a) {
+        axpy_f16(o, a, v);
+    }
+}
+/// `nk` calls of the row's axpy per output row, key by key.
+fn pv_by_axpy(o: &mut [f32], p: &[f32], ps: usize, v: &[u8], vs: usize, nk: usize, es: usize, axpys: AxpysFn) {
+    let n = p.len().div_ceil(ps.max(1));
+    let len = o.len() / n.max(1);
+    for j in 0..nk {
+        let row = &v[j * vs * es..(j * vs + len) * es];
+        for (i, o) in o.chunks_exact_mut(len.max(1)).enumerate() {
+            axpys(o, &[p[i * ps + j]], row);
+        }
+    }
+}
+fn f32_pv(o: &mut [f32], p: &[f32], ps: usize, v: &[u8], vs: usize, nk: usize) {
+    pv_by_axpy(o, p, ps, v, vs, nk, 4, f32_axpys);
+}
+fn f16_pv(o: &mut [f32], p: &[f32], ps: usize, v: &[u8], vs: usize, nk: usize) {
+    pv_by_axpy(o, p, ps, v, vs, nk, 2, f16_axpys);
+}
+const F32_KV: KvKernels = KvKernels { dots: f32_dots, axpys: f32_axpys, pv: f32_pv };
+const F16_KV: KvKernels = KvKernels { dots: f16_dots, axpys: f16_axpys, pv: f16_pv };
 
 /// The scalar kernels of `dtype`: one dot per row (no tiles) and one token
 /// per group call.
@@ -294,17 +329,17 @@ pub(super) fn kernels(dtype: DType) -> TypeKernels {
     let rows = |activation: Activation, dot: DotFn| TypeKernels {
         activation,
         layout: Layout::Rows { dot, tile: None },
-        axpy: None,
+        kv: None,
     };
     let group = |one: Gemv8Fn| TypeKernels {
         activation: Q8,
         layout: Layout::Groups(GroupKernels { one, many: None, tile: None }),
-        axpy: None,
+        kv: None,
     };
     match dtype {
-        DType::F32 => TypeKernels { axpy: Some(f32_axpy), ..rows(F32, f32_row) },
+        DType::F32 => TypeKernels { kv: Some(F32_KV), ..rows(F32, f32_row) },
         DType::Bf16 => rows(F32, bf16_row),
-        DType::F16 => TypeKernels { axpy: Some(f16_axpy), ..rows(F32, f16_row) },
+        DType::F16 => TypeKernels { kv: Some(F16_KV), ..rows(F32, f16_row) },
         DType::Q8_0 => rows(Q8, q8_0_row),
         DType::Q4_0 => rows(Q8, q4_0_row),
         DType::Q4_1 => rows(Q8, q4_1_row),

@@ -56,7 +56,7 @@ fn every_table_has_an_entry_of_the_right_shape_for_every_type() {
             assert_eq!(k.activation, want, "{} {dtype}: Input::prepare goes by is_quantized", table.isa());
             let grouped = matches!(k.layout, Layout::Groups(_));
             assert_eq!(grouped, dtype.group_rows() > 1, "{} {dtype}: layout", table.isa());
-            assert_eq!(k.axpy.is_some(), matches!(dtype, DType::F32 | DType::F16), "{} {dtype}: axpy", table.isa());
+            assert_eq!(k.kv.is_some(), matches!(dtype, DType::F32 | DType::F16), "{} {dtype}: kv", table.isa());
         }
     }
 }
@@ -399,22 +399,65 @@ fn interleaved_rows_decode_like_row_major() {
     }
 }
 
+/// The attention kernels of every table: scores and value sums near the
+/// scalar ones, and per query the same bits whether it runs alone or with
+/// up to three others (what makes prefill and decode agree).
 #[test]
-fn axpy_kernels_of_every_table_match_the_scalar_reference() {
+fn kv_kernels_of_every_table_match_the_scalar_reference_and_do_not_depend_on_the_batch() {
     for table in tables() {
         let mut s = 53u64;
         for dtype in [DType::F32, DType::F16] {
-            for n in [1, 7, 8, 9, 31, 128, 129] {
+            let k = table.kernels(dtype).kv.unwrap();
+            let k0 = Table::SCALAR.kernels(dtype).kv.unwrap();
+            for n in [1, 7, 8, 9, 15, 16, 17, 31, 128, 129, 576] {
+                let what = format!("{} {dtype} n={n}", table.isa());
                 let v: Vec<f32> = (0..n).map(|_| lcg(&mut s)).collect();
                 let buf = encoded(dtype, &v, n);
-                let bytes = &bytemuck::cast_slice::<u64, u8>(&buf)[..dtype.row_bytes(n).unwrap()];
-                let o0: Vec<f32> = (0..n).map(|_| lcg(&mut s)).collect();
+                let row = &bytemuck::cast_slice::<u64, u8>(&buf)[..dtype.row_bytes(n).unwrap()];
+                let xs: Vec<Vec<f32>> = (0..KV_QUERIES).map(|_| (0..n).map(|_| lcg(&mut s) * 2.0).collect()).collect();
+                let x: Vec<&[f32]> = xs.iter().map(|v| &v[..]).collect();
+                let mut all = [0f32; KV_QUERIES];
+                (k.dots)(row, &x, &mut all);
+                let mut want = [0f32; KV_QUERIES];
+                (k0.dots)(row, &x, &mut want);
+                for q in 0..KV_QUERIES {
+                    let mut one = [0f32];
+                    (k.dots)(row, &x[q..q + 1], &mut one);
+                    assert_eq!(one[0], all[q], "{what}: query {q} alone and in a batch");
+                    let scale: f32 = v.iter().zip(x[q]).map(|(a, b)| (a * b).abs()).sum::<f32>().max(1e-6);
+                    assert!((all[q] - want[q]).abs() <= REL_TOL * scale * (n as f32).sqrt(), "{what}: dots");
+                }
+                let a = [0.37f32, -1.5, 0.0, 2.25];
+                let o0: Vec<f32> = (0..KV_QUERIES * n).map(|_| lcg(&mut s)).collect();
                 let (mut got, mut want) = (o0.clone(), o0.clone());
-                table.kernels(dtype).axpy.unwrap()(&mut got, 0.37, bytes);
-                Table::SCALAR.kernels(dtype).axpy.unwrap()(&mut want, 0.37, bytes);
+                (k.axpys)(&mut got, &a, row);
+                (k0.axpys)(&mut want, &a, row);
                 for (g, w) in got.iter().zip(&want) {
                     // One rounding (FMA) against two: within an ulp or two.
-                    assert!((g - w).abs() <= 1e-6 * (1.0 + w.abs()), "{} {dtype} n={n}: {g} vs {w}", table.isa());
+                    assert!((g - w).abs() <= 1e-6 * (1.0 + w.abs()), "{what}: axpys {g} vs {w}");
+                }
+                for q in 0..KV_QUERIES {
+                    let mut one = o0[q * n..(q + 1) * n].to_vec();
+                    (k.axpys)(&mut one, &a[q..q + 1], row);
+                    assert_eq!(one, got[q * n..(q + 1) * n], "{what}: axpys row {q} alone and in a batch");
+                }
+                // A run of keys (rows `vs` apart) in one `pv` call: the bits
+                // of one `axpys` call per key, for every number of rows.
+                let (keys, vs, ps) = (5, n + 3, 7);
+                let vals: Vec<f32> = (0..keys * vs).map(|_| lcg(&mut s)).collect();
+                let vbuf = encoded(dtype, &vals, vs);
+                let vbytes = &bytemuck::cast_slice::<u64, u8>(&vbuf)[..dtype.row_bytes(vs).unwrap() * keys];
+                let es = dtype.row_bytes(1).unwrap();
+                let pr: Vec<f32> = (0..KV_QUERIES * ps).map(|_| lcg(&mut s).abs()).collect();
+                for rows in 1..=KV_QUERIES {
+                    let mut by_pv = o0[..rows * n].to_vec();
+                    (k.pv)(&mut by_pv, &pr[..(rows - 1) * ps + keys], ps, vbytes, vs, keys);
+                    let mut by_key = o0[..rows * n].to_vec();
+                    for j in 0..keys {
+                        let a: Vec<f32> = (0..rows).map(|i| pr[i * ps + j]).collect();
+                        (k.axpys)(&mut by_key, &a, &vbytes[j * vs * es..(j * vs + n) * es]);
+                    }
+                    assert_eq!(by_pv, by_key, "{what}: pv over {rows} rows against axpys key by key");
                 }
             }
         }

@@ -185,7 +185,7 @@ fn attention(model: &Model, l: usize, s: &mut Session, n: usize) {
             gqa_qkv(model, lw, [wq, wk, wv], s, n); // q: [T, H·Dh], k, v: [T, Hkv·Dh]
             s.kv.store(l, pos0, &s.k[..n * kvd], &s.v[..n * kvd]);
             let heads = Heads { h, hkv: c.num_kv_heads, dk: dh, dv: dh, window, scale, sinks };
-            attend(&s.q[..n * qd], s.kv.view(l, pos0 + n), pos0, heads, &mut s.att[..n * ad]); // [T, H·Dh]
+            attend(&s.q[..n * qd], s.kv.view(l, pos0 + n), pos0, heads, &mut s.att_order, &mut s.att[..n * ad]); // [T, H·Dh]
         }
         QkvRefs::Mla { q, wkv_a, kv_a_norm, wk_b, wv_b } => {
             let m = *c.mla().expect("MLA weights imply an MLA config");
@@ -210,7 +210,7 @@ fn attention(model: &Model, l: usize, s: &mut Session, n: usize) {
             // One latent "kv head" shared by all heads; the values are the latent.
             let heads = Heads { h, hkv: 1, dk: r + dr, dv: r, window, scale, sinks };
             let o_lat = &mut s.mla.o_lat[..n * h * r];
-            attend(&s.mla.q_abs[..n * h * (r + dr)], s.kv.view(l, pos0 + n), pos0, heads, o_lat); // [T, H·R]
+            attend(&s.mla.q_abs[..n * h * (r + dr)], s.kv.view(l, pos0 + n), pos0, heads, &mut s.att_order, o_lat); // [T, H·R]
             // att[t, h] = W_UV_h · o_lat[t, h]   [T, H·Dv]
             let o_lat = &s.mla.o_lat[..n * h * r];
             per_head_matmul(&model.mat(wv_b), h, o_lat, r, &mut s.att, m.v_head_dim, quantize, &mut s.mla.heads);

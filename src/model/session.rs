@@ -74,6 +74,8 @@ pub struct Session {
     pub v: Vec<f32>,
     /// [C, H·Dv] attention output.
     pub att: Vec<f32>,
+    /// [C, max(H·Dv, H·R)] attention results in kv-head order (MLA: R the latent width).
+    pub att_order: Vec<f32>,
     /// MLA buffers (empty for GQA).
     pub mla: MlaScratch,
     /// [C, D] block output before the residual add.
@@ -142,6 +144,7 @@ impl Session {
             k: vec![0.0; chunk * k_width],
             v: vec![0.0; chunk * kv],
             att: vec![0.0; chunk * c.att_dim()],
+            att_order: vec![0.0; chunk * c.att_dim().max(c.num_heads * c.mla().map_or(0, |m| m.kv_lora_rank))],
             mla: MlaScratch::new(c, chunk),
             proj: vec![0.0; chunk * d],
             shared: vec![0.0; chunk * d],

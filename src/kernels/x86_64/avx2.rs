@@ -630,38 +630,191 @@ group_kernels!(vnni_gemv8_q4_0, vnni_gemm8x4_q4_0, gemm8_q4_0, BlockQ4_0x8, true
 group_kernels!(vnni_gemv8_q4_1, vnni_gemm8x4_q4_1, gemm8_q4_1, BlockQ4_1x8, true, "avx2,fma,f16c,avxvnni");
 group_kernels!(vnni_gemv8_mxfp4, vnni_gemm8x4_mxfp4, gemm8_mxfp4, BlockMxfp4x8, true, "avx2,fma,f16c,avxvnni");
 
-/// `o += a · v` over a row of `E`.
+/// Up to four query rows against one KV row of `E` (`len` values): per
+/// query two FMA chains of eight lanes over sixteen values, one more step of
+/// eight into the first, `hsum(c0 + c1)`, then the scalar tail. A query's
+/// arithmetic touches only its own chains, so it gives the same bits for
+/// every `N` (decode runs the one-query form, prefill up to four).
 #[inline(always)]
-unsafe fn axpy_elems<E: Elem>(o: &mut [f32], a: f32, v: &[u8]) {
-    let n = o.len();
-    debug_assert_eq!(v.len(), n * std::mem::size_of::<E>());
-    let (op, vp) = (o.as_mut_ptr(), v.as_ptr() as *const E);
-    let av = _mm256_set1_ps(a);
+unsafe fn dots_elems<E: Elem, const N: usize>(row: *const E, x: [*const f32; N], len: usize) -> [f32; N] {
+    let mut c0 = [_mm256_setzero_ps(); N];
+    let mut c1 = [_mm256_setzero_ps(); N];
     let mut i = 0;
-    while i + 8 <= n {
-        _mm256_storeu_ps(op.add(i), _mm256_fmadd_ps(av, E::load8(vp.add(i)), _mm256_loadu_ps(op.add(i))));
+    while i + 16 <= len {
+        let (k0, k1) = (E::load8(row.add(i)), E::load8(row.add(i + 8)));
+        for q in 0..N {
+            c0[q] = _mm256_fmadd_ps(k0, _mm256_loadu_ps(x[q].add(i)), c0[q]);
+            c1[q] = _mm256_fmadd_ps(k1, _mm256_loadu_ps(x[q].add(i + 8)), c1[q]);
+        }
+        i += 16;
+    }
+    if i + 8 <= len {
+        let k0 = E::load8(row.add(i));
+        for q in 0..N {
+            c0[q] = _mm256_fmadd_ps(k0, _mm256_loadu_ps(x[q].add(i)), c0[q]);
+        }
         i += 8;
     }
-    while i < n {
-        *op.add(i) += a * vp.add(i).read_unaligned().to_f32();
+    let mut s = [0f32; N];
+    for q in 0..N {
+        s[q] = hsum(_mm256_add_ps(c0[q], c1[q]));
+    }
+    while i < len {
+        let w = row.add(i).read_unaligned().to_f32();
+        for q in 0..N {
+            s[q] += w * *x[q].add(i);
+        }
+        i += 1;
+    }
+    s
+}
+
+/// [`dots_elems`] for 1 to 4 queries.
+#[inline(always)]
+unsafe fn dots_any<E: Elem>(row: &[u8], x: &[&[f32]], out: &mut [f32]) {
+    let len = row.len() / std::mem::size_of::<E>();
+    assert!(x.iter().all(|q| q.len() == len) && out.len() == x.len(), "dots: shapes");
+    let r = row.as_ptr() as *const E;
+    let p = |i: usize| x[i].as_ptr();
+    match x.len() {
+        1 => out.copy_from_slice(&dots_elems::<E, 1>(r, [p(0)], len)),
+        2 => out.copy_from_slice(&dots_elems::<E, 2>(r, [p(0), p(1)], len)),
+        3 => out.copy_from_slice(&dots_elems::<E, 3>(r, [p(0), p(1), p(2)], len)),
+        4 => out.copy_from_slice(&dots_elems::<E, 4>(r, [p(0), p(1), p(2), p(3)], len)),
+        n => panic!("dots take 1 to 4 queries, got {n}"),
+    }
+}
+
+/// `o[i] += a[i] · v` for the rows `o` (`[n, len]`), reading `v` once: per
+/// row `fma(a, v, o)` over eight lanes, then `o += a · v` for the tail,
+/// whatever `n`.
+#[inline(always)]
+unsafe fn axpys_elems<E: Elem>(o: &mut [f32], a: &[f32], v: &[u8]) {
+    let len = v.len() / std::mem::size_of::<E>();
+    assert!(a.len() <= 4 && o.len() == a.len() * len, "axpys: shapes");
+    let (op, vp) = (o.as_mut_ptr(), v.as_ptr() as *const E);
+    let mut av = [_mm256_setzero_ps(); 4];
+    for (r, &a) in av.iter_mut().zip(a) {
+        *r = _mm256_set1_ps(a);
+    }
+    let n = a.len();
+    let mut i = 0;
+    while i + 8 <= len {
+        let x = E::load8(vp.add(i));
+        for (q, av) in av[..n].iter().enumerate() {
+            let at = op.add(q * len + i);
+            _mm256_storeu_ps(at, _mm256_fmadd_ps(*av, x, _mm256_loadu_ps(at)));
+        }
+        i += 8;
+    }
+    while i < len {
+        let x = vp.add(i).read_unaligned().to_f32();
+        for (q, &a) in a.iter().enumerate() {
+            *op.add(q * len + i) += a * x;
+        }
         i += 1;
     }
 }
 
-/// `o += a · v` for f32 `v`.
-///
-/// # Safety
-/// AVX2, FMA and F16C must be available; `v` holds `o.len()` values.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn axpy_f32(o: &mut [f32], a: f32, v: &[u8]) {
-    axpy_elems::<f32>(o, a, v)
+/// `o[i] += Σ_j p[i·ps + j] · v_j` over `nk` value rows of `E` (`v_j` at
+/// `v + j · vs` elements) for the rows `o` (`[n, len]`, n ≤ 4): per element
+/// the updates of [`axpys_elems`] in the same order (`fma(p, v, o)` by key
+/// for the lanes, `o += p · v` for the tail), with the sums in registers
+/// across the keys instead of in memory.
+#[inline(always)]
+unsafe fn pv_elems<E: Elem, const N: usize>(
+    o: *mut f32,
+    len: usize,
+    p: *const f32,
+    ps: usize,
+    v: *const E,
+    vs: usize,
+    nk: usize,
+) {
+    let mut i = 0;
+    while i + 16 <= len {
+        let mut a0: [__m256; N] = std::array::from_fn(|q| _mm256_loadu_ps(o.add(q * len + i)));
+        let mut a1: [__m256; N] = std::array::from_fn(|q| _mm256_loadu_ps(o.add(q * len + i + 8)));
+        for j in 0..nk {
+            let (x0, x1) = (E::load8(v.add(j * vs + i)), E::load8(v.add(j * vs + i + 8)));
+            for q in 0..N {
+                let pj = _mm256_set1_ps(*p.add(q * ps + j));
+                a0[q] = _mm256_fmadd_ps(pj, x0, a0[q]);
+                a1[q] = _mm256_fmadd_ps(pj, x1, a1[q]);
+            }
+        }
+        for q in 0..N {
+            _mm256_storeu_ps(o.add(q * len + i), a0[q]);
+            _mm256_storeu_ps(o.add(q * len + i + 8), a1[q]);
+        }
+        i += 16;
+    }
+    while i + 8 <= len {
+        let mut a0: [__m256; N] = std::array::from_fn(|q| _mm256_loadu_ps(o.add(q * len + i)));
+        for j in 0..nk {
+            let x0 = E::load8(v.add(j * vs + i));
+            for q in 0..N {
+                a0[q] = _mm256_fmadd_ps(_mm256_set1_ps(*p.add(q * ps + j)), x0, a0[q]);
+            }
+        }
+        for q in 0..N {
+            _mm256_storeu_ps(o.add(q * len + i), a0[q]);
+        }
+        i += 8;
+    }
+    while i < len {
+        for j in 0..nk {
+            let x = v.add(j * vs + i).read_unaligned().to_f32();
+            for q in 0..N {
+                *o.add(q * len + i) += *p.add(q * ps + j) * x;
+            }
+        }
+        i += 1;
+    }
 }
 
-/// `o += a · v` for f16 `v`.
-///
-/// # Safety
-/// As [`axpy_f32`].
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn axpy_f16(o: &mut [f32], a: f32, v: &[u8]) {
-    axpy_elems::<F16>(o, a, v)
+/// [`pv_elems`] for 1 to 4 rows, with the shapes checked.
+#[inline(always)]
+unsafe fn pv_any<E: Elem>(o: &mut [f32], p: &[f32], ps: usize, v: &[u8], vs: usize, nk: usize) {
+    let n = p.len().div_ceil(ps.max(1));
+    let len = o.len() / n.max(1);
+    let es = std::mem::size_of::<E>();
+    assert!(n >= 1 && o.len() == n * len && nk <= ps && p.len() >= (n - 1) * ps + nk, "pv: shapes");
+    assert!(nk == 0 || v.len() >= ((nk - 1) * vs + len) * es, "pv: value rows");
+    let (op, pp, vp) = (o.as_mut_ptr(), p.as_ptr(), v.as_ptr() as *const E);
+    match n {
+        1 => pv_elems::<E, 1>(op, len, pp, ps, vp, vs, nk),
+        2 => pv_elems::<E, 2>(op, len, pp, ps, vp, vs, nk),
+        3 => pv_elems::<E, 3>(op, len, pp, ps, vp, vs, nk),
+        4 => pv_elems::<E, 4>(op, len, pp, ps, vp, vs, nk),
+        n => panic!("pv takes 1 to 4 rows, got {n}"),
+    }
 }
+
+macro_rules! kv_kernels {
+    ($dots:ident, $axpys:ident, $pv:ident, $elem:ty) => {
+        /// # Safety
+        /// AVX2, FMA and F16C must be available.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub unsafe fn $dots(row: &[u8], x: &[&[f32]], out: &mut [f32]) {
+            dots_any::<$elem>(row, x, out)
+        }
+
+        /// # Safety
+        /// AVX2, FMA and F16C must be available.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub unsafe fn $axpys(o: &mut [f32], a: &[f32], v: &[u8]) {
+            axpys_elems::<$elem>(o, a, v)
+        }
+
+        /// # Safety
+        /// AVX2, FMA and F16C must be available.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub unsafe fn $pv(o: &mut [f32], p: &[f32], ps: usize, v: &[u8], vs: usize, nk: usize) {
+            pv_any::<$elem>(o, p, ps, v, vs, nk)
+        }
+    };
+}
+
+kv_kernels!(dots_f32, axpys_f32, pv_f32, f32);
+kv_kernels!(dots_f16, axpys_f16, pv_f16, F16);

@@ -8,7 +8,9 @@
 mod amx;
 mod avx2;
 
-use super::{Activation, BlockQ8, Dot4Fn, DotFn, Gemm8Fn, Gemv8Fn, GroupKernels, Layout, TileFn, TypeKernels};
+use super::{
+    Activation, BlockQ8, Dot4Fn, DotFn, Gemm8Fn, Gemv8Fn, GroupKernels, KvKernels, Layout, TileFn, TypeKernels,
+};
 use crate::quant::DType;
 
 /// Proof that this CPU runs the AVX2 table: only [`Avx2::detect`] makes one.
@@ -29,17 +31,23 @@ impl Avx2 {
         let rows = |activation: Activation, dot: DotFn, tile: Option<Dot4Fn>| TypeKernels {
             activation,
             layout: Layout::Rows { dot, tile },
-            axpy: None,
+            kv: None,
         };
         let group = |one: Gemv8Fn, many: Gemm8Fn| TypeKernels {
             activation: Q8,
             layout: Layout::Groups(GroupKernels { one, many: Some(many), tile: None }),
-            axpy: None,
+            kv: None,
         };
         match dtype {
-            DType::F32 => TypeKernels { axpy: Some(f32_axpy), ..rows(F32, f32_dot, None) },
+            DType::F32 => TypeKernels {
+                kv: Some(KvKernels { dots: f32_dots, axpys: f32_axpys, pv: f32_pv }),
+                ..rows(F32, f32_dot, None)
+            },
             DType::Bf16 => rows(F32, bf16_dot, None),
-            DType::F16 => TypeKernels { axpy: Some(f16_axpy), ..rows(F32, f16_dot, None) },
+            DType::F16 => TypeKernels {
+                kv: Some(KvKernels { dots: f16_dots, axpys: f16_axpys, pv: f16_pv }),
+                ..rows(F32, f16_dot, None)
+            },
             DType::Q8_0 => rows(Q8, q8_0_dot, Some(q8_0_dot4)),
             DType::Q4_0 => rows(Q8, q4_0_dot, Some(q4_0_dot4)),
             DType::Q4_1 => rows(Q8, q4_1_dot, Some(q4_1_dot4)),
@@ -71,7 +79,7 @@ impl AvxVnni {
         let group = |one: Gemv8Fn, many: Gemm8Fn| TypeKernels {
             activation: Activation::Q8,
             layout: Layout::Groups(GroupKernels { one, many: Some(many), tile: None }),
-            axpy: None,
+            kv: None,
         };
         match dtype {
             DType::F32 | DType::Bf16 | DType::F16 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Mxfp4 => {
@@ -191,12 +199,22 @@ safe_group!(AvxVnni: vnni_q4_0x8_gemv, vnni_q4_0x8_gemm4, avx2::vnni_gemv8_q4_0,
 safe_group!(AvxVnni: vnni_q4_1x8_gemv, vnni_q4_1x8_gemm4, avx2::vnni_gemv8_q4_1, avx2::vnni_gemm8x4_q4_1);
 safe_group!(AvxVnni: vnni_mxfp4x8_gemv, vnni_mxfp4x8_gemm4, avx2::vnni_gemv8_mxfp4, avx2::vnni_gemm8x4_mxfp4);
 
-fn f32_axpy(o: &mut [f32], a: f32, v: &[u8]) {
-    // SAFETY: as `safe_wrapper`: reachable only through `Avx2::kernels`.
-    unsafe { avx2::axpy_f32(o, a, v) }
+macro_rules! safe_kv {
+    ($dots:ident, $axpys:ident, $pv:ident, $inner_dots:path, $inner_axpys:path, $inner_pv:path) => {
+        fn $dots(row: &[u8], x: &[&[f32]], out: &mut [f32]) {
+            // SAFETY: as `safe_wrapper`: reachable only through `Avx2::kernels`.
+            unsafe { $inner_dots(row, x, out) }
+        }
+        fn $axpys(o: &mut [f32], a: &[f32], v: &[u8]) {
+            // SAFETY: as `safe_wrapper`: reachable only through `Avx2::kernels`.
+            unsafe { $inner_axpys(o, a, v) }
+        }
+        fn $pv(o: &mut [f32], p: &[f32], ps: usize, v: &[u8], vs: usize, nk: usize) {
+            // SAFETY: as `safe_wrapper`: reachable only through `Avx2::kernels`.
+            unsafe { $inner_pv(o, p, ps, v, vs, nk) }
+        }
+    };
 }
 
-fn f16_axpy(o: &mut [f32], a: f32, v: &[u8]) {
-    // SAFETY: as `safe_wrapper`: reachable only through `Avx2::kernels`.
-    unsafe { avx2::axpy_f16(o, a, v) }
-}
+safe_kv!(f32_dots, f32_axpys, f32_pv, avx2::dots_f32, avx2::axpys_f32, avx2::pv_f32);
+safe_kv!(f16_dots, f16_axpys, f16_pv, avx2::dots_f16, avx2::axpys_f16, avx2::pv_f16);

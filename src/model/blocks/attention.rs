@@ -3,15 +3,21 @@
 //! one shared "head" whose keys are the latent plus the rotated key and whose
 //! values are the latent itself.
 //!
-//! One task per (token, head) pair: the task streams that head's keys and
-//! values once with an online softmax (running max and sum, updated per
-//! block of keys), so no score buffer beyond one block on the stack is
-//! needed and the result does not depend on how tasks are spread over
-//! threads. A head's sink logit, when the model has one, starts the running
-//! sum: it joins the softmax's denominator and adds no value.
+//! Each query streams its head's keys and values once with an online
+//! softmax (running max and sum, updated per block of keys), so no score
+//! buffer beyond one block on the stack is needed. Queries that share a kv
+//! head are taken up to four at a time (the heads of one kv group at one
+//! token, or consecutive tokens of one head), so every key and value row is
+//! read once for all of them; the kernels give each query the same bits
+//! however many share a call, and key blocks are aligned to absolute
+//! positions, so a query's result does not depend on which others it ran
+//! with: prefill and decode agree, whatever the thread count. A head's sink
+//! logit, when the model has one, starts the running sum: it joins the
+//! softmax's denominator and adds no value.
 
 use rayon::prelude::*;
 
+use crate::kernels::{KV_QUERIES, KvKernels};
 use crate::quant::DType;
 
 /// Head layout of one attention call.
@@ -51,71 +57,149 @@ pub struct KvView<'a> {
     pub v_row: usize,
 }
 
+/// Keys scored together before their values are accumulated; blocks start
+/// at multiples of this position.
+const KEY_BLOCK: usize = 64;
+
 /// `out[t, h] = softmax(q[t,h] · K[..=p]ᵀ · scale) · V[..=p]` for the T tokens
 /// at positions `pos0..pos0+T`, where the cache rows already hold every
-/// position up to `pos0+T-1`. `q` is `[T, H·Dk]`, `out` is `[T, H·Dv]`.
-pub fn attend(q: &[f32], kv: KvView, pos0: usize, hd: Heads, out: &mut [f32]) {
-    let Heads { h, hkv, dk, dv, window, scale, sinks } = hd;
+/// position up to `pos0+T-1`. `q` is `[T, H·Dk]`, `out` is `[T, H·Dv]`;
+/// `scratch` (at least as long as `out`) holds the results in kv-head order
+/// before they go to `out`.
+pub fn attend(q: &[f32], kv: KvView, pos0: usize, hd: Heads, scratch: &mut [f32], out: &mut [f32]) {
+    let Heads { h, hkv, dk, dv, .. } = hd;
     let group = h / hkv;
-    let es = kv.dtype.row_bytes(1).expect("an element type");
+    let t_n = q.len() / (h * dk);
     debug_assert_eq!(q.len() / dk, out.len() / dv);
-    debug_assert!(kv.k.len() >= (pos0 + q.len() / (h * dk)) * kv.k_row * es);
+    let es = kv.dtype.row_bytes(1).expect("an element type");
+    debug_assert!(kv.k.len() >= (pos0 + t_n) * kv.k_row * es);
     // The SIMD kernels of the table (chosen once).
-    let dot = crate::kernels::dot_fn(kv.dtype);
-    let axpy = crate::kernels::axpy_fn(kv.dtype).expect("the KV cache is f32 or f16");
-    let (kc, vc) = (kv.k, kv.v);
-    let kspan = |j: usize, kvh: usize| {
-        let at = (j * kv.k_row + kvh * dk) * es;
-        at..at + dk * es
-    };
-    let vspan = |j: usize, kvh: usize| {
-        let at = (j * kv.v_row + kvh * dv) * es;
-        at..at + dv * es
-    };
-    // [T·H, Dv] chunks: chunk i is token i / H, head i % H.
-    out.par_chunks_mut(dv).enumerate().with_min_len(8).for_each(|(i, o)| {
-        let (t, head) = (i / h, i % h);
-        let pos = pos0 + t;
-        let kvh = head / group;
-        let qv = &q[i * dk..(i + 1) * dk];
-        let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        o.fill(0.0);
-        // A sink is a key of logit s with no value: it starts the sum at 1.
-        let (mut m, mut l) = match sinks {
-            Some(s) => (s[head], 1.0f32),
-            None => (f32::NEG_INFINITY, 0.0f32),
-        };
-        // Keys in blocks: all scores of a block first (on the stack), then one
-        // rescale of the running sums per block rather than per new maximum.
-        let mut j0 = first;
-        while j0 <= pos {
-            let j1 = (j0 + KEY_BLOCK).min(pos + 1);
-            let mut scores = [0f32; KEY_BLOCK];
-            let mut block_max = f32::NEG_INFINITY;
-            for (j, s) in (j0..j1).zip(scores.iter_mut()) {
-                *s = dot(&kc[kspan(j, kvh)], qv, &[]) * scale;
-                block_max = block_max.max(*s);
-            }
-            if block_max > m {
-                let c = (m - block_max).exp();
-                l *= c;
-                o.iter_mut().for_each(|x| *x *= c);
-                m = block_max;
-            }
-            for (j, s) in (j0..j1).zip(&scores) {
-                let p = (s - m).exp();
-                l += p;
-                axpy(o, p, &vc[vspan(j, kvh)]);
-            }
-            j0 = j1;
-        }
-        let inv = 1.0 / l;
-        o.iter_mut().for_each(|x| *x *= inv);
+    let kk = crate::kernels::kv_fns(kv.dtype).expect("the KV cache is f32 or f16");
+    // Query i of kv head g is token i / group, head g·group + i % group:
+    // positions never decrease along i.
+    let per_kv = t_n * group;
+    let scratch = &mut scratch[..out.len()];
+    scratch.par_chunks_mut(per_kv * dv).enumerate().for_each(|(g, hs)| {
+        hs.par_chunks_mut(KV_QUERIES * dv).enumerate().for_each(|(b, o)| {
+            let ids: [(usize, usize); KV_QUERIES] = std::array::from_fn(|k| {
+                let i = b * KV_QUERIES + k;
+                (i / group, g * group + i % group)
+            });
+            let n = o.len() / dv;
+            batch(q, kv, kk, pos0, hd, g, &ids[..n], o);
+        });
     });
+    for (g, hs) in scratch.chunks_exact(per_kv * dv).enumerate() {
+        for (i, o) in hs.chunks_exact(dv).enumerate() {
+            let (t, head) = (i / group, g * group + i % group);
+            out[(t * h + head) * dv..(t * h + head + 1) * dv].copy_from_slice(o);
+        }
+    }
 }
 
-/// Keys scored together before their values are accumulated.
-const KEY_BLOCK: usize = 64;
+/// Attention of up to four queries (`ids`: (token, head), positions in
+/// nondecreasing order) of kv head `kvh` into `o` (`[n, Dv]`).
+#[allow(clippy::too_many_arguments)]
+fn batch(
+    q: &[f32],
+    kv: KvView,
+    kk: KvKernels,
+    pos0: usize,
+    hd: Heads,
+    kvh: usize,
+    ids: &[(usize, usize)],
+    o: &mut [f32],
+) {
+    let Heads { h, dk, dv, window, scale, sinks, .. } = hd;
+    let n = ids.len();
+    let es = kv.dtype.row_bytes(1).expect("an element type");
+    let krow = |j: usize| {
+        let at = (j * kv.k_row + kvh * dk) * es;
+        &kv.k[at..at + dk * es]
+    };
+    let vrow = |j: usize| {
+        let at = (j * kv.v_row + kvh * dv) * es;
+        &kv.v[at..at + dv * es]
+    };
+    let qs: [&[f32]; KV_QUERIES] = std::array::from_fn(|i| {
+        let (t, head) = ids[i.min(n - 1)];
+        &q[(t * h + head) * dk..(t * h + head + 1) * dk]
+    });
+    let pos: [usize; KV_QUERIES] = std::array::from_fn(|i| pos0 + ids[i.min(n - 1)].0);
+    let first: [usize; KV_QUERIES] = std::array::from_fn(|i| window.map_or(0, |w| (pos[i] + 1).saturating_sub(w)));
+    // A sink is a key of logit s with no value: it starts the sum at 1.
+    let mut m = [f32::NEG_INFINITY; KV_QUERIES];
+    let mut l = [0f32; KV_QUERIES];
+    for (i, &(_, head)) in ids.iter().enumerate() {
+        if let Some(s) = sinks {
+            (m[i], l[i]) = (s[head], 1.0);
+        }
+    }
+    o.fill(0.0);
+    let mut scores = [[0f32; KEY_BLOCK]; KV_QUERIES];
+    let mut dots = [0f32; KV_QUERIES];
+    let mut p = [0f32; KV_QUERIES];
+    for blk in first[0] / KEY_BLOCK..=pos[n - 1] / KEY_BLOCK {
+        let (b0, b1) = (blk * KEY_BLOCK, (blk + 1) * KEY_BLOCK);
+        // Query i's keys in this block: lo[i]..hi[i] (both nondecreasing in i).
+        let lo: [usize; KV_QUERIES] = std::array::from_fn(|i| first[i].max(b0));
+        let hi: [usize; KV_QUERIES] = std::array::from_fn(|i| (pos[i] + 1).min(b1));
+        let live = |i: usize| lo[i] < hi[i];
+        let Some(a) = (0..n).find(|&i| live(i)) else { continue };
+        let z = (0..n).rev().find(|&i| live(i)).expect("one is live") + 1;
+        let (jlo, jhi) = (lo[a], hi[z - 1]);
+        for j in jlo..jhi {
+            (kk.dots)(krow(j), &qs[a..z], &mut dots[a..z]);
+            for i in a..z {
+                scores[i][j - b0] = dots[i] * scale;
+            }
+        }
+        for i in (a..z).filter(|&i| live(i)) {
+            let block_max = scores[i][lo[i] - b0..hi[i] - b0].iter().fold(f32::NEG_INFINITY, |x, &s| x.max(s));
+            if block_max > m[i] {
+                let c = (m[i] - block_max).exp();
+                l[i] *= c;
+                o[i * dv..(i + 1) * dv].iter_mut().for_each(|x| *x *= c);
+                m[i] = block_max;
+            }
+        }
+        // Keys every query of the run sees go through `pv` (the sums stay in
+        // registers across them); the keys at the edges, one by one. Either
+        // way each query adds its keys' values in key order.
+        let (ilo, ihi) = (lo[z - 1], hi[a].max(lo[z - 1]));
+        let mut j = jlo;
+        while j < jhi {
+            if j == ilo && ilo < ihi {
+                for i in a..z {
+                    for x in &mut scores[i][ilo - b0..ihi - b0] {
+                        *x = (*x - m[i]).exp();
+                        l[i] += *x;
+                    }
+                }
+                let v0 = (ilo * kv.v_row + kvh * dv) * es;
+                let p = &scores.as_flattened()[a * KEY_BLOCK + ilo - b0..(z - 1) * KEY_BLOCK + ihi - b0];
+                (kk.pv)(&mut o[a * dv..z * dv], p, KEY_BLOCK, &kv.v[v0..], kv.v_row, ihi - ilo);
+                j = ihi;
+                continue;
+            }
+            // The queries that see key j: a contiguous run.
+            let qa = (a..z).find(|&i| hi[i] > j).unwrap_or(z);
+            let qb = (qa..z).find(|&i| lo[i] > j).unwrap_or(z);
+            if qa < qb {
+                for i in qa..qb {
+                    p[i] = (scores[i][j - b0] - m[i]).exp();
+                    l[i] += p[i];
+                }
+                (kk.axpys)(&mut o[qa * dv..qb * dv], &p[qa..qb], vrow(j));
+            }
+            j += 1;
+        }
+    }
+    for (o, l) in o.chunks_exact_mut(dv).zip(l) {
+        let inv = 1.0 / l;
+        o.iter_mut().for_each(|x| *x *= inv);
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -184,7 +268,7 @@ mod tests {
                 k_row: kr,
                 v_row: vr,
             };
-            attend(&q, kv, pos0, hd, &mut out);
+            attend(&q, kv, pos0, hd, &mut vec![0.0; out.len()], &mut out);
             let want = naive(&q, &k, &v, pos0, hd);
             for (a, b) in out.iter().zip(&want) {
                 assert!((a - b).abs() < 1e-5, "{a} vs {b} for {hd:?}");
@@ -200,10 +284,51 @@ mod tests {
                 k_row: kr,
                 v_row: vr,
             };
-            attend(&q, kv, pos0, hd, &mut out);
+            attend(&q, kv, pos0, hd, &mut vec![0.0; out.len()], &mut out);
             let want = naive(&q, &back(&k16), &back(&v16), pos0, hd);
             for (a, b) in out.iter().zip(&want) {
                 assert!((a - b).abs() < 1e-5, "f16 cache: {a} vs {b} for {hd:?}");
+            }
+        }
+    }
+
+    /// All tokens in one call (prefill) against one token per call (decode):
+    /// the same bits, across several key blocks, with groups of heads, a
+    /// window that starts inside a block, sinks, f32 and f16 caches.
+    #[test]
+    fn one_call_and_token_by_token_give_the_same_bits() {
+        let mut s = 9u32;
+        let mut rnd = || {
+            s = s.wrapping_mul(1664525).wrapping_add(1013904223);
+            (s >> 8) as f32 / (1 << 24) as f32 * 4.0 - 2.0
+        };
+        let sinks = [0.5f32, -0.25, 1.0, 0.0, 2.0, -1.0];
+        for &(h, hkv, dh, window, pos0, t) in &[
+            (6, 3, 24, Some(70), 37, 100),
+            (6, 1, 20, None, 0, 150),
+            (6, 6, 8, None, 60, 9),
+            (6, 2, 17, Some(5), 3, 30),
+        ] {
+            let hd = Heads { h, hkv, dk: dh, dv: dh, window, scale: 0.3, sinks: Some(&sinks[..h]) };
+            let n = pos0 + t;
+            let k: Vec<f32> = (0..n * hkv * dh).map(|_| rnd()).collect();
+            let v: Vec<f32> = (0..n * hkv * dh).map(|_| rnd()).collect();
+            let q: Vec<f32> = (0..t * h * dh).map(|_| rnd()).collect();
+            let to16 = |x: &[f32]| x.iter().map(|v| half::f16::from_f32(*v).to_bits()).collect::<Vec<u16>>();
+            let (k16, v16) = (to16(&k), to16(&v));
+            for (dtype, kb, vb) in [
+                (DType::F32, bytemuck::cast_slice::<f32, u8>(&k), bytemuck::cast_slice::<f32, u8>(&v)),
+                (DType::F16, bytemuck::cast_slice::<u16, u8>(&k16), bytemuck::cast_slice::<u16, u8>(&v16)),
+            ] {
+                let kv = KvView { dtype, k: kb, v: vb, k_row: hkv * dh, v_row: hkv * dh };
+                let mut all = vec![0.0; q.len()];
+                attend(&q, kv, pos0, hd, &mut vec![0.0; q.len()], &mut all);
+                for ti in 0..t {
+                    let qt = &q[ti * h * dh..(ti + 1) * h * dh];
+                    let mut one = vec![0.0; h * dh];
+                    attend(qt, kv, pos0 + ti, hd, &mut vec![0.0; h * dh], &mut one);
+                    assert_eq!(one, all[ti * h * dh..(ti + 1) * h * dh], "{dtype} {hd:?}: token {ti}");
+                }
             }
         }
     }
@@ -226,7 +351,7 @@ mod tests {
         let kb: &[u8] = bytemuck::cast_slice(&k);
         let kv = KvView { dtype: DType::F32, k: kb, v: kb, k_row: dk, v_row: dk };
         let heads = Heads { h, hkv: 1, dk, dv, window: Some(4), scale, sinks: Some(&sinks) };
-        attend(&q, kv, 0, heads, &mut out);
+        attend(&q, kv, 0, heads, &mut vec![0.0; out.len()], &mut out);
         for ti in 0..t {
             for hh in 0..h {
                 let first = (ti + 1).saturating_sub(4);
