@@ -244,7 +244,7 @@ pub fn gemv8_q4_1(g: &[BlockQ4_1x8], a: &[BlockQ8]) -> [f32; ROWS] {
 // The scalar table: the same functions over raw row bytes, one entry per
 // weight type. The other tables fall back to these entries by name.
 
-use super::{Activation, AxpysFn, DotFn, Gemv8Fn, GroupKernels, KvKernels, Layout, TypeKernels};
+use super::{Activation, DotFn, Gemv8Fn, GroupKernels, KvKernels, Layout, TypeKernels};
 use crate::quant::DType;
 
 fn f32_row(row: &[u8], x: &[f32], _: &[BlockQ8]) -> f32 {
@@ -302,22 +302,30 @@ fn f16_axpys(o: &mut [f32], a: &[f32], v: &[u8]) {
         axpy_f16(o, a, v);
     }
 }
-/// `nk` calls of the row's axpy per output row, key by key.
-fn pv_by_axpy(o: &mut [f32], p: &[f32], ps: usize, v: &[u8], vs: usize, nk: usize, es: usize, axpys: AxpysFn) {
+/// The row's axpy per output row, key by key.
+fn pv_by_axpy<T: bytemuck::Pod>(
+    o: &mut [f32],
+    p: &[f32],
+    ps: usize,
+    v: &[u8],
+    vs: usize,
+    nk: usize,
+    axpy: fn(&mut [f32], f32, &[T]),
+) {
+    let v: &[T] = bytemuck::cast_slice(v);
     let n = p.len().div_ceil(ps.max(1));
     let len = o.len() / n.max(1);
     for j in 0..nk {
-        let row = &v[j * vs * es..(j * vs + len) * es];
         for (i, o) in o.chunks_exact_mut(len.max(1)).enumerate() {
-            axpys(o, &[p[i * ps + j]], row);
+            axpy(o, p[i * ps + j], &v[j * vs..j * vs + len]);
         }
     }
 }
 fn f32_pv(o: &mut [f32], p: &[f32], ps: usize, v: &[u8], vs: usize, nk: usize) {
-    pv_by_axpy(o, p, ps, v, vs, nk, 4, f32_axpys);
+    pv_by_axpy::<f32>(o, p, ps, v, vs, nk, axpy_f32);
 }
 fn f16_pv(o: &mut [f32], p: &[f32], ps: usize, v: &[u8], vs: usize, nk: usize) {
-    pv_by_axpy(o, p, ps, v, vs, nk, 2, f16_axpys);
+    pv_by_axpy::<u16>(o, p, ps, v, vs, nk, axpy_f16);
 }
 const F32_KV: KvKernels = KvKernels { dots: f32_dots, axpys: f32_axpys, pv: f32_pv };
 const F16_KV: KvKernels = KvKernels { dots: f16_dots, axpys: f16_axpys, pv: f16_pv };

@@ -753,12 +753,12 @@ unsafe fn pv_elems<E: Elem, const N: usize>(
         let mut a0: [__m256; N] = std::array::from_fn(|q| _mm256_loadu_ps(o.add(q * len + i)));
         for j in 0..nk {
             let x0 = E::load8(v.add(j * vs + i));
-            for q in 0..N {
-                a0[q] = _mm256_fmadd_ps(_mm256_set1_ps(*p.add(q * ps + j)), x0, a0[q]);
+            for (q, a) in a0.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(_mm256_set1_ps(*p.add(q * ps + j)), x0, *a);
             }
         }
-        for q in 0..N {
-            _mm256_storeu_ps(o.add(q * len + i), a0[q]);
+        for (q, a) in a0.iter().enumerate() {
+            _mm256_storeu_ps(o.add(q * len + i), *a);
         }
         i += 8;
     }
