@@ -63,10 +63,12 @@ pub type DotFn = fn(row: &[u8], x: &[f32], q: &[BlockQ8]) -> f32;
 /// One weight row against four activation rows (block types only).
 pub type Dot4Fn = fn(row: &[u8], q: [&[BlockQ8]; 4]) -> [f32; 4];
 
-/// Up to [`KV_QUERIES`] query rows `x` against one KV-cache row given as the
-/// raw bytes of its f32 or f16 values: `out[i] = row · x[i]`. Per query the
-/// same bits whatever the number of queries (decode passes one).
-pub type DotsFn = fn(row: &[u8], x: &[&[f32]], out: &mut [f32]);
+/// Up to [`KV_QUERIES`] query rows `x` against `nk` KV-cache key rows given
+/// as the raw bytes of their f32 or f16 values, key `j` starting at element
+/// `j · ks` of `k`: `out[q · os + j] = key_j · x[q]`. Per (query, key) the
+/// same bits whatever the numbers of queries and keys (decode passes one
+/// query).
+pub type DotsFn = fn(k: &[u8], ks: usize, nk: usize, x: &[&[f32]], out: &mut [f32], os: usize);
 
 /// `o[i] += a[i] · v` for up to [`KV_QUERIES`] rows `o` (`[a.len(), len]`)
 /// and one KV-cache row `v`; per row the same bits whatever the number of rows.

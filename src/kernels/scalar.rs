@@ -280,15 +280,28 @@ fn q4_0x8_group(g: &[u8], q: &[BlockQ8]) -> [f32; 8] {
 fn q4_1x8_group(g: &[u8], q: &[BlockQ8]) -> [f32; 8] {
     gemv8_q4_1(bytemuck::cast_slice(g), q)
 }
-fn f32_dots(row: &[u8], x: &[&[f32]], out: &mut [f32]) {
-    for (o, x) in out.iter_mut().zip(x) {
-        *o = dot_f32(bytemuck::cast_slice(row), x);
+/// One dot per (query, key).
+fn dots_each<T: bytemuck::Pod>(
+    k: &[u8],
+    ks: usize,
+    nk: usize,
+    x: &[&[f32]],
+    out: &mut [f32],
+    os: usize,
+    dot: fn(&[T], &[f32]) -> f32,
+) {
+    let k: &[T] = bytemuck::cast_slice(k);
+    for (q, x) in x.iter().enumerate() {
+        for j in 0..nk {
+            out[q * os + j] = dot(&k[j * ks..j * ks + x.len()], x);
+        }
     }
 }
-fn f16_dots(row: &[u8], x: &[&[f32]], out: &mut [f32]) {
-    for (o, x) in out.iter_mut().zip(x) {
-        *o = dot_f16(bytemuck::cast_slice(row), x);
-    }
+fn f32_dots(k: &[u8], ks: usize, nk: usize, x: &[&[f32]], out: &mut [f32], os: usize) {
+    dots_each::<f32>(k, ks, nk, x, out, os, dot_f32);
+}
+fn f16_dots(k: &[u8], ks: usize, nk: usize, x: &[&[f32]], out: &mut [f32], os: usize) {
+    dots_each::<u16>(k, ks, nk, x, out, os, dot_f16);
 }
 fn f32_axpys(o: &mut [f32], a: &[f32], v: &[u8]) {
     let v: &[f32] = bytemuck::cast_slice(v);

@@ -416,16 +416,34 @@ fn kv_kernels_of_every_table_match_the_scalar_reference_and_do_not_depend_on_the
                 let row = &bytemuck::cast_slice::<u64, u8>(&buf)[..dtype.row_bytes(n).unwrap()];
                 let xs: Vec<Vec<f32>> = (0..KV_QUERIES).map(|_| (0..n).map(|_| lcg(&mut s) * 2.0).collect()).collect();
                 let x: Vec<&[f32]> = xs.iter().map(|v| &v[..]).collect();
-                let mut all = [0f32; KV_QUERIES];
-                (k.dots)(row, &x, &mut all);
-                let mut want = [0f32; KV_QUERIES];
-                (k0.dots)(row, &x, &mut want);
-                for q in 0..KV_QUERIES {
-                    let mut one = [0f32];
-                    (k.dots)(row, &x[q..q + 1], &mut one);
-                    assert_eq!(one[0], all[q], "{what}: query {q} alone and in a batch");
-                    let scale: f32 = v.iter().zip(x[q]).map(|(a, b)| (a * b).abs()).sum::<f32>().max(1e-6);
-                    assert!((all[q] - want[q]).abs() <= REL_TOL * scale * (n as f32).sqrt(), "{what}: dots");
+                // Seven keys, `ks` apart, against every number of queries.
+                let (keys, ks) = (7, n + 5);
+                let kvals: Vec<f32> = (0..keys * ks).map(|_| lcg(&mut s)).collect();
+                let kbuf = encoded(dtype, &kvals, ks);
+                let kbytes = &bytemuck::cast_slice::<u64, u8>(&kbuf)[..dtype.row_bytes(ks).unwrap() * keys];
+                let es = dtype.row_bytes(1).unwrap();
+                let os = keys + 2;
+                let mut want = vec![0f32; KV_QUERIES * os];
+                (k0.dots)(kbytes, ks, keys, &x, &mut want, os);
+                for nq in 1..=KV_QUERIES {
+                    let mut all = vec![0f32; KV_QUERIES * os];
+                    (k.dots)(kbytes, ks, keys, &x[..nq], &mut all, os);
+                    for q in 0..nq {
+                        for j in 0..keys {
+                            let mut one = [0f32];
+                            let key = &kbytes[j * ks * es..(j * ks + n) * es];
+                            (k.dots)(key, ks, 1, &x[q..q + 1], &mut one, 1);
+                            let got = all[q * os + j];
+                            assert_eq!(one[0], got, "{what}: query {q} key {j} alone and in a {nq}-query tile");
+                            let kv = &kvals[j * ks..j * ks + n];
+                            let scale: f32 = kv.iter().zip(x[q]).map(|(a, b)| (a * b).abs()).sum::<f32>().max(1e-6);
+                            let w = want[q * os + j];
+                            assert!(
+                                (got - w).abs() <= REL_TOL * scale * (n as f32).sqrt(),
+                                "{what}: dots {got} vs {w}"
+                            );
+                        }
+                    }
                 }
                 let a = [0.37f32, -1.5, 0.0, 2.25];
                 let o0: Vec<f32> = (0..KV_QUERIES * n).map(|_| lcg(&mut s)).collect();

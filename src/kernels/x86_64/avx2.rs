@@ -630,58 +630,74 @@ group_kernels!(vnni_gemv8_q4_0, vnni_gemm8x4_q4_0, gemm8_q4_0, BlockQ4_0x8, true
 group_kernels!(vnni_gemv8_q4_1, vnni_gemm8x4_q4_1, gemm8_q4_1, BlockQ4_1x8, true, "avx2,fma,f16c,avxvnni");
 group_kernels!(vnni_gemv8_mxfp4, vnni_gemm8x4_mxfp4, gemm8_mxfp4, BlockMxfp4x8, true, "avx2,fma,f16c,avxvnni");
 
-/// Up to four query rows against one KV row of `E` (`len` values): per
-/// query two FMA chains of eight lanes over sixteen values, one more step of
-/// eight into the first, `hsum(c0 + c1)`, then the scalar tail. A query's
-/// arithmetic touches only its own chains, so it gives the same bits for
-/// every `N` (decode runs the one-query form, prefill up to four).
+/// `NQ` queries × `NK` key rows of `E` (`len` values; key `j` at `k + j·ks`
+/// elements): per (query, key) one FMA chain of eight lanes, `hsum`, then
+/// the scalar tail, so a pair's bits do not depend on the tile it ran in
+/// (decode runs one query against four keys, prefill up to four queries
+/// against three). Results go to `out[q·os + j]`.
 #[inline(always)]
-unsafe fn dots_elems<E: Elem, const N: usize>(row: *const E, x: [*const f32; N], len: usize) -> [f32; N] {
-    let mut c0 = [_mm256_setzero_ps(); N];
-    let mut c1 = [_mm256_setzero_ps(); N];
+unsafe fn dots_tile<E: Elem, const NQ: usize, const NK: usize>(
+    k: *const E,
+    ks: usize,
+    x: [*const f32; NQ],
+    len: usize,
+    out: *mut f32,
+    os: usize,
+) {
+    let mut c = [[_mm256_setzero_ps(); NK]; NQ];
     let mut i = 0;
-    while i + 16 <= len {
-        let (k0, k1) = (E::load8(row.add(i)), E::load8(row.add(i + 8)));
-        for q in 0..N {
-            c0[q] = _mm256_fmadd_ps(k0, _mm256_loadu_ps(x[q].add(i)), c0[q]);
-            c1[q] = _mm256_fmadd_ps(k1, _mm256_loadu_ps(x[q].add(i + 8)), c1[q]);
-        }
-        i += 16;
-    }
-    if i + 8 <= len {
-        let k0 = E::load8(row.add(i));
-        for q in 0..N {
-            c0[q] = _mm256_fmadd_ps(k0, _mm256_loadu_ps(x[q].add(i)), c0[q]);
+    while i + 8 <= len {
+        let kv: [__m256; NK] = std::array::from_fn(|j| E::load8(k.add(j * ks + i)));
+        for (q, c) in c.iter_mut().enumerate() {
+            let xv = _mm256_loadu_ps(x[q].add(i));
+            for (c, kv) in c.iter_mut().zip(&kv) {
+                *c = _mm256_fmadd_ps(*kv, xv, *c);
+            }
         }
         i += 8;
     }
-    let mut s = [0f32; N];
-    for q in 0..N {
-        s[q] = hsum(_mm256_add_ps(c0[q], c1[q]));
-    }
-    while i < len {
-        let w = row.add(i).read_unaligned().to_f32();
-        for q in 0..N {
-            s[q] += w * *x[q].add(i);
+    for (q, c) in c.iter().enumerate() {
+        for (j, c) in c.iter().enumerate() {
+            let mut s = hsum(*c);
+            for e in i..len {
+                s += k.add(j * ks + e).read_unaligned().to_f32() * *x[q].add(e);
+            }
+            *out.add(q * os + j) = s;
         }
-        i += 1;
     }
-    s
 }
 
-/// [`dots_elems`] for 1 to 4 queries.
+/// [`dots_tile`] over `nk` keys for 1 to 4 queries, in tiles of
+/// 4 × 3, 3 × 4, 2 × 4 or 1 × 4 (then single keys).
 #[inline(always)]
-unsafe fn dots_any<E: Elem>(row: &[u8], x: &[&[f32]], out: &mut [f32]) {
-    let len = row.len() / std::mem::size_of::<E>();
-    assert!(x.iter().all(|q| q.len() == len) && out.len() == x.len(), "dots: shapes");
-    let r = row.as_ptr() as *const E;
+unsafe fn dots_any<E: Elem>(k: &[u8], ks: usize, nk: usize, x: &[&[f32]], out: &mut [f32], os: usize) {
+    let nq = x.len();
+    let len = x.first().map_or(0, |q| q.len());
+    let es = std::mem::size_of::<E>();
+    assert!((1..=4).contains(&nq) && x.iter().all(|q| q.len() == len), "dots: queries");
+    assert!(nk == 0 || k.len() >= ((nk - 1) * ks + len) * es, "dots: key rows");
+    assert!(nk == 0 || (nk <= os && out.len() >= (nq - 1) * os + nk), "dots: out");
+    let kp = k.as_ptr() as *const E;
+    let o = out.as_mut_ptr();
     let p = |i: usize| x[i].as_ptr();
-    match x.len() {
-        1 => out.copy_from_slice(&dots_elems::<E, 1>(r, [p(0)], len)),
-        2 => out.copy_from_slice(&dots_elems::<E, 2>(r, [p(0), p(1)], len)),
-        3 => out.copy_from_slice(&dots_elems::<E, 3>(r, [p(0), p(1), p(2)], len)),
-        4 => out.copy_from_slice(&dots_elems::<E, 4>(r, [p(0), p(1), p(2), p(3)], len)),
-        n => panic!("dots take 1 to 4 queries, got {n}"),
+    macro_rules! run {
+        ($nq:literal, $tile:literal, [$($q:literal),*]) => {{
+            let mut j = 0;
+            while j + $tile <= nk {
+                dots_tile::<E, $nq, $tile>(kp.add(j * ks), ks, [$(p($q)),*], len, o.add(j), os);
+                j += $tile;
+            }
+            while j < nk {
+                dots_tile::<E, $nq, 1>(kp.add(j * ks), ks, [$(p($q)),*], len, o.add(j), os);
+                j += 1;
+            }
+        }};
+    }
+    match nq {
+        1 => run!(1, 4, [0]),
+        2 => run!(2, 4, [0, 1]),
+        3 => run!(3, 4, [0, 1, 2]),
+        _ => run!(4, 3, [0, 1, 2, 3]),
     }
 }
 
@@ -796,8 +812,8 @@ macro_rules! kv_kernels {
         /// # Safety
         /// AVX2, FMA and F16C must be available.
         #[target_feature(enable = "avx2,fma,f16c")]
-        pub unsafe fn $dots(row: &[u8], x: &[&[f32]], out: &mut [f32]) {
-            dots_any::<$elem>(row, x, out)
+        pub unsafe fn $dots(k: &[u8], ks: usize, nk: usize, x: &[&[f32]], out: &mut [f32], os: usize) {
+            dots_any::<$elem>(k, ks, nk, x, out, os)
         }
 
         /// # Safety

@@ -201,9 +201,9 @@ safe_group!(AvxVnni: vnni_mxfp4x8_gemv, vnni_mxfp4x8_gemm4, avx2::vnni_gemv8_mxf
 
 macro_rules! safe_kv {
     ($dots:ident, $axpys:ident, $pv:ident, $inner_dots:path, $inner_axpys:path, $inner_pv:path) => {
-        fn $dots(row: &[u8], x: &[&[f32]], out: &mut [f32]) {
+        fn $dots(k: &[u8], ks: usize, nk: usize, x: &[&[f32]], out: &mut [f32], os: usize) {
             // SAFETY: as `safe_wrapper`: reachable only through `Avx2::kernels`.
-            unsafe { $inner_dots(row, x, out) }
+            unsafe { $inner_dots(k, ks, nk, x, out, os) }
         }
         fn $axpys(o: &mut [f32], a: &[f32], v: &[u8]) {
             // SAFETY: as `safe_wrapper`: reachable only through `Avx2::kernels`.

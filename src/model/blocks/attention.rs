@@ -113,10 +113,6 @@ fn batch(
     let Heads { h, dk, dv, window, scale, sinks, .. } = hd;
     let n = ids.len();
     let es = kv.dtype.row_bytes(1).expect("an element type");
-    let krow = |j: usize| {
-        let at = (j * kv.k_row + kvh * dk) * es;
-        &kv.k[at..at + dk * es]
-    };
     let vrow = |j: usize| {
         let at = (j * kv.v_row + kvh * dv) * es;
         &kv.v[at..at + dv * es]
@@ -137,7 +133,6 @@ fn batch(
     }
     o.fill(0.0);
     let mut scores = [[0f32; KEY_BLOCK]; KV_QUERIES];
-    let mut dots = [0f32; KV_QUERIES];
     let mut p = [0f32; KV_QUERIES];
     for blk in first[0] / KEY_BLOCK..=pos[n - 1] / KEY_BLOCK {
         let (b0, b1) = (blk * KEY_BLOCK, (blk + 1) * KEY_BLOCK);
@@ -148,11 +143,11 @@ fn batch(
         let Some(a) = (0..n).find(|&i| live(i)) else { continue };
         let z = (0..n).rev().find(|&i| live(i)).expect("one is live") + 1;
         let (jlo, jhi) = (lo[a], hi[z - 1]);
-        for j in jlo..jhi {
-            (kk.dots)(krow(j), &qs[a..z], &mut dots[a..z]);
-            for i in a..z {
-                scores[i][j - b0] = dots[i] * scale;
-            }
+        let k0 = (jlo * kv.k_row + kvh * dk) * es;
+        let flat = &mut scores.as_flattened_mut()[a * KEY_BLOCK + jlo - b0..];
+        (kk.dots)(&kv.k[k0..], kv.k_row, jhi - jlo, &qs[a..z], flat, KEY_BLOCK);
+        for i in a..z {
+            scores[i][jlo - b0..jhi - b0].iter_mut().for_each(|s| *s *= scale);
         }
         for i in (a..z).filter(|&i| live(i)) {
             let block_max = scores[i][lo[i] - b0..hi[i] - b0].iter().fold(f32::NEG_INFINITY, |x, &s| x.max(s));
