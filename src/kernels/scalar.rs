@@ -92,6 +92,16 @@ use crate::quant::q4_0::BlockQ4_0;
 use crate::quant::q4_1::BlockQ4_1;
 use crate::quant::q8_0::BlockQ8_0;
 
+/// `x.round() as i8` (half away from zero, saturating; NaN gives 0) for
+/// |x| < 2^31, without the libm call `round` costs on x86_64: truncate,
+/// then step by the exact remainder.
+#[inline(always)]
+pub fn round_i8(x: f32) -> i8 {
+    let t = x as i32;
+    let f = x - t as f32;
+    (t + (f >= 0.5) as i32 - (f <= -0.5) as i32).clamp(-128, 127) as i8
+}
+
 /// Quantises one activation row (a multiple of 32 long) to 8-bit blocks:
 /// `x ≈ d · q`, with the code sum `Σq` kept for offset types.
 pub fn quantize_act(x: &[f32], out: &mut [BlockQ8]) {
@@ -101,7 +111,7 @@ pub fn quantize_act(x: &[f32], out: &mut [BlockQ8]) {
         let id = if d > 0.0 { 1.0 / d } else { 0.0 };
         let mut sum = 0i32;
         for (q, v) in b.qs.iter_mut().zip(xs) {
-            *q = (v * id).round() as i8;
+            *q = round_i8(v * id);
             sum += *q as i32;
         }
         b.d = d;

@@ -48,6 +48,17 @@ fn row_dot(table: Table, dtype: DType) -> DotFn {
 }
 
 #[test]
+fn activation_rounding_is_round_half_away_from_zero() {
+    let mut s = 99u64;
+    let special = [0.5f32, -0.5, 1.5, -1.5, 126.5, -126.5, 127.0, 0.49999997, -0.49999997, 2.5000002, 0.0, -0.0];
+    let sweep = (0..200_000).map(|_| lcg(&mut s) * 128.0);
+    let halves = (-255..=255).map(|i| i as f32 * 0.5);
+    for x in special.into_iter().chain(sweep).chain(halves).chain([f32::NAN]) {
+        assert_eq!(scalar::round_i8(x), x.round() as i8, "{x}");
+    }
+}
+
+#[test]
 fn every_table_has_an_entry_of_the_right_shape_for_every_type() {
     for table in tables() {
         for dtype in every_dtype() {

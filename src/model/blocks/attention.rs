@@ -146,8 +146,8 @@ fn batch(
         let k0 = (jlo * kv.k_row + kvh * dk) * es;
         let flat = &mut scores.as_flattened_mut()[a * KEY_BLOCK + jlo - b0..];
         (kk.dots)(&kv.k[k0..], kv.k_row, jhi - jlo, &qs[a..z], flat, KEY_BLOCK);
-        for i in a..z {
-            scores[i][jlo - b0..jhi - b0].iter_mut().for_each(|s| *s *= scale);
+        for row in &mut scores[a..z] {
+            row[jlo - b0..jhi - b0].iter_mut().for_each(|s| *s *= scale);
         }
         for i in (a..z).filter(|&i| live(i)) {
             let block_max = scores[i][lo[i] - b0..hi[i] - b0].iter().fold(f32::NEG_INFINITY, |x, &s| x.max(s));
