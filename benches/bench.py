@@ -190,7 +190,9 @@ class Llama:
 def open_engine(spec: dict):
     if spec["engine"] == "colibri":
         return Colibri(spec["path"], spec["threads"])
-    return Llama(spec["path"], spec["threads"], logits_all=spec.get("logits_all", False))
+    # Room for the longest prompt (and the decode after the 64-token one).
+    n_ctx = max(1024, max(spec.get("prompts") or [0]) + 16)
+    return Llama(spec["path"], spec["threads"], n_ctx=n_ctx, logits_all=spec.get("logits_all", False))
 
 
 def worker(spec: dict) -> dict:

@@ -78,6 +78,8 @@ class Shape:
     v_head_dim: int = 0
     # GPT-OSS: sliding window of the even layers; 0 elsewhere.
     sliding_window: int = 0
+    # Qwen1.5-MoE: the shared expert's width (gated by sigmoid(w·x)); 0 elsewhere.
+    shared_ffn: int = 0
 
     def hf_config(self, layers: int) -> dict:
         """config.json as the Hub's checkpoint spells it, with `layers` layers."""
@@ -119,6 +121,23 @@ class Shape:
                 "pad_token_id": 1,
                 "eos_token_id": 50279,
                 "bos_token_id": None,
+            }
+        if self.model_type == "qwen2_moe":
+            # Qwen1.5-MoE-A2.7B: biased q/k/v, no q/k norm, one gated shared expert.
+            return {
+                **common,
+                "attention_bias": True,
+                "intermediate_size": self.shared_ffn,
+                "moe_intermediate_size": self.expert_ffn,
+                "shared_expert_intermediate_size": self.shared_ffn,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+                "sliding_window": None,
+                "use_sliding_window": False,
+                "max_window_layers": 21,
+                "router_aux_loss_coef": 0.001,
+                "bos_token_id": 151643,
+                "eos_token_id": 151643,
             }
         # Qwen3-30B-A3B: `intermediate_size` is the (unused) dense width.
         return {
@@ -267,6 +286,26 @@ SHAPES = {
         rms_eps=1e-6,
         max_pos=40960,
     ),
+    "qwen2moe": Shape(
+        name="qwen2moe",
+        hf_class="Qwen2MoeForCausalLM",
+        model_type="qwen2_moe",
+        gguf_arch="qwen2moe",
+        hidden=2048,
+        experts=60,
+        top_k=4,
+        expert_ffn=1408,
+        heads=16,
+        kv_heads=16,
+        head_dim=128,
+        vocab=151936,
+        qk_norm="none",
+        norm_topk_prob=False,
+        rope_theta=1000000.0,
+        rms_eps=1e-6,
+        max_pos=8192,
+        shared_ffn=5632,
+    ),
     "deepseek_v2_lite": Shape(
         name="deepseek_v2_lite",
         hf_class="DeepseekV2ForCausalLM",
@@ -344,14 +383,18 @@ def hf_tensors(s: Shape, layers: int) -> list[Tensor]:
     out = [Tensor("model.embed_tokens.weight", (s.vocab, d), "embed")]
     for layer in range(layers):
         p = f"model.layers.{layer}"
+        out.append(Tensor(f"{p}.input_layernorm.weight", (d,), "norm"))
+        for name, rows in (("q", q), ("k", kv), ("v", kv)):
+            out.append(Tensor(f"{p}.self_attn.{name}_proj.weight", (rows, d), "matrix"))
+            if s.model_type == "qwen2_moe":
+                out.append(Tensor(f"{p}.self_attn.{name}_proj.bias", (rows,), "bias"))
+        out.append(Tensor(f"{p}.self_attn.o_proj.weight", (d, q), "matrix"))
+        if s.qk_norm != "none":
+            out += [
+                Tensor(f"{p}.self_attn.q_norm.weight", (qn,), "norm"),
+                Tensor(f"{p}.self_attn.k_norm.weight", (kn,), "norm"),
+            ]
         out += [
-            Tensor(f"{p}.input_layernorm.weight", (d,), "norm"),
-            Tensor(f"{p}.self_attn.q_proj.weight", (q, d), "matrix"),
-            Tensor(f"{p}.self_attn.k_proj.weight", (kv, d), "matrix"),
-            Tensor(f"{p}.self_attn.v_proj.weight", (kv, d), "matrix"),
-            Tensor(f"{p}.self_attn.o_proj.weight", (d, q), "matrix"),
-            Tensor(f"{p}.self_attn.q_norm.weight", (qn,), "norm"),
-            Tensor(f"{p}.self_attn.k_norm.weight", (kn,), "norm"),
             Tensor(f"{p}.post_attention_layernorm.weight", (d,), "norm"),
             Tensor(f"{p}.mlp.gate.weight", (s.experts, d), "router"),
         ]
@@ -361,6 +404,14 @@ def hf_tensors(s: Shape, layers: int) -> list[Tensor]:
                 Tensor(f"{p}.mlp.experts.{e}.gate_proj.weight", (f, d), "matrix"),
                 Tensor(f"{p}.mlp.experts.{e}.up_proj.weight", (f, d), "matrix"),
                 Tensor(f"{p}.mlp.experts.{e}.down_proj.weight", (d, f), "matrix"),
+            ]
+        if s.shared_ffn:
+            g = s.shared_ffn
+            out += [
+                Tensor(f"{p}.mlp.shared_expert.gate_proj.weight", (g, d), "matrix"),
+                Tensor(f"{p}.mlp.shared_expert.up_proj.weight", (g, d), "matrix"),
+                Tensor(f"{p}.mlp.shared_expert.down_proj.weight", (d, g), "matrix"),
+                Tensor(f"{p}.mlp.shared_expert_gate.weight", (1, d), "router"),
             ]
     out += [Tensor("model.norm.weight", (d,), "norm"), Tensor("lm_head.weight", (s.vocab, d), "matrix")]
     return out
@@ -549,14 +600,18 @@ def gguf_plan(s: Shape, layers: int) -> list[Entry]:
     plan = [e("token_embd.weight", ["model.embed_tokens.weight"], "matrix")]
     for layer in range(layers):
         p, b = f"model.layers.{layer}", f"blk.{layer}"
+        plan.append(e(f"{b}.attn_norm.weight", [f"{p}.input_layernorm.weight"], "norm"))
+        for gg, hf in (("q", "q"), ("k", "k"), ("v", "v")):
+            plan.append(e(f"{b}.attn_{gg}.weight", [f"{p}.self_attn.{hf}_proj.weight"], "matrix"))
+            if s.model_type == "qwen2_moe":
+                plan.append(e(f"{b}.attn_{gg}.bias", [f"{p}.self_attn.{hf}_proj.bias"], "norm"))
+        plan.append(e(f"{b}.attn_output.weight", [f"{p}.self_attn.o_proj.weight"], "matrix"))
+        if s.qk_norm != "none":
+            plan += [
+                e(f"{b}.attn_q_norm.weight", [f"{p}.self_attn.q_norm.weight"], "norm"),
+                e(f"{b}.attn_k_norm.weight", [f"{p}.self_attn.k_norm.weight"], "norm"),
+            ]
         plan += [
-            e(f"{b}.attn_norm.weight", [f"{p}.input_layernorm.weight"], "norm"),
-            e(f"{b}.attn_q.weight", [f"{p}.self_attn.q_proj.weight"], "matrix"),
-            e(f"{b}.attn_k.weight", [f"{p}.self_attn.k_proj.weight"], "matrix"),
-            e(f"{b}.attn_v.weight", [f"{p}.self_attn.v_proj.weight"], "matrix"),
-            e(f"{b}.attn_output.weight", [f"{p}.self_attn.o_proj.weight"], "matrix"),
-            e(f"{b}.attn_q_norm.weight", [f"{p}.self_attn.q_norm.weight"], "norm"),
-            e(f"{b}.attn_k_norm.weight", [f"{p}.self_attn.k_norm.weight"], "norm"),
             e(f"{b}.ffn_norm.weight", [f"{p}.post_attention_layernorm.weight"], "norm"),
             # The router stays f32, as llama.cpp's converter and colibri both keep it.
             e(f"{b}.ffn_gate_inp.weight", [f"{p}.mlp.gate.weight"], "norm"),
@@ -568,6 +623,13 @@ def gguf_plan(s: Shape, layers: int) -> list[Entry]:
         ):
             names = [f"{p}.mlp.experts.{x}.{hf}.weight" for x in range(s.experts)]
             plan.append(e(f"{b}.{gg}.weight", names, "matrix"))
+        if s.shared_ffn:
+            plan += [
+                e(f"{b}.ffn_gate_inp_shexp.weight", [f"{p}.mlp.shared_expert_gate.weight"], "norm"),
+                e(f"{b}.ffn_gate_shexp.weight", [f"{p}.mlp.shared_expert.gate_proj.weight"], "matrix"),
+                e(f"{b}.ffn_up_shexp.weight", [f"{p}.mlp.shared_expert.up_proj.weight"], "matrix"),
+                e(f"{b}.ffn_down_shexp.weight", [f"{p}.mlp.shared_expert.down_proj.weight"], "matrix"),
+            ]
     plan += [
         e("output_norm.weight", ["model.norm.weight"], "norm"),
         e("output.weight", ["lm_head.weight"], "matrix"),
@@ -790,6 +852,9 @@ def _add_metadata(w, s: Shape, layers: int, cfg: dict) -> None:
         w.add_expert_feed_forward_length(s.expert_ffn)
         w.add_key_length(s.head_dim)
         w.add_value_length(s.head_dim)
+    if s.model_type == "qwen2_moe":
+        w.add_expert_feed_forward_length(s.expert_ffn)
+        w.add_expert_shared_feed_forward_length(s.shared_ffn)
 
 
 def write_gguf(s: Shape, layers: int, st: SafetensorsFile, gtype: str, path: Path, log) -> None:
