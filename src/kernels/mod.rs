@@ -3,11 +3,12 @@
 //! Model code calls [`matmul`] (or [`matmul_many`]) with [`Matrix`] views and
 //! an [`Input`], and never names a dtype or an ISA. The dot product for each
 //! dtype comes from a [`Table`] chosen once at start-up by run-time feature
-//! detection: AVX2+FMA+F16C on x86_64 (with AVX-VNNI, and AMX tiles for
-//! prefill, where the CPU and OS have them), NEON on aarch64, the scalar
-//! reference everywhere else; `COLIBRI_ISA=scalar|avx2|avxvnni|amx|neon` asks
-//! for one (a table this CPU cannot run is refused with a note on stderr, and
-//! the best one is used; `avx512` is a known name without a table yet). Each table gives
+//! detection: AVX2+FMA+F16C on x86_64 (with AVX-VNNI, AVX-512 attention
+//! kernels, and AMX tiles for prefill, where the CPU and OS have them), NEON
+//! on aarch64, the scalar reference everywhere else;
+//! `COLIBRI_ISA=scalar|avx2|avxvnni|avx512|amx|neon` asks for one (a table
+//! this CPU cannot run is refused with a note on stderr, and the best one is
+//! used). Each table gives
 //! every weight type its [`TypeKernels`] by an exhaustive `match` over
 //! [`DType`], so a type without kernels does not compile.
 //!

@@ -28,7 +28,9 @@ pub enum Isa {
     Avx2,
     /// x86_64 AVX2 with AVX-VNNI (`vpdpbusd`) in the integer group kernels.
     AvxVnni,
-    /// x86_64 AVX-VNNI, with AMX int8 tiles for prefill (Linux).
+    /// x86_64 AVX-VNNI (or AVX2) with AVX-512F attention kernels.
+    Avx512,
+    /// x86_64 AVX-512, with AMX int8 tiles for prefill (Linux).
     Amx,
     /// aarch64 NEON.
     Neon,
@@ -37,13 +39,13 @@ pub enum Isa {
 impl Isa {
     /// Every instruction set with a table, from the least to the most
     /// preferred (a CPU runs at most one of those after `Scalar` today).
-    pub const ALL: [Isa; 5] = [Isa::Scalar, Isa::Avx2, Isa::AvxVnni, Isa::Amx, Isa::Neon];
+    pub const ALL: [Isa; 6] = [Isa::Scalar, Isa::Avx2, Isa::AvxVnni, Isa::Avx512, Isa::Amx, Isa::Neon];
 
     /// The target architecture whose builds have this table (`None`: all).
     pub fn arch(self) -> Option<&'static str> {
         match self {
             Isa::Scalar => None,
-            Isa::Avx2 | Isa::AvxVnni | Isa::Amx => Some("x86_64"),
+            Isa::Avx2 | Isa::AvxVnni | Isa::Avx512 | Isa::Amx => Some("x86_64"),
             Isa::Neon => Some("aarch64"),
         }
     }
@@ -54,6 +56,7 @@ impl Isa {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2",
             Isa::AvxVnni => "avxvnni",
+            Isa::Avx512 => "avx512",
             Isa::Amx => "amx",
             Isa::Neon => "neon",
         }
@@ -65,10 +68,6 @@ impl std::fmt::Display for Isa {
         f.write_str(self.name())
     }
 }
-
-/// Names `COLIBRI_ISA` knows that have no table in this build yet (issue 13
-/// part 2); asking for one picks the best table there is.
-const PLANNED: [&str; 1] = ["avx512"];
 
 /// The kernels of one instruction set, for every weight type; made only by
 /// [`Table::new`] (so only for a CPU that runs them).
@@ -82,6 +81,8 @@ enum Chosen {
     Avx2(x86_64::Avx2),
     #[cfg(target_arch = "x86_64")]
     AvxVnni(x86_64::AvxVnni),
+    #[cfg(target_arch = "x86_64")]
+    Avx512(x86_64::Avx512),
     #[cfg(target_arch = "x86_64")]
     Amx(x86_64::Amx),
     #[cfg(target_arch = "aarch64")]
@@ -105,6 +106,10 @@ impl Table {
             Isa::AvxVnni => x86_64::AvxVnni::detect().map(|t| Table(Chosen::AvxVnni(t))),
             #[cfg(not(target_arch = "x86_64"))]
             Isa::AvxVnni => None,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => x86_64::Avx512::detect().map(|t| Table(Chosen::Avx512(t))),
+            #[cfg(not(target_arch = "x86_64"))]
+            Isa::Avx512 => None,
             #[cfg(target_arch = "x86_64")]
             Isa::Amx => x86_64::Amx::detect().map(|t| Table(Chosen::Amx(t))),
             #[cfg(not(target_arch = "x86_64"))]
@@ -135,6 +140,8 @@ impl Table {
             #[cfg(target_arch = "x86_64")]
             Chosen::AvxVnni(_) => Isa::AvxVnni,
             #[cfg(target_arch = "x86_64")]
+            Chosen::Avx512(_) => Isa::Avx512,
+            #[cfg(target_arch = "x86_64")]
             Chosen::Amx(_) => Isa::Amx,
             #[cfg(target_arch = "aarch64")]
             Chosen::Neon(_) => Isa::Neon,
@@ -150,6 +157,8 @@ impl Table {
             Chosen::Avx2(t) => t.kernels(dtype),
             #[cfg(target_arch = "x86_64")]
             Chosen::AvxVnni(t) => t.kernels(dtype),
+            #[cfg(target_arch = "x86_64")]
+            Chosen::Avx512(t) => t.kernels(dtype),
             #[cfg(target_arch = "x86_64")]
             Chosen::Amx(t) => t.kernels(dtype),
             #[cfg(target_arch = "aarch64")]
@@ -193,8 +202,6 @@ fn choose(request: Option<&str>) -> (Table, Option<String>) {
                 _ => format!("COLIBRI_ISA={name}: this CPU cannot run the {isa} kernels"),
             },
         }
-    } else if PLANNED.contains(&name.as_str()) {
-        format!("COLIBRI_ISA={name}: this build has no {name} kernel table yet")
     } else {
         let known: Vec<&str> = Isa::ALL.iter().map(|i| i.name()).collect();
         format!("COLIBRI_ISA={name} is not one of auto, {}", known.join(", "))
@@ -213,7 +220,7 @@ mod tests {
         assert!(choose(Some("")).1.is_none());
         let (t, note) = choose(Some(" Scalar "));
         assert_eq!((t.isa(), note), (Isa::Scalar, None));
-        for name in ["avx512", "sse9"] {
+        for name in ["sse9", "avx1024"] {
             let (t, note) = choose(Some(name));
             assert_eq!(t.isa(), best, "{name}");
             assert!(note.unwrap().ends_with(&format!("; using {best}")), "{name}");

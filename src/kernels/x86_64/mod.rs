@@ -7,6 +7,7 @@
 
 mod amx;
 mod avx2;
+mod avx512;
 
 use super::{
     Activation, BlockQ8, Dot4Fn, DotFn, Gemm8Fn, Gemv8Fn, GroupKernels, KvKernels, Layout, TileFn, TypeKernels,
@@ -93,20 +94,68 @@ impl AvxVnni {
     }
 }
 
-/// Proof that this CPU and OS run the AMX table (the AVX-VNNI table, plus
-/// AVX-512F, AMX-TILE and AMX-INT8 with the tile state granted and a probe
-/// product that ran): only [`Amx::detect`] makes one.
+/// Proof that this CPU runs the AVX-512 table: the AVX-VNNI table (the AVX2
+/// one on a CPU without AVX-VNNI) with AVX-512F attention kernels. Only
+/// [`Avx512::detect`] makes one.
 #[derive(Clone, Copy, Debug)]
-pub struct Amx(AvxVnni);
+pub struct Avx512(Base);
+
+/// The table an [`Avx512`] builds on.
+#[derive(Clone, Copy, Debug)]
+enum Base {
+    Avx2(Avx2),
+    AvxVnni(AvxVnni),
+}
+
+impl Avx512 {
+    /// `Some` when this CPU has AVX-512F besides the AVX2 table's features.
+    pub fn detect() -> Option<Avx512> {
+        let avx2 = Avx2::detect()?;
+        if !is_x86_feature_detected!("avx512f") {
+            return None;
+        }
+        Some(Avx512(AvxVnni::detect().map_or(Base::Avx2(avx2), Base::AvxVnni)))
+    }
+
+    /// The base table's kernels, with sixteen-lane attention kernels for the
+    /// KV cache's types. The weight kernels stay 256-bit: AVX-512 over the
+    /// 8-row interleaved layout measured slower (docs/ARCHITECTURE.md).
+    pub fn kernels(self, dtype: DType) -> TypeKernels {
+        let k = match self.0 {
+            Base::Avx2(t) => t.kernels(dtype),
+            Base::AvxVnni(t) => t.kernels(dtype),
+        };
+        let kv = match dtype {
+            DType::F32 => KvKernels { dots: z_f32_dots, axpys: z_f32_axpys, pv: z_f32_pv },
+            DType::F16 => KvKernels { dots: z_f16_dots, axpys: z_f16_axpys, pv: z_f16_pv },
+            DType::Bf16
+            | DType::Q8_0
+            | DType::Q4_0
+            | DType::Q4_1
+            | DType::Mxfp4
+            | DType::Q8_0x8
+            | DType::Q4_0x8
+            | DType::Q4_1x8
+            | DType::Mxfp4x8 => return k,
+        };
+        TypeKernels { kv: Some(kv), ..k }
+    }
+}
+
+/// Proof that this CPU and OS run the AMX table (the AVX-512 table, plus
+/// AMX-TILE and AMX-INT8 with the tile state granted and a probe product
+/// that ran): only [`Amx::detect`] makes one.
+#[derive(Clone, Copy, Debug)]
+pub struct Amx(Avx512);
 
 impl Amx {
     /// `Some` when this process can run the AMX tiles (see [`amx::usable`]).
     pub fn detect() -> Option<Amx> {
-        let vnni = AvxVnni::detect()?;
-        (is_x86_feature_detected!("avx512f") && amx::usable()).then_some(Amx(vnni))
+        let base = Avx512::detect()?;
+        amx::usable().then_some(Amx(base))
     }
 
-    /// The AVX-VNNI kernels, with int8 tiles for prefill in the interleaved
+    /// The AVX-512 table's kernels, with int8 tiles for prefill in the interleaved
     /// block types (decode, one token per call, stays on the vectors; the
     /// tiles give the same bits).
     pub fn kernels(self, dtype: DType) -> TypeKernels {
@@ -130,8 +179,9 @@ macro_rules! safe_tile {
         fn $name(group: &[u8], q: &[BlockQ8], tokens: usize, out: &mut [f32]) {
             // SAFETY: reachable only through `Amx::kernels`, which needs an
             // `Amx`, made only by `Amx::detect` once this CPU has shown
-            // AVX2, FMA, F16C, AVX-512F and AMX and the process holds the
-            // tile permission (a probe product ran in a child).
+            // AVX2, FMA, F16C, AVX-512F (through `Avx512::detect`) and AMX
+            // and the process holds the tile permission (a probe product
+            // ran in a child).
             unsafe { amx::tiles::<$block>(group, q, tokens, out) }
         }
     };
@@ -218,3 +268,25 @@ macro_rules! safe_kv {
 
 safe_kv!(f32_dots, f32_axpys, f32_pv, avx2::dots_f32, avx2::axpys_f32, avx2::pv_f32);
 safe_kv!(f16_dots, f16_axpys, f16_pv, avx2::dots_f16, avx2::axpys_f16, avx2::pv_f16);
+
+macro_rules! safe_kv512 {
+    ($dots:ident, $axpys:ident, $pv:ident, $inner_dots:path, $inner_axpys:path, $inner_pv:path) => {
+        fn $dots(k: &[u8], ks: usize, nk: usize, x: &[&[f32]], out: &mut [f32], os: usize) {
+            // SAFETY: reachable only through `Avx512::kernels`, which needs
+            // an `Avx512`, made only by `Avx512::detect` once it has seen
+            // AVX2, FMA, F16C and AVX-512F on this CPU.
+            unsafe { $inner_dots(k, ks, nk, x, out, os) }
+        }
+        fn $axpys(o: &mut [f32], a: &[f32], v: &[u8]) {
+            // SAFETY: as above.
+            unsafe { $inner_axpys(o, a, v) }
+        }
+        fn $pv(o: &mut [f32], p: &[f32], ps: usize, v: &[u8], vs: usize, nk: usize) {
+            // SAFETY: as above.
+            unsafe { $inner_pv(o, p, ps, v, vs, nk) }
+        }
+    };
+}
+
+safe_kv512!(z_f32_dots, z_f32_axpys, z_f32_pv, avx512::dots_f32, avx512::axpys_f32, avx512::pv_f32);
+safe_kv512!(z_f16_dots, z_f16_axpys, z_f16_pv, avx512::dots_f16, avx512::axpys_f16, avx512::pv_f16);
