@@ -83,10 +83,10 @@ pub type AxpysFn = fn(o: &mut [f32], a: &[f32], v: &[u8]);
 pub type PvFn = fn(o: &mut [f32], p: &[f32], ps: usize, v: &[u8], vs: usize, nk: usize);
 
 /// Most queries one [`DotsFn`], [`AxpysFn`] or [`PvFn`] call takes.
-pub const KV_QUERIES: usize = 4;
+pub const KV_QUERIES: usize = 8;
 
 /// The attention kernels of a KV-cache element type: each key and value row
-/// is read once for up to four queries.
+/// is read once for up to eight queries.
 #[derive(Clone, Copy)]
 pub struct KvKernels {
     /// Scores.

@@ -456,7 +456,8 @@ fn kv_kernels_of_every_table_match_the_scalar_reference_and_do_not_depend_on_the
                         }
                     }
                 }
-                let a = [0.37f32, -1.5, 0.0, 2.25];
+                let a: Vec<f32> =
+                    (0..KV_QUERIES).map(|i| [0.37f32, -1.5, 0.0, 2.25][i % 4] * (1.0 + i as f32)).collect();
                 let o0: Vec<f32> = (0..KV_QUERIES * n).map(|_| lcg(&mut s)).collect();
                 let (mut got, mut want) = (o0.clone(), o0.clone());
                 (k.axpys)(&mut got, &a, row);

@@ -667,10 +667,16 @@ unsafe fn dots_tile<E: Elem, const NQ: usize, const NK: usize>(
     }
 }
 
-/// [`dots_tile`] over `nk` keys for 1 to 4 queries, in tiles of
-/// 4 × 3, 3 × 4, 2 × 4 or 1 × 4 (then single keys).
+/// [`dots_tile`] over `nk` keys for any number of queries, four at a time,
+/// in tiles of 4 × 3, 3 × 4, 2 × 4 or 1 × 4 (then single keys).
 #[inline(always)]
 unsafe fn dots_any<E: Elem>(k: &[u8], ks: usize, nk: usize, x: &[&[f32]], out: &mut [f32], os: usize) {
+    if x.len() > 4 {
+        for (c, xc) in x.chunks(4).enumerate() {
+            dots_any::<E>(k, ks, nk, xc, &mut out[c * 4 * os..], os);
+        }
+        return;
+    }
     let nq = x.len();
     let len = x.first().map_or(0, |q| q.len());
     let es = std::mem::size_of::<E>();
@@ -707,6 +713,12 @@ unsafe fn dots_any<E: Elem>(k: &[u8], ks: usize, nk: usize, x: &[&[f32]], out: &
 #[inline(always)]
 unsafe fn axpys_elems<E: Elem>(o: &mut [f32], a: &[f32], v: &[u8]) {
     let len = v.len() / std::mem::size_of::<E>();
+    if a.len() > 4 {
+        for (oc, ac) in o.chunks_mut(4 * len).zip(a.chunks(4)) {
+            axpys_elems::<E>(oc, ac, v);
+        }
+        return;
+    }
     assert!(a.len() <= 4 && o.len() == a.len() * len, "axpys: shapes");
     let (op, vp) = (o.as_mut_ptr(), v.as_ptr() as *const E);
     let mut av = [_mm256_setzero_ps(); 4];
@@ -789,11 +801,20 @@ unsafe fn pv_elems<E: Elem, const N: usize>(
     }
 }
 
-/// [`pv_elems`] for 1 to 4 rows, with the shapes checked.
+/// [`pv_elems`] for any number of rows, four at a time, with the shapes
+/// checked.
 #[inline(always)]
 unsafe fn pv_any<E: Elem>(o: &mut [f32], p: &[f32], ps: usize, v: &[u8], vs: usize, nk: usize) {
     let n = p.len().div_ceil(ps.max(1));
     let len = o.len() / n.max(1);
+    if n > 4 {
+        for (c, oc) in o.chunks_mut(4 * len).enumerate() {
+            let rows = oc.len() / len;
+            let pc = &p[c * 4 * ps..(c * 4 + rows - 1) * ps + nk];
+            pv_any::<E>(oc, pc, ps, v, vs, nk);
+        }
+        return;
+    }
     let es = std::mem::size_of::<E>();
     assert!(n >= 1 && o.len() == n * len && nk <= ps && p.len() >= (n - 1) * ps + nk, "pv: shapes");
     assert!(nk == 0 || v.len() >= ((nk - 1) * vs + len) * es, "pv: value rows");

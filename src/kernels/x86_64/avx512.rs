@@ -1,6 +1,7 @@
 //! AVX-512F attention kernels over the KV cache (f32 and f16 rows): the
 //! same shapes as the AVX2 ones with sixteen lanes per chain and the 32
-//! registers AVX-512 has, so a score tile is four queries by four keys.
+//! registers AVX-512 has: up to eight queries per call, score tiles of four
+//! queries by four keys or eight by three.
 //! Each `unsafe fn` needs AVX-512F, AVX2, FMA and F16C (checked once by the
 //! caller); lengths are asserted by the `*_any` entry points.
 //!
@@ -87,7 +88,7 @@ unsafe fn dots_any<E: Elem>(k: &[u8], ks: usize, nk: usize, x: &[&[f32]], out: &
     let nq = x.len();
     let len = x.first().map_or(0, |q| q.len());
     let es = std::mem::size_of::<E>();
-    assert!((1..=4).contains(&nq) && x.iter().all(|q| q.len() == len), "dots: queries");
+    assert!((1..=8).contains(&nq) && x.iter().all(|q| q.len() == len), "dots: queries");
     assert!(nk == 0 || k.len() >= ((nk - 1) * ks + len) * es, "dots: key rows");
     assert!(nk == 0 || (nk <= os && out.len() >= (nq - 1) * os + nk), "dots: out");
     let kp = k.as_ptr() as *const E;
@@ -110,7 +111,11 @@ unsafe fn dots_any<E: Elem>(k: &[u8], ks: usize, nk: usize, x: &[&[f32]], out: &
         1 => run!(1, 4, [0]),
         2 => run!(2, 4, [0, 1]),
         3 => run!(3, 4, [0, 1, 2]),
-        _ => run!(4, 4, [0, 1, 2, 3]),
+        4 => run!(4, 4, [0, 1, 2, 3]),
+        5 => run!(5, 3, [0, 1, 2, 3, 4]),
+        6 => run!(6, 3, [0, 1, 2, 3, 4, 5]),
+        7 => run!(7, 3, [0, 1, 2, 3, 4, 5, 6]),
+        _ => run!(8, 3, [0, 1, 2, 3, 4, 5, 6, 7]),
     }
 }
 
@@ -180,7 +185,11 @@ unsafe fn pv_any<E: Elem>(o: &mut [f32], p: &[f32], ps: usize, v: &[u8], vs: usi
         2 => pv_elems::<E, 2>(op, len, pp, ps, vp, vs, nk),
         3 => pv_elems::<E, 3>(op, len, pp, ps, vp, vs, nk),
         4 => pv_elems::<E, 4>(op, len, pp, ps, vp, vs, nk),
-        n => panic!("pv takes 1 to 4 rows, got {n}"),
+        5 => pv_elems::<E, 5>(op, len, pp, ps, vp, vs, nk),
+        6 => pv_elems::<E, 6>(op, len, pp, ps, vp, vs, nk),
+        7 => pv_elems::<E, 7>(op, len, pp, ps, vp, vs, nk),
+        8 => pv_elems::<E, 8>(op, len, pp, ps, vp, vs, nk),
+        n => panic!("pv takes 1 to 8 rows, got {n}"),
     }
 }
 
@@ -188,7 +197,7 @@ unsafe fn pv_any<E: Elem>(o: &mut [f32], p: &[f32], ps: usize, v: &[u8], vs: usi
 #[inline(always)]
 unsafe fn axpys_any<E: Elem>(o: &mut [f32], a: &[f32], v: &[u8]) {
     let len = v.len() / std::mem::size_of::<E>();
-    assert!((1..=4).contains(&a.len()) && o.len() == a.len() * len, "axpys: shapes");
+    assert!((1..=8).contains(&a.len()) && o.len() == a.len() * len, "axpys: shapes");
     // Row q's weight at a[q]: a run of one key with the rows one apart.
     pv_any::<E>(o, a, 1, v, len, 1)
 }

@@ -6,7 +6,7 @@
 //! Each query streams its head's keys and values once with an online
 //! softmax (running max and sum, updated per block of keys), so no score
 //! buffer beyond one block on the stack is needed. Queries that share a kv
-//! head are taken up to four at a time (the heads of one kv group at one
+//! head are taken up to eight at a time (the heads of one kv group at one
 //! token, or consecutive tokens of one head), so every key and value row is
 //! read once for all of them; the kernels give each query the same bits
 //! however many share a call, and key blocks are aligned to absolute
@@ -97,7 +97,7 @@ pub fn attend(q: &[f32], kv: KvView, pos0: usize, hd: Heads, scratch: &mut [f32]
     }
 }
 
-/// Attention of up to four queries (`ids`: (token, head), positions in
+/// Attention of up to eight queries (`ids`: (token, head), positions in
 /// nondecreasing order) of kv head `kvh` into `o` (`[n, Dv]`).
 #[allow(clippy::too_many_arguments)]
 fn batch(
