@@ -28,6 +28,21 @@ def test_convert_then_info(tmp_path):
     r = run("info", str(out))
     assert r.returncode == 0, r.stderr
     assert "Qwen2MoeForCausalLM" in r.stdout and "active per token" in r.stdout
+    assert "\nkernels " in r.stdout and "COLIBRI_ISA" in r.stdout
+
+
+def test_kernel_table_is_reported_and_colibri_isa_is_followed():
+    code = "import json, colibri; print(json.dumps(colibri.kernels()))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    best = json.loads(r.stdout)
+    assert best["active"] == best["available"][-1] and best["available"][0] == "scalar"
+    env = {**os.environ, "COLIBRI_ISA": "scalar"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert json.loads(r.stdout)["active"] == "scalar" and r.stderr == ""
+    env["COLIBRI_ISA"] = "sse9"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert json.loads(r.stdout)["active"] == best["active"]
+    assert "COLIBRI_ISA=sse9 is not one of" in r.stderr
 
 
 def test_existing_output_is_a_one_line_error(tmp_path):

@@ -9,7 +9,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ._colibri import __version__, supported_architectures, supported_dtypes
+from ._colibri import kernel_tables as _kernel_tables
 from ._engine import Engine, convert, plan
 from ._errors import (
     ChatTemplateError,
@@ -25,6 +28,20 @@ from ._errors import (
     UnsupportedModelError,
 )
 from ._generation import Completion, Stream, Timings, TokenCompletion
+
+
+def kernels() -> dict[str, Any]:
+    """Which kernel table runs the matrices and attention, and which this CPU has.
+
+    ``{"active": "amx", "available": ["scalar", "avx2", "avxvnni", "avx512", "amx"]}``:
+    the table is chosen once per process, the best this CPU (and, for AMX,
+    the operating system) runs, or the one the ``COLIBRI_ISA`` environment
+    variable names when it can run. Every table gives prefill and decode the
+    same bits; tables differ from one another in the last bits of a result.
+    """
+    active, available = _kernel_tables()
+    return {"active": active, "available": available}
+
 
 __all__ = [
     "ChatTemplateError",
@@ -45,6 +62,7 @@ __all__ = [
     "UnsupportedModelError",
     "__version__",
     "convert",
+    "kernels",
     "plan",
     "supported_architectures",
     "supported_dtypes",

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from . import __version__
+from . import __version__, kernels
 from ._colibri import supported_dtypes
 from ._engine import Engine, convert, plan
 from ._errors import ColibriError
@@ -108,6 +108,11 @@ def _source_format(engine: Engine) -> str:
     return " / ".join(str(p) for p in parts) if parts else "unknown"
 
 
+def _kernels_line() -> str:
+    k = kernels()
+    return f"{k['active']} (this CPU: {', '.join(k['available'])}; COLIBRI_ISA picks another)"
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     engine = Engine(args.model, threads=1)
     cfg = engine.config
@@ -127,6 +132,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
             "source_format": _source_format(engine),
             "tokenizer": engine.has_tokenizer,
             "chat_template": engine.chat_template is not None,
+            "kernels": kernels(),
             "config": cfg,
         }
         if args.tensors:
@@ -156,6 +162,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
         ("vocabulary", str(engine.vocab_size)),
         ("tokenizer", "yes" if engine.has_tokenizer else "no (token ids only)"),
         ("chat template", "yes" if engine.chat_template is not None else "no"),
+        ("kernels", _kernels_line()),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:

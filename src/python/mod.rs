@@ -310,6 +310,14 @@ fn supported_dtypes() -> Vec<&'static str> {
     DType::ALL.iter().map(|d| d.name()).collect()
 }
 
+/// The kernel table in use (`COLIBRI_ISA` or the best this CPU runs) and
+/// every table this CPU and build can run, best last.
+#[pyfunction]
+fn kernel_tables() -> (&'static str, Vec<&'static str>) {
+    let available = crate::kernels::Table::available().iter().map(|t| t.isa().name()).collect();
+    (crate::kernels::isa().name(), available)
+}
+
 /// Parses a size such as "4GB" or "512MiB" into bytes.
 #[pyfunction]
 fn parse_bytes(text: &str) -> PyResult<u64> {
@@ -338,6 +346,7 @@ fn _colibri(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(supported_architectures, m)?)?;
     m.add_function(wrap_pyfunction!(supported_dtypes, m)?)?;
     m.add_function(wrap_pyfunction!(parse_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(kernel_tables, m)?)?;
     m.add_function(wrap_pyfunction!(plan_json, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
