@@ -118,8 +118,12 @@ pub type TileFn = fn(group: &[u8], q: &[BlockQ8], tokens: usize, out: &mut [f32]
 /// The tokens of one [`TileFn`] tile (a call pads its last tile).
 pub const TILE_TOKENS: usize = 16;
 
-/// Fewest tokens a matrix takes on tiles rather than vectors.
-pub const TILE_MIN_TOKENS: usize = 8;
+/// Fewest tokens a partial tile (or a matrix with fewer than
+/// [`TILE_TOKENS`]) runs on tiles; fewer go to the vector kernels. A padded
+/// tile costs about what a whole one does: on the Xeon here (one thread,
+/// `examples/kernel_speed.rs N`) tiles overtake the AVX-VNNI kernels at
+/// 12-13 tokens for q8_0x8 and mxfp4x8, about 14 for q4_0x8, 16 for q4_1x8.
+pub const TILE_MIN_TOKENS: usize = 14;
 
 /// The weight rows of one [`TileFn`] call at most: two groups.
 pub const TILE_ROWS: usize = 16;
@@ -364,11 +368,11 @@ fn rows_into(w: &Matrix, k: &TypeKernels, inp: &Input, r0: usize, r1: usize, y: 
 }
 
 /// [`rows_into`] for an interleaved type: `r0` and `r1` are multiples of 8.
-/// With a tile kernel and at least [`TILE_MIN_TOKENS`] tokens, pairs of
-/// groups take all tokens on tiles (up to [`TILE_BATCH`] per call, which
-/// repacks the pair once); else each group of eight rows takes them four
-/// tokens at a time (and the last one to three singly). Every path gives
-/// the same bits per (row, token).
+/// With a tile kernel, pairs of groups take the whole tiles of tokens, and a
+/// last partial tile of at least [`TILE_MIN_TOKENS`], on tiles (up to
+/// [`TILE_BATCH`] tokens per call, which repacks the pair once); each group
+/// of eight rows takes the other tokens four at a time (and the last one to
+/// three singly). Every path gives the same bits per (row, token).
 fn groups_into(w: &Matrix, inp: &Input, k: GroupKernels, r0: usize, r1: usize, y: YOut) {
     const G: usize = crate::quant::x8::ROWS;
     debug_assert!(r0.is_multiple_of(G) && r1.is_multiple_of(G));
@@ -380,9 +384,13 @@ fn groups_into(w: &Matrix, inp: &Input, k: GroupKernels, r0: usize, r1: usize, y
         }
     };
     let tiled = match k.tile {
-        Some(tile) if n >= TILE_MIN_TOKENS => {
-            tiles_into(w, inp, tile, r0, r1, y);
-            n
+        Some(tile) => {
+            let (whole, rest) = (n / TILE_TOKENS * TILE_TOKENS, n % TILE_TOKENS);
+            let on_tiles = if rest >= TILE_MIN_TOKENS { n } else { whole };
+            if on_tiles > 0 {
+                tiles_into(w, inp, tile, on_tiles, r0, r1, y);
+            }
+            on_tiles
         }
         _ => 0,
     };
@@ -414,12 +422,11 @@ fn groups_into(w: &Matrix, inp: &Input, k: GroupKernels, r0: usize, r1: usize, y
 /// lives on the stack: 8 KiB).
 const TILE_BATCH: usize = 8 * TILE_TOKENS;
 
-/// All tokens of rows `r0..r1` (whole groups) on `tile`.
-fn tiles_into(w: &Matrix, inp: &Input, tile: TileFn, r0: usize, r1: usize, y: YOut) {
+/// The first `n` tokens of rows `r0..r1` (whole groups) on `tile`.
+fn tiles_into(w: &Matrix, inp: &Input, tile: TileFn, n: usize, r0: usize, r1: usize, y: YOut) {
     const G: usize = crate::quant::x8::ROWS;
     let gb = G * w.row_bytes();
     let nb = w.cols / 32;
-    let n = inp.rows();
     let mut out = [0f32; TILE_BATCH * TILE_ROWS];
     let mut g = r0 / G;
     while g < r1 / G {

@@ -145,6 +145,8 @@ fn matmul_matches_naive_for_every_table_type_and_shape() {
                     (24, 64, 9),
                     (24, 64, 37),
                     (48, 160, 16),
+                    (40, 64, 15),
+                    (32, 96, 30),
                 ]
             } else if dtype.is_quantized() {
                 &[(1, 32, 1), (3, 64, 2), (31, 96, 5), (255, 32, 1), (64, 1024, 3), (7, 64, 9)]
