@@ -313,17 +313,18 @@ fn f32_dots(k: &[u8], ks: usize, nk: usize, x: &[&[f32]], out: &mut [f32], os: u
 fn f16_dots(k: &[u8], ks: usize, nk: usize, x: &[&[f32]], out: &mut [f32], os: usize) {
     dots_each::<u16>(k, ks, nk, x, out, os, dot_f16);
 }
-fn f32_axpys(o: &mut [f32], a: &[f32], v: &[u8]) {
-    let v: &[f32] = bytemuck::cast_slice(v);
+/// One axpy per output row.
+fn axpys_each<T: bytemuck::Pod>(o: &mut [f32], a: &[f32], v: &[u8], axpy: fn(&mut [f32], f32, &[T])) {
+    let v: &[T] = bytemuck::cast_slice(v);
     for (o, &a) in o.chunks_exact_mut(v.len().max(1)).zip(a) {
-        axpy_f32(o, a, v);
+        axpy(o, a, v);
     }
 }
+fn f32_axpys(o: &mut [f32], a: &[f32], v: &[u8]) {
+    axpys_each::<f32>(o, a, v, axpy_f32);
+}
 fn f16_axpys(o: &mut [f32], a: &[f32], v: &[u8]) {
-    let v: &[u16] = bytemuck::cast_slice(v);
-    for (o, &a) in o.chunks_exact_mut(v.len().max(1)).zip(a) {
-        axpy_f16(o, a, v);
-    }
+    axpys_each::<u16>(o, a, v, axpy_f16);
 }
 /// The row's axpy per output row, key by key.
 fn pv_by_axpy<T: bytemuck::Pod>(

@@ -8,11 +8,13 @@
 //! in [-127, 127], activations in [-127, 127]).
 //!
 //! Kernels are written over small `#[inline(always)]` primitives: the
-//! element loads of [`Elem`] (f32, bf16, f16 to f32 lanes; one dot and one
-//! axpy serve all three), the int8 dot `sum4_u8_i8` (the one instruction
-//! AVX-VNNI will replace), `hsum`, `f16_to_f32`; inlined into the
+//! element loads of [`Elem`] (f32, bf16, f16 to f32 lanes; one dot serves
+//! all three), the int8 dot `sum4_u8_i8` (the one instruction AVX-VNNI
+//! replaces), `hsum`, `f16_to_f32`; inlined into the
 //! `#[target_feature]` outer functions they compile to the same code as
-//! before they were factored out (kernel_speed, one and four tokens).
+//! before they were factored out (kernel_speed, one and four tokens). The
+//! attention kernels over the KV cache are in `kv.rs`, generic over the
+//! register width.
 //!
 //! The whole body of each `unsafe fn` here is the unsafe operation (raw
 //! loads and `AVX2, FMA and F16C` intrinsics), justified once by the function's
@@ -29,7 +31,7 @@ use crate::quant::q8_0::BlockQ8_0;
 use crate::quant::x8::{BlockMxfp4x8, BlockQ4_0x8, BlockQ4_1x8, BlockQ8_0x8};
 
 #[inline(always)]
-unsafe fn hsum(v: __m256) -> f32 {
+pub(super) unsafe fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
@@ -629,229 +631,3 @@ group_kernels!(vnni_gemv8_q8_0, vnni_gemm8x4_q8_0, gemm8_q8_0, BlockQ8_0x8, true
 group_kernels!(vnni_gemv8_q4_0, vnni_gemm8x4_q4_0, gemm8_q4_0, BlockQ4_0x8, true, "avx2,fma,f16c,avxvnni");
 group_kernels!(vnni_gemv8_q4_1, vnni_gemm8x4_q4_1, gemm8_q4_1, BlockQ4_1x8, true, "avx2,fma,f16c,avxvnni");
 group_kernels!(vnni_gemv8_mxfp4, vnni_gemm8x4_mxfp4, gemm8_mxfp4, BlockMxfp4x8, true, "avx2,fma,f16c,avxvnni");
-
-/// `NQ` queries × `NK` key rows of `E` (`len` values; key `j` at `k + j·ks`
-/// elements): per (query, key) one FMA chain of eight lanes, `hsum`, then
-/// the scalar tail, so a pair's bits do not depend on the tile it ran in
-/// (decode runs one query against four keys, prefill up to four queries
-/// against three). Results go to `out[q·os + j]`.
-#[inline(always)]
-unsafe fn dots_tile<E: Elem, const NQ: usize, const NK: usize>(
-    k: *const E,
-    ks: usize,
-    x: [*const f32; NQ],
-    len: usize,
-    out: *mut f32,
-    os: usize,
-) {
-    let mut c = [[_mm256_setzero_ps(); NK]; NQ];
-    let mut i = 0;
-    while i + 8 <= len {
-        let kv: [__m256; NK] = std::array::from_fn(|j| E::load8(k.add(j * ks + i)));
-        for (q, c) in c.iter_mut().enumerate() {
-            let xv = _mm256_loadu_ps(x[q].add(i));
-            for (c, kv) in c.iter_mut().zip(&kv) {
-                *c = _mm256_fmadd_ps(*kv, xv, *c);
-            }
-        }
-        i += 8;
-    }
-    for (q, c) in c.iter().enumerate() {
-        for (j, c) in c.iter().enumerate() {
-            let mut s = hsum(*c);
-            for e in i..len {
-                s += k.add(j * ks + e).read_unaligned().to_f32() * *x[q].add(e);
-            }
-            *out.add(q * os + j) = s;
-        }
-    }
-}
-
-/// [`dots_tile`] over `nk` keys for any number of queries, four at a time,
-/// in tiles of 4 × 3, 3 × 4, 2 × 4 or 1 × 4 (then single keys).
-#[inline(always)]
-unsafe fn dots_any<E: Elem>(k: &[u8], ks: usize, nk: usize, x: &[&[f32]], out: &mut [f32], os: usize) {
-    if x.len() > 4 {
-        for (c, xc) in x.chunks(4).enumerate() {
-            dots_any::<E>(k, ks, nk, xc, &mut out[c * 4 * os..], os);
-        }
-        return;
-    }
-    let nq = x.len();
-    let len = x.first().map_or(0, |q| q.len());
-    let es = std::mem::size_of::<E>();
-    assert!((1..=4).contains(&nq) && x.iter().all(|q| q.len() == len), "dots: queries");
-    assert!(nk == 0 || k.len() >= ((nk - 1) * ks + len) * es, "dots: key rows");
-    assert!(nk == 0 || (nk <= os && out.len() >= (nq - 1) * os + nk), "dots: out");
-    let kp = k.as_ptr() as *const E;
-    let o = out.as_mut_ptr();
-    let p = |i: usize| x[i].as_ptr();
-    macro_rules! run {
-        ($nq:literal, $tile:literal, [$($q:literal),*]) => {{
-            let mut j = 0;
-            while j + $tile <= nk {
-                dots_tile::<E, $nq, $tile>(kp.add(j * ks), ks, [$(p($q)),*], len, o.add(j), os);
-                j += $tile;
-            }
-            while j < nk {
-                dots_tile::<E, $nq, 1>(kp.add(j * ks), ks, [$(p($q)),*], len, o.add(j), os);
-                j += 1;
-            }
-        }};
-    }
-    match nq {
-        1 => run!(1, 4, [0]),
-        2 => run!(2, 4, [0, 1]),
-        3 => run!(3, 4, [0, 1, 2]),
-        _ => run!(4, 3, [0, 1, 2, 3]),
-    }
-}
-
-/// `o[i] += a[i] · v` for the rows `o` (`[n, len]`), reading `v` once: per
-/// row `fma(a, v, o)` over eight lanes, then `o += a · v` for the tail,
-/// whatever `n`.
-#[inline(always)]
-unsafe fn axpys_elems<E: Elem>(o: &mut [f32], a: &[f32], v: &[u8]) {
-    let len = v.len() / std::mem::size_of::<E>();
-    if a.len() > 4 {
-        for (oc, ac) in o.chunks_mut(4 * len).zip(a.chunks(4)) {
-            axpys_elems::<E>(oc, ac, v);
-        }
-        return;
-    }
-    assert!(a.len() <= 4 && o.len() == a.len() * len, "axpys: shapes");
-    let (op, vp) = (o.as_mut_ptr(), v.as_ptr() as *const E);
-    let mut av = [_mm256_setzero_ps(); 4];
-    for (r, &a) in av.iter_mut().zip(a) {
-        *r = _mm256_set1_ps(a);
-    }
-    let n = a.len();
-    let mut i = 0;
-    while i + 8 <= len {
-        let x = E::load8(vp.add(i));
-        for (q, av) in av[..n].iter().enumerate() {
-            let at = op.add(q * len + i);
-            _mm256_storeu_ps(at, _mm256_fmadd_ps(*av, x, _mm256_loadu_ps(at)));
-        }
-        i += 8;
-    }
-    while i < len {
-        let x = vp.add(i).read_unaligned().to_f32();
-        for (q, &a) in a.iter().enumerate() {
-            *op.add(q * len + i) += a * x;
-        }
-        i += 1;
-    }
-}
-
-/// `o[i] += Σ_j p[i·ps + j] · v_j` over `nk` value rows of `E` (`v_j` at
-/// `v + j · vs` elements) for the rows `o` (`[n, len]`, n ≤ 4): per element
-/// the updates of [`axpys_elems`] in the same order (`fma(p, v, o)` by key
-/// for the lanes, `o += p · v` for the tail), with the sums in registers
-/// across the keys instead of in memory.
-#[inline(always)]
-unsafe fn pv_elems<E: Elem, const N: usize>(
-    o: *mut f32,
-    len: usize,
-    p: *const f32,
-    ps: usize,
-    v: *const E,
-    vs: usize,
-    nk: usize,
-) {
-    let mut i = 0;
-    while i + 16 <= len {
-        let mut a0: [__m256; N] = std::array::from_fn(|q| _mm256_loadu_ps(o.add(q * len + i)));
-        let mut a1: [__m256; N] = std::array::from_fn(|q| _mm256_loadu_ps(o.add(q * len + i + 8)));
-        for j in 0..nk {
-            let (x0, x1) = (E::load8(v.add(j * vs + i)), E::load8(v.add(j * vs + i + 8)));
-            for q in 0..N {
-                let pj = _mm256_set1_ps(*p.add(q * ps + j));
-                a0[q] = _mm256_fmadd_ps(pj, x0, a0[q]);
-                a1[q] = _mm256_fmadd_ps(pj, x1, a1[q]);
-            }
-        }
-        for q in 0..N {
-            _mm256_storeu_ps(o.add(q * len + i), a0[q]);
-            _mm256_storeu_ps(o.add(q * len + i + 8), a1[q]);
-        }
-        i += 16;
-    }
-    while i + 8 <= len {
-        let mut a0: [__m256; N] = std::array::from_fn(|q| _mm256_loadu_ps(o.add(q * len + i)));
-        for j in 0..nk {
-            let x0 = E::load8(v.add(j * vs + i));
-            for (q, a) in a0.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(_mm256_set1_ps(*p.add(q * ps + j)), x0, *a);
-            }
-        }
-        for (q, a) in a0.iter().enumerate() {
-            _mm256_storeu_ps(o.add(q * len + i), *a);
-        }
-        i += 8;
-    }
-    while i < len {
-        for j in 0..nk {
-            let x = v.add(j * vs + i).read_unaligned().to_f32();
-            for q in 0..N {
-                *o.add(q * len + i) += *p.add(q * ps + j) * x;
-            }
-        }
-        i += 1;
-    }
-}
-
-/// [`pv_elems`] for any number of rows, four at a time, with the shapes
-/// checked.
-#[inline(always)]
-unsafe fn pv_any<E: Elem>(o: &mut [f32], p: &[f32], ps: usize, v: &[u8], vs: usize, nk: usize) {
-    let n = p.len().div_ceil(ps.max(1));
-    let len = o.len() / n.max(1);
-    if n > 4 {
-        for (c, oc) in o.chunks_mut(4 * len).enumerate() {
-            let rows = oc.len() / len;
-            let pc = &p[c * 4 * ps..(c * 4 + rows - 1) * ps + nk];
-            pv_any::<E>(oc, pc, ps, v, vs, nk);
-        }
-        return;
-    }
-    let es = std::mem::size_of::<E>();
-    assert!(n >= 1 && o.len() == n * len && nk <= ps && p.len() >= (n - 1) * ps + nk, "pv: shapes");
-    assert!(nk == 0 || v.len() >= ((nk - 1) * vs + len) * es, "pv: value rows");
-    let (op, pp, vp) = (o.as_mut_ptr(), p.as_ptr(), v.as_ptr() as *const E);
-    match n {
-        1 => pv_elems::<E, 1>(op, len, pp, ps, vp, vs, nk),
-        2 => pv_elems::<E, 2>(op, len, pp, ps, vp, vs, nk),
-        3 => pv_elems::<E, 3>(op, len, pp, ps, vp, vs, nk),
-        4 => pv_elems::<E, 4>(op, len, pp, ps, vp, vs, nk),
-        n => panic!("pv takes 1 to 4 rows, got {n}"),
-    }
-}
-
-macro_rules! kv_kernels {
-    ($dots:ident, $axpys:ident, $pv:ident, $elem:ty) => {
-        /// # Safety
-        /// AVX2, FMA and F16C must be available.
-        #[target_feature(enable = "avx2,fma,f16c")]
-        pub unsafe fn $dots(k: &[u8], ks: usize, nk: usize, x: &[&[f32]], out: &mut [f32], os: usize) {
-            dots_any::<$elem>(k, ks, nk, x, out, os)
-        }
-
-        /// # Safety
-        /// AVX2, FMA and F16C must be available.
-        #[target_feature(enable = "avx2,fma,f16c")]
-        pub unsafe fn $axpys(o: &mut [f32], a: &[f32], v: &[u8]) {
-            axpys_elems::<$elem>(o, a, v)
-        }
-
-        /// # Safety
-        /// AVX2, FMA and F16C must be available.
-        #[target_feature(enable = "avx2,fma,f16c")]
-        pub unsafe fn $pv(o: &mut [f32], p: &[f32], ps: usize, v: &[u8], vs: usize, nk: usize) {
-            pv_any::<$elem>(o, p, ps, v, vs, nk)
-        }
-    };
-}
-
-kv_kernels!(dots_f32, axpys_f32, pv_f32, f32);
-kv_kernels!(dots_f16, axpys_f16, pv_f16, F16);

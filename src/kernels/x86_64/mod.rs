@@ -7,7 +7,7 @@
 
 mod amx;
 mod avx2;
-mod avx512;
+mod kv;
 
 use super::{
     Activation, BlockQ8, Dot4Fn, DotFn, Gemm8Fn, Gemv8Fn, GroupKernels, KvKernels, Layout, TileFn, TypeKernels,
@@ -250,31 +250,11 @@ safe_group!(AvxVnni: vnni_q4_1x8_gemv, vnni_q4_1x8_gemm4, avx2::vnni_gemv8_q4_1,
 safe_group!(AvxVnni: vnni_mxfp4x8_gemv, vnni_mxfp4x8_gemm4, avx2::vnni_gemv8_mxfp4, avx2::vnni_gemm8x4_mxfp4);
 
 macro_rules! safe_kv {
-    ($dots:ident, $axpys:ident, $pv:ident, $inner_dots:path, $inner_axpys:path, $inner_pv:path) => {
+    ($proof:ident: $dots:ident, $axpys:ident, $pv:ident, $inner_dots:path, $inner_axpys:path, $inner_pv:path) => {
         fn $dots(k: &[u8], ks: usize, nk: usize, x: &[&[f32]], out: &mut [f32], os: usize) {
-            // SAFETY: as `safe_wrapper`: reachable only through `Avx2::kernels`.
-            unsafe { $inner_dots(k, ks, nk, x, out, os) }
-        }
-        fn $axpys(o: &mut [f32], a: &[f32], v: &[u8]) {
-            // SAFETY: as `safe_wrapper`: reachable only through `Avx2::kernels`.
-            unsafe { $inner_axpys(o, a, v) }
-        }
-        fn $pv(o: &mut [f32], p: &[f32], ps: usize, v: &[u8], vs: usize, nk: usize) {
-            // SAFETY: as `safe_wrapper`: reachable only through `Avx2::kernels`.
-            unsafe { $inner_pv(o, p, ps, v, vs, nk) }
-        }
-    };
-}
-
-safe_kv!(f32_dots, f32_axpys, f32_pv, avx2::dots_f32, avx2::axpys_f32, avx2::pv_f32);
-safe_kv!(f16_dots, f16_axpys, f16_pv, avx2::dots_f16, avx2::axpys_f16, avx2::pv_f16);
-
-macro_rules! safe_kv512 {
-    ($dots:ident, $axpys:ident, $pv:ident, $inner_dots:path, $inner_axpys:path, $inner_pv:path) => {
-        fn $dots(k: &[u8], ks: usize, nk: usize, x: &[&[f32]], out: &mut [f32], os: usize) {
-            // SAFETY: reachable only through `Avx512::kernels`, which needs
-            // an `Avx512`, made only by `Avx512::detect` once it has seen
-            // AVX2, FMA, F16C and AVX-512F on this CPU.
+            // SAFETY: reachable only through the `kernels` of the proof type
+            // named beside this wrapper, made only by its `detect` once it has
+            // seen on this CPU every feature the inner kernel enables.
             unsafe { $inner_dots(k, ks, nk, x, out, os) }
         }
         fn $axpys(o: &mut [f32], a: &[f32], v: &[u8]) {
@@ -288,5 +268,7 @@ macro_rules! safe_kv512 {
     };
 }
 
-safe_kv512!(z_f32_dots, z_f32_axpys, z_f32_pv, avx512::dots_f32, avx512::axpys_f32, avx512::pv_f32);
-safe_kv512!(z_f16_dots, z_f16_axpys, z_f16_pv, avx512::dots_f16, avx512::axpys_f16, avx512::pv_f16);
+safe_kv!(Avx2: f32_dots, f32_axpys, f32_pv, kv::ymm_dots_f32, kv::ymm_axpys_f32, kv::ymm_pv_f32);
+safe_kv!(Avx2: f16_dots, f16_axpys, f16_pv, kv::ymm_dots_f16, kv::ymm_axpys_f16, kv::ymm_pv_f16);
+safe_kv!(Avx512: z_f32_dots, z_f32_axpys, z_f32_pv, kv::zmm_dots_f32, kv::zmm_axpys_f32, kv::zmm_pv_f32);
+safe_kv!(Avx512: z_f16_dots, z_f16_axpys, z_f16_pv, kv::zmm_dots_f16, kv::zmm_axpys_f16, kv::zmm_pv_f16);
