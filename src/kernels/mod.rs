@@ -115,18 +115,32 @@ pub const GEMM8_TOKENS: usize = 4;
 /// come out zero). Per (row, token) the same bits as [`Gemv8Fn`].
 pub type TileFn = fn(group: &[u8], q: &[BlockQ8], tokens: usize, out: &mut [f32]);
 
-/// The tokens of one [`TileFn`] tile (a call pads its last tile).
-pub const TILE_TOKENS: usize = 16;
-
-/// Fewest tokens a partial tile (or a matrix with fewer than
-/// [`TILE_TOKENS`]) runs on tiles; fewer go to the vector kernels. A padded
-/// tile costs about what a whole one does: on the Xeon here (one thread,
-/// `examples/kernel_speed.rs N`) tiles overtake the AVX-VNNI kernels at
-/// 12-13 tokens for q8_0x8 and mxfp4x8, about 14 for q4_0x8, 16 for q4_1x8.
-pub const TILE_MIN_TOKENS: usize = 14;
-
 /// The weight rows of one [`TileFn`] call at most: two groups.
 pub const TILE_ROWS: usize = 16;
+
+/// A prefill kernel over 16 rows ([`TileFn`]) and which tokens it takes.
+#[derive(Clone, Copy)]
+pub struct Tiles {
+    /// The kernel.
+    pub f: TileFn,
+    /// The tokens it computes at once, padding a last partial step (16 for
+    /// AMX tiles; 1: no padding).
+    pub step: usize,
+    /// Fewest tokens worth a call; a padded last step must hold at least
+    /// as many. Fewer go to the vector kernels.
+    pub min: usize,
+}
+
+impl Tiles {
+    /// How many of `n` tokens go to the tiles: whole steps, the last
+    /// partial one too if it holds at least `min` tokens, none if that
+    /// leaves fewer than `min`.
+    pub fn tokens(&self, n: usize) -> usize {
+        let (whole, rest) = (n / self.step * self.step, n % self.step);
+        let on = if rest >= self.min { n } else { whole };
+        if on >= self.min { on } else { 0 }
+    }
+}
 
 /// The kernels of one interleaved type.
 #[derive(Clone, Copy)]
@@ -135,9 +149,9 @@ pub struct GroupKernels {
     pub one: Gemv8Fn,
     /// Up to [`GEMM8_TOKENS`] tokens (`None`: single calls).
     pub many: Option<Gemm8Fn>,
-    /// Matrix tiles for prefill: 16 rows by multiples of 16 tokens (`None`:
-    /// the vector kernels do all tokens).
-    pub tile: Option<TileFn>,
+    /// Sixteen-row kernels for prefill (AMX tiles, AVX-512 VNNI; `None`:
+    /// the 8-row kernels do all tokens).
+    pub tile: Option<Tiles>,
 }
 
 /// What a weight type's kernels multiply against.
@@ -368,11 +382,11 @@ fn rows_into(w: &Matrix, k: &TypeKernels, inp: &Input, r0: usize, r1: usize, y: 
 }
 
 /// [`rows_into`] for an interleaved type: `r0` and `r1` are multiples of 8.
-/// With a tile kernel, pairs of groups take the whole tiles of tokens, and a
-/// last partial tile of at least [`TILE_MIN_TOKENS`], on tiles (up to
-/// [`TILE_BATCH`] tokens per call, which repacks the pair once); each group
-/// of eight rows takes the other tokens four at a time (and the last one to
-/// three singly). Every path gives the same bits per (row, token).
+/// With 16-row kernels, pairs of groups take the tokens [`Tiles::tokens`]
+/// gives them (up to [`TILE_BATCH`] tokens per call, which repacks the pair
+/// once); each group of eight rows takes the other tokens four at a time
+/// (and the last one to three singly). Every path gives the same bits per
+/// (row, token).
 fn groups_into(w: &Matrix, inp: &Input, k: GroupKernels, r0: usize, r1: usize, y: YOut) {
     const G: usize = crate::quant::x8::ROWS;
     debug_assert!(r0.is_multiple_of(G) && r1.is_multiple_of(G));
@@ -384,11 +398,10 @@ fn groups_into(w: &Matrix, inp: &Input, k: GroupKernels, r0: usize, r1: usize, y
         }
     };
     let tiled = match k.tile {
-        Some(tile) => {
-            let (whole, rest) = (n / TILE_TOKENS * TILE_TOKENS, n % TILE_TOKENS);
-            let on_tiles = if rest >= TILE_MIN_TOKENS { n } else { whole };
+        Some(tiles) => {
+            let on_tiles = tiles.tokens(n);
             if on_tiles > 0 {
-                tiles_into(w, inp, tile, on_tiles, r0, r1, y);
+                tiles_into(w, inp, tiles.f, on_tiles, r0, r1, y);
             }
             on_tiles
         }
@@ -420,7 +433,7 @@ fn groups_into(w: &Matrix, inp: &Input, k: GroupKernels, r0: usize, r1: usize, y
 
 /// Most tokens one [`TileFn`] call of [`tiles_into`] takes (its output
 /// lives on the stack: 8 KiB).
-const TILE_BATCH: usize = 8 * TILE_TOKENS;
+const TILE_BATCH: usize = 128;
 
 /// The first `n` tokens of rows `r0..r1` (whole groups) on `tile`.
 fn tiles_into(w: &Matrix, inp: &Input, tile: TileFn, n: usize, r0: usize, r1: usize, y: YOut) {

@@ -313,7 +313,7 @@ fn tiles_of_every_table_give_the_one_token_bits() {
         let mut s = 41u64;
         for dtype in DType::INTERLEAVED {
             let Layout::Groups(k) = table.kernels(dtype).layout else { panic!("{dtype} is interleaved") };
-            let Some(tile) = k.tile else { continue };
+            let Some(Tiles { f: tile, .. }) = k.tile else { continue };
             ran += 1;
             for (n, groups, tokens) in [
                 (32, 1, 16),

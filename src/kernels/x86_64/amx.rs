@@ -24,18 +24,12 @@
 
 use std::arch::asm;
 use std::arch::x86_64::*;
-use std::cell::RefCell;
 
+use super::pack::{self, PACK, PACKED, Packed, ROWS, TileBlock};
 use crate::kernels::BlockQ8;
-use crate::quant::mxfp4::{LUT2, half_scale};
-use crate::quant::x8::{BlockMxfp4x8, BlockQ4_0x8, BlockQ4_1x8, BlockQ8_0x8, ROWS as GROUP};
 
 /// Tokens per tile (the rows of an A tile).
 pub const TOKENS: usize = 16;
-/// Weight rows per tile: two groups, the sixteen i32 columns of a C tile.
-pub const ROWS: usize = 2 * GROUP;
-/// Bytes of one packed block column: 32 weights of each of the 16 rows.
-const PACKED: usize = 32 * ROWS;
 
 /// The tile configuration `ldtilecfg` reads (palette 1).
 #[repr(C, align(64))]
@@ -69,131 +63,6 @@ impl Config {
     }
 }
 
-/// One call's weights in the B layout, with their scales (and minimums) as
-/// f32: per block column `w[512 b..]`, `scales[16 b..]`, `mins[16 b..]`;
-/// and a zero-padded copy of a last, partial tile of tokens.
-#[derive(Default)]
-pub struct Packed {
-    w: Vec<i8>,
-    scales: Vec<f32>,
-    mins: Vec<f32>,
-    pad: Vec<BlockQ8>,
-}
-
-impl Packed {
-    /// Room for `nb` block columns (kept between calls: no clearing, every
-    /// byte a call reads is written by its packing).
-    fn reserve(&mut self, nb: usize) {
-        if self.w.len() < nb * PACKED {
-            self.w.resize(nb * PACKED, 0);
-            self.scales.resize(nb * ROWS, 0.0);
-            self.mins.resize(nb * ROWS, 0.0);
-        }
-    }
-
-    /// Half `h` of block column `b` as zeros (no second group).
-    fn zero(&mut self, b: usize, h: usize) {
-        for k in 0..8 {
-            let at = b * PACKED + 64 * k + 32 * h;
-            self.w[at..at + 32].fill(0);
-        }
-        let at = ROWS * b + GROUP * h;
-        self.scales[at..at + GROUP].fill(0.0);
-        self.mins[at..at + GROUP].fill(0.0);
-    }
-}
-
-thread_local! {
-    /// Per-thread repacking buffer, grown to the widest matrix seen.
-    static PACK: RefCell<Packed> = RefCell::new(Packed::default());
-}
-
-/// Where one group block goes in the packed buffers: its half of a block
-/// column's B rows (`w`, rows 64 bytes apart), its eight scales and its
-/// eight minimums.
-pub struct Dest {
-    w: *mut i8,
-    scales: *mut f32,
-    mins: *mut f32,
-}
-
-/// Eight f16 values as f32.
-#[inline(always)]
-unsafe fn f16x8(d: &[u16; GROUP], out: *mut f32) {
-    _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr() as *const __m128i)));
-}
-
-/// Widens a group block's 4-bit codes into B rows: low nibbles of run `j`
-/// are weights `4j..4j+4` of each row (B row `j`), high nibbles weights
-/// `16 + 4j..` (B row `4 + j`), each code through `value` (32 at a time).
-#[inline(always)]
-unsafe fn unpack_codes(qs: &[u8; 16 * GROUP], w: *mut i8, value: impl Fn(__m256i) -> __m256i) {
-    let mask = _mm256_set1_epi8(0x0F);
-    for j in 0..4 {
-        let raw = _mm256_loadu_si256(qs.as_ptr().add(32 * j) as *const __m256i);
-        let lo = _mm256_and_si256(raw, mask);
-        let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-        _mm256_storeu_si256(w.add(64 * j) as *mut __m256i, value(lo));
-        _mm256_storeu_si256(w.add(64 * (4 + j)) as *mut __m256i, value(hi));
-    }
-}
-
-/// The interleaved block types the tiles multiply.
-pub trait TileBlock: bytemuck::Pod {
-    /// Whether the type adds `min · Σ activations` per block (q4_1).
-    const MINS: bool;
-    /// Writes this group block to `to` as signed bytes and f32 scales.
-    ///
-    /// # Safety
-    /// AVX2 and F16C; `to` points into buffers with room for a block column.
-    unsafe fn pack(&self, to: &Dest);
-}
-
-impl TileBlock for BlockQ8_0x8 {
-    const MINS: bool = false;
-    #[inline(always)]
-    unsafe fn pack(&self, to: &Dest) {
-        for k in 0..8 {
-            let v = _mm256_loadu_si256(self.qs.as_ptr().add(32 * k) as *const __m256i);
-            _mm256_storeu_si256(to.w.add(64 * k) as *mut __m256i, v);
-        }
-        f16x8(&self.d, to.scales);
-    }
-}
-
-impl TileBlock for BlockQ4_0x8 {
-    const MINS: bool = false;
-    #[inline(always)]
-    unsafe fn pack(&self, to: &Dest) {
-        // Codes are stored +8: the tile sums Σ (c − 8)·q directly.
-        let eight = _mm256_set1_epi8(8);
-        unpack_codes(&self.qs, to.w, |c| _mm256_sub_epi8(c, eight));
-        f16x8(&self.d, to.scales);
-    }
-}
-
-impl TileBlock for BlockQ4_1x8 {
-    const MINS: bool = true;
-    #[inline(always)]
-    unsafe fn pack(&self, to: &Dest) {
-        unpack_codes(&self.qs, to.w, |c| c);
-        f16x8(&self.d, to.scales);
-        f16x8(&self.m, to.mins);
-    }
-}
-
-impl TileBlock for BlockMxfp4x8 {
-    const MINS: bool = false;
-    #[inline(always)]
-    unsafe fn pack(&self, to: &Dest) {
-        let lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(LUT2.as_ptr() as *const __m128i));
-        unpack_codes(&self.qs, to.w, |c| _mm256_shuffle_epi8(lut, c));
-        for (l, &e) in self.e.iter().enumerate() {
-            *to.scales.add(l) = half_scale(e);
-        }
-    }
-}
-
 /// One or two interleaved groups (`groups`, whole groups of `B`) against
 /// `tokens` tokens whose quantised rows are `q` (`[tokens, nb]`):
 /// `out[t · 16 + r]` for token `t`, row `r` of the groups (rows past the
@@ -205,32 +74,9 @@ impl TileBlock for BlockMxfp4x8 {
 /// and this process the kernel's permission to use tiles ([`usable`]).
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 pub unsafe fn tiles<B: TileBlock>(groups: &[u8], q: &[BlockQ8], tokens: usize, out: &mut [f32]) {
-    assert!(tokens > 0, "tiles need at least one token");
-    let nb = q.len() / tokens;
-    assert_eq!(q.len(), tokens * nb, "q is not [tokens, nb]");
-    let blocks: &[B] = bytemuck::cast_slice(groups);
-    let ng = blocks.len() / nb.max(1);
-    assert!(nb > 0 && (ng == 1 || ng == 2) && blocks.len() == ng * nb, "tiles take one or two whole groups");
-    assert_eq!(out.len(), tokens * ROWS, "out is not [tokens, 16]");
+    let nb = pack::check::<B>(groups, q, tokens, out);
     PACK.with_borrow_mut(|p| {
-        p.reserve(nb);
-        for (h, g) in blocks.chunks_exact(nb).enumerate() {
-            for (b, blk) in g.iter().enumerate() {
-                // The packing is the first touch of the weights: ask for
-                // them ahead, as the vector kernels do.
-                super::avx2::prefetch_ahead(blk as *const B as *const u8, std::mem::size_of::<B>());
-                let at = ROWS * b + GROUP * h;
-                let to = Dest {
-                    w: p.w.as_mut_ptr().add(b * PACKED + 32 * h),
-                    scales: p.scales.as_mut_ptr().add(at),
-                    mins: p.mins.as_mut_ptr().add(at),
-                };
-                blk.pack(&to);
-            }
-        }
-        if ng == 1 {
-            (0..nb).for_each(|b| p.zero(b, 1));
-        }
+        pack::pack::<B>(p, bytemuck::cast_slice(groups), nb);
         let cfg = Config::tiles();
         asm!("ldtilecfg [{}]", in(reg) &cfg, options(nostack, readonly));
         let whole = tokens / TOKENS * TOKENS;

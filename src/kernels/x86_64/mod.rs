@@ -7,10 +7,12 @@
 
 mod amx;
 mod avx2;
+mod avx512;
 mod kv;
+mod pack;
 
 use super::{
-    Activation, BlockQ8, Dot4Fn, DotFn, Gemm8Fn, Gemv8Fn, GroupKernels, KvKernels, Layout, TileFn, TypeKernels,
+    Activation, BlockQ8, Dot4Fn, DotFn, Gemm8Fn, Gemv8Fn, GroupKernels, KvKernels, Layout, TileFn, Tiles, TypeKernels,
 };
 use crate::quant::DType;
 
@@ -95,10 +97,15 @@ impl AvxVnni {
 }
 
 /// Proof that this CPU runs the AVX-512 table: the AVX-VNNI table (the AVX2
-/// one on a CPU without AVX-VNNI) with AVX-512F attention kernels. Only
-/// [`Avx512::detect`] makes one.
+/// one on a CPU without AVX-VNNI) with AVX-512F attention kernels and, where
+/// the CPU has AVX-512BW and AVX-512VNNI, 16-row VNNI kernels for prefill.
+/// Only [`Avx512::detect`] makes one.
 #[derive(Clone, Copy, Debug)]
-pub struct Avx512(Base);
+pub struct Avx512 {
+    base: Base,
+    /// AVX-512BW and AVX-512VNNI (the 16-row prefill kernels).
+    vnni: bool,
+}
 
 /// The table an [`Avx512`] builds on.
 #[derive(Clone, Copy, Debug)]
@@ -107,6 +114,15 @@ enum Base {
     AvxVnni(AvxVnni),
 }
 
+/// Fewest tokens the AVX-512 16-row kernels take: with fewer, repacking the
+/// weights costs more than the wider `vpdpbusd` saves, and the 8-row
+/// kernels are faster. On the Xeon here (one thread, L2-resident 256 × 2048
+/// matrix, `examples/kernel_speed.rs N`) the 16-row kernels lose at 6
+/// tokens (0.36-0.41 ns per 32 weights and token against 0.26-0.37), are
+/// level or ahead from 10 (q4_0x8 from about 12), and reach about 1.2-2×
+/// at 64 tokens (0.16-0.19 ns against 0.23-0.35).
+const ROWS16_MIN_TOKENS: usize = 10;
+
 impl Avx512 {
     /// `Some` when this CPU has AVX-512F besides the AVX2 table's features.
     pub fn detect() -> Option<Avx512> {
@@ -114,17 +130,30 @@ impl Avx512 {
         if !is_x86_feature_detected!("avx512f") {
             return None;
         }
-        Some(Avx512(AvxVnni::detect().map_or(Base::Avx2(avx2), Base::AvxVnni)))
+        let vnni = is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vnni");
+        Some(Avx512 { base: AvxVnni::detect().map_or(Base::Avx2(avx2), Base::AvxVnni), vnni })
     }
 
     /// The base table's kernels, with sixteen-lane attention kernels for the
-    /// KV cache's types. The weight kernels stay 256-bit: AVX-512 over the
-    /// 8-row interleaved layout measured slower (docs/ARCHITECTURE.md).
+    /// KV cache's types and, in the interleaved types, 16-row VNNI kernels
+    /// for prefill. Decode stays on the 256-bit 8-row kernels: one token per
+    /// weight load is bound by memory, and AVX-512 over the 8-row layout
+    /// measured slower (docs/ARCHITECTURE.md).
     pub fn kernels(self, dtype: DType) -> TypeKernels {
-        let k = match self.0 {
+        let mut k = match self.base {
             Base::Avx2(t) => t.kernels(dtype),
             Base::AvxVnni(t) => t.kernels(dtype),
         };
+        let rows16: Option<TileFn> = match dtype {
+            DType::F32 | DType::Bf16 | DType::F16 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Mxfp4 => None,
+            DType::Q8_0x8 => Some(z_q8_0x8),
+            DType::Q4_0x8 => Some(z_q4_0x8),
+            DType::Q4_1x8 => Some(z_q4_1x8),
+            DType::Mxfp4x8 => Some(z_mxfp4x8),
+        };
+        if let (Layout::Groups(g), Some(f), true) = (&mut k.layout, rows16, self.vnni) {
+            g.tile = Some(Tiles { f, step: 1, min: ROWS16_MIN_TOKENS });
+        }
         let kv = match dtype {
             DType::F32 => KvKernels { dots: z_f32_dots, axpys: z_f32_axpys, pv: z_f32_pv },
             DType::F16 => KvKernels { dots: z_f16_dots, axpys: z_f16_axpys, pv: z_f16_pv },
@@ -148,6 +177,16 @@ impl Avx512 {
 #[derive(Clone, Copy, Debug)]
 pub struct Amx(Avx512);
 
+/// Tokens per AMX tile; a call pads its last partial tile.
+const AMX_TOKENS: usize = amx::TOKENS;
+
+/// Fewest tokens a partial tile (or a matrix with fewer than
+/// [`AMX_TOKENS`]) runs on tiles; fewer go to the vector kernels. A padded
+/// tile costs about what a whole one does: on the Xeon here (one thread,
+/// `examples/kernel_speed.rs N`) tiles overtake the AVX-VNNI kernels at
+/// 12-13 tokens for q8_0x8 and mxfp4x8, about 14 for q4_0x8, 16 for q4_1x8.
+const AMX_MIN_TOKENS: usize = 14;
+
 impl Amx {
     /// `Some` when this process can run the AMX tiles (see [`amx::usable`]).
     pub fn detect() -> Option<Amx> {
@@ -167,8 +206,8 @@ impl Amx {
             DType::Q4_1x8 => Some(amx_q4_1x8),
             DType::Mxfp4x8 => Some(amx_mxfp4x8),
         };
-        if let Layout::Groups(g) = &mut k.layout {
-            g.tile = tile;
+        if let (Layout::Groups(g), Some(f)) = (&mut k.layout, tile) {
+            g.tile = Some(Tiles { f, step: AMX_TOKENS, min: AMX_MIN_TOKENS });
         }
         k
     }
@@ -191,6 +230,22 @@ safe_tile!(amx_q8_0x8, crate::quant::x8::BlockQ8_0x8);
 safe_tile!(amx_q4_0x8, crate::quant::x8::BlockQ4_0x8);
 safe_tile!(amx_q4_1x8, crate::quant::x8::BlockQ4_1x8);
 safe_tile!(amx_mxfp4x8, crate::quant::x8::BlockMxfp4x8);
+
+macro_rules! safe_rows16 {
+    ($name:ident, $block:ty) => {
+        fn $name(group: &[u8], q: &[BlockQ8], tokens: usize, out: &mut [f32]) {
+            // SAFETY: reachable only through `Avx512::kernels` when its
+            // `vnni` is set, which `Avx512::detect` does only after seeing
+            // AVX2, FMA, F16C, AVX-512F, AVX-512BW and AVX-512VNNI on this CPU.
+            unsafe { avx512::rows16::<$block>(group, q, tokens, out) }
+        }
+    };
+}
+
+safe_rows16!(z_q8_0x8, crate::quant::x8::BlockQ8_0x8);
+safe_rows16!(z_q4_0x8, crate::quant::x8::BlockQ4_0x8);
+safe_rows16!(z_q4_1x8, crate::quant::x8::BlockQ4_1x8);
+safe_rows16!(z_mxfp4x8, crate::quant::x8::BlockMxfp4x8);
 
 macro_rules! safe_wrapper {
     ($name:ident, $inner:path) => {

@@ -1,0 +1,91 @@
+//! AVX-512 VNNI kernels for prefill: sixteen weight rows (two interleaved
+//! groups, repacked once per call by `pack.rs`) against a run of tokens,
+//! one 512-bit register per token holding the sixteen rows' sums.
+//!
+//! A packed 64-byte row is weights `4k..4k+4` of each of the sixteen rows,
+//! so `vpdpbusd` against the token's four activation bytes `4k..4k+4`
+//! (broadcast to every lane) adds four products to each row's lane. The
+//! instruction multiplies unsigned by signed bytes: the weights are signed,
+//! so they enter as `w + 128` (one `xor` per load, shared by every token)
+//! and `128 · Σ a` (the activation block's `sum`) comes off the block's
+//! integer sum, which is then `Σ w · a` exactly, the integer every other
+//! table sums. The scaling is the AVX2 group kernels' (`fma(dw · da, isum,
+//! acc)`, q4_1's `fma(m, da · Σa, ·)` after it, in that order), so these
+//! kernels give the AVX2 and AVX-VNNI tables' bits, and prefill here agrees
+//! with decode on the 256-bit kernels.
+#![allow(unsafe_op_in_unsafe_fn)]
+
+use std::arch::x86_64::*;
+
+use super::pack::{self, PACK, PACKED, Packed, ROWS, TileBlock};
+use crate::kernels::BlockQ8;
+
+/// Tokens whose sums live in registers at once: 2 · 12 accumulators plus
+/// the weights leave a few of the 32 registers spare.
+const TOKENS: usize = 12;
+
+/// One or two interleaved groups (`groups`, whole groups of `B`) against
+/// `tokens` tokens whose quantised rows are `q` (`[tokens, nb]`):
+/// `out[t · 16 + r]` for token `t`, row `r` of the groups (rows past the
+/// groups come out zero).
+///
+/// # Safety
+/// The CPU must have AVX-512F, AVX-512BW, AVX-512VNNI, AVX2, FMA and F16C.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn rows16<B: TileBlock>(groups: &[u8], q: &[BlockQ8], tokens: usize, out: &mut [f32]) {
+    let nb = pack::check::<B>(groups, q, tokens, out);
+    PACK.with_borrow_mut(|p| {
+        pack::pack::<B>(p, bytemuck::cast_slice(groups), nb);
+        let mut t = 0;
+        while t < tokens {
+            let (qt, o) = (q.as_ptr().add(t * nb), out.as_mut_ptr().add(t * ROWS));
+            let m = (tokens - t).min(TOKENS);
+            match m {
+                12 => run::<B, 12>(p, qt, nb, o),
+                11 => run::<B, 11>(p, qt, nb, o),
+                10 => run::<B, 10>(p, qt, nb, o),
+                9 => run::<B, 9>(p, qt, nb, o),
+                8 => run::<B, 8>(p, qt, nb, o),
+                7 => run::<B, 7>(p, qt, nb, o),
+                6 => run::<B, 6>(p, qt, nb, o),
+                5 => run::<B, 5>(p, qt, nb, o),
+                4 => run::<B, 4>(p, qt, nb, o),
+                3 => run::<B, 3>(p, qt, nb, o),
+                2 => run::<B, 2>(p, qt, nb, o),
+                _ => run::<B, 1>(p, qt, nb, o),
+            }
+            t += m;
+        }
+    });
+}
+
+/// `T` tokens (`q`, `[T, nb]`) against the packed pair, into `out`
+/// (`[T, 16]`).
+#[inline(always)]
+unsafe fn run<B: TileBlock, const T: usize>(p: &Packed, q: *const BlockQ8, nb: usize, out: *mut f32) {
+    let flip = _mm512_set1_epi8(-128);
+    let mut acc = [_mm512_setzero_ps(); T];
+    for b in 0..nb {
+        let w = p.w.as_ptr().add(b * PACKED);
+        let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q.add(t * nb + b));
+        let mut isum = [_mm512_setzero_si512(); T];
+        for k in 0..8 {
+            let wk = _mm512_xor_si512(_mm512_loadu_si512(w.add(64 * k) as *const __m512i), flip);
+            for t in 0..T {
+                let a = _mm512_set1_epi32((ba[t].qs.as_ptr().add(4 * k) as *const i32).read_unaligned());
+                isum[t] = _mm512_dpbusd_epi32(isum[t], wk, a);
+            }
+        }
+        let dw = _mm512_loadu_ps(p.scales.as_ptr().add(ROWS * b));
+        let m = if B::MINS { _mm512_loadu_ps(p.mins.as_ptr().add(ROWS * b)) } else { _mm512_setzero_ps() };
+        for t in 0..T {
+            // Σ (w + 128)·a − 128·Σa = Σ w·a.
+            let s = _mm512_sub_epi32(isum[t], _mm512_set1_epi32(128 * ba[t].sum));
+            let a = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(ba[t].d)), _mm512_cvtepi32_ps(s), acc[t]);
+            acc[t] = if B::MINS { _mm512_fmadd_ps(m, _mm512_set1_ps(ba[t].scaled_sum()), a) } else { a };
+        }
+    }
+    for (t, a) in acc.iter().enumerate() {
+        _mm512_storeu_ps(out.add(t * ROWS), *a);
+    }
+}
