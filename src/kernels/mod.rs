@@ -173,8 +173,13 @@ pub enum Layout {
         /// One row against one token.
         dot: DotFn,
         /// One row against four tokens, the same bits as four `dot`s
-        /// (`None`: four single dots).
+        /// (block types; `None`: four single dots).
         tile: Option<Dot4Fn>,
+        /// Up to [`KV_QUERIES`] tokens against a run of rows, in register
+        /// tiles of several rows by several tokens, the same bits as `dot`
+        /// per (row, token): the attention score kernel, with weight rows
+        /// as keys (element types; `None`: single dots).
+        dots: Option<DotsFn>,
     },
     /// Interleaved in groups of eight rows ([`crate::quant::x8`]).
     Groups(GroupKernels),
@@ -355,7 +360,8 @@ fn check(w: &Matrix, k: &TypeKernels, inp: &Input, y: &[f32]) -> usize {
 /// tile saves the unpacking).
 fn rows_into(w: &Matrix, k: &TypeKernels, inp: &Input, r0: usize, r1: usize, y: YOut) {
     let (dot, tile) = match k.layout {
-        Layout::Rows { dot, tile } => (dot, tile),
+        Layout::Rows { dots: Some(dots), .. } => return elems_into(w, inp, dots, r0, r1, y),
+        Layout::Rows { dot, tile, dots: None } => (dot, tile),
         Layout::Groups(g) => return groups_into(w, inp, g, r0, r1, y),
     };
     let rb = w.row_bytes();
@@ -377,6 +383,53 @@ fn rows_into(w: &Matrix, k: &TypeKernels, inp: &Input, r0: usize, r1: usize, y: 
             let (x, q) = inp.row(t);
             y.set(t * w.rows + r, dot(row, x, q));
             t += 1;
+        }
+    }
+}
+
+/// Rows one [`DotsFn`] call of [`elems_into`] takes at most (its output
+/// lives on the stack: 8 KiB).
+const ELEM_ROWS: usize = 256;
+
+/// Bytes of weight rows one [`DotsFn`] call of [`elems_into`] takes: the
+/// rows stay in L1 while each token's activations stream past them.
+const ELEM_RUN_BYTES: usize = 24 * 1024;
+
+/// Tokens whose activations [`elems_into`] keeps hot while it runs through
+/// the task's rows (64 tokens of 2048 f32 values: 512 KiB, in L2).
+const ELEM_TOKENS: usize = 64;
+
+/// [`rows_into`] for an element type with a [`DotsFn`]: rows `r0..r1` in
+/// runs of up to [`ELEM_ROWS`], against the tokens [`KV_QUERIES`] at a
+/// time, [`ELEM_TOKENS`] tokens per sweep of the rows.
+fn elems_into(w: &Matrix, inp: &Input, dots: DotsFn, r0: usize, r1: usize, y: YOut) {
+    let rb = w.row_bytes();
+    let n = inp.rows();
+    // One token (decode) streams every row once anyway: whole runs. Else
+    // rows that stay in L1, a multiple of twelve or else of three where it
+    // can be (the register tiles take three or four rows).
+    let run = if n == 1 { ELEM_ROWS } else { (ELEM_RUN_BYTES / rb).clamp(1, ELEM_ROWS) };
+    let run = match run {
+        12.. => run / 12 * 12,
+        3.. => run / 3 * 3,
+        _ => run,
+    };
+    let mut out = [0f32; KV_QUERIES * ELEM_ROWS];
+    for t0 in (0..n).step_by(ELEM_TOKENS) {
+        let t1 = (t0 + ELEM_TOKENS).min(n);
+        for ra in (r0..r1).step_by(run) {
+            let nr = run.min(r1 - ra);
+            let rows = &w.bytes[ra * rb..(ra + nr) * rb];
+            for t in (t0..t1).step_by(KV_QUERIES) {
+                let nt = KV_QUERIES.min(t1 - t);
+                let x: [&[f32]; KV_QUERIES] = std::array::from_fn(|i| inp.row((t + i).min(n - 1)).0);
+                dots(rows, w.cols, nr, &x[..nt], &mut out, ELEM_ROWS);
+                for (i, o) in out.chunks_exact(ELEM_ROWS).take(nt).enumerate() {
+                    for (j, v) in o[..nr].iter().enumerate() {
+                        y.set((t + i) * w.rows + ra + j, *v);
+                    }
+                }
+            }
         }
     }
 }
@@ -493,6 +546,8 @@ fn rows_per_task(w: &Matrix, k: &TypeKernels, threads: usize) -> usize {
     let by_threads = w.rows.div_ceil(threads * 4).max(1);
     let unit = match k.layout {
         Layout::Groups(GroupKernels { tile: Some(_), .. }) => TILE_ROWS,
+        // Whole register tiles of three or four rows.
+        Layout::Rows { dots: Some(_), .. } => 12,
         _ => w.dtype.group_rows(),
     };
     by_bytes.min(by_threads).max(1).next_multiple_of(unit)

@@ -360,7 +360,7 @@ pub(super) fn kernels(dtype: DType) -> TypeKernels {
     use Activation::{F32, Q8};
     let rows = |activation: Activation, dot: DotFn| TypeKernels {
         activation,
-        layout: Layout::Rows { dot, tile: None },
+        layout: Layout::Rows { dot, tile: None, dots: None },
         kv: None,
     };
     let group = |one: Gemv8Fn| TypeKernels {

@@ -227,7 +227,7 @@ fn tiles_of_every_table_match_single_dots() {
     for table in tables() {
         let mut s = 23u64;
         for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
-            let Layout::Rows { dot, tile: Some(tile) } = table.kernels(dtype).layout else { continue };
+            let Layout::Rows { dot, tile: Some(tile), .. } = table.kernels(dtype).layout else { continue };
             for n in [32, 96, 2048] {
                 let w: Vec<f32> = (0..n).map(|_| lcg(&mut s)).collect();
                 let buf = encoded(dtype, &w, n);
@@ -247,6 +247,45 @@ fn tiles_of_every_table_match_single_dots() {
             }
         }
     }
+}
+
+/// The register tiles of the element types (`Layout::Rows::dots`) give
+/// every (row, token) the bits of the table's single dot, whatever the
+/// numbers of rows and tokens in the call.
+#[test]
+fn element_row_tiles_give_the_single_dot_bits() {
+    let mut ran = 0;
+    for table in tables() {
+        let mut s = 47u64;
+        for dtype in [DType::F32, DType::Bf16, DType::F16] {
+            let Layout::Rows { dot, dots: Some(dots), .. } = table.kernels(dtype).layout else { continue };
+            ran += 1;
+            for n in [1, 15, 16, 33, 2048 + 7] {
+                let rows = 13;
+                let w: Vec<f32> = (0..rows * n).map(|_| lcg(&mut s)).collect();
+                let buf = encoded(dtype, &w, n);
+                let rb = dtype.row_bytes(n).unwrap();
+                let m = &bytemuck::cast_slice::<u64, u8>(&buf)[..rows * rb];
+                let x: Vec<f32> = (0..KV_QUERIES * n).map(|_| lcg(&mut s) * 2.0).collect();
+                let toks: Vec<&[f32]> = x.chunks_exact(n).collect();
+                for nt in 1..=KV_QUERIES {
+                    for nr in [1, 3, 4, 5, 12, 13] {
+                        let mut out = vec![f32::NAN; nt * rows];
+                        dots(m, n, nr, &toks[..nt], &mut out, rows);
+                        for (t, x) in toks[..nt].iter().enumerate() {
+                            for r in 0..nr {
+                                let want = dot(&m[r * rb..(r + 1) * rb], x, &[]);
+                                let what =
+                                    format!("{} {dtype} n={n} tokens={nt} rows={nr}: row {r} token {t}", table.isa());
+                                assert_eq!(out[t * rows + r].to_bits(), want.to_bits(), "{what}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    eprintln!("{ran} element tile kernels tested");
 }
 
 /// Each interleaved kernel of every table against its scalar twin, the

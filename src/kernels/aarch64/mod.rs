@@ -23,7 +23,8 @@ impl Neon {
     /// The NEON kernels of `dtype` (row dots one token at a time, group
     /// kernels one token at a time: prefill calls them per token).
     pub fn kernels(self, dtype: DType) -> TypeKernels {
-        let dot = |dot: DotFn| TypeKernels { layout: Layout::Rows { dot, tile: None }, ..scalar::kernels(dtype) };
+        let dot =
+            |dot: DotFn| TypeKernels { layout: Layout::Rows { dot, tile: None, dots: None }, ..scalar::kernels(dtype) };
         let group = |one: Gemv8Fn| TypeKernels {
             layout: Layout::Groups(GroupKernels { one, many: None, tile: None }),
             ..scalar::kernels(dtype)

@@ -7,14 +7,13 @@
 //! 2·127·127 < 2^15, so the 16-bit intermediate never saturates (weights are
 //! in [-127, 127], activations in [-127, 127]).
 //!
-//! Kernels are written over small `#[inline(always)]` primitives: the
-//! element loads of [`Elem`] (f32, bf16, f16 to f32 lanes; one dot serves
-//! all three), the int8 dot `sum4_u8_i8` (the one instruction AVX-VNNI
-//! replaces), `hsum`, `f16_to_f32`; inlined into the
-//! `#[target_feature]` outer functions they compile to the same code as
-//! before they were factored out (kernel_speed, one and four tokens). The
-//! attention kernels over the KV cache are in `kv.rs`, generic over the
-//! register width.
+//! Kernels are written over small `#[inline(always)]` primitives: the int8
+//! dot `sum4_u8_i8` (the one instruction AVX-VNNI replaces), `hsum`,
+//! `f16_to_f32`; inlined into the `#[target_feature]` outer functions they
+//! compile to the same code as before they were factored out
+//! (kernel_speed, one and four tokens). The f32/bf16/f16 weight rows are
+//! multiplied by the attention score kernels of `kv.rs` (generic over the
+//! register width), weight rows taking the place of keys.
 //!
 //! The whole body of each `unsafe fn` here is the unsafe operation (raw
 //! loads and `AVX2, FMA and F16C` intrinsics), justified once by the function's
@@ -85,108 +84,6 @@ unsafe fn unpack_nibbles(p: *const u8) -> __m256i {
     let lo = _mm_and_si128(raw, mask);
     let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
     _mm256_set_m128i(hi, lo)
-}
-
-/// An element type of weight rows and KV rows: how eight of them load as
-/// f32 lanes, and one as an f32 (the tails).
-trait Elem: Copy {
-    /// Eight values at `p` (unaligned) as f32 lanes.
-    unsafe fn load8(p: *const Self) -> __m256;
-    /// One value as f32.
-    fn to_f32(self) -> f32;
-}
-
-impl Elem for f32 {
-    #[inline(always)]
-    unsafe fn load8(p: *const f32) -> __m256 {
-        _mm256_loadu_ps(p)
-    }
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        self
-    }
-}
-
-/// bf16 as its raw bits; widening is exact (the bits are the f32's top half).
-#[derive(Clone, Copy)]
-#[repr(transparent)]
-struct Bf16(u16);
-
-impl Elem for Bf16 {
-    #[inline(always)]
-    unsafe fn load8(p: *const Bf16) -> __m256 {
-        let h = _mm_loadu_si128(p as *const __m128i);
-        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
-    }
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        f32::from_bits((self.0 as u32) << 16)
-    }
-}
-
-/// f16 as its raw bits, converted by F16C.
-#[derive(Clone, Copy)]
-#[repr(transparent)]
-struct F16(u16);
-
-impl Elem for F16 {
-    #[inline(always)]
-    unsafe fn load8(p: *const F16) -> __m256 {
-        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
-    }
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        half::f16::from_bits(self.0).to_f32()
-    }
-}
-
-/// `Σ w·x` over a row of `E` (`x.len()` values): four FMA chains of eight
-/// lanes, then eight lanes, then the scalar tail.
-#[inline(always)]
-unsafe fn dot_elems<E: Elem>(row: &[u8], x: &[f32]) -> f32 {
-    let n = x.len();
-    debug_assert_eq!(row.len(), n * std::mem::size_of::<E>());
-    let w = row.as_ptr() as *const E;
-    let xp = x.as_ptr();
-    let mut acc = [_mm256_setzero_ps(); 4];
-    let mut i = 0;
-    while i + 32 <= n {
-        for (k, a) in acc.iter_mut().enumerate() {
-            *a = _mm256_fmadd_ps(E::load8(w.add(i + 8 * k)), _mm256_loadu_ps(xp.add(i + 8 * k)), *a);
-        }
-        i += 32;
-    }
-    while i + 8 <= n {
-        acc[0] = _mm256_fmadd_ps(E::load8(w.add(i)), _mm256_loadu_ps(xp.add(i)), acc[0]);
-        i += 8;
-    }
-    let mut s = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-    while i < n {
-        s += w.add(i).read_unaligned().to_f32() * x[i];
-        i += 1;
-    }
-    s
-}
-
-/// # Safety
-/// AVX2 and FMA must be available; `row` holds `x.len()` f32 values.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_f32(row: &[u8], x: &[f32], _q: &[BlockQ8]) -> f32 {
-    dot_elems::<f32>(row, x)
-}
-
-/// # Safety
-/// AVX2 and FMA must be available; `row` holds `x.len()` bf16 values.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_bf16(row: &[u8], x: &[f32], _q: &[BlockQ8]) -> f32 {
-    dot_elems::<Bf16>(row, x)
-}
-
-/// # Safety
-/// AVX2, FMA and F16C must be available; `row` holds `x.len()` f16 values.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_f16(row: &[u8], x: &[f32], _q: &[BlockQ8]) -> f32 {
-    dot_elems::<F16>(row, x)
 }
 
 /// Σ over blocks of scale · products, as two interleaved FMA chains (even and

@@ -25,6 +25,8 @@ pub trait Lanes: Copy {
     unsafe fn zero() -> Self;
     unsafe fn load(p: *const f32) -> Self;
     unsafe fn load_f16(p: *const u16) -> Self;
+    /// bf16 values widened (exactly: a bf16 is the top half of an f32).
+    unsafe fn load_bf16(p: *const u16) -> Self;
     unsafe fn store(self, p: *mut f32);
     unsafe fn splat(x: f32) -> Self;
     /// `a · b + c`, one rounding.
@@ -51,6 +53,11 @@ impl Lanes for Ymm {
     #[inline(always)]
     unsafe fn load_f16(p: *const u16) -> Self {
         Ymm(_mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)))
+    }
+    #[inline(always)]
+    unsafe fn load_bf16(p: *const u16) -> Self {
+        let h = _mm_loadu_si128(p as *const __m128i);
+        Ymm(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)))
     }
     #[inline(always)]
     unsafe fn store(self, p: *mut f32) {
@@ -88,6 +95,11 @@ impl Lanes for Zmm {
     #[inline(always)]
     unsafe fn load_f16(p: *const u16) -> Self {
         Zmm(_mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)))
+    }
+    #[inline(always)]
+    unsafe fn load_bf16(p: *const u16) -> Self {
+        let h = _mm256_loadu_si256(p as *const __m256i);
+        Zmm(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)))
     }
     #[inline(always)]
     unsafe fn store(self, p: *mut f32) {
@@ -137,6 +149,22 @@ impl Elem for F16 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         half::f16::from_bits(self.0).to_f32()
+    }
+}
+
+/// bf16 as its raw bits (weight rows; the KV cache holds f32 or f16).
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+pub struct Bf16(u16);
+
+impl Elem for Bf16 {
+    #[inline(always)]
+    unsafe fn load<V: Lanes>(p: *const Bf16) -> V {
+        V::load_bf16(p as *const u16)
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f32::from_bits((self.0 as u32) << 16)
     }
 }
 
@@ -359,3 +387,22 @@ entry_points!(Zmm, "avx512f,avx2,fma,f16c":
     zmm_dots_f32, zmm_axpys_f32, zmm_pv_f32, f32;
     zmm_dots_f16, zmm_axpys_f16, zmm_pv_f16, F16;
 );
+
+/// Scores against bf16 rows: the weight rows of a bf16 matrix, whose
+/// tokens are the "queries" (`kernels::Layout::Rows::dots`).
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn ymm_dots_bf16(k: &[u8], ks: usize, nk: usize, x: &[&[f32]], out: &mut [f32], os: usize) {
+    dots::<Ymm, Bf16>(k, ks, nk, x, out, os)
+}
+
+/// As [`ymm_dots_bf16`], sixteen lanes.
+///
+/// # Safety
+/// The CPU must have AVX-512F, AVX2, FMA and F16C.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+pub unsafe fn zmm_dots_bf16(k: &[u8], ks: usize, nk: usize, x: &[&[f32]], out: &mut [f32], os: usize) {
+    dots::<Zmm, Bf16>(k, ks, nk, x, out, os)
+}

@@ -12,7 +12,8 @@ mod kv;
 mod pack;
 
 use super::{
-    Activation, BlockQ8, Dot4Fn, DotFn, Gemm8Fn, Gemv8Fn, GroupKernels, KvKernels, Layout, TileFn, Tiles, TypeKernels,
+    Activation, BlockQ8, Dot4Fn, DotFn, DotsFn, Gemm8Fn, Gemv8Fn, GroupKernels, KvKernels, Layout, TileFn, Tiles,
+    TypeKernels,
 };
 use crate::quant::DType;
 
@@ -33,7 +34,12 @@ impl Avx2 {
         use Activation::{F32, Q8};
         let rows = |activation: Activation, dot: DotFn, tile: Option<Dot4Fn>| TypeKernels {
             activation,
-            layout: Layout::Rows { dot, tile },
+            layout: Layout::Rows { dot, tile, dots: None },
+            kv: None,
+        };
+        let elems = |dot: DotFn, dots: DotsFn| TypeKernels {
+            activation: F32,
+            layout: Layout::Rows { dot, tile: None, dots: Some(dots) },
             kv: None,
         };
         let group = |one: Gemv8Fn, many: Gemm8Fn| TypeKernels {
@@ -44,12 +50,12 @@ impl Avx2 {
         match dtype {
             DType::F32 => TypeKernels {
                 kv: Some(KvKernels { dots: f32_dots, axpys: f32_axpys, pv: f32_pv }),
-                ..rows(F32, f32_dot, None)
+                ..elems(f32_dot, f32_dots)
             },
-            DType::Bf16 => rows(F32, bf16_dot, None),
+            DType::Bf16 => elems(bf16_dot, bf16_dots),
             DType::F16 => TypeKernels {
                 kv: Some(KvKernels { dots: f16_dots, axpys: f16_axpys, pv: f16_pv }),
-                ..rows(F32, f16_dot, None)
+                ..elems(f16_dot, f16_dots)
             },
             DType::Q8_0 => rows(Q8, q8_0_dot, Some(q8_0_dot4)),
             DType::Q4_0 => rows(Q8, q4_0_dot, Some(q4_0_dot4)),
@@ -154,11 +160,21 @@ impl Avx512 {
         if let (Layout::Groups(g), Some(f), true) = (&mut k.layout, rows16, self.vnni) {
             g.tile = Some(Tiles { f, step: 1, min: ROWS16_MIN_TOKENS });
         }
+        let elems = |dot: DotFn, dots: DotsFn| Layout::Rows { dot, tile: None, dots: Some(dots) };
         let kv = match dtype {
-            DType::F32 => KvKernels { dots: z_f32_dots, axpys: z_f32_axpys, pv: z_f32_pv },
-            DType::F16 => KvKernels { dots: z_f16_dots, axpys: z_f16_axpys, pv: z_f16_pv },
-            DType::Bf16
-            | DType::Q8_0
+            DType::F32 => {
+                k.layout = elems(z_f32_dot, z_f32_dots);
+                KvKernels { dots: z_f32_dots, axpys: z_f32_axpys, pv: z_f32_pv }
+            }
+            DType::F16 => {
+                k.layout = elems(z_f16_dot, z_f16_dots);
+                KvKernels { dots: z_f16_dots, axpys: z_f16_axpys, pv: z_f16_pv }
+            }
+            DType::Bf16 => {
+                k.layout = elems(z_bf16_dot, z_bf16_dots);
+                return k;
+            }
+            DType::Q8_0
             | DType::Q4_0
             | DType::Q4_1
             | DType::Mxfp4
@@ -259,9 +275,36 @@ macro_rules! safe_wrapper {
     };
 }
 
-safe_wrapper!(f32_dot, avx2::dot_f32);
-safe_wrapper!(bf16_dot, avx2::dot_bf16);
-safe_wrapper!(f16_dot, avx2::dot_f16);
+/// An element type's row dot as a 1 × 1 call of its score kernel, so a
+/// single dot and the register tiles of prefill give the same bits.
+macro_rules! dot_by_dots {
+    ($name:ident, $dots:ident) => {
+        fn $name(row: &[u8], x: &[f32], _q: &[BlockQ8]) -> f32 {
+            let mut out = [0f32];
+            $dots(row, x.len(), 1, &[x], &mut out, 1);
+            out[0]
+        }
+    };
+}
+
+dot_by_dots!(f32_dot, f32_dots);
+dot_by_dots!(bf16_dot, bf16_dots);
+dot_by_dots!(f16_dot, f16_dots);
+dot_by_dots!(z_f32_dot, z_f32_dots);
+dot_by_dots!(z_bf16_dot, z_bf16_dots);
+dot_by_dots!(z_f16_dot, z_f16_dots);
+
+fn bf16_dots(k: &[u8], ks: usize, nk: usize, x: &[&[f32]], out: &mut [f32], os: usize) {
+    // SAFETY: reachable only through `Avx2::kernels` (and the tables built
+    // on it), which needs an `Avx2`, made only once AVX2, FMA and F16C were seen.
+    unsafe { kv::ymm_dots_bf16(k, ks, nk, x, out, os) }
+}
+
+fn z_bf16_dots(k: &[u8], ks: usize, nk: usize, x: &[&[f32]], out: &mut [f32], os: usize) {
+    // SAFETY: reachable only through `Avx512::kernels`, which needs an
+    // `Avx512`, made only once AVX-512F, AVX2, FMA and F16C were seen.
+    unsafe { kv::zmm_dots_bf16(k, ks, nk, x, out, os) }
+}
 safe_wrapper!(q8_0_dot, avx2::dot_q8_0);
 safe_wrapper!(q4_0_dot, avx2::dot_q4_0);
 safe_wrapper!(q4_1_dot, avx2::dot_q4_1);

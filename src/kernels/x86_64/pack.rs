@@ -145,7 +145,6 @@ impl TileBlock for BlockMxfp4x8 {
     }
 }
 
-
 /// Packs one or two whole groups of `B` (`blocks`, `nb` block columns each)
 /// into `p`; a missing second group packs as zeros.
 ///
