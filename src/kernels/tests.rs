@@ -342,9 +342,10 @@ fn group_kernels_of_every_table_match_scalar_and_row_kernels() {
     }
 }
 
-/// Matrix tiles (AMX) against the one-token kernel of the same table, bit
-/// for bit: one and two groups, one and several tiles of tokens and partial
-/// tiles, awkward widths; the rows past one group come out zero.
+/// 16-row kernels (AMX tiles, AVX-512 VNNI) against the one-token kernel of
+/// the same table, bit for bit: one and two groups, one and several tiles
+/// of tokens and partial tiles (padded, or short of `amx::PAD_MIN` and on
+/// VNNI), awkward widths; the rows past one group come out zero.
 #[test]
 fn tiles_of_every_table_give_the_one_token_bits() {
     let mut ran = 0;
@@ -363,6 +364,9 @@ fn tiles_of_every_table_give_the_one_token_bits() {
                 (64, 2, 1),
                 (96, 1, 21),
                 (2048, 2, 37),
+                (96, 2, 29),
+                (32, 1, 12),
+                (160, 2, 9),
             ] {
                 let what = format!("{} {dtype} n={n} groups={groups} tokens={tokens}", table.isa());
                 let w: Vec<f32> = (0..8 * groups * n).map(|_| lcg(&mut s)).collect();

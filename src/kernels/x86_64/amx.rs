@@ -31,6 +31,14 @@ use crate::kernels::BlockQ8;
 /// Tokens per tile (the rows of an A tile).
 pub const TOKENS: usize = 16;
 
+/// Fewest tokens a last partial tile runs on tiles (on a zero-padded copy
+/// of their rows, costing what a whole tile does); fewer go to the AVX-512
+/// VNNI kernel on the same packed weights. On the Xeon here (one thread,
+/// `examples/kernel_speed.rs N`, all four types) a rest of 10 tokens on
+/// VNNI beat a padded tile (26 tokens: 0.16-0.19 against 0.18-0.23 ns per
+/// 32 weights and token), 14 was level within the noise.
+pub const PAD_MIN: usize = 14;
+
 /// The tile configuration `ldtilecfg` reads (palette 1).
 #[repr(C, align(64))]
 struct Config {
@@ -66,13 +74,14 @@ impl Config {
 /// One or two interleaved groups (`groups`, whole groups of `B`) against
 /// `tokens` tokens whose quantised rows are `q` (`[tokens, nb]`):
 /// `out[t · 16 + r]` for token `t`, row `r` of the groups (rows past the
-/// groups come out zero). A last tile with fewer than 16 tokens runs on a
-/// zero-padded copy of their rows.
+/// groups come out zero). A last partial tile of [`PAD_MIN`] tokens or more
+/// runs on a zero-padded copy of their rows; a shorter one on AVX-512 VNNI.
 ///
 /// # Safety
-/// The CPU must have AVX-512F, AVX2, FMA and F16C, AMX-TILE and AMX-INT8,
-/// and this process the kernel's permission to use tiles ([`usable`]).
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+/// The CPU must have AVX-512F, AVX-512BW, AVX-512VNNI, AVX2, FMA and F16C,
+/// AMX-TILE and AMX-INT8, and this process the kernel's permission to use
+/// tiles ([`usable`]).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 pub unsafe fn tiles<B: TileBlock>(groups: &[u8], q: &[BlockQ8], tokens: usize, out: &mut [f32]) {
     let nb = pack::check::<B>(groups, q, tokens, out);
     PACK.with_borrow_mut(|p| {
@@ -86,8 +95,10 @@ pub unsafe fn tiles<B: TileBlock>(groups: &[u8], q: &[BlockQ8], tokens: usize, o
                 _mm512_storeu_ps(out.as_mut_ptr().add((c * TOKENS + t) * ROWS), *acc);
             }
         }
-        if whole < tokens {
-            let rest = tokens - whole;
+        let rest = tokens - whole;
+        if rest > 0 && rest < PAD_MIN {
+            super::avx512::packed::<B>(p, q[whole * nb..].as_ptr(), nb, rest, out.as_mut_ptr().add(whole * ROWS));
+        } else if rest > 0 {
             p.pad.clear();
             p.pad.extend_from_slice(&q[whole * nb..]);
             p.pad.resize(TOKENS * nb, BlockQ8::default());

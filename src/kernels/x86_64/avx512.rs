@@ -36,27 +36,38 @@ pub unsafe fn rows16<B: TileBlock>(groups: &[u8], q: &[BlockQ8], tokens: usize, 
     let nb = pack::check::<B>(groups, q, tokens, out);
     PACK.with_borrow_mut(|p| {
         pack::pack::<B>(p, bytemuck::cast_slice(groups), nb);
-        let mut t = 0;
-        while t < tokens {
-            let (qt, o) = (q.as_ptr().add(t * nb), out.as_mut_ptr().add(t * ROWS));
-            let m = (tokens - t).min(TOKENS);
-            match m {
-                12 => run::<B, 12>(p, qt, nb, o),
-                11 => run::<B, 11>(p, qt, nb, o),
-                10 => run::<B, 10>(p, qt, nb, o),
-                9 => run::<B, 9>(p, qt, nb, o),
-                8 => run::<B, 8>(p, qt, nb, o),
-                7 => run::<B, 7>(p, qt, nb, o),
-                6 => run::<B, 6>(p, qt, nb, o),
-                5 => run::<B, 5>(p, qt, nb, o),
-                4 => run::<B, 4>(p, qt, nb, o),
-                3 => run::<B, 3>(p, qt, nb, o),
-                2 => run::<B, 2>(p, qt, nb, o),
-                _ => run::<B, 1>(p, qt, nb, o),
-            }
-            t += m;
-        }
+        packed::<B>(p, q.as_ptr(), nb, tokens, out.as_mut_ptr());
     });
+}
+
+/// `tokens` tokens (`q`, `[tokens, nb]`) against a packed pair, into `out`
+/// (`[tokens, 16]`), [`TOKENS`] at a time (the AMX tiles use it for the
+/// tokens short of a whole tile).
+///
+/// # Safety
+/// As [`rows16`]; `q` and `out` hold that many tokens.
+#[inline(always)]
+pub unsafe fn packed<B: TileBlock>(p: &Packed, q: *const BlockQ8, nb: usize, tokens: usize, out: *mut f32) {
+    let mut t = 0;
+    while t < tokens {
+        let (qt, o) = (q.add(t * nb), out.add(t * ROWS));
+        let m = (tokens - t).min(TOKENS);
+        match m {
+            12 => run::<B, 12>(p, qt, nb, o),
+            11 => run::<B, 11>(p, qt, nb, o),
+            10 => run::<B, 10>(p, qt, nb, o),
+            9 => run::<B, 9>(p, qt, nb, o),
+            8 => run::<B, 8>(p, qt, nb, o),
+            7 => run::<B, 7>(p, qt, nb, o),
+            6 => run::<B, 6>(p, qt, nb, o),
+            5 => run::<B, 5>(p, qt, nb, o),
+            4 => run::<B, 4>(p, qt, nb, o),
+            3 => run::<B, 3>(p, qt, nb, o),
+            2 => run::<B, 2>(p, qt, nb, o),
+            _ => run::<B, 1>(p, qt, nb, o),
+        }
+        t += m;
+    }
 }
 
 /// `T` tokens (`q`, `[T, nb]`) against the packed pair, into `out`

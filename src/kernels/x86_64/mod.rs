@@ -193,21 +193,16 @@ impl Avx512 {
 #[derive(Clone, Copy, Debug)]
 pub struct Amx(Avx512);
 
-/// Tokens per AMX tile; a call pads its last partial tile.
-const AMX_TOKENS: usize = amx::TOKENS;
-
-/// Fewest tokens a partial tile (or a matrix with fewer than
-/// [`AMX_TOKENS`]) runs on tiles; fewer go to the vector kernels. A padded
-/// tile costs about what a whole one does: on the Xeon here (one thread,
-/// `examples/kernel_speed.rs N`) tiles overtake the AVX-VNNI kernels at
-/// 12-13 tokens for q8_0x8 and mxfp4x8, about 14 for q4_0x8, 16 for q4_1x8.
-const AMX_MIN_TOKENS: usize = 14;
+/// Fewest tokens the AMX kernels take: as the AVX-512 16-row kernels, which
+/// compute the tokens short of a whole tile (fewer than `amx::PAD_MIN`)
+/// on the weights packed for the tiles.
+const AMX_MIN_TOKENS: usize = ROWS16_MIN_TOKENS;
 
 impl Amx {
     /// `Some` when this process can run the AMX tiles (see [`amx::usable`]).
     pub fn detect() -> Option<Amx> {
         let base = Avx512::detect()?;
-        amx::usable().then_some(Amx(base))
+        (base.vnni && amx::usable()).then_some(Amx(base))
     }
 
     /// The AVX-512 table's kernels, with int8 tiles for prefill in the interleaved
@@ -223,7 +218,7 @@ impl Amx {
             DType::Mxfp4x8 => Some(amx_mxfp4x8),
         };
         if let (Layout::Groups(g), Some(f)) = (&mut k.layout, tile) {
-            g.tile = Some(Tiles { f, step: AMX_TOKENS, min: AMX_MIN_TOKENS });
+            g.tile = Some(Tiles { f, step: 1, min: AMX_MIN_TOKENS });
         }
         k
     }
@@ -234,9 +229,9 @@ macro_rules! safe_tile {
         fn $name(group: &[u8], q: &[BlockQ8], tokens: usize, out: &mut [f32]) {
             // SAFETY: reachable only through `Amx::kernels`, which needs an
             // `Amx`, made only by `Amx::detect` once this CPU has shown
-            // AVX2, FMA, F16C, AVX-512F (through `Avx512::detect`) and AMX
-            // and the process holds the tile permission (a probe product
-            // ran in a child).
+            // AVX2, FMA, F16C, AVX-512F/BW/VNNI (through `Avx512::detect`)
+            // and AMX and the process holds the tile permission (a probe
+            // product ran in a child).
             unsafe { amx::tiles::<$block>(group, q, tokens, out) }
         }
     };
