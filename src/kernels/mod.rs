@@ -62,6 +62,9 @@ const _: () = assert!(std::mem::size_of::<BlockQ8>() == 40);
 /// activation row given both as f32 and, for block types, quantised.
 pub type DotFn = fn(row: &[u8], x: &[f32], q: &[BlockQ8]) -> f32;
 
+/// Quantises activation rows (a multiple of 32 values) into [`BlockQ8`]s.
+pub type QuantizeFn = fn(x: &[f32], out: &mut [BlockQ8]);
+
 /// One weight row against four activation rows (block types only).
 pub type Dot4Fn = fn(row: &[u8], q: [&[BlockQ8]; 4]) -> [f32; 4];
 
@@ -326,9 +329,7 @@ impl<'a> Input<'a> {
         }
         let nb = x.len() / 32;
         let q = &mut buf[..nb];
-        for (xr, qr) in x.chunks_exact(cols).zip(q.chunks_exact_mut(cols / 32)) {
-            scalar::quantize_act(xr, qr);
-        }
+        (table().quantize_fn())(x, q);
         Input { x, q, cols }
     }
 

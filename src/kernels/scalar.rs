@@ -92,11 +92,13 @@ use crate::quant::q4_0::BlockQ4_0;
 use crate::quant::q4_1::BlockQ4_1;
 use crate::quant::q8_0::BlockQ8_0;
 
-/// `x.round() as i8` (half away from zero, saturating; NaN gives 0) for
-/// |x| < 2^31, without the libm call `round` costs on x86_64: truncate,
-/// then step by the exact remainder.
+/// `x.round() as i8` (half away from zero, saturating; NaN gives 0),
+/// without the libm call `round` costs on x86_64: clamp to the codes' range
+/// (so infinities saturate too), truncate, then step by the exact remainder.
+/// The SIMD quantisers (`x86_64::avx2::quantize_act`) do the same steps.
 #[inline(always)]
 pub fn round_i8(x: f32) -> i8 {
+    let x = if x.is_nan() { 0.0 } else { x.clamp(-128.0, 127.0) };
     let t = x as i32;
     let f = x - t as f32;
     (t + (f >= 0.5) as i32 - (f <= -0.5) as i32).clamp(-128, 127) as i8

@@ -148,6 +148,25 @@ impl Table {
         }
     }
 
+    /// This table's activation quantiser (the scalar one's codes in every
+    /// table: tested).
+    #[inline]
+    pub fn quantize_fn(self) -> super::QuantizeFn {
+        match self.0 {
+            Chosen::Scalar => scalar::quantize_act,
+            #[cfg(target_arch = "x86_64")]
+            Chosen::Avx2(t) => t.quantize_fn(),
+            #[cfg(target_arch = "x86_64")]
+            Chosen::AvxVnni(t) => t.quantize_fn(),
+            #[cfg(target_arch = "x86_64")]
+            Chosen::Avx512(t) => t.quantize_fn(),
+            #[cfg(target_arch = "x86_64")]
+            Chosen::Amx(t) => t.quantize_fn(),
+            #[cfg(target_arch = "aarch64")]
+            Chosen::Neon(_) => scalar::quantize_act,
+        }
+    }
+
     /// The kernels of `dtype` in this table.
     #[inline]
     pub fn kernels(self, dtype: DType) -> TypeKernels {

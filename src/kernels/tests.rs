@@ -47,13 +47,43 @@ fn row_dot(table: Table, dtype: DType) -> DotFn {
     }
 }
 
+/// Every table's activation quantiser gives the scalar one's blocks bit
+/// for bit: random rows, rows with ties at ±0.5 steps, zeros, NaN and
+/// infinities, tiny and huge values.
+#[test]
+fn activation_quantisers_of_every_table_give_the_scalar_blocks() {
+    let mut s = 3u64;
+    let mut rows: Vec<Vec<f32>> = (0..200).map(|_| (0..64).map(|_| lcg(&mut s) * 10.0).collect()).collect();
+    // amax 127 makes id 1: codes are the values, halves exercise the ties.
+    rows.push((0..64).map(|i| if i == 0 { 127.0 } else { (i as f32 - 32.0) * 0.5 + 0.5 }).collect());
+    rows.push(vec![0.0; 64]);
+    rows.push((0..64).map(|i| [f32::NAN, 1.0, -2.5, f32::INFINITY][i % 4]).collect());
+    rows.push((0..64).map(|i| if i % 2 == 0 { f32::NEG_INFINITY } else { 3.0 }).collect());
+    rows.push((0..64).map(|i| (i as f32 - 20.0) * 1e-41).collect());
+    rows.push((0..64).map(|i| (i as f32 - 20.0) * 1e37).collect());
+    for table in tables() {
+        for x in &rows {
+            let mut want = vec![BlockQ8::default(); 2];
+            let mut got = vec![BlockQ8::default(); 2];
+            scalar::quantize_act(x, &mut want);
+            (table.quantize_fn())(x, &mut got);
+            for (g, w) in got.iter().zip(&want) {
+                let what = format!("{}: {:?}", table.isa(), &x[..8]);
+                assert_eq!((g.d.to_bits(), g.sum, g.qs), (w.d.to_bits(), w.sum, w.qs), "{what}");
+            }
+        }
+    }
+}
+
 #[test]
 fn activation_rounding_is_round_half_away_from_zero() {
     let mut s = 99u64;
     let special = [0.5f32, -0.5, 1.5, -1.5, 126.5, -126.5, 127.0, 0.49999997, -0.49999997, 2.5000002, 0.0, -0.0];
     let sweep = (0..200_000).map(|_| lcg(&mut s) * 128.0);
     let halves = (-255..=255).map(|i| i as f32 * 0.5);
-    for x in special.into_iter().chain(sweep).chain(halves).chain([f32::NAN]) {
+    for x in
+        special.into_iter().chain(sweep).chain(halves).chain([f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 3e9, -3e9])
+    {
         assert_eq!(scalar::round_i8(x), x.round() as i8, "{x}");
     }
 }

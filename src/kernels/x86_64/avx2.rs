@@ -528,3 +528,64 @@ group_kernels!(vnni_gemv8_q8_0, vnni_gemm8x4_q8_0, gemm8_q8_0, BlockQ8_0x8, true
 group_kernels!(vnni_gemv8_q4_0, vnni_gemm8x4_q4_0, gemm8_q4_0, BlockQ4_0x8, true, "avx2,fma,f16c,avxvnni");
 group_kernels!(vnni_gemv8_q4_1, vnni_gemm8x4_q4_1, gemm8_q4_1, BlockQ4_1x8, true, "avx2,fma,f16c,avxvnni");
 group_kernels!(vnni_gemv8_mxfp4, vnni_gemm8x4_mxfp4, gemm8_mxfp4, BlockMxfp4x8, true, "avx2,fma,f16c,avxvnni");
+
+/// [`crate::kernels::scalar::quantize_act`] eight lanes at a time, with the
+/// same operations on every value (the maximum |x| is exact in any order,
+/// `d = amax / 127`, `x · (1 / d)`, NaN to 0, clamped, truncated and stepped
+/// by the exact remainder), so the codes are the scalar ones (tested).
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available; `x` is a multiple of 32 long and
+/// `out` holds a block per 32 values.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn quantize_act(x: &[f32], out: &mut [BlockQ8]) {
+    assert!(x.len().is_multiple_of(32) && out.len() >= x.len() / 32, "quantize_act: lengths");
+    let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+    let (lo, hi) = (_mm256_set1_ps(-128.0), _mm256_set1_ps(127.0));
+    let (half, mhalf) = (_mm256_set1_ps(0.5), _mm256_set1_ps(-0.5));
+    for (xs, b) in x.chunks_exact(32).zip(out.iter_mut()) {
+        let v: [__m256; 4] = std::array::from_fn(|k| _mm256_loadu_ps(xs.as_ptr().add(8 * k)));
+        // max(|v|, m) keeps m where v is NaN, as f32::max does.
+        let mut m = _mm256_setzero_ps();
+        for v in v {
+            m = _mm256_max_ps(_mm256_and_ps(v, abs), m);
+        }
+        let amax = hmax(m);
+        let d = amax / 127.0;
+        let id = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+        let mut codes = [_mm256_setzero_si256(); 4];
+        for (c, v) in codes.iter_mut().zip(v) {
+            let y = _mm256_mul_ps(v, id);
+            let y = _mm256_and_ps(y, _mm256_cmp_ps::<_CMP_ORD_Q>(y, y));
+            let y = _mm256_min_ps(_mm256_max_ps(y, lo), hi);
+            let t = _mm256_cvttps_epi32(y);
+            let f = _mm256_sub_ps(y, _mm256_cvtepi32_ps(t));
+            let up = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GE_OQ>(f, half));
+            let down = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LE_OQ>(f, mhalf));
+            // The masks are -1 where true: t − up + down.
+            let r = _mm256_add_epi32(_mm256_sub_epi32(t, up), down);
+            *c = _mm256_min_epi32(_mm256_max_epi32(r, _mm256_set1_epi32(-128)), _mm256_set1_epi32(127));
+        }
+        let sum = _mm256_add_epi32(_mm256_add_epi32(codes[0], codes[1]), _mm256_add_epi32(codes[2], codes[3]));
+        let s128 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256::<1>(sum));
+        let s64 = _mm_add_epi32(s128, _mm_shuffle_epi32::<0b01_00_11_10>(s128));
+        let s32 = _mm_add_epi32(s64, _mm_shuffle_epi32::<0b10_11_00_01>(s64));
+        // i32 lanes to bytes, in order: packs work within 128-bit halves.
+        let w01 = _mm256_packs_epi32(codes[0], codes[1]);
+        let w23 = _mm256_packs_epi32(codes[2], codes[3]);
+        let bytes = _mm256_packs_epi16(w01, w23);
+        let bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(b.qs.as_mut_ptr() as *mut __m256i, bytes);
+        b.d = d;
+        b.sum = _mm_cvtsi128_si32(s32);
+    }
+}
+
+/// The largest of eight lanes.
+#[inline(always)]
+unsafe fn hmax(v: __m256) -> f32 {
+    let m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    let m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    _mm_cvtss_f32(m)
+}

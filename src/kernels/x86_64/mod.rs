@@ -12,8 +12,8 @@ mod kv;
 mod pack;
 
 use super::{
-    Activation, BlockQ8, Dot4Fn, DotFn, DotsFn, Gemm8Fn, Gemv8Fn, GroupKernels, KvKernels, Layout, TileFn, Tiles,
-    TypeKernels,
+    Activation, BlockQ8, Dot4Fn, DotFn, DotsFn, Gemm8Fn, Gemv8Fn, GroupKernels, KvKernels, Layout, QuantizeFn, TileFn,
+    Tiles, TypeKernels,
 };
 use crate::quant::DType;
 
@@ -27,6 +27,11 @@ impl Avx2 {
         let has =
             is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
         has.then_some(Avx2(()))
+    }
+
+    /// The AVX2 activation quantiser.
+    pub fn quantize_fn(self) -> QuantizeFn {
+        quantize_act
     }
 
     /// The AVX2 kernels of `dtype`: every type has its own.
@@ -79,6 +84,11 @@ impl AvxVnni {
     pub fn detect() -> Option<AvxVnni> {
         let avx2 = Avx2::detect()?;
         is_x86_feature_detected!("avxvnni").then_some(AvxVnni(avx2))
+    }
+
+    /// The AVX2 activation quantiser.
+    pub fn quantize_fn(self) -> QuantizeFn {
+        quantize_act
     }
 
     /// The AVX2 kernels of `dtype`, with `vpdpbusd` in the group kernels
@@ -138,6 +148,11 @@ impl Avx512 {
         }
         let vnni = is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vnni");
         Some(Avx512 { base: AvxVnni::detect().map_or(Base::Avx2(avx2), Base::AvxVnni), vnni })
+    }
+
+    /// The AVX2 activation quantiser.
+    pub fn quantize_fn(self) -> QuantizeFn {
+        quantize_act
     }
 
     /// The base table's kernels, with sixteen-lane attention kernels for the
@@ -205,6 +220,11 @@ impl Amx {
         (base.vnni && amx::usable()).then_some(Amx(base))
     }
 
+    /// The AVX2 activation quantiser.
+    pub fn quantize_fn(self) -> QuantizeFn {
+        quantize_act
+    }
+
     /// The AVX-512 table's kernels, with int8 tiles for prefill in the interleaved
     /// block types (decode, one token per call, stays on the vectors; the
     /// tiles give the same bits).
@@ -268,6 +288,12 @@ macro_rules! safe_wrapper {
             unsafe { $inner(row, x, q) }
         }
     };
+}
+
+fn quantize_act(x: &[f32], out: &mut [BlockQ8]) {
+    // SAFETY: reachable only through the `quantize_fn` of the x86 tables,
+    // each made only once AVX2, FMA and F16C were seen on this CPU.
+    unsafe { avx2::quantize_act(x, out) }
 }
 
 /// An element type's row dot as a 1 × 1 call of its score kernel, so a
