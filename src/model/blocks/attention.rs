@@ -61,6 +61,12 @@ pub struct KvView<'a> {
 /// at multiples of this position.
 const KEY_BLOCK: usize = 64;
 
+/// Batches of queries one task runs side by side: each key block is read
+/// for all of them in turn while it is in cache, instead of every batch
+/// streaming the whole cache (at 8k tokens a kv head's keys and values are
+/// 4 MiB in f16, more than L2).
+const TASK_BATCHES: usize = 16;
+
 /// `out[t, h] = softmax(q[t,h] · K[..=p]ᵀ · scale) · V[..=p]` for the T tokens
 /// at positions `pos0..pos0+T`, where the cache rows already hold every
 /// position up to `pos0+T-1`. `q` is `[T, H·Dk]`, `out` is `[T, H·Dv]`;
@@ -79,14 +85,29 @@ pub fn attend(q: &[f32], kv: KvView, pos0: usize, hd: Heads, scratch: &mut [f32]
     // positions never decrease along i.
     let per_kv = t_n * group;
     let scratch = &mut scratch[..out.len()];
+    let at = Ctx { q, kv, kk, pos0, hd, es };
     scratch.par_chunks_mut(per_kv * dv).enumerate().for_each(|(g, hs)| {
-        hs.par_chunks_mut(KV_QUERIES * dv).enumerate().for_each(|(b, o)| {
-            let ids: [(usize, usize); KV_QUERIES] = std::array::from_fn(|k| {
-                let i = b * KV_QUERIES + k;
-                (i / group, g * group + i % group)
+        hs.par_chunks_mut(TASK_BATCHES * KV_QUERIES * dv).enumerate().for_each(|(c, o)| {
+            let mut batches = o.chunks_mut(KV_QUERIES * dv).enumerate();
+            let mut bs: [Option<Batch>; TASK_BATCHES] = std::array::from_fn(|_| {
+                batches.next().map(|(b, o)| {
+                    let ids: [(usize, usize); KV_QUERIES] = std::array::from_fn(|k| {
+                        let i = (c * TASK_BATCHES + b) * KV_QUERIES + k;
+                        (i / group, g * group + i % group)
+                    });
+                    let n = o.len() / dv;
+                    Batch::new(&at, g, &ids[..n], o)
+                })
             });
-            let n = o.len() / dv;
-            batch(q, kv, kk, pos0, hd, g, &ids[..n], o);
+            let lo = bs.iter().flatten().map(|b| b.first[0] / KEY_BLOCK).min().unwrap_or(0);
+            let hi = bs.iter().flatten().map(|b| b.pos[b.n - 1] / KEY_BLOCK).max().unwrap_or(0);
+            let mut scores = [[0f32; KEY_BLOCK]; KV_QUERIES];
+            for blk in lo..=hi {
+                for b in bs.iter_mut().flatten() {
+                    b.block(&at, blk, &mut scores);
+                }
+            }
+            bs.iter_mut().flatten().for_each(Batch::finish);
         });
     });
     for (g, hs) in scratch.chunks_exact(per_kv * dv).enumerate() {
@@ -97,83 +118,100 @@ pub fn attend(q: &[f32], kv: KvView, pos0: usize, hd: Heads, scratch: &mut [f32]
     }
 }
 
-/// Attention of up to eight queries (`ids`: (token, head), positions in
-/// nondecreasing order) of kv head `kvh` into `o` (`[n, Dv]`).
-#[allow(clippy::too_many_arguments)]
-fn batch(
-    q: &[f32],
-    kv: KvView,
+/// What every batch of one call reads.
+struct Ctx<'a> {
+    q: &'a [f32],
+    kv: KvView<'a>,
     kk: KvKernels,
     pos0: usize,
-    hd: Heads,
+    hd: Heads<'a>,
+    /// Bytes per cache element.
+    es: usize,
+}
+
+/// Up to eight queries of one kv head (positions in nondecreasing order)
+/// with their online softmax: running maximum `m`, running sum `l`, and
+/// the unnormalised output rows `o` (`[n, Dv]`).
+struct Batch<'a> {
+    n: usize,
     kvh: usize,
-    ids: &[(usize, usize)],
-    o: &mut [f32],
-) {
-    let Heads { h, dk, dv, window, scale, sinks, .. } = hd;
-    let n = ids.len();
-    let es = kv.dtype.row_bytes(1).expect("an element type");
-    let vrow = |j: usize| {
-        let at = (j * kv.v_row + kvh * dv) * es;
-        &kv.v[at..at + dv * es]
-    };
-    let qs: [&[f32]; KV_QUERIES] = std::array::from_fn(|i| {
-        let (t, head) = ids[i.min(n - 1)];
-        &q[(t * h + head) * dk..(t * h + head + 1) * dk]
-    });
-    let pos: [usize; KV_QUERIES] = std::array::from_fn(|i| pos0 + ids[i.min(n - 1)].0);
-    let first: [usize; KV_QUERIES] = std::array::from_fn(|i| window.map_or(0, |w| (pos[i] + 1).saturating_sub(w)));
-    // A sink is a key of logit s with no value: it starts the sum at 1.
-    let mut m = [f32::NEG_INFINITY; KV_QUERIES];
-    let mut l = [0f32; KV_QUERIES];
-    for (i, &(_, head)) in ids.iter().enumerate() {
-        if let Some(s) = sinks {
-            (m[i], l[i]) = (s[head], 1.0);
+    qs: [&'a [f32]; KV_QUERIES],
+    pos: [usize; KV_QUERIES],
+    first: [usize; KV_QUERIES],
+    m: [f32; KV_QUERIES],
+    l: [f32; KV_QUERIES],
+    o: &'a mut [f32],
+}
+
+impl<'a> Batch<'a> {
+    /// The batch of queries `ids` ((token, head) pairs) of kv head `kvh`,
+    /// its output rows `o`.
+    fn new(at: &Ctx<'a>, kvh: usize, ids: &[(usize, usize)], o: &'a mut [f32]) -> Batch<'a> {
+        let Heads { h, dk, window, sinks, .. } = at.hd;
+        let n = ids.len();
+        let qs: [&[f32]; KV_QUERIES] = std::array::from_fn(|i| {
+            let (t, head) = ids[i.min(n - 1)];
+            &at.q[(t * h + head) * dk..(t * h + head + 1) * dk]
+        });
+        let pos: [usize; KV_QUERIES] = std::array::from_fn(|i| at.pos0 + ids[i.min(n - 1)].0);
+        let first: [usize; KV_QUERIES] = std::array::from_fn(|i| window.map_or(0, |w| (pos[i] + 1).saturating_sub(w)));
+        // A sink is a key of logit s with no value: it starts the sum at 1.
+        let mut m = [f32::NEG_INFINITY; KV_QUERIES];
+        let mut l = [0f32; KV_QUERIES];
+        for (i, &(_, head)) in ids.iter().enumerate() {
+            if let Some(s) = sinks {
+                (m[i], l[i]) = (s[head], 1.0);
+            }
         }
+        o.fill(0.0);
+        Batch { n, kvh, qs, pos, first, m, l, o }
     }
-    o.fill(0.0);
-    let mut scores = [[0f32; KEY_BLOCK]; KV_QUERIES];
-    let mut p = [0f32; KV_QUERIES];
-    for blk in first[0] / KEY_BLOCK..=pos[n - 1] / KEY_BLOCK {
+
+    /// Adds key block `blk` (if any query sees a key of it): scores, the
+    /// rescale when the block raises a query's maximum, the probabilities
+    /// (exactly zero on the keys a query does not see) and their block sum,
+    /// then the values, in key order.
+    fn block(&mut self, at: &Ctx, blk: usize, scores: &mut [[f32; KEY_BLOCK]; KV_QUERIES]) {
+        let (kv, kk, es) = (at.kv, at.kk, at.es);
+        let Heads { dk, dv, scale, .. } = at.hd;
+        let (n, kvh) = (self.n, self.kvh);
         let (b0, b1) = (blk * KEY_BLOCK, (blk + 1) * KEY_BLOCK);
-        // Query i's keys in this block: lo[i]..hi[i] (both nondecreasing in i).
-        let lo: [usize; KV_QUERIES] = std::array::from_fn(|i| first[i].max(b0));
-        let hi: [usize; KV_QUERIES] = std::array::from_fn(|i| (pos[i] + 1).min(b1));
+        // Query i's keys in this block: lo[i]..hi[i] (both nondecreasing in
+        // i, so the queries that see any are a run a..z).
+        let lo: [usize; KV_QUERIES] = std::array::from_fn(|i| self.first[i].max(b0));
+        let hi: [usize; KV_QUERIES] = std::array::from_fn(|i| (self.pos[i] + 1).min(b1));
         let live = |i: usize| lo[i] < hi[i];
-        let Some(a) = (0..n).find(|&i| live(i)) else { continue };
+        let Some(a) = (0..n).find(|&i| live(i)) else { return };
         let z = (0..n).rev().find(|&i| live(i)).expect("one is live") + 1;
         let (jlo, jhi) = (lo[a], hi[z - 1]);
         let k0 = (jlo * kv.k_row + kvh * dk) * es;
         let flat = &mut scores.as_flattened_mut()[a * KEY_BLOCK + jlo - b0..];
-        (kk.dots)(&kv.k[k0..], kv.k_row, jhi - jlo, &qs[a..z], flat, KEY_BLOCK);
-        for row in &mut scores[a..z] {
-            row[jlo - b0..jhi - b0].iter_mut().for_each(|s| *s *= scale);
-        }
-        for i in (a..z).filter(|&i| live(i)) {
-            let block_max = scores[i][lo[i] - b0..hi[i] - b0].iter().fold(f32::NEG_INFINITY, |x, &s| x.max(s));
-            if block_max > m[i] {
-                let c = (m[i] - block_max).exp();
-                l[i] *= c;
-                o[i * dv..(i + 1) * dv].iter_mut().for_each(|x| *x *= c);
-                m[i] = block_max;
+        (kk.dots)(&kv.k[k0..], kv.k_row, jhi - jlo, &self.qs[a..z], flat, KEY_BLOCK);
+        for i in a..z {
+            let row = &mut scores[i];
+            let (r0, r1) = (lo[i] - b0, hi[i] - b0);
+            row[r0..r1].iter_mut().for_each(|s| *s *= scale);
+            let block_max = row[r0..r1].iter().fold(f32::NEG_INFINITY, |x, &s| x.max(s));
+            if block_max > self.m[i] {
+                let c = exp(self.m[i] - block_max);
+                self.l[i] *= c;
+                self.o[i * dv..(i + 1) * dv].iter_mut().for_each(|x| *x *= c);
+                self.m[i] = block_max;
             }
+            probabilities(row, r0, r1, self.m[i]);
+            self.l[i] += block_sum(row);
         }
         // Keys every query of the run sees go through `pv` (the sums stay in
         // registers across them); the keys at the edges, one by one. Either
         // way each query adds its keys' values in key order.
         let (ilo, ihi) = (lo[z - 1], hi[a].max(lo[z - 1]));
+        let mut p = [0f32; KV_QUERIES];
         let mut j = jlo;
         while j < jhi {
             if j == ilo && ilo < ihi {
-                for i in a..z {
-                    for x in &mut scores[i][ilo - b0..ihi - b0] {
-                        *x = (*x - m[i]).exp();
-                        l[i] += *x;
-                    }
-                }
                 let v0 = (ilo * kv.v_row + kvh * dv) * es;
                 let p = &scores.as_flattened()[a * KEY_BLOCK + ilo - b0..(z - 1) * KEY_BLOCK + ihi - b0];
-                (kk.pv)(&mut o[a * dv..z * dv], p, KEY_BLOCK, &kv.v[v0..], kv.v_row, ihi - ilo);
+                (kk.pv)(&mut self.o[a * dv..z * dv], p, KEY_BLOCK, &kv.v[v0..], kv.v_row, ihi - ilo);
                 j = ihi;
                 continue;
             }
@@ -182,18 +220,83 @@ fn batch(
             let qb = (qa..z).find(|&i| lo[i] > j).unwrap_or(z);
             if qa < qb {
                 for i in qa..qb {
-                    p[i] = (scores[i][j - b0] - m[i]).exp();
-                    l[i] += p[i];
+                    p[i] = scores[i][j - b0];
                 }
-                (kk.axpys)(&mut o[qa * dv..qb * dv], &p[qa..qb], vrow(j));
+                let at = (j * kv.v_row + kvh * dv) * es;
+                (kk.axpys)(&mut self.o[qa * dv..qb * dv], &p[qa..qb], &kv.v[at..at + dv * es]);
             }
             j += 1;
         }
     }
-    for (o, l) in o.chunks_exact_mut(dv).zip(l) {
-        let inv = 1.0 / l;
-        o.iter_mut().for_each(|x| *x *= inv);
+
+    /// Divides each output row by its softmax sum.
+    fn finish(&mut self) {
+        let dv = self.o.len() / self.n;
+        for (o, l) in self.o.chunks_exact_mut(dv).zip(self.l) {
+            let inv = 1.0 / l;
+            o.iter_mut().for_each(|x| *x *= inv);
+        }
     }
+}
+
+/// `row[j] = e^(row[j] − m)` for `r0 ≤ j < r1`, exactly 0 elsewhere.
+#[inline]
+fn probabilities(row: &mut [f32; KEY_BLOCK], r0: usize, r1: usize, m: f32) {
+    for (j, x) in row.iter_mut().enumerate() {
+        let e = exp(*x - m);
+        *x = if (r0..r1).contains(&j) { e } else { 0.0 };
+    }
+}
+
+/// A block's probabilities summed in a fixed order (sixteen lanes, then a
+/// halving tree), so a query's sum does not depend on its batch.
+#[inline]
+fn block_sum(row: &[f32; KEY_BLOCK]) -> f32 {
+    let mut a = [0f32; 16];
+    for c in row.chunks_exact(16) {
+        for (a, c) in a.iter_mut().zip(c) {
+            *a += c;
+        }
+    }
+    let mut w = 8;
+    while w > 0 {
+        for k in 0..w {
+            a[k] += a[k + w];
+        }
+        w /= 2;
+    }
+    a[0]
+}
+
+/// e^x for the softmax (x ≤ 0 there), within about two ulp for x in
+/// [−87, 88] (clamped to it, so e^−∞ gives about 1.6e−38, not 0), in plain
+/// arithmetic the compiler turns into vector code: x = n·ln 2 + r with n
+/// rounded to nearest (|r| ≤ ln 2 / 2), a degree-6 polynomial for e^r
+/// (Cephes' `expf` coefficients) and 2^n put straight into the exponent
+/// bits. libm's `expf` is a call per score. NaN stays NaN.
+#[inline(always)]
+fn exp(x: f32) -> f32 {
+    const LOG2_E: f32 = std::f32::consts::LOG2_E;
+    // ln 2 in two parts: n · LN2_HI is exact for |n| ≤ 2^9.
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // 1.5 · 2^23: adding and subtracting it rounds to an integer.
+    const ROUND: f32 = 12_582_912.0;
+    let x = x.clamp(-87.0, 88.0);
+    let t = x * LOG2_E + ROUND;
+    let n = t - ROUND;
+    let r = (x - n * LN2_HI) - n * LN2_LO;
+    let p = 1.987_569_1e-4;
+    let p = p * r + 1.398_199_9e-3;
+    let p = p * r + 8.333_452e-3;
+    let p = p * r + 4.166_579_6e-2;
+    let p = p * r + 0.166_666_65;
+    let p = p * r + 0.5;
+    let e = p * (r * r) + r + 1.0;
+    // t's low mantissa bits hold n (ROUND's are zero): 2^n from integers
+    // alone, no float-to-int conversion.
+    let two_n = (t.to_bits().wrapping_sub(ROUND.to_bits()).wrapping_add(127)) << 23;
+    e * f32::from_bits(two_n)
 }
 
 #[cfg(test)]
@@ -231,6 +334,21 @@ mod tests {
             }
         }
         out
+    }
+
+    #[test]
+    fn softmax_exp_is_within_a_few_ulp() {
+        let mut worst = 0f64;
+        let mut x = -87.0f32;
+        while x <= 0.0 {
+            let want = (x as f64).exp();
+            let got = exp(x) as f64;
+            worst = worst.max((got - want).abs() / want);
+            x += 0.000_37;
+        }
+        assert!(worst < 3.0 * f32::EPSILON as f64, "worst relative error {worst:e}");
+        assert_eq!(exp(0.0), 1.0);
+        assert!(exp(f32::NEG_INFINITY) < 2e-38 && exp(-1e30) > 0.0);
     }
 
     #[test]
