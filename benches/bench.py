@@ -865,7 +865,9 @@ def colibri_build() -> str:
     if not rev and (root / ".commit").exists():
         rev = (root / ".commit").read_text().strip() + " (source export)"
     dirty_note = " with uncommitted changes" if dirty else ""
-    return f"{rev or 'unknown commit'}{dirty_note} ({root}, extension {digest})"
+    # Workers inherit COLIBRI_ISA, so they run the table this process does.
+    table = colibri.kernels()["active"]
+    return f"{rev or 'unknown commit'}{dirty_note} ({root}, extension {digest}, kernels {table})"
 
 
 def machine_facts() -> str:

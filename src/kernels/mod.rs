@@ -121,28 +121,15 @@ pub type TileFn = fn(group: &[u8], q: &[BlockQ8], tokens: usize, out: &mut [f32]
 /// The weight rows of one [`TileFn`] call at most: two groups.
 pub const TILE_ROWS: usize = 16;
 
-/// A prefill kernel over 16 rows ([`TileFn`]) and which tokens it takes.
+/// A prefill kernel over 16 rows ([`TileFn`]) and the fewest tokens it
+/// takes.
 #[derive(Clone, Copy)]
 pub struct Tiles {
-    /// The kernel.
+    /// The kernel (any number of tokens).
     pub f: TileFn,
-    /// The tokens it computes at once, padding a last partial step (16 for
-    /// AMX tiles; 1: no padding).
-    pub step: usize,
-    /// Fewest tokens worth a call; a padded last step must hold at least
-    /// as many. Fewer go to the vector kernels.
+    /// Fewest tokens worth a call (it repacks the weights first); fewer go
+    /// to the 8-row kernels.
     pub min: usize,
-}
-
-impl Tiles {
-    /// How many of `n` tokens go to the tiles: whole steps, the last
-    /// partial one too if it holds at least `min` tokens, none if that
-    /// leaves fewer than `min`.
-    pub fn tokens(&self, n: usize) -> usize {
-        let (whole, rest) = (n / self.step * self.step, n % self.step);
-        let on = if rest >= self.min { n } else { whole };
-        if on >= self.min { on } else { 0 }
-    }
 }
 
 /// The kernels of one interleaved type.
@@ -436,11 +423,11 @@ fn elems_into(w: &Matrix, inp: &Input, dots: DotsFn, r0: usize, r1: usize, y: YO
 }
 
 /// [`rows_into`] for an interleaved type: `r0` and `r1` are multiples of 8.
-/// With 16-row kernels, pairs of groups take the tokens [`Tiles::tokens`]
-/// gives them (up to [`TILE_BATCH`] tokens per call, which repacks the pair
-/// once); each group of eight rows takes the other tokens four at a time
-/// (and the last one to three singly). Every path gives the same bits per
-/// (row, token).
+/// With 16-row kernels and at least [`Tiles::min`] tokens, pairs of groups
+/// take every token on them (up to [`TILE_BATCH`] tokens per call, which
+/// repacks the pair once); else each group of eight rows takes the tokens
+/// four at a time (and the last one to three singly). Every path gives the
+/// same bits per (row, token).
 fn groups_into(w: &Matrix, inp: &Input, k: GroupKernels, r0: usize, r1: usize, y: YOut) {
     const G: usize = crate::quant::x8::ROWS;
     debug_assert!(r0.is_multiple_of(G) && r1.is_multiple_of(G));
@@ -452,12 +439,9 @@ fn groups_into(w: &Matrix, inp: &Input, k: GroupKernels, r0: usize, r1: usize, y
         }
     };
     let tiled = match k.tile {
-        Some(tiles) => {
-            let on_tiles = tiles.tokens(n);
-            if on_tiles > 0 {
-                tiles_into(w, inp, tiles.f, on_tiles, r0, r1, y);
-            }
-            on_tiles
+        Some(tiles) if n >= tiles.min => {
+            tiles_into(w, inp, tiles.f, n, r0, r1, y);
+            n
         }
         _ => 0,
     };

@@ -55,12 +55,32 @@ unsafe fn sum4_u8_i8(x: __m256i, y: __m256i) -> __m256i {
     _mm256_madd_epi16(_mm256_maddubs_epi16(x, y), _mm256_set1_epi16(1))
 }
 
-/// `acc + sum4_u8_i8(x, y)`: one `vpdpbusd` with AVX-VNNI (`VNNI`), else
-/// `maddubs` + `madd` + add. The two give the same integers: callers keep
-/// `x` below 128, so `maddubs` never saturates.
+/// How the group kernels sum bytes: `maddubs` + `madd` (AVX2), or one
+/// `vpdpbusd` in its VEX form (AVX-VNNI) or its EVEX form (AVX-512 VNNI with
+/// VL, for CPUs that have that and not AVX-VNNI: Cascade Lake, Ice Lake,
+/// Zen 4). The three give the same integers.
+pub const MADD: u8 = 0;
+/// See [`MADD`].
+pub const AVX_VNNI: u8 = 1;
+/// See [`MADD`].
+pub const EVEX_VNNI: u8 = 2;
+
+/// `acc + Σ4 x·y` by `vpdpbusd` in the form `V` names ([`AVX_VNNI`] or
+/// [`EVEX_VNNI`]).
 #[inline(always)]
-unsafe fn dp4<const VNNI: bool>(acc: __m256i, x: __m256i, y: __m256i) -> __m256i {
-    if VNNI { _mm256_dpbusd_avx_epi32(acc, x, y) } else { _mm256_add_epi32(acc, sum4_u8_i8(x, y)) }
+unsafe fn vpdpbusd<const V: u8>(acc: __m256i, x: __m256i, y: __m256i) -> __m256i {
+    match V {
+        EVEX_VNNI => _mm256_dpbusd_epi32(acc, x, y),
+        _ => _mm256_dpbusd_avx_epi32(acc, x, y),
+    }
+}
+
+/// `acc + sum4_u8_i8(x, y)`: one `vpdpbusd` with VNNI (`V` other than
+/// [`MADD`]), else `maddubs` + `madd` + add. The two give the same
+/// integers: callers keep `x` below 128, so `maddubs` never saturates.
+#[inline(always)]
+unsafe fn dp4<const V: u8>(acc: __m256i, x: __m256i, y: __m256i) -> __m256i {
+    if V != MADD { vpdpbusd::<V>(acc, x, y) } else { _mm256_add_epi32(acc, sum4_u8_i8(x, y)) }
 }
 
 /// Unsigned bytes x (< 128) · signed bytes y, summed into 8 f32 lanes.
@@ -339,7 +359,7 @@ pub(super) unsafe fn prefetch_ahead(p: *const u8, len: usize) {
 }
 
 #[inline(always)]
-unsafe fn gemm8_q8_0<const T: usize, const VNNI: bool>(
+unsafe fn gemm8_q8_0<const T: usize, const VNNI: u8>(
     g: *const BlockQ8_0x8,
     nb: usize,
     q: [*const BlockQ8; T],
@@ -373,7 +393,7 @@ unsafe fn gemm8_q8_0<const T: usize, const VNNI: bool>(
 /// once; with it, `vpdpbusd` sums straight into 32 bits. The integers are
 /// the same.
 #[inline(always)]
-unsafe fn nibble_sums<const T: usize, const VNNI: bool, const LUT: bool>(
+unsafe fn nibble_sums<const T: usize, const VNNI: u8, const LUT: bool>(
     qs: *const u8,
     ba: [&BlockQ8; T],
 ) -> [__m256i; T] {
@@ -391,15 +411,15 @@ unsafe fn nibble_sums<const T: usize, const VNNI: bool, const LUT: bool>(
             if LUT {
                 (alo, ahi) = (_mm256_sign_epi8(alo, lo), _mm256_sign_epi8(ahi, hi));
             }
-            *s = if VNNI {
-                _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(*s, xlo, alo), xhi, ahi)
+            *s = if VNNI != MADD {
+                vpdpbusd::<VNNI>(vpdpbusd::<VNNI>(*s, xlo, alo), xhi, ahi)
             } else {
                 let p = _mm256_add_epi16(_mm256_maddubs_epi16(xlo, alo), _mm256_maddubs_epi16(xhi, ahi));
                 _mm256_add_epi16(*s, p)
             };
         }
     }
-    if VNNI {
+    if VNNI != MADD {
         return s;
     }
     let ones = _mm256_set1_epi16(1);
@@ -407,7 +427,7 @@ unsafe fn nibble_sums<const T: usize, const VNNI: bool, const LUT: bool>(
 }
 
 #[inline(always)]
-unsafe fn gemm8_q4_0<const T: usize, const VNNI: bool>(
+unsafe fn gemm8_q4_0<const T: usize, const VNNI: u8>(
     g: *const BlockQ4_0x8,
     nb: usize,
     q: [*const BlockQ8; T],
@@ -429,7 +449,7 @@ unsafe fn gemm8_q4_0<const T: usize, const VNNI: bool>(
 }
 
 #[inline(always)]
-unsafe fn gemm8_q4_1<const T: usize, const VNNI: bool>(
+unsafe fn gemm8_q4_1<const T: usize, const VNNI: u8>(
     g: *const BlockQ4_1x8,
     nb: usize,
     q: [*const BlockQ8; T],
@@ -451,7 +471,7 @@ unsafe fn gemm8_q4_1<const T: usize, const VNNI: bool>(
 }
 
 #[inline(always)]
-unsafe fn gemm8_mxfp4<const T: usize, const VNNI: bool>(
+unsafe fn gemm8_mxfp4<const T: usize, const VNNI: u8>(
     g: *const BlockMxfp4x8,
     nb: usize,
     q: [*const BlockQ8; T],
@@ -478,7 +498,7 @@ unsafe fn store8(v: __m256) -> [f32; 8] {
 }
 
 macro_rules! group_kernels {
-    ($one:ident, $four:ident, $inner:ident, $block:ty, $vnni:literal, $features:literal) => {
+    ($one:ident, $four:ident, $inner:ident, $block:ty, $vnni:ident, $features:literal) => {
         /// # Safety
         /// The CPU must have the target features this function enables;
         /// `group` holds whole group blocks of this type and `q` at least as
@@ -517,17 +537,51 @@ macro_rules! group_kernels {
     };
 }
 
-group_kernels!(gemv8_q8_0, gemm8x4_q8_0, gemm8_q8_0, BlockQ8_0x8, false, "avx2,fma,f16c");
-group_kernels!(gemv8_q4_0, gemm8x4_q4_0, gemm8_q4_0, BlockQ4_0x8, false, "avx2,fma,f16c");
-group_kernels!(gemv8_q4_1, gemm8x4_q4_1, gemm8_q4_1, BlockQ4_1x8, false, "avx2,fma,f16c");
-group_kernels!(gemv8_mxfp4, gemm8x4_mxfp4, gemm8_mxfp4, BlockMxfp4x8, false, "avx2,fma,f16c");
+group_kernels!(gemv8_q8_0, gemm8x4_q8_0, gemm8_q8_0, BlockQ8_0x8, MADD, "avx2,fma,f16c");
+group_kernels!(gemv8_q4_0, gemm8x4_q4_0, gemm8_q4_0, BlockQ4_0x8, MADD, "avx2,fma,f16c");
+group_kernels!(gemv8_q4_1, gemm8x4_q4_1, gemm8_q4_1, BlockQ4_1x8, MADD, "avx2,fma,f16c");
+group_kernels!(gemv8_mxfp4, gemm8x4_mxfp4, gemm8_mxfp4, BlockMxfp4x8, MADD, "avx2,fma,f16c");
 
 // The same kernels with AVX-VNNI's `vpdpbusd` for the integer sums (the
 // same integers, so the same bits as the AVX2 ones).
-group_kernels!(vnni_gemv8_q8_0, vnni_gemm8x4_q8_0, gemm8_q8_0, BlockQ8_0x8, true, "avx2,fma,f16c,avxvnni");
-group_kernels!(vnni_gemv8_q4_0, vnni_gemm8x4_q4_0, gemm8_q4_0, BlockQ4_0x8, true, "avx2,fma,f16c,avxvnni");
-group_kernels!(vnni_gemv8_q4_1, vnni_gemm8x4_q4_1, gemm8_q4_1, BlockQ4_1x8, true, "avx2,fma,f16c,avxvnni");
-group_kernels!(vnni_gemv8_mxfp4, vnni_gemm8x4_mxfp4, gemm8_mxfp4, BlockMxfp4x8, true, "avx2,fma,f16c,avxvnni");
+group_kernels!(vnni_gemv8_q8_0, vnni_gemm8x4_q8_0, gemm8_q8_0, BlockQ8_0x8, AVX_VNNI, "avx2,fma,f16c,avxvnni");
+group_kernels!(vnni_gemv8_q4_0, vnni_gemm8x4_q4_0, gemm8_q4_0, BlockQ4_0x8, AVX_VNNI, "avx2,fma,f16c,avxvnni");
+group_kernels!(vnni_gemv8_q4_1, vnni_gemm8x4_q4_1, gemm8_q4_1, BlockQ4_1x8, AVX_VNNI, "avx2,fma,f16c,avxvnni");
+group_kernels!(vnni_gemv8_mxfp4, vnni_gemm8x4_mxfp4, gemm8_mxfp4, BlockMxfp4x8, AVX_VNNI, "avx2,fma,f16c,avxvnni");
+
+// And with the EVEX `vpdpbusd` of AVX-512 VNNI (256-bit, so AVX-512VL).
+group_kernels!(
+    evex_gemv8_q8_0,
+    evex_gemm8x4_q8_0,
+    gemm8_q8_0,
+    BlockQ8_0x8,
+    EVEX_VNNI,
+    "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
+);
+group_kernels!(
+    evex_gemv8_q4_0,
+    evex_gemm8x4_q4_0,
+    gemm8_q4_0,
+    BlockQ4_0x8,
+    EVEX_VNNI,
+    "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
+);
+group_kernels!(
+    evex_gemv8_q4_1,
+    evex_gemm8x4_q4_1,
+    gemm8_q4_1,
+    BlockQ4_1x8,
+    EVEX_VNNI,
+    "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
+);
+group_kernels!(
+    evex_gemv8_mxfp4,
+    evex_gemm8x4_mxfp4,
+    gemm8_mxfp4,
+    BlockMxfp4x8,
+    EVEX_VNNI,
+    "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
+);
 
 /// [`crate::kernels::scalar::quantize_act`] eight lanes at a time, with the
 /// same operations on every value (the maximum |x| is exact in any order,

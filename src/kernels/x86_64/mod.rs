@@ -113,13 +113,16 @@ impl AvxVnni {
 }
 
 /// Proof that this CPU runs the AVX-512 table: the AVX-VNNI table (the AVX2
-/// one on a CPU without AVX-VNNI) with AVX-512F attention kernels and, where
-/// the CPU has AVX-512BW and AVX-512VNNI, 16-row VNNI kernels for prefill.
-/// Only [`Avx512::detect`] makes one.
+/// one on a CPU without AVX-VNNI) with sixteen-lane attention and element
+/// weight kernels and, where the CPU has AVX-512BW/VL/VNNI, 16-row VNNI
+/// kernels for prefill (and the EVEX `vpdpbusd` in the 8-row kernels when
+/// it has no AVX-VNNI). Only [`Avx512::detect`] makes one.
 #[derive(Clone, Copy, Debug)]
 pub struct Avx512 {
     base: Base,
-    /// AVX-512BW and AVX-512VNNI (the 16-row prefill kernels).
+    /// AVX-512BW, AVX-512VL and AVX-512VNNI (the 16-row prefill kernels,
+    /// and the EVEX `vpdpbusd` in the 8-row kernels where the base has no
+    /// AVX-VNNI).
     vnni: bool,
 }
 
@@ -146,7 +149,9 @@ impl Avx512 {
         if !is_x86_feature_detected!("avx512f") {
             return None;
         }
-        let vnni = is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vnni");
+        let vnni = is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512vnni");
         Some(Avx512 { base: AvxVnni::detect().map_or(Base::Avx2(avx2), Base::AvxVnni), vnni })
     }
 
@@ -173,7 +178,20 @@ impl Avx512 {
             DType::Mxfp4x8 => Some(z_mxfp4x8),
         };
         if let (Layout::Groups(g), Some(f), true) = (&mut k.layout, rows16, self.vnni) {
-            g.tile = Some(Tiles { f, step: 1, min: ROWS16_MIN_TOKENS });
+            g.tile = Some(Tiles { f, min: ROWS16_MIN_TOKENS });
+        }
+        // Without AVX-VNNI the base's 8-row kernels sum by `maddubs`; the
+        // EVEX `vpdpbusd` gives the same integers in one instruction.
+        let evex: Option<(Gemv8Fn, Gemm8Fn)> = match dtype {
+            DType::F32 | DType::Bf16 | DType::F16 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Mxfp4 => None,
+            DType::Q8_0x8 => Some((evex_q8_0x8_gemv, evex_q8_0x8_gemm4)),
+            DType::Q4_0x8 => Some((evex_q4_0x8_gemv, evex_q4_0x8_gemm4)),
+            DType::Q4_1x8 => Some((evex_q4_1x8_gemv, evex_q4_1x8_gemm4)),
+            DType::Mxfp4x8 => Some((evex_mxfp4x8_gemv, evex_mxfp4x8_gemm4)),
+        };
+        if let (Layout::Groups(g), Some((one, many)), Base::Avx2(_), true) = (&mut k.layout, evex, self.base, self.vnni)
+        {
+            (g.one, g.many) = (one, Some(many));
         }
         let elems = |dot: DotFn, dots: DotsFn| Layout::Rows { dot, tile: None, dots: Some(dots) };
         let kv = match dtype {
@@ -238,7 +256,7 @@ impl Amx {
             DType::Mxfp4x8 => Some(amx_mxfp4x8),
         };
         if let (Layout::Groups(g), Some(f)) = (&mut k.layout, tile) {
-            g.tile = Some(Tiles { f, step: 1, min: AMX_MIN_TOKENS });
+            g.tile = Some(Tiles { f, min: AMX_MIN_TOKENS });
         }
         k
     }
@@ -367,6 +385,10 @@ safe_group!(AvxVnni: vnni_q8_0x8_gemv, vnni_q8_0x8_gemm4, avx2::vnni_gemv8_q8_0,
 safe_group!(AvxVnni: vnni_q4_0x8_gemv, vnni_q4_0x8_gemm4, avx2::vnni_gemv8_q4_0, avx2::vnni_gemm8x4_q4_0);
 safe_group!(AvxVnni: vnni_q4_1x8_gemv, vnni_q4_1x8_gemm4, avx2::vnni_gemv8_q4_1, avx2::vnni_gemm8x4_q4_1);
 safe_group!(AvxVnni: vnni_mxfp4x8_gemv, vnni_mxfp4x8_gemm4, avx2::vnni_gemv8_mxfp4, avx2::vnni_gemm8x4_mxfp4);
+safe_group!(Avx512: evex_q8_0x8_gemv, evex_q8_0x8_gemm4, avx2::evex_gemv8_q8_0, avx2::evex_gemm8x4_q8_0);
+safe_group!(Avx512: evex_q4_0x8_gemv, evex_q4_0x8_gemm4, avx2::evex_gemv8_q4_0, avx2::evex_gemm8x4_q4_0);
+safe_group!(Avx512: evex_q4_1x8_gemv, evex_q4_1x8_gemm4, avx2::evex_gemv8_q4_1, avx2::evex_gemm8x4_q4_1);
+safe_group!(Avx512: evex_mxfp4x8_gemv, evex_mxfp4x8_gemm4, avx2::evex_gemv8_mxfp4, avx2::evex_gemm8x4_mxfp4);
 
 macro_rules! safe_kv {
     ($proof:ident: $dots:ident, $axpys:ident, $pv:ident, $inner_dots:path, $inner_axpys:path, $inner_pv:path) => {
@@ -391,3 +413,49 @@ safe_kv!(Avx2: f32_dots, f32_axpys, f32_pv, kv::ymm_dots_f32, kv::ymm_axpys_f32,
 safe_kv!(Avx2: f16_dots, f16_axpys, f16_pv, kv::ymm_dots_f16, kv::ymm_axpys_f16, kv::ymm_pv_f16);
 safe_kv!(Avx512: z_f32_dots, z_f32_axpys, z_f32_pv, kv::zmm_dots_f32, kv::zmm_axpys_f32, kv::zmm_pv_f32);
 safe_kv!(Avx512: z_f16_dots, z_f16_axpys, z_f16_pv, kv::zmm_dots_f16, kv::zmm_axpys_f16, kv::zmm_pv_f16);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The EVEX `vpdpbusd` group kernels (reached only on CPUs with
+    /// AVX-512 VNNI and no AVX-VNNI, so never through the tables of a CPU
+    /// with both) give the AVX2 kernels' bits, called directly here.
+    #[test]
+    fn evex_vnni_group_kernels_give_the_avx2_bits() {
+        if !Avx512::detect().is_some_and(|t| t.vnni) {
+            eprintln!("this CPU has no AVX-512 VNNI: nothing to compare");
+            return;
+        }
+        let kernels: [(DType, Gemv8Fn, Gemm8Fn, Gemv8Fn, Gemm8Fn); 4] = [
+            (DType::Q8_0x8, q8_0x8_gemv, q8_0x8_gemm4, evex_q8_0x8_gemv, evex_q8_0x8_gemm4),
+            (DType::Q4_0x8, q4_0x8_gemv, q4_0x8_gemm4, evex_q4_0x8_gemv, evex_q4_0x8_gemm4),
+            (DType::Q4_1x8, q4_1x8_gemv, q4_1x8_gemm4, evex_q4_1x8_gemv, evex_q4_1x8_gemm4),
+            (DType::Mxfp4x8, mxfp4x8_gemv, mxfp4x8_gemm4, evex_mxfp4x8_gemv, evex_mxfp4x8_gemm4),
+        ];
+        let mut seed = 11u64;
+        let mut rnd = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        };
+        for (dtype, one, many, e_one, e_many) in kernels {
+            for n in [32, 96, 2048 + 32] {
+                let w: Vec<f32> = (0..8 * n).map(|_| rnd()).collect();
+                let nbytes = 8 * dtype.row_bytes(n).unwrap();
+                let mut buf = vec![0u64; nbytes.div_ceil(8)];
+                let g = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut buf)[..nbytes];
+                crate::quant::encode(dtype, &w, n, g);
+                // Large activations reach the 16-bit bound of the AVX2 sums.
+                let x: Vec<f32> = (0..4 * n).map(|i| if i % 5 == 0 { 1.0 } else { rnd() * 3.0 }).collect();
+                let mut q = vec![BlockQ8::default(); 4 * n / 32];
+                crate::kernels::scalar::quantize_act(&x, &mut q);
+                let qs: Vec<&[BlockQ8]> = q.chunks_exact(n / 32).collect();
+                assert_eq!(one(g, qs[0]), e_one(g, qs[0]), "{dtype} n={n}: one token");
+                let (mut a, mut b) = (vec![[0f32; 8]; 4], vec![[0f32; 8]; 4]);
+                many(g, &qs, &mut a);
+                e_many(g, &qs, &mut b);
+                assert_eq!(a, b, "{dtype} n={n}: four tokens");
+            }
+        }
+    }
+}
