@@ -37,6 +37,7 @@ pub mod convert;
 pub mod engine;
 pub mod error;
 pub mod format;
+pub mod fuzzing;
 pub mod kernels;
 pub mod model;
 pub mod quant;

@@ -70,6 +70,19 @@ impl ColibriFile {
         Self::from_map(path, map)
     }
 
+    /// Validates `bytes` as the contents of a `.colibri` file named `path`
+    /// (copied into an anonymous mapping): what [`ColibriFile::open`] does
+    /// after mapping the file, for inputs already in memory (the fuzz targets).
+    pub fn from_bytes(path: &Path, bytes: &[u8]) -> Result<ColibriFile> {
+        if bytes.len() < HEADER_LEN {
+            return Err(Error::format(path, format!("file is {} bytes, too short for a .colibri header", bytes.len())));
+        }
+        let mut anon = memmap2::MmapMut::map_anon(bytes.len()).map_err(|e| Error::io(path, e))?;
+        anon.copy_from_slice(bytes);
+        let map = anon.make_read_only().map_err(|e| Error::io(path, e))?;
+        Self::from_map(path, map)
+    }
+
     fn from_map(path: &Path, map: Mmap) -> Result<ColibriFile> {
         let bad = |m: String| Error::format(path, m);
         let b: &[u8] = &map;

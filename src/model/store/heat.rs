@@ -104,7 +104,7 @@ impl Heat {
         self.counts[l * self.experts + e]
     }
 
-    fn encode(&self, id: ModelIdentity) -> Vec<u8> {
+    pub(crate) fn encode(&self, id: ModelIdentity) -> Vec<u8> {
         let mut b = Vec::with_capacity(HEAD + 8 * self.counts.len() + 8);
         b.extend_from_slice(&MAGIC);
         b.extend_from_slice(&VERSION.to_le_bytes());
@@ -125,7 +125,12 @@ impl Heat {
 
     /// Parses heat for a model of `layers` × `experts` with identity `id`;
     /// the error says why the bytes cannot be trusted.
-    fn decode(b: &[u8], id: ModelIdentity, layers: usize, experts: usize) -> std::result::Result<Heat, String> {
+    pub(crate) fn decode(
+        b: &[u8],
+        id: ModelIdentity,
+        layers: usize,
+        experts: usize,
+    ) -> std::result::Result<Heat, String> {
         let u32_at = |at: usize| u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"));
         let u64_at = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
         if b.len() < HEAD + 8 || b[..8] != MAGIC {

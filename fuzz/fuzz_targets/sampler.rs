@@ -1,0 +1,7 @@
+//! Arbitrary bytes into `colibri::fuzzing::sampler`: any result is fine, a
+//! panic, hang or oversized allocation is a finding.
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    let _ = colibri::fuzzing::sampler(data);
+});
