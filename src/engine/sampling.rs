@@ -248,7 +248,16 @@ impl Sampler {
             s[t as usize] /= p.temperature;
         }
         let max = cand.iter().map(|&t| s[t as usize]).fold(f32::NEG_INFINITY, f32::max);
-        let weight = |l: f32| ((l - max) as f64).exp();
+        // e^(l − max), with the maximum itself at exactly 1 (also when it is
+        // infinite: a tiny temperature overflows the logits) and NaN logits
+        // at 0, so no weight is NaN and the most likely token always counts.
+        let weight = |l: f32| {
+            if l == max {
+                return 1.0;
+            }
+            let w = ((l - max) as f64).exp();
+            if w.is_nan() { 0.0 } else { w }
+        };
 
         // Top-p: keep a candidate while the mass strictly before it is below p.
         if p.top_p < 1.0 && cand.len() > 1 {
@@ -281,8 +290,9 @@ impl Sampler {
                 return t;
             }
         }
-        // Rounding left a sliver of mass past the last candidate.
-        *cand.last().expect("at least the most likely token survives")
+        // Rounding left a sliver of mass past the last candidate; or every
+        // logit was NaN, and min-p kept nothing: the argmax, as greedy would.
+        cand.last().copied().unwrap_or_else(|| argmax(s))
     }
 }
 
@@ -306,6 +316,34 @@ mod tests {
 
     fn sampler(p: SamplingParams, vocab: usize) -> Sampler {
         Sampler::new(p, vocab, &[]).unwrap()
+    }
+
+    /// Found by the sampler fuzz target: a subnormal temperature overflows
+    /// the logits to ±inf, which made every weight NaN and left min-p with
+    /// no candidate (a panic). Overflowed, infinite and NaN logits now give
+    /// a token in the vocabulary: the most likely one where there is one.
+    #[test]
+    fn overflowing_infinite_and_nan_logits_still_give_a_token() {
+        let tiny = SamplingParams { temperature: 3.7e-39, min_p: 0.05, top_p: 0.9, ..Default::default() };
+        let logits = [1.0f32, 3.0, -2.0, 0.5];
+        let mut s = sampler(tiny, 4);
+        for _ in 0..20 {
+            assert_eq!(s.sample(&logits), 1, "a vanishing temperature is greedy");
+        }
+        let hot = SamplingParams { temperature: 1.0, min_p: 0.5, top_k: 3, ..Default::default() };
+        for logits in [
+            [f32::NAN; 4],
+            [f32::INFINITY, 0.0, f32::INFINITY, f32::NAN],
+            [f32::NEG_INFINITY; 4],
+            [f32::NAN, 1.0, f32::NAN, 0.5],
+        ] {
+            let mut s = sampler(hot.clone(), 4);
+            for _ in 0..20 {
+                let t = s.sample(&logits) as usize;
+                assert!(t < 4, "{logits:?}: {t}");
+                assert!(!logits[t].is_nan() || logits.iter().all(|l| l.is_nan()), "{logits:?}: NaN token {t}");
+            }
+        }
     }
 
     /// Frequencies of each token over `n` draws.
