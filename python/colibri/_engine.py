@@ -31,6 +31,10 @@ Prompt = Union[str, TokenIds]
 DEFAULT_MAX_NEW_TOKENS = 256
 
 
+#: Token ids are 32-bit in the extension.
+_ID_LIMIT = 1 << 32
+
+
 def _as_ids(token_ids: Any, what: str = "token_ids") -> list[int]:
     """Validates a 1-D sequence of integer token ids and returns it as a list."""
     if isinstance(token_ids, (str, bytes)):
@@ -43,7 +47,11 @@ def _as_ids(token_ids: Any, what: str = "token_ids") -> list[int]:
             raise InvalidInputError(f"{what} must be 1-D, got an array of shape {token_ids.shape}")
         if not np.issubdtype(token_ids.dtype, np.integer):
             raise InvalidInputError(f"{what} must hold integers, got dtype {token_ids.dtype}")
-        return [int(t) for t in token_ids.tolist()]
+        ids = [int(t) for t in token_ids.tolist()]
+        for i, v in enumerate(ids):
+            if not 0 <= v < _ID_LIMIT:
+                raise InvalidInputError(f"token id {v} at position {i} is out of range")
+        return ids
     try:
         items = list(token_ids)
     except TypeError:
@@ -54,7 +62,12 @@ def _as_ids(token_ids: Any, what: str = "token_ids") -> list[int]:
     for i, t in enumerate(items):
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
             raise InvalidInputError(f"{what}[{i}] = {t!r} is not an integer token id")
-        out.append(int(t))
+        v = int(t)
+        # Ids past 32 bits cannot be in any vocabulary (and do not fit the
+        # extension's integers): the same error the vocabulary check gives.
+        if not 0 <= v < _ID_LIMIT:
+            raise InvalidInputError(f"token id {v} at position {i} is out of range")
+        out.append(v)
     return out
 
 
