@@ -132,13 +132,14 @@ pub fn dequant_mxfp4(blocks: &[u8], scales: &[u8], out: &mut [f32]) -> Result<()
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::quant::exp2i;
 
     /// E4M3 from its definition, computed in f64 (every value is exact).
     fn e4m3_reference(b: u8) -> f32 {
         let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
         let exp = i32::from((b >> 3) & 0xF);
         let man = f64::from(b & 0x7) / 8.0;
-        let mag = if exp == 0 { man * 2f64.powi(-6) } else { (1.0 + man) * 2f64.powi(exp - 7) };
+        let mag = if exp == 0 { man * exp2i(-6) } else { (1.0 + man) * exp2i(exp - 7) };
         (sign * mag) as f32
     }
 
@@ -161,9 +162,9 @@ mod tests {
         assert_eq!(e4m3_to_f32(0xB8), -1.0);
         assert_eq!(e4m3_to_f32(0x7E), 448.0);
         assert_eq!(e4m3_to_f32(0xFE), -448.0);
-        assert_eq!(e4m3_to_f32(0x01), 2f32.powi(-9));
-        assert_eq!(e4m3_to_f32(0x07), 7.0 * 2f32.powi(-9));
-        assert_eq!(e4m3_to_f32(0x08), 2f32.powi(-6));
+        assert_eq!(e4m3_to_f32(0x01), (exp2i(-9) as f32));
+        assert_eq!(e4m3_to_f32(0x07), 7.0 * (exp2i(-9) as f32));
+        assert_eq!(e4m3_to_f32(0x08), (exp2i(-6) as f32));
         assert_eq!(e4m3_to_f32(0x00).to_bits(), 0);
         assert_eq!(e4m3_to_f32(0x80).to_bits(), (-0.0f32).to_bits());
         assert!(e4m3_to_f32(0x7F).is_nan() && e4m3_to_f32(0xFF).is_nan());
@@ -221,7 +222,7 @@ mod tests {
             let sign = if code & 8 != 0 { -1.0f32 } else { 1.0 };
             let exp = ((code >> 1) & 3) as i32;
             let man = (code & 1) as f32;
-            let mag = if exp == 0 { man * 0.5 } else { (1.0 + man / 2.0) * 2f32.powi(exp - 1) };
+            let mag = if exp == 0 { man * 0.5 } else { (1.0 + man / 2.0) * (exp2i(exp - 1) as f32) };
             assert_eq!(v.to_bits(), (sign * mag).to_bits(), "code {code}");
         }
     }
@@ -234,9 +235,9 @@ mod tests {
         assert_eq!(e8m0_scale(255), None);
         let tiny = e8m0_scale(0).unwrap();
         assert!(tiny.is_subnormal());
-        assert_eq!(tiny, 2f64.powi(-127) as f32);
+        assert_eq!(tiny, exp2i(-127) as f32);
         for b in 0..=254u8 {
-            let want = 2f64.powi(i32::from(b) - 127) as f32;
+            let want = exp2i(i32::from(b) - 127) as f32;
             assert_eq!(e8m0_scale(b), Some(want), "byte {b}");
         }
     }
@@ -258,7 +259,7 @@ mod tests {
         assert_eq!(out[31].to_bits(), (-0.0f32).to_bits());
         assert_eq!(out[32..34], [-4.0, -2.0]);
         assert!(out[34..64].iter().all(|&v| v == 0.0));
-        assert_eq!(out[64], 2f64.powi(-128) as f32);
+        assert_eq!(out[64], exp2i(-128) as f32);
         assert!(out[65..].iter().all(|&v| v == 0.0));
     }
 

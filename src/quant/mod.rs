@@ -309,6 +309,14 @@ fn decode_rows(dtype: DType, src: &[u8], dst: &mut [f32]) {
     }
 }
 
+/// 2^k exactly, for k in f64's normal range (−1022..=1023): the exponent
+/// bits set directly. `powi` is not promised exact on every platform (Miri
+/// perturbs it on purpose), and the scale arithmetic of mxfp4 and FP8 must be.
+pub fn exp2i(k: i32) -> f64 {
+    assert!((-1022..=1023).contains(&k), "2^{k} is outside f64's normal range");
+    f64::from_bits(((k + 1023) as u64) << 52)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

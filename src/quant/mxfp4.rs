@@ -10,6 +10,8 @@
 //! −12..12) and halve the scale ([`half_scale`]), so the dot product of a
 //! block is an integer one.
 
+use super::exp2i;
+
 /// Weights per block.
 pub const QK: usize = 32;
 
@@ -61,14 +63,14 @@ pub fn quantize(src: &[f32], dst: &mut [BlockMxfp4]) {
             if amax > 0.0 && amax.is_finite() { (amax as f64 / 6.0).log2().ceil() as i32 + 127 } else { 0 };
         // log2 is not exact: step to the smallest exponent that holds amax.
         e = e.clamp(0, 254);
-        while e > 0 && amax as f64 <= 6.0 * 2f64.powi(e - 1 - 127) {
+        while e > 0 && amax as f64 <= 6.0 * exp2i(e - 1 - 127) {
             e -= 1;
         }
-        while e < 254 && amax as f64 > 6.0 * 2f64.powi(e - 127) {
+        while e < 254 && amax as f64 > 6.0 * exp2i(e - 127) {
             e += 1;
         }
         b.e = e as u8;
-        let inv = 2f64.powi(127 - e);
+        let inv = exp2i(127 - e);
         let code = |v: f32| nearest((v as f64 * inv) as f32);
         for j in 0..QK / 2 {
             b.qs[j] = code(x[j]) | (code(x[j + QK / 2]) << 4);
@@ -94,7 +96,7 @@ mod tests {
     #[test]
     fn mxfp4_values_round_trip_exactly_and_scales_are_exact() {
         for e in 0..=255u8 {
-            let want = 2f64.powi(i32::from(e) - 128) as f32;
+            let want = exp2i(i32::from(e) - 128) as f32;
             assert_eq!(half_scale(e), want, "e = {e}");
         }
         // Every code at several exponents: decoding and re-encoding is exact.
