@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use crate::error::{Error, Result};
-use crate::model::config::{FfnSpec, LayerSpec, ModelConfig, RopeScaling, RopeSpec};
+use crate::model::config::{FfnSpec, LayerSpec, ModelConfig, RopeScaling, RopeSpec, SIZE_LIMIT};
 use crate::model::tensors::{ExpertTensor, LayerTensor, TensorId};
 
 /// One supported Hugging Face architecture.
@@ -193,10 +193,18 @@ impl HfConfig {
         }
     }
 
-    /// A required non-negative integer, looked up under the first present spelling.
+    /// A required non-negative integer, looked up under the first present
+    /// spelling. These are the model's sizes (widths, heads, layers, experts,
+    /// vocabulary, context), which adapters allocate by: above
+    /// [`SIZE_LIMIT`] one is refused here, before any allocation.
     pub fn usize(&self, keys: &[&str]) -> Result<usize> {
         for k in keys {
             if let Some(v) = self.opt_usize(k)? {
+                if v > SIZE_LIMIT {
+                    return Err(
+                        self.err(format!("config field `{k}` = {v} is implausibly large (more than {SIZE_LIMIT})"))
+                    );
+                }
                 return Ok(v);
             }
         }

@@ -15,6 +15,12 @@ fn is_default<T: Default + PartialEq>(v: &T) -> bool {
     *v == T::default()
 }
 
+/// The largest model size (vocabulary, widths, heads, layers, context) a
+/// config may give: beyond it a size is refused as implausible before it
+/// sizes any allocation or index arithmetic (a hostile config.json or
+/// `.colibri` header cannot make the loader allocate by its claim).
+pub const SIZE_LIMIT: usize = 1 << 24;
+
 /// Everything the forward pass needs to know about a model's shape and maths.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ModelConfig {
@@ -454,9 +460,8 @@ impl ModelConfig {
             }
         }
         // Sizes large enough to overflow index arithmetic are refused here.
-        const LIMIT: usize = 1 << 24;
         for (name, v) in nonzero {
-            if v > LIMIT {
+            if v > SIZE_LIMIT {
                 return bad(format!("{name} = {v} is implausibly large"));
             }
         }
@@ -499,7 +504,7 @@ impl ModelConfig {
         }
         if let Some(m) = self.mla() {
             let dims = [m.kv_lora_rank, m.qk_nope_dim, m.qk_rope_dim, m.v_head_dim, m.q_lora_rank.unwrap_or(1)];
-            if dims.iter().any(|&x| x == 0 || x > LIMIT) {
+            if dims.iter().any(|&x| x == 0 || x > SIZE_LIMIT) {
                 return bad(format!("MLA dimensions {m:?} out of range"));
             }
             if m.qk_nope_dim + m.qk_rope_dim != self.head_dim || self.num_kv_heads != self.num_heads {
@@ -527,7 +532,7 @@ impl ModelConfig {
             }
             match l.ffn {
                 FfnSpec::Dense { ffn_dim } => {
-                    if ffn_dim == 0 || ffn_dim > LIMIT {
+                    if ffn_dim == 0 || ffn_dim > SIZE_LIMIT {
                         return bad(format!("layer {i}: dense ffn_dim {ffn_dim} out of range"));
                     }
                 }
@@ -541,11 +546,11 @@ impl ModelConfig {
                             "the sparsemixer router picks exactly 2 of at least 2 experts, not {k} of {e}"
                         ));
                     }
-                    if e == 0 || e > 4096 || k == 0 || k > e || f == 0 || f > LIMIT {
+                    if e == 0 || e > 4096 || k == 0 || k > e || f == 0 || f > SIZE_LIMIT {
                         return bad(format!("MoE block: num_experts {e}, top_k {k}, expert_ffn_dim {f} out of range"));
                     }
                     if let Some(s) = &moe.shared_expert
-                        && (s.ffn_dim == 0 || s.ffn_dim > LIMIT)
+                        && (s.ffn_dim == 0 || s.ffn_dim > SIZE_LIMIT)
                     {
                         return bad(format!("shared expert ffn_dim {} out of range", s.ffn_dim));
                     }
