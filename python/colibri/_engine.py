@@ -50,7 +50,7 @@ def _as_ids(token_ids: Any, what: str = "token_ids") -> list[int]:
         ids = [int(t) for t in token_ids.tolist()]
         for i, v in enumerate(ids):
             if not 0 <= v < _ID_LIMIT:
-                raise InvalidInputError(f"token id {v} at position {i} is out of range")
+                raise InvalidInputError(f"{what}[{i}] = {v} is out of range")
         return ids
     try:
         items = list(token_ids)
@@ -66,7 +66,7 @@ def _as_ids(token_ids: Any, what: str = "token_ids") -> list[int]:
         # Ids past 32 bits cannot be in any vocabulary (and do not fit the
         # extension's integers): the same error the vocabulary check gives.
         if not 0 <= v < _ID_LIMIT:
-            raise InvalidInputError(f"token id {v} at position {i} is out of range")
+            raise InvalidInputError(f"{what}[{i}] = {v} is out of range")
         out.append(v)
     return out
 
