@@ -47,6 +47,15 @@ fn read_u64(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
 }
 
+/// A file of `len` bytes must hold at least the fixed header (checked before
+/// it is mapped: the validation reads the header's fields in place).
+fn check_header_room(path: &Path, len: u64) -> Result<()> {
+    if len < HEADER_LEN as u64 {
+        return Err(Error::format(path, format!("file is {len} bytes, too short for a .colibri header")));
+    }
+    Ok(())
+}
+
 impl ColibriFile {
     /// Maps `path` and validates header, metadata and tensor table.
     pub fn open(path: &Path) -> Result<ColibriFile> {
@@ -58,9 +67,7 @@ impl ColibriFile {
                 "is a directory, not a .colibri file (convert a Hugging Face folder with `colibri convert` first)",
             ));
         }
-        if md.len() < HEADER_LEN as u64 {
-            return Err(Error::format(path, format!("file is {} bytes, too short for a .colibri header", md.len())));
-        }
+        check_header_room(path, md.len())?;
         // SAFETY: the map is read-only and lives as long as `self`. The usual
         // mmap caveat applies: if another process truncates or rewrites the
         // file while it is mapped, reads may fault or see new bytes. colibri
@@ -74,9 +81,7 @@ impl ColibriFile {
     /// (copied into an anonymous mapping): what [`ColibriFile::open`] does
     /// after mapping the file, for inputs already in memory (the fuzz targets).
     pub fn from_bytes(path: &Path, bytes: &[u8]) -> Result<ColibriFile> {
-        if bytes.len() < HEADER_LEN {
-            return Err(Error::format(path, format!("file is {} bytes, too short for a .colibri header", bytes.len())));
-        }
+        check_header_room(path, bytes.len() as u64)?;
         let mut anon = memmap2::MmapMut::map_anon(bytes.len()).map_err(|e| Error::io(path, e))?;
         anon.copy_from_slice(bytes);
         let map = anon.make_read_only().map_err(|e| Error::io(path, e))?;

@@ -425,10 +425,30 @@ fn tiles_of_every_table_give_the_one_token_bits() {
     eprintln!("{ran} tile kernels tested");
 }
 
-/// The AVX-VNNI table sums the same integers as the AVX2 one (`vpdpbusd`
-/// against `maddubs` + `madd`, which never saturates here), so its group
-/// kernels must give the AVX2 kernels' bits exactly; the large activations
-/// reach the 16-bit bound of the AVX2 nibble sums.
+/// `a` and `b`, group kernels of `dtype` that sum the same integers
+/// (`vpdpbusd` against `maddubs` + `madd`, which never saturates here), give
+/// the same bits for one token and for four; the large activations reach
+/// the 16-bit bound of the AVX2 nibble sums.
+pub(super) fn assert_group_kernels_agree(dtype: DType, a: GroupKernels, b: GroupKernels) {
+    let mut s = 7u64;
+    for n in [32, 96, 2048 + 32] {
+        let w: Vec<f32> = (0..8 * n).map(|_| lcg(&mut s)).collect();
+        let buf = encoded(dtype, &w, n);
+        let g = &bytemuck::cast_slice::<u64, u8>(&buf)[..8 * dtype.row_bytes(n).unwrap()];
+        let x: Vec<f32> = (0..4 * n).map(|i| if i % 5 == 0 { 1.0 } else { lcg(&mut s) * 3.0 }).collect();
+        let mut q = vec![BlockQ8::default(); 4 * n / 32];
+        let inp = Input::prepare(&x, n, true, &mut q);
+        let qs = [inp.row(0).1, inp.row(1).1, inp.row(2).1, inp.row(3).1];
+        assert_eq!((a.one)(g, qs[0]), (b.one)(g, qs[0]), "{dtype} n={n}: one token");
+        let (mut oa, mut ob) = (vec![[0f32; 8]; 4], vec![[0f32; 8]; 4]);
+        (a.many.unwrap())(g, &qs, &mut oa);
+        (b.many.unwrap())(g, &qs, &mut ob);
+        assert_eq!(oa, ob, "{dtype} n={n}: four tokens");
+    }
+}
+
+/// The AVX-VNNI table sums the same integers as the AVX2 one, so its group
+/// kernels must give the AVX2 kernels' bits exactly.
 #[test]
 fn avx_vnni_group_kernels_give_the_avx2_bits() {
     #[cfg(target_arch = "x86_64")]
@@ -437,26 +457,12 @@ fn avx_vnni_group_kernels_give_the_avx2_bits() {
             eprintln!("this CPU has no AVX-VNNI: nothing to compare");
             return;
         };
-        let mut s = 7u64;
         for dtype in DType::INTERLEAVED {
             let (Layout::Groups(a), Layout::Groups(b)) = (avx2.kernels(dtype).layout, vnni.kernels(dtype).layout)
             else {
                 panic!("{dtype} is interleaved");
             };
-            for n in [32, 96, 2048 + 32] {
-                let w: Vec<f32> = (0..8 * n).map(|_| lcg(&mut s)).collect();
-                let buf = encoded(dtype, &w, n);
-                let g = &bytemuck::cast_slice::<u64, u8>(&buf)[..8 * dtype.row_bytes(n).unwrap()];
-                let x: Vec<f32> = (0..4 * n).map(|i| if i % 5 == 0 { 1.0 } else { lcg(&mut s) * 3.0 }).collect();
-                let mut q = vec![BlockQ8::default(); 4 * n / 32];
-                let inp = Input::prepare(&x, n, true, &mut q);
-                let qs = [inp.row(0).1, inp.row(1).1, inp.row(2).1, inp.row(3).1];
-                assert_eq!((a.one)(g, qs[0]), (b.one)(g, qs[0]), "{dtype} n={n}: one token");
-                let (mut oa, mut ob) = (vec![[0f32; 8]; 4], vec![[0f32; 8]; 4]);
-                (a.many.unwrap())(g, &qs, &mut oa);
-                (b.many.unwrap())(g, &qs, &mut ob);
-                assert_eq!(oa, ob, "{dtype} n={n}: four tokens");
-            }
+            assert_group_kernels_agree(dtype, a, b);
         }
     }
 }

@@ -149,16 +149,13 @@ unsafe fn scale<B: TileBlock>(
     b: usize,
     sums: *const i32,
 ) {
-    let dw = _mm512_loadu_ps(p.scales.as_ptr().add(ROWS * b));
-    let m = if B::MINS { _mm512_loadu_ps(p.mins.as_ptr().add(ROWS * b)) } else { _mm512_setzero_ps() };
+    let scales = pack::column_scales::<B>(p, b);
     let ba = q.add(b);
     // Unrolled by hand so the sixteen accumulators stay in registers.
     macro_rules! scale {
         ($($t:literal)*) => {$(
-            let bt = &*ba.add($t * nb);
-            let isum = _mm512_cvtepi32_ps(_mm512_load_si512(sums.add(ROWS * $t) as *const __m512i));
-            let s = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(bt.d)), isum, acc[$t]);
-            acc[$t] = if B::MINS { _mm512_fmadd_ps(m, _mm512_set1_ps(bt.scaled_sum()), s) } else { s };
+            let isum = _mm512_load_si512(sums.add(ROWS * $t) as *const __m512i);
+            acc[$t] = pack::scale_token::<B>(acc[$t], scales, &*ba.add($t * nb), isum);
         )*};
     }
     scale!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);

@@ -59,11 +59,11 @@ unsafe fn sum4_u8_i8(x: __m256i, y: __m256i) -> __m256i {
 /// `vpdpbusd` in its VEX form (AVX-VNNI) or its EVEX form (AVX-512 VNNI with
 /// VL, for CPUs that have that and not AVX-VNNI: Cascade Lake, Ice Lake,
 /// Zen 4). The three give the same integers.
-pub const MADD: u8 = 0;
+const MADD: u8 = 0;
 /// See [`MADD`].
-pub const AVX_VNNI: u8 = 1;
+const AVX_VNNI: u8 = 1;
 /// See [`MADD`].
-pub const EVEX_VNNI: u8 = 2;
+const EVEX_VNNI: u8 = 2;
 
 /// `acc + Σ4 x·y` by `vpdpbusd` in the form `V` names ([`AVX_VNNI`] or
 /// [`EVEX_VNNI`]).

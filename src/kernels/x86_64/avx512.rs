@@ -87,13 +87,11 @@ unsafe fn run<B: TileBlock, const T: usize>(p: &Packed, q: *const BlockQ8, nb: u
                 isum[t] = _mm512_dpbusd_epi32(isum[t], wk, a);
             }
         }
-        let dw = _mm512_loadu_ps(p.scales.as_ptr().add(ROWS * b));
-        let m = if B::MINS { _mm512_loadu_ps(p.mins.as_ptr().add(ROWS * b)) } else { _mm512_setzero_ps() };
+        let scales = pack::column_scales::<B>(p, b);
         for t in 0..T {
             // Σ (w + 128)·a − 128·Σa = Σ w·a.
             let s = _mm512_sub_epi32(isum[t], _mm512_set1_epi32(128 * ba[t].sum));
-            let a = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(ba[t].d)), _mm512_cvtepi32_ps(s), acc[t]);
-            acc[t] = if B::MINS { _mm512_fmadd_ps(m, _mm512_set1_ps(ba[t].scaled_sum()), a) } else { a };
+            acc[t] = pack::scale_token::<B>(acc[t], scales, ba[t], s);
         }
     }
     for (t, a) in acc.iter().enumerate() {

@@ -170,28 +170,21 @@ impl Avx512 {
             Base::Avx2(t) => t.kernels(dtype),
             Base::AvxVnni(t) => t.kernels(dtype),
         };
-        let rows16: Option<TileFn> = match dtype {
+        // The 16-row VNNI kernel of each interleaved type, and its 8-row
+        // kernels with the EVEX `vpdpbusd`: without AVX-VNNI the base's sum
+        // by `maddubs`, and EVEX gives the same integers in one instruction.
+        let vnni: Option<(TileFn, Gemv8Fn, Gemm8Fn)> = match dtype {
             DType::F32 | DType::Bf16 | DType::F16 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Mxfp4 => None,
-            DType::Q8_0x8 => Some(z_q8_0x8),
-            DType::Q4_0x8 => Some(z_q4_0x8),
-            DType::Q4_1x8 => Some(z_q4_1x8),
-            DType::Mxfp4x8 => Some(z_mxfp4x8),
+            DType::Q8_0x8 => Some((z_q8_0x8, evex_q8_0x8_gemv, evex_q8_0x8_gemm4)),
+            DType::Q4_0x8 => Some((z_q4_0x8, evex_q4_0x8_gemv, evex_q4_0x8_gemm4)),
+            DType::Q4_1x8 => Some((z_q4_1x8, evex_q4_1x8_gemv, evex_q4_1x8_gemm4)),
+            DType::Mxfp4x8 => Some((z_mxfp4x8, evex_mxfp4x8_gemv, evex_mxfp4x8_gemm4)),
         };
-        if let (Layout::Groups(g), Some(f), true) = (&mut k.layout, rows16, self.vnni) {
+        if let (Layout::Groups(g), Some((f, one, many)), true) = (&mut k.layout, vnni, self.vnni) {
             g.tile = Some(Tiles { f, min: ROWS16_MIN_TOKENS });
-        }
-        // Without AVX-VNNI the base's 8-row kernels sum by `maddubs`; the
-        // EVEX `vpdpbusd` gives the same integers in one instruction.
-        let evex: Option<(Gemv8Fn, Gemm8Fn)> = match dtype {
-            DType::F32 | DType::Bf16 | DType::F16 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Mxfp4 => None,
-            DType::Q8_0x8 => Some((evex_q8_0x8_gemv, evex_q8_0x8_gemm4)),
-            DType::Q4_0x8 => Some((evex_q4_0x8_gemv, evex_q4_0x8_gemm4)),
-            DType::Q4_1x8 => Some((evex_q4_1x8_gemv, evex_q4_1x8_gemm4)),
-            DType::Mxfp4x8 => Some((evex_mxfp4x8_gemv, evex_mxfp4x8_gemm4)),
-        };
-        if let (Layout::Groups(g), Some((one, many)), Base::Avx2(_), true) = (&mut k.layout, evex, self.base, self.vnni)
-        {
-            (g.one, g.many) = (one, Some(many));
+            if let Base::Avx2(_) = self.base {
+                (g.one, g.many) = (one, Some(many));
+            }
         }
         let elems = |dot: DotFn, dots: DotsFn| Layout::Rows { dot, tile: None, dots: Some(dots) };
         let kv = match dtype {
@@ -427,35 +420,17 @@ mod tests {
             eprintln!("this CPU has no AVX-512 VNNI: nothing to compare");
             return;
         }
-        let kernels: [(DType, Gemv8Fn, Gemm8Fn, Gemv8Fn, Gemm8Fn); 4] = [
-            (DType::Q8_0x8, q8_0x8_gemv, q8_0x8_gemm4, evex_q8_0x8_gemv, evex_q8_0x8_gemm4),
-            (DType::Q4_0x8, q4_0x8_gemv, q4_0x8_gemm4, evex_q4_0x8_gemv, evex_q4_0x8_gemm4),
-            (DType::Q4_1x8, q4_1x8_gemv, q4_1x8_gemm4, evex_q4_1x8_gemv, evex_q4_1x8_gemm4),
-            (DType::Mxfp4x8, mxfp4x8_gemv, mxfp4x8_gemm4, evex_mxfp4x8_gemv, evex_mxfp4x8_gemm4),
+        let avx2 = Avx2::detect().expect("AVX-512 implies the AVX2 table");
+        let evex: [(DType, Gemv8Fn, Gemm8Fn); 4] = [
+            (DType::Q8_0x8, evex_q8_0x8_gemv, evex_q8_0x8_gemm4),
+            (DType::Q4_0x8, evex_q4_0x8_gemv, evex_q4_0x8_gemm4),
+            (DType::Q4_1x8, evex_q4_1x8_gemv, evex_q4_1x8_gemm4),
+            (DType::Mxfp4x8, evex_mxfp4x8_gemv, evex_mxfp4x8_gemm4),
         ];
-        let mut seed = 11u64;
-        let mut rnd = || {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        };
-        for (dtype, one, many, e_one, e_many) in kernels {
-            for n in [32, 96, 2048 + 32] {
-                let w: Vec<f32> = (0..8 * n).map(|_| rnd()).collect();
-                let nbytes = 8 * dtype.row_bytes(n).unwrap();
-                let mut buf = vec![0u64; nbytes.div_ceil(8)];
-                let g = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut buf)[..nbytes];
-                crate::quant::encode(dtype, &w, n, g);
-                // Large activations reach the 16-bit bound of the AVX2 sums.
-                let x: Vec<f32> = (0..4 * n).map(|i| if i % 5 == 0 { 1.0 } else { rnd() * 3.0 }).collect();
-                let mut q = vec![BlockQ8::default(); 4 * n / 32];
-                crate::kernels::scalar::quantize_act(&x, &mut q);
-                let qs: Vec<&[BlockQ8]> = q.chunks_exact(n / 32).collect();
-                assert_eq!(one(g, qs[0]), e_one(g, qs[0]), "{dtype} n={n}: one token");
-                let (mut a, mut b) = (vec![[0f32; 8]; 4], vec![[0f32; 8]; 4]);
-                many(g, &qs, &mut a);
-                e_many(g, &qs, &mut b);
-                assert_eq!(a, b, "{dtype} n={n}: four tokens");
-            }
+        for (dtype, one, many) in evex {
+            let Layout::Groups(a) = avx2.kernels(dtype).layout else { panic!("{dtype} is interleaved") };
+            let b = GroupKernels { one, many: Some(many), tile: None };
+            crate::kernels::tests::assert_group_kernels_agree(dtype, a, b);
         }
     }
 }

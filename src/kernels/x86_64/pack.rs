@@ -12,6 +12,7 @@
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
+use crate::kernels::BlockQ8;
 use crate::quant::mxfp4::{LUT2, half_scale};
 use crate::quant::x8::{BlockMxfp4x8, BlockQ4_0x8, BlockQ4_1x8, BlockQ8_0x8, ROWS as GROUP};
 
@@ -28,7 +29,7 @@ pub struct Packed {
     pub w: Vec<i8>,
     pub scales: Vec<f32>,
     pub mins: Vec<f32>,
-    pub pad: Vec<crate::kernels::BlockQ8>,
+    pub pad: Vec<BlockQ8>,
 }
 
 impl Packed {
@@ -173,9 +174,34 @@ pub unsafe fn pack<B: TileBlock>(p: &mut Packed, blocks: &[B], nb: usize) {
     }
 }
 
+/// Block column `b`'s sixteen row scales and (q4_1) minimums, zero
+/// otherwise, for [`scale_token`].
+///
+/// # Safety
+/// AVX-512F must be available; `b` is a packed block column of `p`.
+#[inline(always)]
+pub unsafe fn column_scales<B: TileBlock>(p: &Packed, b: usize) -> (__m512, __m512) {
+    let dw = _mm512_loadu_ps(p.scales.as_ptr().add(ROWS * b));
+    let m = if B::MINS { _mm512_loadu_ps(p.mins.as_ptr().add(ROWS * b)) } else { _mm512_setzero_ps() };
+    (dw, m)
+}
+
+/// One token's block column into its accumulator: `acc + (dw · da) ·
+/// isum`, then q4_1's `m · (da · Σa)`, the AVX2 group kernels' operations in
+/// their order (so the 16-row kernels give their bits). `isum` is the exact
+/// `Σ w · a` of each row; `(dw, m)` from [`column_scales`].
+///
+/// # Safety
+/// AVX-512F must be available.
+#[inline(always)]
+pub unsafe fn scale_token<B: TileBlock>(acc: __m512, (dw, m): (__m512, __m512), ba: &BlockQ8, isum: __m512i) -> __m512 {
+    let s = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(ba.d)), _mm512_cvtepi32_ps(isum), acc);
+    if B::MINS { _mm512_fmadd_ps(m, _mm512_set1_ps(ba.scaled_sum()), s) } else { s }
+}
+
 /// Checks a 16-row kernel's arguments: `nb` block columns of one or two
 /// groups of `B`, `q` as `[tokens, nb]`, `out` as `[tokens, 16]`.
-pub fn check<B: TileBlock>(groups: &[u8], q: &[crate::kernels::BlockQ8], tokens: usize, out: &[f32]) -> usize {
+pub fn check<B: TileBlock>(groups: &[u8], q: &[BlockQ8], tokens: usize, out: &[f32]) -> usize {
     assert!(tokens > 0, "16-row kernels need at least one token");
     let nb = q.len() / tokens;
     assert_eq!(q.len(), tokens * nb, "q is not [tokens, nb]");
