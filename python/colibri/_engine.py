@@ -47,11 +47,8 @@ def _as_ids(token_ids: Any, what: str = "token_ids") -> list[int]:
             raise InvalidInputError(f"{what} must be 1-D, got an array of shape {token_ids.shape}")
         if not np.issubdtype(token_ids.dtype, np.integer):
             raise InvalidInputError(f"{what} must hold integers, got dtype {token_ids.dtype}")
-        ids = [int(t) for t in token_ids.tolist()]
-        for i, v in enumerate(ids):
-            if not 0 <= v < _ID_LIMIT:
-                raise InvalidInputError(f"{what}[{i}] = {v} is out of range")
-        return ids
+        # Python ints from here on, checked one by one as a list's are.
+        token_ids = token_ids.tolist()
     try:
         items = list(token_ids)
     except TypeError:
