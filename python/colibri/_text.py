@@ -11,7 +11,8 @@ does there, and cannot touch anything outside the values it is given.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
@@ -49,17 +50,15 @@ class TextCodec:
     def __init__(self, tokenizer_json: str, tokenizer_config: Mapping[str, Any] | None) -> None:
         from tokenizers import Tokenizer
 
-        try:
+        with _tokenizer_errors("the model's embedded tokenizer cannot be loaded"):
             self.tokenizer = Tokenizer.from_str(tokenizer_json)
-        except Exception as e:  # the tokenizers package raises plain Exception
-            raise TokenizerError(f"the model's embedded tokenizer cannot be loaded: {e}") from None
-        cfg = dict(tokenizer_config or {})
-        self.special_tokens: dict[str, str] = {}
-        for name in SPECIAL_TOKEN_NAMES:
-            text = _token_text(cfg.get(name))
-            if text is not None:
-                self.special_tokens[name] = text
-        self._align_special_tokens(cfg.get("add_bos_token"), cfg.get("add_eos_token"))
+            cfg = dict(tokenizer_config or {})
+            self.special_tokens: dict[str, str] = {}
+            for name in SPECIAL_TOKEN_NAMES:
+                text = _token_text(cfg.get(name))
+                if text is not None:
+                    self.special_tokens[name] = text
+            self._align_special_tokens(cfg.get("add_bos_token"), cfg.get("add_eos_token"))
 
     def token_id(self, name: str) -> int | None:
         """Id of a special token named in tokenizer_config.json (``"bos_token"`` ...), if it has one."""
@@ -95,10 +94,27 @@ class TextCodec:
         self.tokenizer.post_processor = TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        with _tokenizer_errors("the tokenizer failed to encode"):
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+        with _tokenizer_errors("the tokenizer failed to decode"):
+            return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+
+@contextmanager
+def _tokenizer_errors(what: str) -> Iterator[None]:
+    """Turns whatever the tokenizers package raises on a hostile tokenizer
+    (plain Exception, or PanicException, a BaseException, when its Rust code
+    panics) into a TokenizerError."""
+    try:
+        yield
+    except TokenizerError:
+        raise
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:
+        raise TokenizerError(f"{what}: {type(e).__name__}: {e}") from None
 
 
 class IncrementalDetokenizer:
@@ -213,10 +229,74 @@ def _tojson(
     )
 
 
+# Bounds on what a template may build. A chat template comes with a model
+# downloaded from a stranger; the sandbox stops it reaching anything outside
+# its values, these stop it exhausting memory or time. Real templates stay far
+# below them (a prompt must fit the context anyway).
+TEMPLATE_MAX_INT_ARG = 1 << 20  # any integer argument to a call or filter (widths, counts)
+TEMPLATE_MAX_SIZE = 1 << 20  # a string or list made by `*`, `%`; characters or items
+TEMPLATE_MAX_RANGE_TOTAL = 1 << 20  # elements of all range() calls in one render
+TEMPLATE_MAX_OUTPUT = 1 << 24  # characters of rendered text
+TEMPLATE_MAX_POW_BITS = 1 << 12  # bits of an integer made by `**`
+
+
+class _TemplateLimit(Exception):
+    pass
+
+
+def _check_args(what: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, int) and not isinstance(a, bool) and abs(a) > TEMPLATE_MAX_INT_ARG:
+            raise _TemplateLimit(f"{what} was given {a}, more than the limit of {TEMPLATE_MAX_INT_ARG}")
+
+
+def _sized(value: Any, what: str) -> Any:
+    if isinstance(value, (str, list, tuple)) and len(value) > TEMPLATE_MAX_SIZE:
+        raise _TemplateLimit(f"{what} made {len(value)} items, more than the limit of {TEMPLATE_MAX_SIZE}")
+    return value
+
+
 def _environment() -> Any:
+    import math
+
     from jinja2 import nodes
     from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class BoundedSandbox(ImmutableSandboxedEnvironment):  # type: ignore[misc]
+        """The immutable sandbox, plus size checks on the operators and calls
+        that can build a huge value from a short template."""
+
+        intercepted_binops = frozenset({"*", "**", "%"})
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            if operator == "**":
+                if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
+                    if right * math.log2(abs(left)) > TEMPLATE_MAX_POW_BITS:
+                        raise _TemplateLimit(f"{left} ** {right} is too large")
+                return left**right
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
+                        if len(seq) * max(n, 0) > TEMPLATE_MAX_SIZE:
+                            raise _TemplateLimit(f"repeating {len(seq)} items {n} times is too large")
+                return left * right
+            # `%`: a string format's widths and precisions are integer arguments.
+            if isinstance(left, str):
+                import re
+
+                for width in re.findall(r"%[-+ #0]*(\d*)(?:\.(\d*))?", left):
+                    for digits in width:
+                        if digits and int(digits) > TEMPLATE_MAX_INT_ARG:
+                            raise _TemplateLimit(f"a format width of {digits} is too large")
+                if "*" in left:
+                    _check_args("a `*` format width", right if isinstance(right, tuple) else (right,), {})
+                return _sized(left % right, "a `%` format")
+            return left % right
+
+        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+            _check_args("a call", args, kwargs)
+            return _sized(super().call(__context, __obj, *args, **kwargs), "a call")
 
     class GenerationTag(Extension):
         """``{% generation %}...{% endgeneration %}`` (transformers marks assistant spans
@@ -232,13 +312,31 @@ def _environment() -> Any:
         def _render(self, caller: Any) -> str:
             return str(caller())
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols]
-    )
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
     env.filters["tojson"] = _tojson
+    for name, f in list(env.filters.items()):
+        env.filters[name] = _bounded_filter(name, f)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
+
+
+def _bounded_filter(name: str, f: Any) -> Any:
+    """A filter whose integer arguments (`center(width)`, `indent(width)` ...)
+    and result are held to the template bounds. Keeps jinja's decorators'
+    marks (`jinja_pass_arg`), which decide what the filter is passed first."""
+    import functools
+
+    # The value filtered is not an argument: it comes first, after the
+    # context or environment for filters marked to take one.
+    skip = 2 if hasattr(f, "jinja_pass_arg") else 1
+
+    @functools.wraps(f)
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        _check_args(f"the filter {name}", args[skip:], kwargs)
+        return _sized(f(*args, **kwargs), f"the filter {name}")
+
+    return bounded
 
 
 class ChatTemplate:
@@ -254,6 +352,10 @@ class ChatTemplate:
             raise ChatTemplateError(
                 f"the model's chat template does not compile (line {e.lineno}): {e.message}"
             ) from None
+        except Exception as e:  # e.g. RecursionError on absurdly deep nesting
+            raise ChatTemplateError(
+                f"the model's chat template does not compile: {type(e).__name__}: {e}"
+            ) from None
 
     def render(
         self,
@@ -265,15 +367,46 @@ class ChatTemplate:
     ) -> str:
         import jinja2
 
+        if extra is not None and (
+            not isinstance(extra, Mapping) or not all(isinstance(k, str) and k.isidentifier() for k in extra)
+        ):
+            raise ChatTemplateError(
+                "chat_template_kwargs must be a dict whose keys are variable names, got "
+                + (repr(extra)[:80] if not isinstance(extra, Mapping) else f"the keys {list(extra)[:8]!r}")
+            )
         context: dict[str, Any] = {"tools": None, "documents": None, **special_tokens, **(extra or {})}
         context["messages"] = check_messages(messages)
         context["add_generation_prompt"] = bool(add_generation_prompt)
+        context["range"] = _range_with_budget(TEMPLATE_MAX_RANGE_TOTAL)
         try:
-            return str(self._template.render(**context))
+            pieces, size = [], 0
+            for piece in self._template.generate(**context):
+                size += len(piece)
+                if size > TEMPLATE_MAX_OUTPUT:
+                    raise _TemplateLimit(f"the rendered text is longer than {TEMPLATE_MAX_OUTPUT} characters")
+                pieces.append(piece)
+            return "".join(pieces)
+        except _TemplateLimit as e:
+            raise ChatTemplateError(f"chat template: {e}") from None
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template: {e}") from None
         except Exception as e:  # a template can fail in many ways (TypeError on bad content ...)
             raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from None
+
+
+def _range_with_budget(budget: int) -> Any:
+    """`range` for one render: every call spends its length from `budget`,
+    so nested loops cannot multiply a template's work without bound."""
+    left = [budget]
+
+    def bounded_range(*args: Any) -> range:
+        r = range(*args)
+        left[0] -= len(r)
+        if left[0] < 0:
+            raise _TemplateLimit(f"the template's loops asked for more than {budget} range() items in all")
+        return r
+
+    return bounded_range
 
 
 def check_messages(messages: Any) -> list[dict[str, Any]]:

@@ -4,7 +4,9 @@ Subcommands: ``convert`` (Hugging Face folder or .colibri -> .colibri), ``genera
 (one prompt, streamed to stdout), ``chat`` (an interactive conversation) and
 ``info`` (what a .colibri file holds). Every error is one line on stderr with
 a non-zero exit status (2 for bad arguments, 1 for everything else); Ctrl-C
-exits with status 130, or in ``chat`` cuts the reply short.
+exits with status 130, or in ``chat`` cuts the reply short; SIGTERM exits with
+status 143. Either way a conversion stops between tensors and removes its
+partial output.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -21,6 +24,16 @@ from . import __version__, kernels
 from ._colibri import supported_dtypes
 from ._engine import Engine, convert, plan
 from ._errors import ColibriError
+
+
+class _Terminated(BaseException):
+    """Raised by the SIGTERM handler; unwinds like Ctrl-C (the native code
+    polls for it between tokens and tensors) but is not caught where Ctrl-C
+    only cuts a chat reply short."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated
 
 
 class _Parser(argparse.ArgumentParser):
@@ -528,6 +541,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.args += extra
     try:
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread: signals are not ours to handle
+        previous = None
+    try:
         return int(args.func(args))
     except _UsageError as e:
         print(f"{prog}: error: {e} (see {prog} --help)", file=sys.stderr)
@@ -548,6 +565,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\n{prog}: interrupted", file=sys.stderr)
         return 130
+    except _Terminated:
+        print(f"\n{prog}: terminated", file=sys.stderr)
+        return 143
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -119,10 +119,24 @@ fn write_staged<'a>(
 ) -> Result<TempGuard> {
     let file_name =
         dst.file_name().ok_or_else(|| Error::InvalidInput(format!("output {} has no file name", dst.display())))?;
+    let folder = dst.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    if !folder.is_dir() {
+        return Err(Error::InvalidInput(format!(
+            "cannot write {}: the folder {} does not exist",
+            dst.display(),
+            folder.display()
+        )));
+    }
     let tmp = dst.with_file_name(format!(".{}.partial-{}", file_name.to_string_lossy(), std::process::id()));
     let _ = std::fs::remove_file(&tmp);
     let guard = TempGuard(Some(tmp.clone()));
-    let mut w = Writer::create(&tmp, meta)?;
+    // A write error (a full disk, most likely) names the output the user
+    // asked for, not the hidden temporary the guard removes.
+    let named = |e: Error| match e {
+        Error::Io { path, source } if path == tmp => Error::Io { path: dst.to_path_buf(), source },
+        e => e,
+    };
+    let mut w = Writer::create(&tmp, meta).map_err(named)?;
 
     let total: u64 = meta.tensors.iter().map(|t| t.nbytes).sum();
     let bar = if progress {
@@ -146,9 +160,9 @@ fn write_staged<'a>(
         }
         let (dtype, raw) = source(i)?;
         let raw = &raw[..];
-        w.begin(&entry.name)?;
+        w.begin(&entry.name).map_err(named)?;
         if dtype == entry.dtype {
-            w.write(raw)?;
+            w.write(raw).map_err(named)?;
         } else {
             let cols = *entry.shape.last().unwrap_or(&1);
             let in_row = dtype.row_bytes(cols).expect("validated");
@@ -167,14 +181,14 @@ fn write_staged<'a>(
                 out_buf.resize(nbytes.div_ceil(2), 0);
                 let out = &mut bytemuck::cast_slice_mut::<u16, u8>(&mut out_buf)[..nbytes];
                 quant::encode(entry.dtype, &f32_buf, cols, out);
-                w.write(out)?;
+                w.write(out).map_err(named)?;
                 r += n;
             }
         }
         w.end();
         bar.inc(entry.nbytes);
     }
-    w.finish()?;
+    w.finish().map_err(named)?;
     bar.finish_and_clear();
     Ok(guard)
 }

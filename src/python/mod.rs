@@ -33,7 +33,13 @@ fn to_py(e: Error) -> PyErr {
         Error::OutputExists(_) => "OutputExistsError",
         Error::NotFound(_) => "ModelNotFoundError",
         Error::Io { .. } | Error::ExpertRead { .. } => "ColibriIOError",
-        Error::Interrupted => return PyKeyboardInterrupt::new_err("generation interrupted"),
+        Error::Interrupted => {
+            // The exception the signal handler raised (KeyboardInterrupt for
+            // Ctrl-C, whatever a caller's SIGTERM handler raises), so it
+            // propagates as if Python code had been running.
+            let pending = PENDING_SIGNAL.lock().unwrap_or_else(|p| p.into_inner()).take();
+            return pending.unwrap_or_else(|| PyKeyboardInterrupt::new_err("interrupted"));
+        }
     };
     let msg = e.to_string();
     Python::attach(|py| {
@@ -48,9 +54,20 @@ fn to_py(e: Error) -> PyErr {
     })
 }
 
-/// Polls for Ctrl-C; only the main thread ever sees signals.
+/// The exception a signal handler raised during the last poll that stopped
+/// a call, handed to [`to_py`].
+static PENDING_SIGNAL: Mutex<Option<PyErr>> = Mutex::new(None);
+
+/// Polls for signals (Ctrl-C, or any signal with a Python handler); only the
+/// main thread ever sees them. A handler that raises stops the call.
 fn interrupted() -> bool {
-    Python::attach(|py| py.check_signals().is_err())
+    Python::attach(|py| match py.check_signals() {
+        Ok(()) => false,
+        Err(e) => {
+            *PENDING_SIGNAL.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+            true
+        }
+    })
 }
 
 /// Token ids from Python ints, refusing negatives here (ids too large are
