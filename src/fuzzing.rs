@@ -98,6 +98,18 @@ pub fn write_seeds(dir: &Path, fixtures: &Path) -> std::io::Result<usize> {
             let mut b = vec![if name.contains("mxfp4") { 0x4F } else { 0 }];
             b.extend_from_slice(&st);
             put("safetensors", &format!("{name}.safetensors"), &b)?;
+            if name == "mixtral" {
+                // The same tensors as shard a of an index; shard b holds nothing.
+                let index = br#"{"metadata": {}, "weight_map": {"x": "a.safetensors", "y": "b.safetensors"}}"#;
+                let empty = [&8u64.to_le_bytes()[..], b"{}      "].concat();
+                let mut b = vec![SHARDED];
+                b.extend_from_slice(&(index.len() as u16).to_le_bytes());
+                b.extend_from_slice(index);
+                b.extend_from_slice(&(st.len() as u32).to_le_bytes());
+                b.extend_from_slice(&st);
+                b.extend_from_slice(&empty);
+                put("safetensors", "mixtral-sharded.safetensors", &b)?;
+            }
         }
     }
     let mut heat = Heat::zeros(4, 8);
@@ -160,9 +172,11 @@ pub fn sampler(bytes: &[u8]) -> Result<(), String> {
     Ok(())
 }
 
-/// Bytes as a single-file safetensors checkpoint after a first byte that
-/// picks its quantisation config (0xF8: FP8 blocks, 0x4F: MXFP4, else
-/// none): open it, then decode every tensor of at most a million values.
+/// Bytes as a safetensors checkpoint after a first byte that picks its
+/// form: 0xF8 FP8 blocks, 0x4F MXFP4 (one file, with that quantisation
+/// config), 0x1D sharded (an index and two shards: [`SHARDED`]), anything
+/// else one plain file. Opens it, then decodes every tensor of at most a
+/// million values.
 pub fn safetensors(bytes: &[u8]) -> Result<(), String> {
     let (mode, body) = bytes.split_first().map_or((0, &[][..]), |(m, b)| (*m, b));
     let quant = match mode {
@@ -171,7 +185,19 @@ pub fn safetensors(bytes: &[u8]) -> Result<(), String> {
         _ => None,
     };
     let dir = Scratch::new().map_err(|e| e.to_string())?;
-    std::fs::write(dir.0.join("model.safetensors"), body).map_err(|e| e.to_string())?;
+    if mode == SHARDED {
+        // [u16 index length][index JSON][u32 first shard length][a.safetensors][b.safetensors]
+        let take = |b: &[u8], n: usize| (b.get(..n).unwrap_or(b).to_vec(), b.get(n..).unwrap_or(&[]).to_vec());
+        let (len, rest) = take(body, 2);
+        let (index, rest) = take(&rest, len.iter().rev().fold(0, |a, &x| a << 8 | x as usize));
+        let (len, rest) = take(&rest, 4);
+        let (a, b) = take(&rest, len.iter().rev().fold(0, |a, &x| a << 8 | x as usize));
+        for (name, data) in [("model.safetensors.index.json", index), ("a.safetensors", a), ("b.safetensors", b)] {
+            std::fs::write(dir.0.join(name), data).map_err(|e| e.to_string())?;
+        }
+    } else {
+        std::fs::write(dir.0.join("model.safetensors"), body).map_err(|e| e.to_string())?;
+    }
     let ck = crate::convert::safetensors::Checkpoint::open(&dir.0, quant.as_ref()).map_err(|e| e.to_string())?;
     let names: Vec<String> = ck.names().map(String::from).collect();
     for name in names {
@@ -182,6 +208,9 @@ pub fn safetensors(bytes: &[u8]) -> Result<(), String> {
     }
     Ok(())
 }
+
+/// The [`safetensors`] mode byte of a sharded checkpoint.
+pub const SHARDED: u8 = 0x1D;
 
 /// A fresh directory for one call, in memory where the OS has it, removed
 /// when dropped.

@@ -103,7 +103,11 @@ impl Checkpoint {
             files.sort();
             files.dedup();
             for f in &files {
-                if f.contains('/') || f.contains('\\') || f.contains("..") {
+                // One plain file name: no folders, no `..`, no drive or root
+                // (which `Path::join` would let replace the folder).
+                let mut parts = Path::new(f).components();
+                let plain = matches!(parts.next(), Some(std::path::Component::Normal(_))) && parts.next().is_none();
+                if !plain || f.contains('/') || f.contains('\\') || f.contains("..") || f.contains(':') {
                     return Err(Error::checkpoint(&index, format!("weight_map names a file outside the folder: {f}")));
                 }
             }
