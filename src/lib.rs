@@ -10,7 +10,9 @@
 //! [`convert`] write the [`format`]; [`model`] loads it and runs the forward
 //! pass from [`model::config::ModelConfig`] alone, with matrix work in
 //! [`kernels`] and weight types in [`quant`]; [`engine`] holds sessions,
-//! sampling and generation; `python` is the thin PyO3 layer.
+//! sampling and generation; [`imatrix`] records the importance matrices the
+//! quantisers of [`convert`] can weight their errors by; `python` is the
+//! thin PyO3 layer.
 //!
 //! Glossary of dimension letters used in shape comments:
 //!
@@ -38,6 +40,7 @@ pub mod engine;
 pub mod error;
 pub mod format;
 pub mod fuzzing;
+pub mod imatrix;
 pub mod kernels;
 pub mod model;
 pub mod quant;

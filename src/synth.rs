@@ -178,6 +178,7 @@ pub fn write_random_model(path: &Path, cfg: &ModelConfig, dtype: DType, seed: u6
         architecture: "TestForCausalLM".into(),
         config: cfg.clone(),
         weight_dtype: dtype,
+        recipe: None,
         source: SourceInfo::default(),
         tensors,
         experts,

@@ -13,7 +13,8 @@ from typing import Any
 
 from ._colibri import __version__, supported_architectures, supported_dtypes
 from ._colibri import kernel_tables as _kernel_tables
-from ._engine import Engine, convert, plan
+from ._colibri import recipes as _recipes
+from ._engine import Engine, calibrate, convert, plan
 from ._errors import (
     ChatTemplateError,
     CheckpointError,
@@ -43,6 +44,12 @@ def kernels() -> dict[str, Any]:
     return {"active": active, "available": available}
 
 
+def recipes() -> dict[str, dict[str, str]]:
+    """The named conversion recipes ``convert(dtype=...)`` takes besides
+    single types: ``{name: {"spec": "experts=q4_1,...", "description": ...}}``."""
+    return {name: {"spec": spec, "description": desc} for name, spec, desc in _recipes()}
+
+
 __all__ = [
     "ChatTemplateError",
     "CheckpointError",
@@ -61,9 +68,11 @@ __all__ = [
     "TokenizerError",
     "UnsupportedModelError",
     "__version__",
+    "calibrate",
     "convert",
     "kernels",
     "plan",
+    "recipes",
     "supported_architectures",
     "supported_dtypes",
 ]

@@ -19,7 +19,13 @@ from typing import Any, Union
 import numpy as np
 
 from . import _colibri
-from ._errors import ChatTemplateError, InvalidInputError, ModelNotFoundError, TokenizerError
+from ._errors import (
+    ChatTemplateError,
+    InvalidInputError,
+    ModelNotFoundError,
+    OutputExistsError,
+    TokenizerError,
+)
 from ._generation import Completion, Result, Stream, TokenCompletion
 from ._text import ChatTemplate, TextCodec, template_from_metadata
 
@@ -207,6 +213,7 @@ class Engine:
             raise InvalidInputError(f"threads must be at least 1, got {threads}")
         self._path = os.fspath(path)
         budget = _budget_bytes(ram_budget)
+        self._ram_budget = budget
         heat = None if heat_file is None else os.fspath(heat_file)
         self._native = _colibri.NativeEngine(
             self._path,
@@ -337,6 +344,101 @@ class Engine:
     def tensors(self) -> list[tuple[str, str, tuple[int, ...], int]]:
         """Every stored tensor as ``(name, dtype, shape, bytes)``, in file order."""
         return [(n, d, tuple(s), b) for n, d, s, b in self._native.tensors()]
+
+    @property
+    def recipe(self) -> str | None:
+        """The conversion recipe, when the weight matrices are not all of one
+        type (``"q4_1-mix"``, or a ``class=type,...`` spec); else ``None``."""
+        r = self._native.recipe()
+        return None if r is None else str(r)
+
+    def weight_types(self) -> list[dict[str, Any]]:
+        """How each class of weight matrix is stored: one dict per class
+        present (``embed``, ``lm_head``, ``attn``, ``ffn``, ``shared``,
+        ``experts``, ``experts_down``) with ``dtypes`` (storage types, the
+        interleaved forms named by their row type), ``parameters``, ``bytes``
+        and ``bits_per_weight``, then ``other`` (norms, biases, the router:
+        f32) and ``all``."""
+        classes = dict(self._native.tensor_classes())
+        order = ["embed", "lm_head", "attn", "ffn", "shared", "experts", "experts_down", "other"]
+        rows: dict[str, dict[str, Any]] = {}
+        for name, dtype, shape, nbytes in self.tensors():
+            cls = classes.get(name, "other")
+            row = rows.setdefault(cls, {"class": cls, "dtypes": [], "parameters": 0, "bytes": 0})
+            base = dtype[:-2] if dtype.endswith("x8") else dtype
+            if base not in row["dtypes"]:
+                row["dtypes"].append(base)
+            n = 1
+            for d in shape:
+                n *= d
+            row["parameters"] += n
+            row["bytes"] += nbytes
+        out = [rows[c] for c in order if c in rows]
+        total = {
+            "class": "all",
+            "dtypes": sorted({d for r in out for d in r["dtypes"]}),
+            "parameters": sum(r["parameters"] for r in out),
+            "bytes": sum(r["bytes"] for r in out),
+        }
+        for r in [*out, total]:
+            r["bits_per_weight"] = 8 * r["bytes"] / max(r["parameters"], 1)
+        return [*out, total]
+
+    def calibrate(
+        self,
+        output: PathLike | None = None,
+        *,
+        text: str | None = None,
+        token_ids: TokenIds | None = None,
+        window: int = 512,
+        max_tokens: int | None = None,
+        force: bool = False,
+        progress: bool | None = None,
+    ) -> Path:
+        """Records an importance matrix for quantising this model: runs
+        ``text`` (default: the calibration text shipped with colibri, about
+        18,000 words of Jane Austen's prose) through the model in windows of
+        ``window`` tokens and writes, for every weight matrix, the mean square
+        of each input column (for a routed expert, over the tokens routed to
+        it) to ``output`` (default: beside the model, ``.imatrix``).
+        ``token_ids`` instead of text serves a model without a tokenizer.
+        :func:`colibri.convert` with ``imatrix=`` then quantises to minimise
+        the error those activations see. Calibrate the unquantised model
+        (bf16/f16/f32): the statistics are of its activations.
+        Returns the output path."""
+        if self._ram_budget is not None:
+            raise InvalidInputError("calibration needs the whole model in memory: open it without ram_budget")
+        out = Path(os.fspath(output)) if output is not None else Path(self._path).with_suffix(".imatrix")
+        if out.exists() and not force:
+            raise OutputExistsError(f"{out} exists; pass force=True (--force) to replace it")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise InvalidInputError(f"window must be a positive integer, got {window!r}")
+        if max_tokens is not None and (
+            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+        ):
+            raise InvalidInputError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        if token_ids is not None:
+            if text is not None:
+                raise InvalidInputError("give text or token_ids, not both")
+            ids, lead, source = _as_ids(token_ids), [], "token ids"
+            if not ids:
+                raise InvalidInputError("calibration token_ids are empty")
+        else:
+            source = "text" if text is not None else "colibri's default calibration text"
+            if text is None:
+                text = _calibration_text()
+            if not isinstance(text, str) or not text.strip():
+                raise InvalidInputError("calibration text is empty")
+            ids = self.tokenize(text, add_special_tokens=False)
+            lead = self.tokenize("", add_special_tokens=True)  # e.g. a beginning-of-sequence token
+        step = max(1, min(window, self.context_length) - len(lead))
+        if max_tokens is not None:
+            ids = ids[:max_tokens]
+        windows = [lead + ids[i : i + step] for i in range(0, len(ids), step)]
+        if progress is None:
+            progress = sys.stderr.isatty()
+        self._native.calibrate(windows, os.fspath(out), source, bool(progress))
+        return out
 
     @property
     def generation_defaults(self) -> dict[str, Any]:
@@ -739,6 +841,7 @@ def convert(
     dst: PathLike,
     *,
     dtype: str | None = None,
+    imatrix: PathLike | None = None,
     force: bool = False,
     progress: bool | None = None,
 ) -> dict[str, Any]:
@@ -755,21 +858,71 @@ def convert(
             the second rounding adds to the first, so quantise from the
             highest-precision file you have.
         dst: output file. Refused if it exists, unless ``force=True``.
-        dtype: storage type of the weight matrices, one of
-            :func:`colibri.supported_dtypes`, or ``None`` to keep the
-            source's own type (``q8_0`` for FP8 and MXFP4 checkpoints, whose
-            types colibri does not store). Norms, biases and the router are
-            always stored in f32.
+        dtype: storage type of the weight matrices: one of
+            :func:`colibri.supported_dtypes` for all of them; a recipe from
+            :func:`colibri.recipes` (``"q4_1-mix"`` ...); or ``class=type``
+            pairs (``"experts=q4_1,experts_down=q8_0,default=q8_0"``; classes
+            ``embed``, ``lm_head``, ``attn``, ``ffn``, ``shared``,
+            ``experts``, ``experts_down``). ``None`` keeps the source's own
+            type (``q8_0`` for FP8 and MXFP4 checkpoints, whose types colibri
+            does not store). Norms, biases and the router are always f32.
+        imatrix: an importance matrix from :meth:`Engine.calibrate` (or
+            ``colibri calibrate``) of the same model: the quantisers then
+            minimise the error weighted by each column's mean squared
+            activation. Refused with a clear error if it was made for
+            another model.
         progress: draw a progress bar on stderr (default: when stderr is a terminal).
 
-    Returns a summary: ``path``, ``architecture``, ``dtype``, ``tensors``, ``bytes``.
+    Returns a summary: ``path``, ``architecture``, ``dtype``, ``recipe``,
+    ``tensors``, ``bytes`` and, with an importance matrix, ``weighted``:
+    (matrices it weighted, quantised matrices it had nothing for).
     A failed or interrupted conversion leaves no file behind.
     """
     if progress is None:
         progress = sys.stderr.isatty()
+    imatrix = None if imatrix is None else os.fspath(imatrix)
     return dict(
-        _colibri.convert_checkpoint(os.fspath(src), os.fspath(dst), dtype, bool(force), bool(progress))
+        _colibri.convert_checkpoint(
+            os.fspath(src), os.fspath(dst), dtype, bool(force), bool(progress), imatrix
+        )
     )
 
 
-__all__ = ["Completion", "Engine", "Stream", "TokenCompletion", "convert", "generation_defaults"]
+def calibrate(
+    model: PathLike,
+    output: PathLike | None = None,
+    *,
+    text: str | None = None,
+    token_ids: TokenIds | None = None,
+    window: int = 512,
+    max_tokens: int | None = None,
+    threads: int | None = None,
+    force: bool = False,
+    progress: bool | None = None,
+) -> Path:
+    """Opens ``model`` (a ``.colibri`` file) and records its importance
+    matrix: :meth:`Engine.calibrate`. Returns the output path."""
+    engine = Engine(model, threads=threads)
+    return engine.calibrate(
+        output,
+        text=text,
+        token_ids=token_ids,
+        window=window,
+        max_tokens=max_tokens,
+        force=force,
+        progress=progress,
+    )
+
+
+def _calibration_text() -> str:
+    from importlib.resources import files
+
+    path = Path(str(files("colibri") / "data" / "calibration.txt"))
+    if not path.is_file():
+        raise ModelNotFoundError(
+            f"the default calibration text is not part of this installation (expected {path}); give text="
+        )
+    return path.read_text(encoding="utf-8")
+
+
+__all__ = ["Completion", "Engine", "Stream", "TokenCompletion", "calibrate", "convert", "generation_defaults"]

@@ -1,6 +1,7 @@
 """The ``colibri`` command line.
 
-Subcommands: ``convert`` (Hugging Face folder or .colibri -> .colibri), ``generate``
+Subcommands: ``convert`` (Hugging Face folder or .colibri -> .colibri), ``calibrate``
+(an importance matrix for ``convert --imatrix``), ``generate``
 (one prompt, streamed to stdout), ``chat`` (an interactive conversation) and
 ``info`` (what a .colibri file holds). Every error is one line on stderr with
 a non-zero exit status (2 for bad arguments, 1 for everything else); Ctrl-C
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from . import __version__, kernels
+from ._colibri import recipes as _recipe_table
 from ._colibri import supported_dtypes
 from ._engine import Engine, convert, plan
 from ._errors import ColibriError
@@ -60,12 +62,48 @@ def _human(n: float) -> str:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    report = convert(args.src, args.output, dtype=args.dtype, force=args.force, progress=not args.quiet)
+    report = convert(
+        args.src,
+        args.output,
+        dtype=args.dtype,
+        imatrix=args.imatrix,
+        force=args.force,
+        progress=not args.quiet,
+    )
     if not args.quiet:
+        kind = report["recipe"] or report["dtype"]
         print(
-            f"wrote {report['path']} ({report['architecture']}, {report['dtype']}, "
+            f"wrote {report['path']} ({report['architecture']}, {kind}, "
             f"{report['tensors']} tensors, {_human(report['bytes'])})"
         )
+        if report.get("weighted") is not None:
+            done, missed = report["weighted"]
+            note = f"; {missed} had no calibration data and were quantised unweighted" if missed else ""
+            print(f"importance matrix: {done} quantised matrices weighted by it{note}")
+    return 0
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    text = None
+    if args.text is not None:
+        try:
+            with open(args.text, encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError as e:
+            raise _UsageError(
+                f"--text {args.text} is not UTF-8 text ({e.reason} at byte {e.start})"
+            ) from None
+    engine = Engine(args.model, threads=args.threads)
+    out = engine.calibrate(
+        args.output,
+        text=text,
+        window=args.window,
+        max_tokens=args.max_tokens,
+        force=args.force,
+        progress=not args.quiet,
+    )
+    if not args.quiet:
+        print(f"wrote {out} (use it with: colibri convert ... --imatrix {out})")
     return 0
 
 
@@ -88,6 +126,13 @@ def _params(cfg: dict, tensors: list[tuple[str, str, tuple[int, ...], int]]) -> 
     if moe:
         active += sum(n * moe["router"]["top_k"] // moe["num_experts"] for n in experts.values())
     return total, active
+
+
+def _weights_line(engine: Engine) -> str:
+    """The weight type, or the recipe and the average bits per weight of the matrices."""
+    total = engine.weight_types()[-1]
+    bpw = f"{total['bits_per_weight']:.2f} bits per weight overall"
+    return f"{engine.recipe} (recipe), {bpw}" if engine.recipe else f"{engine.dtype}, {bpw}"
 
 
 def _attention(cfg: dict) -> str:
@@ -148,6 +193,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
             "kernels": kernels(),
             "config": cfg,
         }
+        out["recipe"] = engine.recipe
+        out["weight_types"] = engine.weight_types()
         if args.tensors:
             out["tensors"] = [
                 {"name": n, "dtype": d, "shape": list(s), "bytes": b} for n, d, s, b in engine.tensors()
@@ -159,7 +206,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     rows = [
         ("file", f"{engine.path} ({_human(engine.file_size)})"),
         ("architecture", engine.architecture),
-        ("weights", engine.dtype),
+        ("weights", _weights_line(engine)),
         ("parameters", f"{total / 1e6:.2f}M total, {active / 1e6:.2f}M active per token"),
         ("layers", f"{len(cfg['layers'])} ({n_moe} MoE)"),
         (
@@ -180,6 +227,15 @@ def _cmd_info(args: argparse.Namespace) -> int:
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    print()
+    types = engine.weight_types()
+    cw = max(len(r["class"]) for r in types)
+    print(f"{'matrices':<{cw}}  {'type':<14}  {'parameters':>12}  {'bytes':>10}  bits/weight")
+    for r in types:
+        print(
+            f"{r['class']:<{cw}}  {'+'.join(r['dtypes']):<14}  {r['parameters']:>12,}  "
+            f"{_human(r['bytes']):>10}  {r['bits_per_weight']:.3f}"
+        )
     if args.tensors:
         tensors = all_tensors
         name_w = max(len(n) for n, _, _, _ in tensors)
@@ -446,13 +502,43 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output", required=True, help="the .colibri file to write")
     c.add_argument(
         "--dtype",
-        choices=["auto", *supported_dtypes()],
         default="auto",
-        help="storage type of the weight matrices (default: keep the source's; q8_0 for FP8/MXFP4 sources)",
+        metavar="TYPE|RECIPE",
+        help=f"storage type of the weight matrices: {', '.join(supported_dtypes())}; a recipe "
+        f"({', '.join(r[0] for r in _recipe_table())}: see docs/FORMAT.md); or class=type pairs such as "
+        "experts=q4_1,experts_down=q8_0,default=q8_0 (default: keep the source's; q8_0 for "
+        "FP8/MXFP4 sources)",
+    )
+    c.add_argument(
+        "--imatrix",
+        metavar="FILE",
+        help="an importance matrix from `colibri calibrate` of the same model: quantise to "
+        "minimise the error weighted by each column's activations",
     )
     c.add_argument("--force", action="store_true", help="overwrite the output if it exists")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
     c.set_defaults(func=_cmd_convert)
+
+    cal = sub.add_parser(
+        "calibrate",
+        help="record an importance matrix for quantising a model",
+        description="Run text through an unquantised .colibri model and record, for every "
+        "weight matrix, the mean square of each input column (per routed expert, over the "
+        "tokens routed to it). `colibri convert --imatrix` then quantises with those weights.",
+    )
+    cal.add_argument("model", help="a .colibri file (bf16/f16/f32: calibrate before quantising)")
+    cal.add_argument(
+        "--text",
+        metavar="FILE",
+        help="UTF-8 calibration text (default: the text shipped with colibri, ~18k words of prose)",
+    )
+    cal.add_argument("-o", "--output", help="the importance matrix to write (default: MODEL.imatrix)")
+    cal.add_argument("--window", type=int, default=512, metavar="N", help="tokens per window (default 512)")
+    cal.add_argument("--max-tokens", type=int, metavar="N", help="use at most N tokens of the text")
+    cal.add_argument("--threads", type=int, metavar="N", help="worker threads (default: physical cores)")
+    cal.add_argument("--force", action="store_true", help="overwrite the output if it exists")
+    cal.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
+    cal.set_defaults(func=_cmd_calibrate)
 
     g = sub.add_parser(
         "generate",

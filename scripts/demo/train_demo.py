@@ -16,6 +16,7 @@ and unpack the corpus)::
 which runs, in order::
 
     train_demo.py corpus      # apt-get download r-cran-janeaustenr, extract + split the novels
+    train_demo.py calibration # the default calibration text of `colibri calibrate` (from the training split)
     train_demo.py tokenizer   # train the 4096-token byte-level BPE on the training split
     train_demo.py train --decay-start 275 --steps 344                 # phase 1
     train_demo.py train --extend --lr 2e-3 --warmup 20 --aux-coef 0.01 \
@@ -205,6 +206,28 @@ def _sha256(path: Path) -> str:
 
 
 # ------------------------------------------------------------------------ tokenizer
+
+
+CALIBRATION_TEXT = ROOT / "python" / "colibri" / "data" / "calibration.txt"
+CALIBRATION_CHARS = 12_000  # per novel: about 3,000 demo tokens each, 18k in all
+
+
+def cmd_calibration(args) -> None:
+    """The default calibration text of `colibri calibrate` (shipped in the
+    package): from each novel's training split, whole paragraphs starting
+    40% of the way in, until CALIBRATION_CHARS characters. Training text,
+    never the held-out tails that scripts/accuracy.py measures on."""
+    books = json.loads((CORPUS / "train.json").read_text(encoding="utf-8"))
+    out = []
+    for book in books:
+        paras = book["paragraphs"]
+        i, n = int(0.4 * len(paras)), 0
+        while i < len(paras) and n < CALIBRATION_CHARS:
+            out.append(paras[i])
+            n += len(paras[i])
+            i += 1
+    CALIBRATION_TEXT.write_text("\n".join(out) + "\n", encoding="utf-8")
+    print(f"wrote {CALIBRATION_TEXT} ({sum(len(p) for p in out)} characters, {len(out)} paragraphs)")
 
 
 def cmd_tokenizer(args) -> None:
@@ -696,6 +719,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("corpus")
+    sub.add_parser("calibration")
     sub.add_parser("tokenizer")
     sub.add_parser("all")
     p = sub.add_parser("train")
@@ -749,6 +773,7 @@ def main() -> None:
     else:
         {
             "corpus": cmd_corpus,
+            "calibration": cmd_calibration,
             "tokenizer": cmd_tokenizer,
             "train": cmd_train,
             "export": cmd_export,

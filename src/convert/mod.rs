@@ -14,6 +14,7 @@
 //! instead (`recode.rs`).
 
 mod dequant;
+pub mod recipe;
 mod recode;
 pub mod safetensors;
 
@@ -26,16 +27,22 @@ use serde_json::Value;
 use crate::arch::{self, HfConfig, Source};
 use crate::error::{Error, Result};
 use crate::format::writer::{ToPlace, Writer, layout};
-use crate::format::{FileMeta, SourceInfo};
-use crate::model::tensors::{Role, TensorId, tensor_plan};
+use crate::format::{FileMeta, SourceInfo, TensorEntry};
+use crate::imatrix::Imatrix;
+use crate::model::tensors::{PlannedTensor, Role, TensorId, tensor_plan};
 use crate::quant::{self, DType};
+pub use recipe::Recipe;
 use safetensors::{Checkpoint, SrcTensor};
 
 /// Conversion settings.
 #[derive(Clone, Debug, Default)]
 pub struct ConvertOptions {
-    /// Storage type of the large matrices; `None` keeps the source's type.
-    pub dtype: Option<DType>,
+    /// Storage types of the weight matrices, by class ([`recipe`]); `None`
+    /// keeps the source's types.
+    pub recipe: Option<Recipe>,
+    /// An importance matrix ([`crate::imatrix`]) the quantisers weight their
+    /// errors by.
+    pub imatrix: Option<PathBuf>,
     /// Replace an existing output file.
     pub force: bool,
     /// Draw a progress bar on stderr (only when it is a terminal).
@@ -55,6 +62,38 @@ pub struct ConvertReport {
     pub tensors: usize,
     /// Output size in bytes.
     pub bytes: u64,
+    /// With an importance matrix: quantised matrices it weighted, and those
+    /// it had no entry for (or no token reached, e.g. an expert the
+    /// calibration text never routed to), quantised unweighted.
+    pub weighted: Option<(usize, usize)>,
+}
+
+impl ConvertOptions {
+    /// Every matrix in `dtype` (`None`: the source's own).
+    pub fn with_dtype(dtype: Option<DType>) -> ConvertOptions {
+        ConvertOptions { recipe: dtype.map(Recipe::uniform), ..ConvertOptions::default() }
+    }
+}
+
+/// The importance matrix of `opts`, loaded and checked against the matrices
+/// this conversion quantises (`(name, cols)`).
+fn load_imatrix<'a>(
+    opts: &ConvertOptions,
+    architecture: &str,
+    quantised: impl IntoIterator<Item = (&'a str, usize)>,
+) -> Result<Option<Imatrix>> {
+    let Some(path) = &opts.imatrix else { return Ok(None) };
+    let m = Imatrix::load(path)?;
+    m.check_fits(path, architecture, quantised)?;
+    Ok(Some(m))
+}
+
+/// How many of the quantised tensors of `meta` the importance matrix covers.
+fn coverage(meta: &FileMeta, m: Option<&Imatrix>) -> Option<(usize, usize)> {
+    let m = m?;
+    let quantised: Vec<&TensorEntry> = meta.tensors.iter().filter(|t| t.dtype.is_quantized()).collect();
+    let weighted = quantised.iter().filter(|t| m.weights(&t.name).is_some()).count();
+    Some((weighted, quantised.len() - weighted))
 }
 
 /// Source tensors that carry no weights and are safe to drop.
@@ -108,13 +147,16 @@ impl Drop for TempGuard {
 /// demand, so at most one tensor is materialised at a time); a tensor whose
 /// type differs from the planned one is decoded to f32 and encoded again, in
 /// chunks of about 1M values so memory stays flat on huge tensors. `verb`
-/// labels the progress bar; `interrupted` is polled between tensors.
+/// labels the progress bar; `interrupted` is polled between tensors; with
+/// `imatrix`, every matrix it has an entry for is quantised weighted by it.
+#[allow(clippy::too_many_arguments)] // the steps of one conversion, each with its own input
 fn write_staged<'a>(
     dst: &Path,
     meta: &FileMeta,
     verb: &str,
     progress: bool,
     interrupted: &dyn Fn() -> bool,
+    imatrix: Option<&Imatrix>,
     source: &dyn Fn(usize) -> Result<(DType, Cow<'a, [u8]>)>,
 ) -> Result<TempGuard> {
     let file_name =
@@ -180,7 +222,8 @@ fn write_staged<'a>(
                 let nbytes = out_row * n;
                 out_buf.resize(nbytes.div_ceil(2), 0);
                 let out = &mut bytemuck::cast_slice_mut::<u16, u8>(&mut out_buf)[..nbytes];
-                quant::encode(entry.dtype, &f32_buf, cols, out);
+                let importance = imatrix.and_then(|m| m.weights(&entry.name));
+                quant::encode_weighted(entry.dtype, &f32_buf, cols, importance, out);
                 w.write(out).map_err(named)?;
                 r += n;
             }
@@ -290,7 +333,7 @@ fn commit(mut staged: TempGuard, dst: &Path) -> Result<u64> {
 }
 
 /// Converts the Hugging Face checkpoint in `src` into the `.colibri` file `dst`.
-/// When `src` is a `.colibri` file, re-encodes it into `opts.dtype` instead.
+/// When `src` is a `.colibri` file, re-encodes it with `opts.recipe` instead.
 /// `interrupted` is polled between tensors; when it returns true the
 /// conversion stops with [`Error::Interrupted`] and removes its partial output.
 pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn Fn() -> bool) -> Result<ConvertReport> {
@@ -388,14 +431,17 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
     };
     // The type recorded for the file: the requested one, else that of the
     // quantised source tensors (they hold most of the bytes), else the embedding's.
-    let weight_dtype = opts
-        .dtype
+    let recipe = opts.recipe.as_ref();
+    let weight_dtype = recipe
+        .and_then(Recipe::primary)
         .unwrap_or_else(|| sources.iter().map(|(_, _, t)| own(t)).find(|d| d.is_quantized()).unwrap_or(plain_default));
+    let wanted =
+        |p: &PlannedTensor, t: &SrcTensor| recipe.and_then(|r| r.dtype(p.id.class()?)).unwrap_or_else(|| own(t));
     let items: Vec<ToPlace> = sources
         .iter()
         .map(|(p, _, t)| ToPlace {
             name: p.id.to_string(),
-            dtype: storage_dtype(p.role, opts.dtype.unwrap_or_else(|| own(t)), &p.shape),
+            dtype: storage_dtype(p.role, wanted(p, t), &p.shape),
             shape: p.shape.clone(),
             expert: match p.id {
                 TensorId::Expert(l, e, _) => Some((l, e)),
@@ -404,6 +450,9 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
         })
         .collect();
     let (tensors, experts) = layout(&items)?;
+    let quantised =
+        tensors.iter().filter(|t| t.dtype.is_quantized()).map(|t| (t.name.as_str(), *t.shape.last().unwrap_or(&1)));
+    let imatrix = load_imatrix(opts, arch.hf_class, quantised)?;
 
     let tok_cfg = read_json(&src.join("tokenizer_config.json"))?;
     let template_file = src.join("chat_template.jinja");
@@ -424,6 +473,7 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
         architecture: arch.hf_class.to_string(),
         config: cfg.clone(),
         weight_dtype,
+        recipe: recipe.filter(|r| !r.is_uniform()).map(|r| r.name.clone()),
         source,
         tensors,
         experts,
@@ -434,7 +484,7 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
         let (_, s, t) = &sources[i];
         materialize(&ck, s, t)
     };
-    let staged = write_staged(dst, &meta, "converting", opts.progress, interrupted, &source)?;
+    let staged = write_staged(dst, &meta, "converting", opts.progress, interrupted, imatrix.as_ref(), &source)?;
     let bytes = commit(staged, dst)?;
     Ok(ConvertReport {
         path: dst.to_path_buf(),
@@ -442,5 +492,6 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
         dtype: weight_dtype,
         tensors: meta.tensors.len(),
         bytes,
+        weighted: coverage(&meta, imatrix.as_ref()),
     })
 }

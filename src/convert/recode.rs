@@ -22,7 +22,7 @@
 use std::io::Read;
 use std::path::Path;
 
-use super::{ConvertOptions, ConvertReport, commit, storage_dtype, write_staged};
+use super::{ConvertOptions, ConvertReport, Recipe, commit, coverage, load_imatrix, storage_dtype, write_staged};
 use crate::error::{Error, Result};
 use crate::format::FileMeta;
 use crate::format::reader::ColibriFile;
@@ -30,7 +30,7 @@ use crate::format::writer::{ToPlace, layout};
 use crate::model::tensors::{TensorId, tensor_plan};
 
 /// Re-encodes the `.colibri` file `src` into `dst` with the weight type
-/// `opts.dtype` (`None` keeps the source's). `interrupted` is polled between
+/// `opts.recipe` (`None` keeps the source's types). `interrupted` is polled between
 /// tensors, as in [`super::convert`].
 pub(super) fn recode(
     src: &Path,
@@ -53,7 +53,8 @@ pub(super) fn recode(
     let old = file.meta();
     // The recorded weight type is a user-facing name (q4_0, not q4_0x8);
     // `base` guards against a file that recorded the interleaved form.
-    let weight_dtype = opts.dtype.unwrap_or(old.weight_dtype).base();
+    let recipe = opts.recipe.as_ref();
+    let weight_dtype = recipe.and_then(Recipe::primary).unwrap_or(old.weight_dtype).base();
 
     // The tensor plan fixes the order, roles and shapes; the reader has
     // already checked that the file holds exactly these tensors.
@@ -67,8 +68,9 @@ pub(super) fn recode(
         // Without a requested type each tensor keeps its own (a file may mix
         // types, e.g. MXFP4 experts beside bf16 attention).
         let own = file.meta().tensors[i].dtype.base();
+        let wanted = recipe.and_then(|r| r.dtype(p.id.class()?)).unwrap_or(own);
         items.push(ToPlace {
-            dtype: storage_dtype(p.role, if opts.dtype.is_some() { weight_dtype } else { own }, &p.shape),
+            dtype: storage_dtype(p.role, wanted, &p.shape),
             shape: p.shape.clone(),
             expert: match p.id {
                 TensorId::Expert(l, e, _) => Some((l, e)),
@@ -78,10 +80,18 @@ pub(super) fn recode(
         });
     }
     let (tensors, experts) = layout(&items)?;
+    let quantised =
+        tensors.iter().filter(|t| t.dtype.is_quantized()).map(|t| (t.name.as_str(), *t.shape.last().unwrap_or(&1)));
+    let imatrix = load_imatrix(opts, &old.architecture, quantised)?;
+    let recorded = match recipe {
+        Some(r) => (!r.is_uniform()).then(|| r.name.clone()),
+        None => old.recipe.clone(),
+    };
     let meta = FileMeta {
         architecture: old.architecture.clone(),
         config: old.config.clone(),
         weight_dtype,
+        recipe: recorded,
         source: old.source.clone(),
         tensors,
         experts,
@@ -91,13 +101,21 @@ pub(super) fn recode(
         let view = file.tensor_at(sources[i]);
         Ok((view.dtype, std::borrow::Cow::Borrowed(view.bytes)))
     };
-    let staged = write_staged(dst, &meta, "re-encoding", opts.progress, interrupted, &source)?;
+    let staged = write_staged(dst, &meta, "re-encoding", opts.progress, interrupted, imatrix.as_ref(), &source)?;
     // The source stays mapped until here; unmap it before renaming over it
     // (src == dst with `force`), which some systems refuse for a mapped file.
     drop(file);
     let bytes = commit(staged, dst)?;
     let tensors = meta.tensors.len();
-    Ok(ConvertReport { path: dst.to_path_buf(), architecture: meta.architecture, dtype: weight_dtype, tensors, bytes })
+    let weighted = coverage(&meta, imatrix.as_ref());
+    Ok(ConvertReport {
+        path: dst.to_path_buf(),
+        architecture: meta.architecture,
+        dtype: weight_dtype,
+        tensors,
+        bytes,
+        weighted,
+    })
 }
 
 #[cfg(test)]
@@ -112,7 +130,7 @@ mod tests {
     }
 
     fn opts(dtype: Option<DType>) -> ConvertOptions {
-        ConvertOptions { dtype, force: false, progress: false }
+        ConvertOptions::with_dtype(dtype)
     }
 
     /// Every tensor's (name, dtype, shape, bytes) in file order.

@@ -48,8 +48,13 @@ pub struct FileMeta {
     pub architecture: String,
     /// The canonical config the forward pass runs from.
     pub config: ModelConfig,
-    /// Storage type of the large matrices (small tensors are always f32).
+    /// Storage type of the large matrices (small tensors are always f32);
+    /// with a mixed recipe, that of the routed experts.
     pub weight_dtype: DType,
+    /// The conversion recipe, when the matrices are not all of one type
+    /// (`q4_1-mix`, or a `class=type` spec).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recipe: Option<String>,
     /// Everything about the source needed for text I/O and provenance.
     #[serde(default)]
     pub source: SourceInfo,

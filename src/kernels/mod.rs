@@ -538,6 +538,46 @@ fn rows_per_task(w: &Matrix, k: &TypeKernels, threads: usize) -> usize {
     by_bytes.min(by_threads).max(1).next_multiple_of(unit)
 }
 
+/// Sees the weight matrix and the input of every matmul while installed
+/// ([`observe_matmuls`]): calibration's hook (the importance matrix records
+/// each matrix's input columns). Called from whichever thread runs the
+/// matmul, before it runs.
+pub type Observer = dyn Fn(&Matrix, &Input) + Send + Sync;
+
+/// The installed observer; `OBSERVING` says whether there is one, so the hot
+/// path pays one relaxed load per matmul when there is none.
+static OBSERVER: std::sync::RwLock<Option<std::sync::Arc<Observer>>> = std::sync::RwLock::new(None);
+static OBSERVING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Installs `f` as the process's matmul observer (`None` removes it). Every
+/// matmul of every engine in the process calls it until removed; an observer
+/// ignores the matrices it does not know (calibration looks them up by
+/// address).
+pub fn observe_matmuls(f: Option<std::sync::Arc<Observer>>) {
+    let on = f.is_some();
+    *OBSERVER.write().unwrap_or_else(|p| p.into_inner()) = f;
+    OBSERVING.store(on, std::sync::atomic::Ordering::Release);
+}
+
+/// Shows the observer rows of `w`'s input that are not multiplied (the
+/// prompt positions whose logits are not wanted), as if they had been.
+#[inline]
+pub fn observe_unmultiplied(w: &Matrix, inp: &Input) {
+    if !inp.x.is_empty() {
+        observe(w, inp);
+    }
+}
+
+#[inline]
+fn observe(w: &Matrix, inp: &Input) {
+    if OBSERVING.load(std::sync::atomic::Ordering::Relaxed) {
+        let f = OBSERVER.read().unwrap_or_else(|p| p.into_inner()).clone();
+        if let Some(f) = f {
+            f(w, inp);
+        }
+    }
+}
+
 /// `y[t, r] = Σ_c W[r, c] · x[t, c]` for every row `t` of the input, split by
 /// output rows over the current rayon pool.
 pub fn matmul(w: &Matrix, inp: &Input, y: &mut [f32]) {
@@ -557,6 +597,7 @@ fn matmul_many_in(table: Table, jobs: &mut [(Matrix, &mut [f32])], inp: &Input) 
     for (w, y) in jobs.iter() {
         let k = table.kernels(w.dtype);
         check(w, &k, inp, y);
+        observe(w, inp);
         tasks += w.rows.div_ceil(rows_per_task(w, &k, threads));
     }
     if threads == 1 || tasks <= 1 {
@@ -595,6 +636,7 @@ pub fn matmul_serial(w: &Matrix, inp: &Input, y: &mut [f32]) {
 fn matmul_serial_in(table: Table, w: &Matrix, inp: &Input, y: &mut [f32]) {
     let k = table.kernels(w.dtype);
     check(w, &k, inp, y);
+    observe(w, inp);
     rows_into(w, &k, inp, 0, w.rows, YOut::new(y));
 }
 

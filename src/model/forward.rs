@@ -23,7 +23,7 @@ use super::config::{Activation, QkNorm};
 use super::session::{HeadScratch, Session};
 use super::{FfnRefs, LayerRefs, MlaQuery, MlpRefs, Model, NormRefs, QkvRefs};
 use crate::error::{Error, Result};
-use crate::kernels::{Input, Matrix, matmul, matmul_many, matmul_serial};
+use crate::kernels::{Input, Matrix, matmul, matmul_many, matmul_serial, observe_unmultiplied};
 
 /// Optional outputs beyond the last token's logits (always left in
 /// `Session::logits`).
@@ -416,10 +416,16 @@ fn lm_head(model: &Model, s: &mut Session, n: usize, off: usize, total: usize, c
         if off + n == total {
             s.logits.copy_from_slice(&y[(n - 1) * vocab..n * vocab]);
         }
-    } else if off + n == total {
-        let inp = Input::prepare(&xn[(n - 1) * d..n * d], d, s.quantize, &mut s.xq);
-        matmul(&head, &inp, &mut s.logits); // [V]
-        finish(&mut s.logits);
+    } else {
+        // The rows whose logits nobody asked for are still the head's input
+        // to a calibration (a no-op otherwise).
+        let last = if off + n == total { n - 1 } else { n };
+        observe_unmultiplied(&head, &Input::plain(&xn[..last * d], d));
+        if off + n == total {
+            let inp = Input::prepare(&xn[(n - 1) * d..n * d], d, s.quantize, &mut s.xq);
+            matmul(&head, &inp, &mut s.logits); // [V]
+            finish(&mut s.logits);
+        }
     }
 }
 

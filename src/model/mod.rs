@@ -313,6 +313,12 @@ impl Model {
         Ok(Some(h.path.clone()))
     }
 
+    /// True when routed experts stream from the file into a cache (a RAM
+    /// budget): the dense weights are then a copy, not the file's bytes.
+    pub fn streams_experts(&self) -> bool {
+        self.dense.is_some()
+    }
+
     /// True when any weight matrix is stored in a block-quantised type.
     pub fn has_block_weights(&self) -> bool {
         self.file.meta().tensors.iter().any(|t| t.dtype.is_quantized())

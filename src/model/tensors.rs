@@ -182,6 +182,78 @@ impl std::fmt::Display for TensorId {
     }
 }
 
+/// The classes of weight matrices a conversion recipe gives types to
+/// ([`crate::convert::recipe`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum TensorClass {
+    /// The token embedding (a lookup table; also the output head when tied).
+    Embed,
+    /// The output head.
+    LmHead,
+    /// Attention projections (q, k, v, o and MLA's factors).
+    Attention,
+    /// Dense MLPs (layers without experts).
+    Ffn,
+    /// Shared experts.
+    Shared,
+    /// Routed experts' gate and up projections.
+    ExpertGateUp,
+    /// Routed experts' down projections.
+    ExpertDown,
+}
+
+impl TensorClass {
+    /// Every class, in the order `colibri info` lists them.
+    pub const ALL: [TensorClass; 7] = [
+        TensorClass::Embed,
+        TensorClass::LmHead,
+        TensorClass::Attention,
+        TensorClass::Ffn,
+        TensorClass::Shared,
+        TensorClass::ExpertGateUp,
+        TensorClass::ExpertDown,
+    ];
+
+    /// The name recipes and `colibri info` use.
+    pub fn name(self) -> &'static str {
+        match self {
+            TensorClass::Embed => "embed",
+            TensorClass::LmHead => "lm_head",
+            TensorClass::Attention => "attn",
+            TensorClass::Ffn => "ffn",
+            TensorClass::Shared => "shared",
+            TensorClass::ExpertGateUp => "experts",
+            TensorClass::ExpertDown => "experts_down",
+        }
+    }
+}
+
+impl TensorId {
+    /// The recipe class of a weight matrix (`None` for norms, biases, the
+    /// router and other small tensors, which are always f32).
+    pub fn class(&self) -> Option<TensorClass> {
+        use LayerTensor as L;
+        match self {
+            TensorId::Embed => Some(TensorClass::Embed),
+            TensorId::LmHead => Some(TensorClass::LmHead),
+            TensorId::Layer(_, t) => match t {
+                L::Wq | L::Wk | L::Wv | L::Wo | L::WqA | L::WqB | L::WkvA | L::WkB | L::WvB => {
+                    Some(TensorClass::Attention)
+                }
+                L::Gate | L::Up | L::Down => Some(TensorClass::Ffn),
+                L::SharedGate | L::SharedUp | L::SharedDown => Some(TensorClass::Shared),
+                _ => None,
+            },
+            TensorId::Expert(_, _, t) => match t {
+                ExpertTensor::Gate | ExpertTensor::Up => Some(TensorClass::ExpertGateUp),
+                ExpertTensor::Down => Some(TensorClass::ExpertDown),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+}
+
 /// What a tensor is used for, which decides its storage type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {

@@ -15,7 +15,7 @@ use pyo3::exceptions::{PyKeyboardInterrupt, PyRuntimeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyDict};
 
-use crate::convert::{ConvertOptions, convert};
+use crate::convert::{ConvertOptions, Recipe, convert};
 use crate::engine::session::KvCacheType;
 use crate::engine::{Engine, EngineOptions, GenerateOptions, Generation, SamplingParams};
 use crate::error::Error;
@@ -232,6 +232,54 @@ impl NativeEngine {
         meta.tensors.iter().map(|t| (t.name.clone(), t.dtype.name(), t.shape.clone(), t.nbytes)).collect()
     }
 
+    /// The recipe class (`attn`, `experts`, ...) of every weight matrix, by
+    /// tensor name (norms, biases and the router have none).
+    fn tensor_classes(&self) -> Vec<(String, &'static str)> {
+        let plan = crate::model::tensors::tensor_plan(&self.inner.model().config);
+        plan.iter().filter_map(|p| Some((p.id.to_string(), p.id.class()?.name()))).collect()
+    }
+
+    /// The conversion recipe recorded in the file (mixed types only).
+    fn recipe(&self) -> Option<String> {
+        self.inner.model().file().meta().recipe.clone()
+    }
+
+    /// Runs token windows through the model recording each weight matrix's
+    /// input columns, and writes the importance matrix to `output`; returns
+    /// (tokens run, matrices recorded).
+    #[pyo3(signature = (windows, output, source, progress=true))]
+    fn calibrate(
+        &self,
+        py: Python<'_>,
+        windows: Vec<Vec<i64>>,
+        output: PathBuf,
+        source: &str,
+        progress: bool,
+    ) -> PyResult<(u64, usize)> {
+        let windows: Vec<Vec<u32>> = windows.into_iter().map(to_ids).collect::<Result<_, _>>().map_err(to_py)?;
+        let run = || -> Result<(u64, usize), Error> {
+            let total: u64 = windows.iter().map(|w| w.len() as u64).sum();
+            let bar = if progress {
+                let b = indicatif::ProgressBar::with_draw_target(Some(total), indicatif::ProgressDrawTarget::stderr());
+                b.set_style(
+                    indicatif::ProgressStyle::with_template("calibrating {bar:40} {pos}/{len} tokens ({eta})")
+                        .expect("static template")
+                        .progress_chars("=> "),
+                );
+                b
+            } else {
+                indicatif::ProgressBar::hidden()
+            };
+            let lens: Vec<u64> = windows.iter().map(|w| w.len() as u64).collect();
+            let tick = |done: usize, _total: usize| bar.set_position(lens[..done].iter().sum());
+            let m = crate::imatrix::calibrate(&self.inner, &windows, source, &tick, &interrupted)?;
+            bar.finish_and_clear();
+            m.save(&output)?;
+            Ok((m.tokens, m.entries.len()))
+        };
+        py.detach(run).map_err(to_py)
+    }
+
     #[getter]
     fn threads(&self) -> usize {
         self.inner.threads()
@@ -294,7 +342,7 @@ impl NativeGeneration {
 /// Converts a Hugging Face folder to a .colibri file (or re-encodes a
 /// .colibri file into another weight type); returns a summary dict.
 #[pyfunction]
-#[pyo3(signature = (src, dst, dtype=None, force=false, progress=true))]
+#[pyo3(signature = (src, dst, dtype=None, force=false, progress=true, imatrix=None))]
 fn convert_checkpoint<'py>(
     py: Python<'py>,
     src: PathBuf,
@@ -302,23 +350,29 @@ fn convert_checkpoint<'py>(
     dtype: Option<&str>,
     force: bool,
     progress: bool,
+    imatrix: Option<PathBuf>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let dtype = match dtype {
+    let recipe = match dtype {
         None | Some("auto") => None,
-        Some(s) => Some(DType::parse(s).ok_or_else(|| {
-            let names: Vec<_> = DType::ALL.iter().map(|d| d.name()).collect();
-            to_py(Error::InvalidInput(format!("unknown dtype {s:?}; choose one of auto, {}", names.join(", "))))
-        })?),
+        Some(s) => Some(Recipe::parse(s).map_err(to_py)?),
     };
-    let opts = ConvertOptions { dtype, force, progress };
+    let opts = ConvertOptions { recipe, imatrix, force, progress };
     let report = py.detach(|| convert(&src, &dst, &opts, &interrupted)).map_err(to_py)?;
     let d = PyDict::new(py);
     d.set_item("path", report.path)?;
     d.set_item("architecture", report.architecture)?;
     d.set_item("dtype", report.dtype.name())?;
+    d.set_item("recipe", opts.recipe.filter(|r| !r.is_uniform()).map(|r| r.name))?;
     d.set_item("tensors", report.tensors)?;
     d.set_item("bytes", report.bytes)?;
+    d.set_item("weighted", report.weighted)?;
     Ok(d)
+}
+
+/// The named conversion recipes: (name, spec, description).
+#[pyfunction]
+fn recipes() -> Vec<(&'static str, &'static str, &'static str)> {
+    crate::convert::recipe::PRESETS.to_vec()
 }
 
 /// Weight types `convert` can write, by name.
@@ -362,6 +416,7 @@ fn _colibri(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(convert_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(supported_architectures, m)?)?;
     m.add_function(wrap_pyfunction!(supported_dtypes, m)?)?;
+    m.add_function(wrap_pyfunction!(recipes, m)?)?;
     m.add_function(wrap_pyfunction!(parse_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_tables, m)?)?;
     m.add_function(wrap_pyfunction!(plan_json, m)?)?;

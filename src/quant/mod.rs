@@ -190,11 +190,23 @@ impl std::fmt::Display for DType {
 /// nearest even, as torch's `.to()` does. `dst` must be aligned for the
 /// type's blocks.
 pub fn encode(dtype: DType, src: &[f32], cols: usize, dst: &mut [u8]) {
+    encode_weighted(dtype, src, cols, None, dst)
+}
+
+/// [`encode`], with the block types' quantisers minimising the error
+/// weighted by `importance` (one non-negative weight per column: an
+/// importance matrix's mean squared activations, [`crate::imatrix`]) instead
+/// of the plain squared error. `None` is exactly [`encode`]. Element types,
+/// and mxfp4 (its power-of-two scale leaves no choice worth weighing), are
+/// the same either way.
+pub fn encode_weighted(dtype: DType, src: &[f32], cols: usize, importance: Option<&[f32]>, dst: &mut [u8]) {
     debug_assert_eq!(Some(dst.len()), dtype.tensor_bytes(&[src.len() / cols.max(1), cols]));
+    let weights = importance.map(|imp| column_weights(imp, cols));
+    let weights = weights.as_deref();
     if dtype.group_rows() > 1 {
         // Row-major first, then the byte shuffle (lossless).
         let mut rows = vec![0u16; dst.len() / 2];
-        encode_rows(dtype.base(), src, bytemuck::cast_slice_mut(&mut rows));
+        encode_rows(dtype.base(), src, cols, weights, bytemuck::cast_slice_mut(&mut rows));
         let nb = cols / 32;
         let rows: &[u8] = bytemuck::cast_slice(&rows);
         match dtype {
@@ -206,7 +218,21 @@ pub fn encode(dtype: DType, src: &[f32], cols: usize, dst: &mut [u8]) {
         }
         return;
     }
-    encode_rows(dtype, src, dst);
+    encode_rows(dtype, src, cols, weights, dst);
+}
+
+/// The per-column weights the quantisers use: the importance, floored at a
+/// thousandth of its mean so a column the calibration text never lit up
+/// still counts a little (its weights are not free to be anything), and
+/// uniform when the importance is all zero.
+fn column_weights(importance: &[f32], cols: usize) -> Vec<f32> {
+    assert_eq!(importance.len(), cols, "an importance vector has one weight per column");
+    let mean = importance.iter().map(|&v| v as f64).sum::<f64>() / cols.max(1) as f64;
+    if !(mean > 0.0 && mean.is_finite()) {
+        return vec![1.0; cols];
+    }
+    let floor = (mean * 1e-3) as f32;
+    importance.iter().map(|&v| v.max(floor)).collect()
 }
 
 fn cast<T: bytemuck::Pod>(b: &[u8]) -> &[T] {
@@ -217,8 +243,21 @@ fn cast_mut<T: bytemuck::Pod>(b: &mut [u8]) -> &mut [T] {
     bytemuck::cast_slice_mut(b)
 }
 
-/// [`encode`] for a row-major type (any number of rows).
-fn encode_rows(dtype: DType, src: &[f32], dst: &mut [u8]) {
+/// [`encode`] for a row-major type (any number of rows of `cols`), the
+/// block types weighted per column by `weights` when given.
+fn encode_rows(dtype: DType, src: &[f32], cols: usize, weights: Option<&[f32]>, dst: &mut [u8]) {
+    if let Some(w) = weights.filter(|_| matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1)) {
+        let rb = dtype.row_bytes(cols).expect("whole blocks");
+        for (x, out) in src.chunks_exact(cols).zip(dst.chunks_exact_mut(rb)) {
+            match dtype {
+                DType::Q8_0 => q8_0::quantize_weighted(x, w, bytemuck::cast_slice_mut(out)),
+                DType::Q4_0 => q4_0::quantize_weighted(x, w, bytemuck::cast_slice_mut(out)),
+                DType::Q4_1 => q4_1::quantize_weighted(x, w, bytemuck::cast_slice_mut(out)),
+                _ => unreachable!("filtered above"),
+            }
+        }
+        return;
+    }
     match dtype {
         DType::Q8_0 => q8_0::quantize(src, bytemuck::cast_slice_mut(dst)),
         DType::Q4_0 => q4_0::quantize(src, bytemuck::cast_slice_mut(dst)),
@@ -387,6 +426,50 @@ mod tests {
         let em = relative_rms_error(DType::Mxfp4, &xs);
         assert!(em < 0.15, "mxfp4 {em}");
         eprintln!("relative RMS error: q8_0 {e8:.4}, q4_0 {e40:.4}, q4_1 {e41:.4}, mxfp4 {em:.4}");
+    }
+
+    /// Σ imp_c · (x − x̂)² over a [rows, cols] matrix, relative to Σ imp_c · x².
+    fn weighted_error(dt: DType, xs: &[f32], cols: usize, imp: &[f32], weighted: bool) -> f64 {
+        let mut bytes = vec![0u16; dt.tensor_bytes(&[xs.len() / cols, cols]).unwrap() / 2];
+        let out = bytemuck::cast_slice_mut(&mut bytes);
+        encode_weighted(dt, xs, cols, weighted.then_some(imp), out);
+        let mut back = vec![0f32; xs.len()];
+        decode(dt, bytemuck::cast_slice(&bytes), cols, &mut back);
+        let (mut num, mut den) = (0f64, 0f64);
+        for (i, (a, b)) in xs.iter().zip(&back).enumerate() {
+            let w = imp[i % cols] as f64;
+            num += w * ((a - b) as f64).powi(2);
+            den += w * (*a as f64).powi(2);
+        }
+        num / den
+    }
+
+    #[test]
+    fn importance_weighting_lowers_the_weighted_error() {
+        let cols = 256;
+        let xs = gaussian(cols * 64, 5);
+        // A few columns carry most of the activation energy, as in real models.
+        let imp: Vec<f32> = (0..cols).map(|c| if c % 37 == 3 { 50.0 } else { 0.2 + (c % 5) as f32 * 0.1 }).collect();
+        for dt in [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4_1x8] {
+            let plain = weighted_error(dt, &xs, cols, &imp, false);
+            let weighted = weighted_error(dt, &xs, cols, &imp, true);
+            eprintln!("{dt}: weighted error {plain:.3e} unweighted, {weighted:.3e} weighted");
+            assert!(weighted < 0.9 * plain, "{dt}: {weighted} vs {plain}");
+        }
+        // Uniform importance: at least as good as the plain quantiser.
+        let flat = vec![1.0; cols];
+        for dt in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+            let plain = weighted_error(dt, &xs, cols, &flat, false);
+            let weighted = weighted_error(dt, &xs, cols, &flat, true);
+            assert!(weighted <= plain * 1.0001, "{dt}: {weighted} vs {plain}");
+        }
+        // All-zero importance falls back to uniform weights, and zeros stay zeros.
+        let zero = vec![0.0; cols];
+        let mut bytes = vec![0u16; DType::Q4_1.tensor_bytes(&[64, cols]).unwrap() / 2];
+        encode_weighted(DType::Q4_1, &xs, cols, Some(&zero), bytemuck::cast_slice_mut(&mut bytes));
+        let mut a = vec![0u16; bytes.len()];
+        encode_weighted(DType::Q4_1, &xs, cols, Some(&flat), bytemuck::cast_slice_mut(&mut a));
+        assert_eq!(a, bytes);
     }
 
     #[test]

@@ -46,3 +46,51 @@ pub fn dequantize(src: &[BlockQ4_0], dst: &mut [f32]) {
         }
     }
 }
+
+/// [`quantize`] minimising `Σ wᵢ·(xᵢ − x̂ᵢ)²` for per-value weights `w`
+/// (an importance matrix's column weights, repeated for every row): a few
+/// scales around the largest weight's, each refined once by the weighted
+/// least-squares scale for its codes, the best kept.
+pub fn quantize_weighted(src: &[f32], w: &[f32], dst: &mut [BlockQ4_0]) {
+    for ((x, w), b) in src.chunks_exact(QK).zip(w.chunks_exact(QK)).zip(dst.iter_mut()) {
+        let max = x.iter().fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+        let codes = |d: f32, c: &mut [i32; QK]| {
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            for (c, &v) in c.iter_mut().zip(x) {
+                *c = ((v * id + 8.5) as i32).clamp(0, 15) - 8;
+            }
+        };
+        let error = |d: f32, c: &[i32; QK]| -> f32 {
+            c.iter().zip(x).zip(w).map(|((&q, &v), &w)| w * (v - d * q as f32) * (v - d * q as f32)).sum()
+        };
+        let mut best = (f16::from_f32(max / -8.0).to_f32(), f32::INFINITY);
+        let mut c = [0i32; QK];
+        for k in -8..=8 {
+            let d0 = max / (-8.0 + 0.25 * k as f32);
+            codes(d0, &mut c);
+            // The weighted least-squares scale for these codes.
+            let (num, den) = c
+                .iter()
+                .zip(x)
+                .zip(w)
+                .fold((0f32, 0f32), |(n, dd), ((&q, &v), &w)| (n + w * v * q as f32, dd + w * (q * q) as f32));
+            for d in [d0, if den > 0.0 { num / den } else { d0 }] {
+                let d = f16::from_f32(d).to_f32();
+                if !d.is_finite() {
+                    continue;
+                }
+                codes(d, &mut c);
+                let e = error(d, &c);
+                if e < best.1 {
+                    best = (d, e);
+                }
+            }
+        }
+        let d = best.0;
+        codes(d, &mut c);
+        b.d = f16::from_f32(d).to_bits();
+        for j in 0..QK / 2 {
+            b.qs[j] = (c[j] + 8) as u8 | (((c[j + QK / 2] + 8) as u8) << 4);
+        }
+    }
+}

@@ -77,3 +77,67 @@ pub fn dequantize(src: &[BlockQ4_1], dst: &mut [f32]) {
         }
     }
 }
+
+/// [`quantize`] minimising `Σ wᵢ·(xᵢ − x̂ᵢ)²` for per-value weights `w`:
+/// the same ranges as [`quantize`], each followed by the weighted
+/// least-squares `(d, m)` for its codes (the 2×2 normal equations), every
+/// candidate measured as stored (f16) and the best kept.
+pub fn quantize_weighted(src: &[f32], w: &[f32], dst: &mut [BlockQ4_1]) {
+    for ((x, w), b) in src.chunks_exact(QK).zip(w.chunks_exact(QK)).zip(dst.iter_mut()) {
+        let lo = x.iter().cloned().fold(f32::INFINITY, f32::min);
+        let hi = x.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        let measure = |d: f32, m: f32| -> Option<(f32, f32, [u8; QK], f32)> {
+            let (d, m) = (f16::from_f32(d).to_f32(), f16::from_f32(m).to_f32());
+            if !(d.is_finite() && m.is_finite()) {
+                return None;
+            }
+            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+            let mut codes = [0u8; QK];
+            let mut err = 0.0;
+            for ((c, &v), &w) in codes.iter_mut().zip(x).zip(w) {
+                *c = ((v - m) * id).round().clamp(0.0, 15.0) as u8;
+                let e = d * *c as f32 + m - v;
+                err += w * e * e;
+            }
+            Some((d, m, codes, err))
+        };
+        let mut best = measure((hi - lo) / 15.0, lo).expect("finite input gives a finite range");
+        let mut ranges = vec![(lo, hi)];
+        for k in 1..=6 {
+            let s = 1.0 - 0.03 * k as f32;
+            ranges.extend([(lo * s, hi), (lo, hi * s), (lo * s, hi * s)]);
+        }
+        for (l, h) in ranges {
+            let Some(c) = measure((h - l) / 15.0, l) else { continue };
+            // Weighted least squares of x ≈ d·c + m over the block.
+            let (mut sw, mut sc, mut scc, mut sx, mut scx) = (0f64, 0f64, 0f64, 0f64, 0f64);
+            for ((&q, &v), &w) in c.2.iter().zip(x).zip(w) {
+                let (q, v, w) = (q as f64, v as f64, w as f64);
+                sw += w;
+                sc += w * q;
+                scc += w * q * q;
+                sx += w * v;
+                scx += w * q * v;
+            }
+            let det = sw * scc - sc * sc;
+            let refined = if det > 1e-12 * sw * scc.max(1e-30) {
+                let d = (sw * scx - sc * sx) / det;
+                let m = (sx - d * sc) / sw;
+                (d > 0.0).then(|| measure(d as f32, m as f32)).flatten()
+            } else {
+                None
+            };
+            for cand in [Some(c), refined].into_iter().flatten() {
+                if cand.3 < best.3 {
+                    best = cand;
+                }
+            }
+        }
+        let (d, m, codes, _) = best;
+        b.d = f16::from_f32(d).to_bits();
+        b.m = f16::from_f32(m).to_bits();
+        for j in 0..QK / 2 {
+            b.qs[j] = codes[j] | (codes[j + QK / 2] << 4);
+        }
+    }
+}
