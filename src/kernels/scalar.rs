@@ -277,6 +277,15 @@ fn q4_0_row(row: &[u8], _: &[f32], q: &[BlockQ8]) -> f32 {
 fn q4_1_row(row: &[u8], _: &[f32], q: &[BlockQ8]) -> f32 {
     dot_q4_1(bytemuck::cast_slice(row), q)
 }
+fn q4k_row(row: &[u8], _: &[f32], q: &[BlockQ8]) -> f32 {
+    crate::quant::kquant::dot_q4k(row, q)
+}
+fn q5k_row(row: &[u8], _: &[f32], q: &[BlockQ8]) -> f32 {
+    crate::quant::kquant::dot_q5k(row, q)
+}
+fn q6k_row(row: &[u8], _: &[f32], q: &[BlockQ8]) -> f32 {
+    crate::quant::kquant::dot_q6k(row, q)
+}
 fn mxfp4_row(row: &[u8], _: &[f32], q: &[BlockQ8]) -> f32 {
     dot_mxfp4(bytemuck::cast_slice(row), q)
 }
@@ -382,5 +391,8 @@ pub(super) fn kernels(dtype: DType) -> TypeKernels {
         DType::Q4_1x8 => group(q4_1x8_group),
         DType::Mxfp4 => rows(Q8, mxfp4_row),
         DType::Mxfp4x8 => group(mxfp4x8_group),
+        DType::Q4K => rows(Q8, q4k_row),
+        DType::Q5K => rows(Q8, q5k_row),
+        DType::Q6K => rows(Q8, q6k_row),
     }
 }

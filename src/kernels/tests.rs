@@ -132,6 +132,31 @@ fn row_kernels_of_every_table_match_the_scalar_reference() {
     }
 }
 
+/// The super-block types' row dots are the scalar one's bits in every
+/// table (their SIMD kernels keep its order exactly), at lengths with and
+/// without a partial last super-block, on activations of very different
+/// magnitudes per block.
+#[test]
+fn super_block_row_dots_of_every_table_are_the_scalar_bits() {
+    for table in tables() {
+        let mut s = 29u64;
+        for dtype in [DType::Q4K, DType::Q5K, DType::Q6K] {
+            for n in [32, 64, 96, 160, 224, 256, 288, 1024, 1408, 2080] {
+                let w: Vec<f32> = (0..n).map(|i| lcg(&mut s) * if i % 97 == 5 { 9.0 } else { 1.0 }).collect();
+                let x: Vec<f32> = (0..n).map(|i| lcg(&mut s) * (1.0 + (i / 32 % 5) as f32 * 40.0)).collect();
+                let buf = encoded(dtype, &w, n);
+                let row = &bytemuck::cast_slice::<u64, u8>(&buf)[..dtype.row_bytes(n).unwrap()];
+                let mut q = vec![BlockQ8::default(); n / 32];
+                let inp = Input::prepare(&x, n, true, &mut q);
+                let (xr, qr) = inp.row(0);
+                let want = row_dot(Table::SCALAR, dtype)(row, xr, qr);
+                let got = row_dot(table, dtype)(row, xr, qr);
+                assert_eq!(got.to_bits(), want.to_bits(), "{} {dtype} n={n}: {got} vs {want}", table.isa());
+            }
+        }
+    }
+}
+
 #[test]
 fn quantised_dots_approximate_the_exact_product() {
     // Against the f64 product of the DEQUANTISED weights with the f32
@@ -139,7 +164,7 @@ fn quantised_dots_approximate_the_exact_product() {
     // ~ |w|·|x| / 254 per term in the worst case, far less on average.
     for table in tables() {
         let mut s = 5u64;
-        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q4K, DType::Q5K, DType::Q6K] {
             let n = 1024;
             let w: Vec<f32> = (0..n).map(|_| lcg(&mut s)).collect();
             let x: Vec<f32> = (0..n).map(|_| lcg(&mut s)).collect();

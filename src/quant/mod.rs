@@ -47,12 +47,31 @@ pub enum DType {
     Q4_1x8,
     /// mxfp4 rows interleaved in groups of eight ([`x8`]).
     Mxfp4x8,
+    /// Super-blocks of 256: 4-bit codes, 6-bit scales and minimums ([`kquant`]).
+    #[serde(rename = "q4k")]
+    Q4K,
+    /// Super-blocks of 256: 5-bit codes, 6-bit scales and minimums ([`kquant`]).
+    #[serde(rename = "q5k")]
+    Q5K,
+    /// Super-blocks of 256: 6-bit codes, 8-bit scales ([`kquant`]).
+    #[serde(rename = "q6k")]
+    Q6K,
 }
 
 impl DType {
     /// The weight types a user chooses from, in the order the docs list them.
-    pub const ALL: [DType; 7] =
-        [DType::F32, DType::Bf16, DType::F16, DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Mxfp4];
+    pub const ALL: [DType; 10] = [
+        DType::F32,
+        DType::Bf16,
+        DType::F16,
+        DType::Q8_0,
+        DType::Q6K,
+        DType::Q5K,
+        DType::Q4K,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Mxfp4,
+    ];
 
     /// The interleaved storage forms of the block types (chosen by the
     /// converter, never by name), in the order of their row-major twins.
@@ -100,6 +119,19 @@ impl DType {
             DType::Q4_1x8 => "q4_1x8",
             DType::Mxfp4 => "mxfp4",
             DType::Mxfp4x8 => "mxfp4x8",
+            DType::Q4K => "q4k",
+            DType::Q5K => "q5k",
+            DType::Q6K => "q6k",
+        }
+    }
+
+    /// The super-block kind of the [`kquant`] types.
+    pub fn kquant(self) -> Option<kquant::Kind> {
+        match self {
+            DType::Q4K => Some(kquant::Kind::Q4K),
+            DType::Q5K => Some(kquant::Kind::Q5K),
+            DType::Q6K => Some(kquant::Kind::Q6K),
+            _ => None,
         }
     }
 
@@ -122,7 +154,7 @@ impl DType {
             DType::Q4_0 => std::mem::size_of::<q4_0::BlockQ4_0>(),
             DType::Q4_1 => std::mem::size_of::<q4_1::BlockQ4_1>(),
             DType::Mxfp4 => std::mem::size_of::<mxfp4::BlockMxfp4>(),
-            _ => unreachable!("base() is a row type"),
+            _ => unreachable!("base() is a row type; the kquant types size their rows themselves"),
         }
     }
 
@@ -142,6 +174,9 @@ impl DType {
             "q4_0" => Some(DType::Q4_0),
             "q4_1" => Some(DType::Q4_1),
             "mxfp4" => Some(DType::Mxfp4),
+            "q4k" => Some(DType::Q4K),
+            "q5k" => Some(DType::Q5K),
+            "q6k" => Some(DType::Q6K),
             _ => None,
         }
     }
@@ -151,6 +186,10 @@ impl DType {
     /// rows, for the interleaved types). `None` when `cols` is not a legal row
     /// length for the type (block types need whole blocks).
     pub fn row_bytes(self, cols: usize) -> Option<usize> {
+        if let Some(kind) = self.kquant() {
+            // Super-blocks of 256, the last one possibly partial.
+            return kquant::row_bytes(kind, cols);
+        }
         let b = self.block_len();
         if !cols.is_multiple_of(b) {
             return None;
@@ -246,6 +285,10 @@ fn cast_mut<T: bytemuck::Pod>(b: &mut [u8]) -> &mut [T] {
 /// [`encode`] for a row-major type (any number of rows of `cols`), the
 /// block types weighted per column by `weights` when given.
 fn encode_rows(dtype: DType, src: &[f32], cols: usize, weights: Option<&[f32]>, dst: &mut [u8]) {
+    if let Some(kind) = dtype.kquant() {
+        kquant::quantize_rows(kind, src, cols, weights, dst);
+        return;
+    }
     if let Some(w) = weights.filter(|_| matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1)) {
         let rb = dtype.row_bytes(cols).expect("whole blocks");
         for (x, out) in src.chunks_exact(cols).zip(dst.chunks_exact_mut(rb)) {
@@ -299,6 +342,13 @@ pub fn decode(dtype: DType, src: &[u8], cols: usize, dst: &mut [f32]) {
             _ => unreachable!("group_rows() > 1 only for interleaved types"),
         }
         decode_rows(dtype.base(), bytemuck::cast_slice(&rows), dst);
+        return;
+    }
+    if let Some(kind) = dtype.kquant() {
+        let rb = dtype.row_bytes(cols).expect("rows of whole sub-blocks");
+        for (row, out) in src.chunks_exact(rb).zip(dst.chunks_exact_mut(cols)) {
+            kquant::dequantize_row(kind, row, out);
+        }
         return;
     }
     decode_rows(dtype, src, dst);

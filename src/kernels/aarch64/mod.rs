@@ -41,6 +41,7 @@ impl Neon {
             DType::Q4_1x8 => group(q4_1x8_gemv),
             DType::Mxfp4 => scalar::kernels(DType::Mxfp4),
             DType::Mxfp4x8 => group(mxfp4x8_gemv),
+            DType::Q4K | DType::Q5K | DType::Q6K => scalar::kernels(dtype),
         }
     }
 }

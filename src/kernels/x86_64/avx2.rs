@@ -42,7 +42,7 @@ pub(super) unsafe fn hsum(v: __m256) -> f32 {
 /// an insert let the compiler merge into the accumulator, chaining every
 /// block's scale conversion behind the previous block's FMA (5x slower).
 #[inline(always)]
-unsafe fn f16_to_f32(bits: u16) -> f32 {
+pub(super) unsafe fn f16_to_f32(bits: u16) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_set1_epi16(bits as i16)))
 }
 
@@ -51,7 +51,7 @@ unsafe fn f16_to_f32(bits: u16) -> f32 {
 /// one instruction). `maddubs` saturates its 16-bit pair sums, so callers
 /// keep `x` below 128 (|w| or 4-bit codes).
 #[inline(always)]
-unsafe fn sum4_u8_i8(x: __m256i, y: __m256i) -> __m256i {
+pub(super) unsafe fn sum4_u8_i8(x: __m256i, y: __m256i) -> __m256i {
     _mm256_madd_epi16(_mm256_maddubs_epi16(x, y), _mm256_set1_epi16(1))
 }
 
@@ -98,7 +98,7 @@ unsafe fn dot_i8(x: __m256i, y: __m256i) -> __m256 {
 
 /// 16 bytes of packed nibbles → 32 bytes: low nibbles, then high nibbles.
 #[inline(always)]
-unsafe fn unpack_nibbles(p: *const u8) -> __m256i {
+pub(super) unsafe fn unpack_nibbles(p: *const u8) -> __m256i {
     let raw = _mm_loadu_si128(p as *const __m128i);
     let mask = _mm_set1_epi8(0x0F);
     let lo = _mm_and_si128(raw, mask);

@@ -8,6 +8,7 @@
 mod amx;
 mod avx2;
 mod avx512;
+mod kquant;
 mod kv;
 mod pack;
 
@@ -70,6 +71,9 @@ impl Avx2 {
             DType::Q4_1x8 => group(q4_1x8_gemv, q4_1x8_gemm4),
             DType::Mxfp4 => rows(Q8, mxfp4_dot, None),
             DType::Mxfp4x8 => group(mxfp4x8_gemv, mxfp4x8_gemm4),
+            DType::Q4K => rows(Q8, q4k_dot, None),
+            DType::Q5K => rows(Q8, q5k_dot, None),
+            DType::Q6K => rows(Q8, q6k_dot, None),
         }
     }
 }
@@ -101,9 +105,16 @@ impl AvxVnni {
             kv: None,
         };
         match dtype {
-            DType::F32 | DType::Bf16 | DType::F16 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Mxfp4 => {
-                self.0.kernels(dtype)
-            }
+            DType::F32
+            | DType::Bf16
+            | DType::F16
+            | DType::Q8_0
+            | DType::Q4_0
+            | DType::Q4_1
+            | DType::Mxfp4
+            | DType::Q4K
+            | DType::Q5K
+            | DType::Q6K => self.0.kernels(dtype),
             DType::Q8_0x8 => group(vnni_q8_0x8_gemv, vnni_q8_0x8_gemm4),
             DType::Q4_0x8 => group(vnni_q4_0x8_gemv, vnni_q4_0x8_gemm4),
             DType::Q4_1x8 => group(vnni_q4_1x8_gemv, vnni_q4_1x8_gemm4),
@@ -174,7 +185,16 @@ impl Avx512 {
         // kernels with the EVEX `vpdpbusd`: without AVX-VNNI the base's sum
         // by `maddubs`, and EVEX gives the same integers in one instruction.
         let vnni: Option<(TileFn, Gemv8Fn, Gemm8Fn)> = match dtype {
-            DType::F32 | DType::Bf16 | DType::F16 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Mxfp4 => None,
+            DType::F32
+            | DType::Bf16
+            | DType::F16
+            | DType::Q8_0
+            | DType::Q4_0
+            | DType::Q4_1
+            | DType::Mxfp4
+            | DType::Q4K
+            | DType::Q5K
+            | DType::Q6K => None,
             DType::Q8_0x8 => Some((z_q8_0x8, evex_q8_0x8_gemv, evex_q8_0x8_gemm4)),
             DType::Q4_0x8 => Some((z_q4_0x8, evex_q4_0x8_gemv, evex_q4_0x8_gemm4)),
             DType::Q4_1x8 => Some((z_q4_1x8, evex_q4_1x8_gemv, evex_q4_1x8_gemm4)),
@@ -204,6 +224,9 @@ impl Avx512 {
             | DType::Q4_0
             | DType::Q4_1
             | DType::Mxfp4
+            | DType::Q4K
+            | DType::Q5K
+            | DType::Q6K
             | DType::Q8_0x8
             | DType::Q4_0x8
             | DType::Q4_1x8
@@ -242,7 +265,16 @@ impl Amx {
     pub fn kernels(self, dtype: DType) -> TypeKernels {
         let mut k = self.0.kernels(dtype);
         let tile: Option<TileFn> = match dtype {
-            DType::F32 | DType::Bf16 | DType::F16 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Mxfp4 => None,
+            DType::F32
+            | DType::Bf16
+            | DType::F16
+            | DType::Q8_0
+            | DType::Q4_0
+            | DType::Q4_1
+            | DType::Mxfp4
+            | DType::Q4K
+            | DType::Q5K
+            | DType::Q6K => None,
             DType::Q8_0x8 => Some(amx_q8_0x8),
             DType::Q4_0x8 => Some(amx_q4_0x8),
             DType::Q4_1x8 => Some(amx_q4_1x8),
@@ -340,6 +372,9 @@ fn z_bf16_dots(k: &[u8], ks: usize, nk: usize, x: &[&[f32]], out: &mut [f32], os
 safe_wrapper!(q8_0_dot, avx2::dot_q8_0);
 safe_wrapper!(q4_0_dot, avx2::dot_q4_0);
 safe_wrapper!(q4_1_dot, avx2::dot_q4_1);
+safe_wrapper!(q4k_dot, kquant::dot_q4k);
+safe_wrapper!(q5k_dot, kquant::dot_q5k);
+safe_wrapper!(q6k_dot, kquant::dot_q6k);
 safe_wrapper!(mxfp4_dot, avx2::dot_mxfp4);
 
 macro_rules! safe_wrapper4 {
