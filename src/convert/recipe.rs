@@ -22,6 +22,18 @@ use crate::quant::DType;
 /// The named recipes: (name, spec, what it is for).
 pub const PRESETS: &[(&str, &str, &str)] = &[
     (
+        "q4k-mix",
+        "experts=q4k,experts_down=q5k,default=q6k",
+        "routed experts 4.5-bit (q4k) with their down projections 5.5-bit (q5k), everything else 6-bit (q6k): \
+         about 4.9 bits per weight on Qwen3-30B-A3B's shapes, llama.cpp Q4_K_M's size",
+    ),
+    (
+        "q5k-mix",
+        "experts=q5k,experts_down=q6k,default=q6k",
+        "routed experts 5.5-bit (q5k) with their down projections and everything else 6-bit (q6k): \
+         about 5.8 bits per weight on Qwen3-30B-A3B's shapes",
+    ),
+    (
         "q4_1-mix",
         "experts=q4_1,experts_down=q4_1,default=q8_0",
         "routed experts 4-bit (q4_1), everything else 8-bit (q8_0)",

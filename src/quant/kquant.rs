@@ -94,8 +94,9 @@
 //! It minimises the weighted squared error `Σ wᵢ (xᵢ − x̂ᵢ)²` of each
 //! super-block, with `w` the importance given (an importance matrix's mean
 //! squared activation per column, [`crate::imatrix`]: the expected squared
-//! output error of a row is exactly that sum), floored at a thousandth of its
-//! mean as [`crate::quant::encode_weighted`] does. Without an importance, or
+//! output error of a row is exactly that sum; [`crate::quant::encode_weighted`]
+//! hands it over already shrunk towards uniform), floored here at a
+//! thousandth of its mean. Without an importance, or
 //! with one that is zero everywhere, the weights are uniform: with nothing
 //! known of the activations, equal uncorrelated input columns make the
 //! expected output error proportional to the plain squared weight error

@@ -260,18 +260,25 @@ pub fn encode_weighted(dtype: DType, src: &[f32], cols: usize, importance: Optio
     encode_rows(dtype, src, cols, weights, dst);
 }
 
-/// The per-column weights the quantisers use: the importance, floored at a
-/// thousandth of its mean so a column the calibration text never lit up
-/// still counts a little (its weights are not free to be anything), and
-/// uniform when the importance is all zero.
+/// How far [`column_weights`] pulls an importance towards uniform: each
+/// column's weight is its importance plus this share of the mean. A
+/// calibration text is a small sample, so a column it barely lit up is not
+/// free to take any error; on the demo model (held-out prose, mean KL) a
+/// share of 0.1 helped every type tried (q4_1 4.36e-3 → 3.55e-3, q4k
+/// 3.95e-3 → 3.51e-3, q6k 3.86e-4 → 3.09e-4), where a bare floor at 1e-3
+/// of the mean helped the 4-bit types less and made q6k worse.
+pub const IMPORTANCE_SHRINK: f64 = 0.1;
+
+/// The per-column weights the quantisers use: the importance shrunk
+/// towards its mean ([`IMPORTANCE_SHRINK`]), uniform when it is all zero.
 fn column_weights(importance: &[f32], cols: usize) -> Vec<f32> {
     assert_eq!(importance.len(), cols, "an importance vector has one weight per column");
     let mean = importance.iter().map(|&v| v as f64).sum::<f64>() / cols.max(1) as f64;
     if !(mean > 0.0 && mean.is_finite()) {
         return vec![1.0; cols];
     }
-    let floor = (mean * 1e-3) as f32;
-    importance.iter().map(|&v| v.max(floor)).collect()
+    let shrink = (IMPORTANCE_SHRINK * mean) as f32;
+    importance.iter().map(|&v| v + shrink).collect()
 }
 
 fn cast<T: bytemuck::Pod>(b: &[u8]) -> &[T] {
