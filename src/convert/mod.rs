@@ -435,8 +435,9 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
     let weight_dtype = recipe
         .and_then(Recipe::primary)
         .unwrap_or_else(|| sources.iter().map(|(_, _, t)| own(t)).find(|d| d.is_quantized()).unwrap_or(plain_default));
-    let wanted =
-        |p: &PlannedTensor, t: &SrcTensor| recipe.and_then(|r| r.dtype(p.id.class()?)).unwrap_or_else(|| own(t));
+    let wanted = |p: &PlannedTensor, t: &SrcTensor| {
+        recipe.and_then(|r| r.dtype(p.id.class_in(cfg.tie_embeddings)?)).unwrap_or_else(|| own(t))
+    };
     let items: Vec<ToPlace> = sources
         .iter()
         .map(|(p, _, t)| ToPlace {

@@ -7,7 +7,8 @@
 //! [`TensorClass`]: `embed`, `lm_head`, `attn`, `ffn`, `shared`, `experts`
 //! (routed gate and up) and `experts_down`. Norms, biases and the router are
 //! f32 whatever the recipe. A class the recipe leaves out keeps the source's
-//! own type.
+//! own type. A tied embedding is also the output head and takes `lm_head`'s
+//! type.
 //!
 //! Mixed recipes follow what quantisation studies of MoE models report: the
 //! routed experts hold nearly all the bytes and tolerate 4 bits; attention,
@@ -23,15 +24,16 @@ use crate::quant::DType;
 pub const PRESETS: &[(&str, &str, &str)] = &[
     (
         "q4k-mix",
-        "experts=q4k,experts_down=q5k,default=q6k",
-        "routed experts 4.5-bit (q4k) with their down projections 5.5-bit (q5k), everything else 6-bit (q6k): \
-         about 4.9 bits per weight on Qwen3-30B-A3B's shapes, llama.cpp Q4_K_M's size",
+        "experts=q4k,experts_down=q5k,embed=q4k,lm_head=q8_0,default=q6k",
+        "routed experts q4k with their down projections q5k, attention and shared experts q6k, \
+         the output head q8_0 (a tied embedding is the output head); 4.92 bits per weight on \
+         Qwen3-30B-A3B's shapes, about llama.cpp Q4_K_M's size",
     ),
     (
         "q5k-mix",
-        "experts=q5k,experts_down=q6k,default=q6k",
-        "routed experts 5.5-bit (q5k) with their down projections and everything else 6-bit (q6k): \
-         about 5.8 bits per weight on Qwen3-30B-A3B's shapes",
+        "experts=q5k,experts_down=q6k,embed=q5k,lm_head=q8_0,default=q6k",
+        "routed experts q5k with their down projections q6k, attention and shared experts q6k, \
+         the output head q8_0; 5.82 bits per weight on Qwen3-30B-A3B's shapes",
     ),
     (
         "q4_1-mix",

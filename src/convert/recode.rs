@@ -68,7 +68,7 @@ pub(super) fn recode(
         // Without a requested type each tensor keeps its own (a file may mix
         // types, e.g. MXFP4 experts beside bf16 attention).
         let own = file.meta().tensors[i].dtype.base();
-        let wanted = recipe.and_then(|r| r.dtype(p.id.class()?)).unwrap_or(own);
+        let wanted = recipe.and_then(|r| r.dtype(p.id.class_in(old.config.tie_embeddings)?)).unwrap_or(own);
         items.push(ToPlace {
             dtype: storage_dtype(p.role, wanted, &p.shape),
             shape: p.shape.clone(),

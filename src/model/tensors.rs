@@ -229,6 +229,18 @@ impl TensorClass {
 }
 
 impl TensorId {
+    /// The recipe class of a weight matrix in a model whose embedding is
+    /// `tied` to the output head or not (`None` for norms, biases, the
+    /// router and other small tensors, which are always f32). A tied
+    /// embedding is the output head too, and the most sensitive matrix of
+    /// the model as that: it takes the output head's class.
+    pub fn class_in(&self, tied: bool) -> Option<TensorClass> {
+        match self {
+            TensorId::Embed if tied => Some(TensorClass::LmHead),
+            _ => self.class(),
+        }
+    }
+
     /// The recipe class of a weight matrix (`None` for norms, biases, the
     /// router and other small tensors, which are always f32).
     pub fn class(&self) -> Option<TensorClass> {

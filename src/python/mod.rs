@@ -233,10 +233,12 @@ impl NativeEngine {
     }
 
     /// The recipe class (`attn`, `experts`, ...) of every weight matrix, by
-    /// tensor name (norms, biases and the router have none).
+    /// tensor name (norms, biases and the router have none; a tied
+    /// embedding is `lm_head`).
     fn tensor_classes(&self) -> Vec<(String, &'static str)> {
-        let plan = crate::model::tensors::tensor_plan(&self.inner.model().config);
-        plan.iter().filter_map(|p| Some((p.id.to_string(), p.id.class()?.name()))).collect()
+        let cfg = &self.inner.model().config;
+        let plan = crate::model::tensors::tensor_plan(cfg);
+        plan.iter().filter_map(|p| Some((p.id.to_string(), p.id.class_in(cfg.tie_embeddings)?.name()))).collect()
     }
 
     /// The conversion recipe recorded in the file (mixed types only).
