@@ -41,7 +41,9 @@ impl Neon {
             DType::Q4_1x8 => group(q4_1x8_gemv),
             DType::Mxfp4 => scalar::kernels(DType::Mxfp4),
             DType::Mxfp4x8 => group(mxfp4x8_gemv),
-            DType::Q4K | DType::Q5K | DType::Q6K => scalar::kernels(dtype),
+            DType::Q4K => dot(q4k_dot),
+            DType::Q5K => dot(q5k_dot),
+            DType::Q6K => dot(q6k_dot),
         }
     }
 }
@@ -52,6 +54,21 @@ impl Neon {
 fn f32_dot(row: &[u8], x: &[f32], q: &[BlockQ8]) -> f32 {
     // SAFETY: NEON was detected (see above).
     unsafe { neon::dot_f32(row, x, q) }
+}
+
+fn q4k_dot(row: &[u8], x: &[f32], q: &[BlockQ8]) -> f32 {
+    // SAFETY: NEON was detected (see above).
+    unsafe { neon::dot_q4k(row, x, q) }
+}
+
+fn q5k_dot(row: &[u8], x: &[f32], q: &[BlockQ8]) -> f32 {
+    // SAFETY: NEON was detected (see above).
+    unsafe { neon::dot_q5k(row, x, q) }
+}
+
+fn q6k_dot(row: &[u8], x: &[f32], q: &[BlockQ8]) -> f32 {
+    // SAFETY: NEON was detected (see above).
+    unsafe { neon::dot_q6k(row, x, q) }
 }
 
 fn bf16_dot(row: &[u8], x: &[f32], q: &[BlockQ8]) -> f32 {

@@ -226,3 +226,115 @@ pub unsafe fn gemv8_mxfp4(group: &[u8], q: &[BlockQ8]) -> [f32; 8] {
     }
     store8(acc0, acc1)
 }
+
+/// `Σ c·q` of one sub-block: 32 codes below 128 (so they read as i8) times
+/// 32 activation codes, widened to i16 products and summed in i32 (exact).
+#[inline(always)]
+unsafe fn sub_dot(lo: uint8x16_t, hi: uint8x16_t, a: &BlockQ8) -> i32 {
+    let q0 = vld1q_s8(a.qs.as_ptr());
+    let q1 = vld1q_s8(a.qs.as_ptr().add(16));
+    let (c0, c1) = (vreinterpretq_s8_u8(lo), vreinterpretq_s8_u8(hi));
+    let mut acc = vdupq_n_s32(0);
+    acc = vpadalq_s16(acc, vmull_s8(vget_low_s8(c0), vget_low_s8(q0)));
+    acc = vpadalq_s16(acc, vmull_high_s8(c0, q0));
+    acc = vpadalq_s16(acc, vmull_s8(vget_low_s8(c1), vget_low_s8(q1)));
+    acc = vpadalq_s16(acc, vmull_high_s8(c1, q1));
+    vaddvq_s32(acc)
+}
+
+/// Codes 0..16 and 16..32 of a sub-block's 16 nibble bytes (as q4_0).
+#[inline(always)]
+unsafe fn nibble_codes(p: *const u8) -> (uint8x16_t, uint8x16_t) {
+    let raw = vld1q_u8(p);
+    (vandq_u8(raw, vdupq_n_u8(0x0F)), vshrq_n_u8::<4>(raw))
+}
+
+/// A q4k / q5k row in the order of `quant::kquant`'s scalar dot: the
+/// integer sums here, the scale arithmetic as written there (one rounding
+/// per operation), lane `j` accumulating sub-block `j`.
+#[inline(always)]
+unsafe fn affine_row(
+    kind: crate::quant::kquant::Kind,
+    row: &[u8],
+    q: &[BlockQ8],
+    codes: impl Fn(*const u8) -> (uint8x16_t, uint8x16_t),
+) -> f32 {
+    use crate::quant::kquant::{SUBS, unpack_scales};
+    let (hb, sb, bb) = (kind.header_bytes(), kind.sub_bytes(), kind.block_bytes());
+    let mut acc = [0f32; SUBS];
+    let mut base = row.as_ptr();
+    for a in q.chunks(SUBS) {
+        let d = half::f16::from_bits(u16::from_le_bytes([*base, *base.add(1)])).to_f32();
+        let dmin = half::f16::from_bits(u16::from_le_bytes([*base.add(2), *base.add(3)])).to_f32();
+        let (sc, m) = unpack_scales(&*(base.add(4) as *const [u8; 12]));
+        for (j, a) in a.iter().enumerate() {
+            let (lo, hi) = codes(base.add(hb + j * sb));
+            let p = d * (sc[j] as i32 * sub_dot(lo, hi, a)) as f32;
+            let r = dmin * (m[j] as i32 * a.sum) as f32;
+            acc[j] += (p - r) * a.d;
+        }
+        base = base.add(bb);
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+}
+
+/// # Safety
+/// NEON must be available; `row` must be a q4k row of `q.len() · 32` values.
+#[target_feature(enable = "neon")]
+pub unsafe fn dot_q4k(row: &[u8], _x: &[f32], q: &[BlockQ8]) -> f32 {
+    debug_assert_eq!(Some(row.len()), crate::quant::kquant::row_bytes(crate::quant::kquant::Kind::Q4K, q.len() * 32));
+    affine_row(crate::quant::kquant::Kind::Q4K, row, q, |p| nibble_codes(p))
+}
+
+/// # Safety
+/// As [`dot_q4k`], for a q5k row.
+#[target_feature(enable = "neon")]
+pub unsafe fn dot_q5k(row: &[u8], _x: &[f32], q: &[BlockQ8]) -> f32 {
+    debug_assert_eq!(Some(row.len()), crate::quant::kquant::row_bytes(crate::quant::kquant::Kind::Q5K, q.len() * 32));
+    // Bit i of the u32 after the nibbles is bit 4 of code i.
+    let bits: [u8; 16] = [1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128];
+    let bits = vld1q_u8(bits.as_ptr());
+    affine_row(crate::quant::kquant::Kind::Q5K, row, q, |p| {
+        let (lo, hi) = nibble_codes(p);
+        let h = p.add(16);
+        let fifth = |b0: u8, b1: u8| {
+            let v = vcombine_u8(vdup_n_u8(b0), vdup_n_u8(b1));
+            vandq_u8(vtstq_u8(v, bits), vdupq_n_u8(0x10))
+        };
+        (vorrq_u8(lo, fifth(*h, *h.add(1))), vorrq_u8(hi, fifth(*h.add(2), *h.add(3))))
+    })
+}
+
+/// # Safety
+/// As [`dot_q4k`], for a q6k row.
+#[target_feature(enable = "neon")]
+pub unsafe fn dot_q6k(row: &[u8], _x: &[f32], q: &[BlockQ8]) -> f32 {
+    use crate::quant::kquant::{Kind, SUBS};
+    let kind = Kind::Q6K;
+    debug_assert_eq!(Some(row.len()), crate::quant::kquant::row_bytes(kind, q.len() * 32));
+    let (hb, sb, bb) = (kind.header_bytes(), kind.sub_bytes(), kind.block_bytes());
+    let three = vdup_n_u8(3);
+    let mut acc = [0f32; SUBS];
+    let mut base = row.as_ptr();
+    for a in q.chunks(SUBS) {
+        let d = half::f16::from_bits(u16::from_le_bytes([*base, *base.add(1)])).to_f32();
+        for (j, a) in a.iter().enumerate() {
+            let s = base.add(hb + j * sb);
+            let (lo, hi) = nibble_codes(s);
+            // Byte i of the 8 top-bit bytes: bits 2k..2k+1 = bits 4-5 of code i + 8k.
+            let t = vld1_u8(s.add(16));
+            let t0 = vand_u8(t, three);
+            let t1 = vand_u8(vshr_n_u8::<2>(t), three);
+            let t2 = vand_u8(vshr_n_u8::<4>(t), three);
+            let t3 = vshr_n_u8::<6>(t);
+            let lo = vorrq_u8(lo, vshlq_n_u8::<4>(vcombine_u8(t0, t1)));
+            let hi = vorrq_u8(hi, vshlq_n_u8::<4>(vcombine_u8(t2, t3)));
+            // Σ (c − 32)·q = Σ c·q − 32·Σq, exactly.
+            let p = sub_dot(lo, hi, a) - 32 * a.sum;
+            let sc = *base.add(2 + j) as i8;
+            acc[j] += d * (sc as i32 * p) as f32 * a.d;
+        }
+        base = base.add(bb);
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+}
