@@ -199,6 +199,7 @@ def austen_heldout(source: str, work: Path) -> list[tuple[str, str]]:
     import rdata
     import train_demo
 
+    work.mkdir(parents=True, exist_ok=True)
     if source == "download":
         # apt-get's progress goes to stderr, keeping stdout for the tables.
         subprocess.run(
@@ -426,6 +427,99 @@ def print_tables(
             print(f"| {name} | `{t}` | {stream} | {errs[-1]:.3f} |")
 
 
+# ---------------------------------------------------------------- quality per bit
+
+QUALITY_TYPES = ["q8_0", "q6k", "q5k", "q4k", "q4_1", "q4_0"]
+QUALITY_RECIPES = ["q5k-mix", "q4k-mix", "q4_1-mix"]
+
+
+def _expert_bpw(engine: colibri.Engine) -> float:
+    rows = [r for r in engine.weight_types() if r["class"] in ("experts", "experts_down")]
+    return 8 * sum(r["bytes"] for r in rows) / max(1, sum(r["parameters"] for r in rows))
+
+
+def quality_rows(
+    reference: Path, texts: dict[str, list[list[int]]], calib, work: Path, threads: int
+) -> list[dict]:
+    """Each type of QUALITY_TYPES and recipe of QUALITY_RECIPES, without and
+    with an importance matrix calibrated on `calib` (text, or token ids run
+    in windows of 256), against `reference`'s logits on `texts`. KV caches
+    in f32, so only the weights differ (as scripts/llamacpp_quants.py runs
+    llama.cpp)."""
+    ref = colibri.Engine(reference, threads=threads, kv_cache="f32")
+    ref_logits = {k: [ref.logits(s) for s in v] for k, v in texts.items()}
+    imatrix = work / "model.imatrix"
+    if isinstance(calib, str):
+        ref.calibrate(imatrix, text=calib, force=True, progress=False)
+    else:
+        ref.calibrate(imatrix, token_ids=calib, window=256, force=True, progress=False)
+    del ref
+    rows = []
+    for dtype in QUALITY_TYPES + QUALITY_RECIPES:
+        for im in (None, imatrix):
+            out = work / "quality.colibri"
+            colibri.convert(reference, out, dtype=dtype, imatrix=im, force=True, progress=False)
+            e = colibri.Engine(out, threads=threads, kv_cache="f32")
+            row = {
+                "type": dtype,
+                "imatrix": im is not None,
+                "bpw": e.weight_types()[-1]["bits_per_weight"],
+                "bpw_experts": _expert_bpw(e),
+            }
+            for k, seqs in texts.items():
+                row[k] = pool([compare(r, e.logits(s)) for r, s in zip(ref_logits[k], seqs)])
+            print(f"{dtype} {'imatrix' if im else 'plain'}: {row}", file=sys.stderr, flush=True)
+            rows.append(row)
+            del e
+            out.unlink()
+    return rows
+
+
+def run_quality(threads: int, austen: str | None, bench: bool, scratch: Path) -> dict[str, list[dict]]:
+    """The demo model (own prose, Austen held-out with --austen; calibrated
+    on colibri's default calibration text) and, with `bench`, the 1-layer
+    heavy-tailed Qwen3-30B-A3B-width model of scripts/llamacpp_quants.py
+    (the same seeds: 4 x 256 random ids measured, 8 x 256 calibrated on)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import llamacpp_quants as lq  # noqa: PLC0415 - it imports this module
+
+    out = {}
+    work = scratch / "quality"
+    work.mkdir(parents=True, exist_ok=True)
+    ref = colibri.Engine(DEMO, threads=threads)
+    texts = {"own prose": windows(ref.tokenize("\n".join(PROSE) + "\n"), 128)}
+    if austen:
+        held = austen_heldout(austen, work / "austen")
+        texts["Austen held-out"] = [w for _, t in held for w in windows(ref.tokenize(t), 256)[:2]]
+    del ref
+    out["demo"] = quality_rows(DEMO, texts, None, work, threads)
+    if bench:
+        args = argparse.Namespace(
+            layers=1, outlier_columns=4, outlier_low=8.0, outlier_high=16.0, scratch=scratch
+        )
+        path = lq.bench_reference(args, {})
+        vocab = colibri.Engine(path, threads=1).vocab_size
+        texts = {"random ids": lq.random_sequences(vocab, 4, 256, seed=0)}
+        calib = [i for s in lq.random_sequences(vocab, 8, 256, seed=1) for i in s]
+        out[path.parent.name] = quality_rows(path, texts, calib, work, threads)
+    return out
+
+
+def print_quality(results: dict[str, list[dict]]) -> None:
+    for model, rows in results.items():
+        texts = [k for k in rows[0] if isinstance(rows[0][k], dict)]
+        head = " | ".join(f"KL / top-1, {t}" for t in texts)
+        print(f"\n**{model}**\n\n| colibri | imatrix | bpw | bpw (experts) | {head} |")
+        print("| --- | --- | ---: | ---: |" + " --- |" * len(texts))
+        for r in rows:
+            cells = " | ".join(
+                f"{r[t]['kl'] / r[t]['positions']:.2e} / {r[t]['agree'] / r[t]['positions']:.3f}"
+                for t in texts
+            )
+            im = "yes" if r["imatrix"] else "no"
+            print(f"| {r['type']} | {im} | {r['bpw']:.2f} | {r['bpw_experts']:.2f} | {cells} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -442,8 +536,23 @@ def main() -> None:
         help="KV cache of the compared files (default auto: f16 for the block types, as users get)",
     )
     ap.add_argument("--only", choices=["demo", "fixtures", "widened"], help="run one part")
+    ap.add_argument(
+        "--quality",
+        action="store_true",
+        help="instead: the super-block types and recipes with and without an importance matrix "
+        "on the demo model (docs/accuracy.md, issue 10); with --bench also on the heavy-tailed "
+        "Qwen3-30B-A3B-width model of scripts/llamacpp_quants.py",
+    )
+    ap.add_argument("--bench", action="store_true", help="with --quality: the bench model too")
+    ap.add_argument("--scratch", default=str(ROOT / ".cache" / "accuracy"), help="big transient files")
     ap.add_argument("--json", metavar="FILE", help="also write the raw sums as JSON")
     args = ap.parse_args()
+    if args.quality:
+        res = run_quality(args.threads, args.austen, args.bench, Path(args.scratch))
+        print_quality(res)
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1))
+        return
     KV_CACHE[0] = args.kv_cache
     part = {"demo": False, "fixtures": False, "widened": False}
     if args.only:

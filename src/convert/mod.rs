@@ -223,7 +223,7 @@ fn write_staged<'a>(
                 out_buf.resize(nbytes.div_ceil(2), 0);
                 let out = &mut bytemuck::cast_slice_mut::<u16, u8>(&mut out_buf)[..nbytes];
                 let importance = imatrix.and_then(|m| m.weights(&entry.name));
-                quant::encode_weighted(entry.dtype, &f32_buf, cols, importance, out);
+                encode_parallel(entry.dtype, &f32_buf, cols, importance, out);
                 w.write(out).map_err(named)?;
                 r += n;
             }
@@ -234,6 +234,20 @@ fn write_staged<'a>(
     w.finish().map_err(named)?;
     bar.finish_and_clear();
     Ok(guard)
+}
+
+/// [`quant::encode_weighted`] with the rows split across the rayon pool
+/// (whole groups of the type's rows per task): every row is encoded on its
+/// own, so the bytes are the same on any thread count.
+fn encode_parallel(dtype: DType, src: &[f32], cols: usize, importance: Option<&[f32]>, dst: &mut [u8]) {
+    use rayon::prelude::*;
+    let rows = src.len() / cols.max(1);
+    let group = dtype.group_rows();
+    let per = rows.div_ceil(4 * rayon::current_num_threads()).next_multiple_of(group).max(group);
+    let row_bytes = dst.len() / rows.max(1);
+    src.par_chunks(per * cols).zip(dst.par_chunks_mut(per * row_bytes)).for_each(|(x, out)| {
+        quant::encode_weighted(dtype, x, cols, importance, out);
+    });
 }
 
 /// `[rows, cols]` of a tensor of any rank: the leading dimensions flattened.
