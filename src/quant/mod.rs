@@ -7,6 +7,7 @@
 //! `#[repr(C)]` blocks in files beside this one.
 
 pub mod kquant;
+pub mod kx8;
 pub mod mxfp4;
 pub mod q4_0;
 pub mod q4_1;
