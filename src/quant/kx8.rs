@@ -153,15 +153,34 @@ fn high_pos(kind: Kind, l: usize, i: usize) -> (usize, u32, u8) {
 
 /// Row `l`'s 32 codes of one interleaved sub-block (`sub_bytes(kind)` bytes).
 pub fn codes(kind: Kind, sub: &[u8], l: usize) -> [u8; QK] {
-    std::array::from_fn(|i| {
-        let (at, s) = nibble_pos(l, i);
-        let low = (sub[at] >> s) & 0xF;
-        if kind == Kind::Q4K {
-            return low;
+    match kind {
+        Kind::Q4K => codes_of::<4>(sub, l),
+        Kind::Q5K => codes_of::<5>(sub, l),
+        Kind::Q6K => codes_of::<6>(sub, l),
+    }
+}
+
+/// [`codes`] for codes of `BITS` bits, run by run (the scalar kernel's hot
+/// loop: no per-code position arithmetic).
+#[inline(always)]
+fn codes_of<const BITS: u32>(sub: &[u8], l: usize) -> [u8; QK] {
+    let mut c = [0u8; QK];
+    for r in 0..4 {
+        for k in 0..4 {
+            let (lo, hi) = (4 * r + k, 16 + 4 * r + k);
+            let byte = sub[32 * r + 4 * l + k];
+            (c[lo], c[hi]) = (byte & 0xF, byte >> 4);
+            if BITS == 5 {
+                let h = sub[128 + 4 * l + k];
+                c[lo] |= ((h >> r) & 1) << 4;
+                c[hi] |= ((h >> (4 + r)) & 1) << 4;
+            } else if BITS == 6 {
+                c[lo] |= ((sub[128 + 4 * l + k] >> (2 * r)) & 3) << 4;
+                c[hi] |= ((sub[160 + 4 * l + k] >> (2 * r)) & 3) << 4;
+            }
         }
-        let (at, s, mask) = high_pos(kind, l, i);
-        low | ((sub[at] >> s) & mask) << 4
-    })
+    }
+    c
 }
 
 /// Sets row `l`'s 32 codes in one interleaved sub-block.
@@ -281,6 +300,7 @@ pub fn unpack_row(kind: Kind, group: &[u8], l: usize, n: usize, out: &mut [u8]) 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::quant::{self, DType};
 
     const KINDS: [Kind; 3] = [Kind::Q4K, Kind::Q5K, Kind::Q6K];
     const LENGTHS: [usize; 7] = [32, 96, 224, 256, 288, 1408, 2080];
@@ -393,5 +413,45 @@ mod tests {
         assert!(j < subs);
         let at = header_bytes(kind) + j * sub_bytes(kind);
         codes(kind, &g[at..at + sub_bytes(kind)], l)
+    }
+
+    /// Quantised values: the interleaved matrix decodes (whole, and row by
+    /// row as embedding lookups do) to the row-major one's values, and the
+    /// header accessor reads each row's fields.
+    #[test]
+    fn decode_and_decode_group_row_match_row_major() {
+        for (dt, kind) in [(DType::Q4Kx8, Kind::Q4K), (DType::Q5Kx8, Kind::Q5K), (DType::Q6Kx8, Kind::Q6K)] {
+            assert_eq!((dt.base().kquant(), dt.group_rows()), (Some(kind), ROWS));
+            for n in [32, 96, 288, 1408] {
+                let rows = 16;
+                let x: Vec<f32> = bytes(rows * n, n as u64).iter().map(|&b| (b as f32 - 127.5) * 1e-3).collect();
+                let size = dt.tensor_bytes(&[rows, n]).unwrap();
+                assert_eq!(Some(size), dt.base().tensor_bytes(&[rows, n]));
+                let (mut a, mut b) = (vec![0u16; size / 2], vec![0u16; size / 2]);
+                quant::encode(dt, &x, n, bytemuck::cast_slice_mut(&mut a));
+                quant::encode(dt.base(), &x, n, bytemuck::cast_slice_mut(&mut b));
+                let (a, b): (&[u8], &[u8]) = (bytemuck::cast_slice(&a), bytemuck::cast_slice(&b));
+                let (mut ya, mut yb) = (vec![0f32; rows * n], vec![0f32; rows * n]);
+                quant::decode(dt, a, n, &mut ya);
+                quant::decode(dt.base(), b, n, &mut yb);
+                assert_eq!(ya, yb, "{dt} n={n}");
+                let rb = dt.row_bytes(n).unwrap();
+                let mut y = vec![0f32; n];
+                for r in 0..rows {
+                    let g = &a[(r / ROWS) * ROWS * rb..(r / ROWS + 1) * ROWS * rb];
+                    quant::decode_group_row(dt, g, r % ROWS, &mut y);
+                    assert_eq!(y, yb[r * n..(r + 1) * n], "{dt} n={n} row {r}");
+                    let head = scales(kind, g, r % ROWS);
+                    let row = &b[r * rb..];
+                    assert_eq!(head.d, u16::from_le_bytes([row[0], row[1]]), "{dt} n={n} row {r}");
+                    if kind == Kind::Q6K {
+                        assert_eq!(head.sc[1], row[3] as i8 as i32);
+                    } else {
+                        let (sc, m) = kquant::unpack_scales(row[4..16].try_into().unwrap());
+                        assert_eq!((head.sc, head.m), (sc.map(i32::from), m.map(i32::from)));
+                    }
+                }
+            }
+        }
     }
 }

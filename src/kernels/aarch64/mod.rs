@@ -42,6 +42,7 @@ impl Neon {
             DType::Mxfp4 => scalar::kernels(DType::Mxfp4),
             DType::Mxfp4x8 => group(mxfp4x8_gemv),
             DType::Q4K | DType::Q5K | DType::Q6K => scalar::kernels(dtype),
+            DType::Q4Kx8 | DType::Q5Kx8 | DType::Q6Kx8 => scalar::kernels(dtype),
         }
     }
 }

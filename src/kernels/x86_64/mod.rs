@@ -74,6 +74,7 @@ impl Avx2 {
             DType::Q4K => rows(Q8, q4k_dot, None),
             DType::Q5K => rows(Q8, q5k_dot, None),
             DType::Q6K => rows(Q8, q6k_dot, None),
+            DType::Q4Kx8 | DType::Q5Kx8 | DType::Q6Kx8 => super::scalar::kernels(dtype),
         }
     }
 }
@@ -114,7 +115,10 @@ impl AvxVnni {
             | DType::Mxfp4
             | DType::Q4K
             | DType::Q5K
-            | DType::Q6K => self.0.kernels(dtype),
+            | DType::Q6K
+            | DType::Q4Kx8
+            | DType::Q5Kx8
+            | DType::Q6Kx8 => self.0.kernels(dtype),
             DType::Q8_0x8 => group(vnni_q8_0x8_gemv, vnni_q8_0x8_gemm4),
             DType::Q4_0x8 => group(vnni_q4_0x8_gemv, vnni_q4_0x8_gemm4),
             DType::Q4_1x8 => group(vnni_q4_1x8_gemv, vnni_q4_1x8_gemm4),
@@ -194,7 +198,10 @@ impl Avx512 {
             | DType::Mxfp4
             | DType::Q4K
             | DType::Q5K
-            | DType::Q6K => None,
+            | DType::Q6K
+            | DType::Q4Kx8
+            | DType::Q5Kx8
+            | DType::Q6Kx8 => None,
             DType::Q8_0x8 => Some((z_q8_0x8, evex_q8_0x8_gemv, evex_q8_0x8_gemm4)),
             DType::Q4_0x8 => Some((z_q4_0x8, evex_q4_0x8_gemv, evex_q4_0x8_gemm4)),
             DType::Q4_1x8 => Some((z_q4_1x8, evex_q4_1x8_gemv, evex_q4_1x8_gemm4)),
@@ -230,7 +237,10 @@ impl Avx512 {
             | DType::Q8_0x8
             | DType::Q4_0x8
             | DType::Q4_1x8
-            | DType::Mxfp4x8 => return k,
+            | DType::Mxfp4x8
+            | DType::Q4Kx8
+            | DType::Q5Kx8
+            | DType::Q6Kx8 => return k,
         };
         TypeKernels { kv: Some(kv), ..k }
     }
@@ -274,7 +284,10 @@ impl Amx {
             | DType::Mxfp4
             | DType::Q4K
             | DType::Q5K
-            | DType::Q6K => None,
+            | DType::Q6K
+            | DType::Q4Kx8
+            | DType::Q5Kx8
+            | DType::Q6Kx8 => None,
             DType::Q8_0x8 => Some(amx_q8_0x8),
             DType::Q4_0x8 => Some(amx_q4_0x8),
             DType::Q4_1x8 => Some(amx_q4_1x8),
