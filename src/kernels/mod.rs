@@ -17,7 +17,8 @@
 //! serves every matrix that reads the same activation (q, k and v; the K
 //! experts' gate and up projections).
 //!
-//! Interleaved types (`q8_0x8`, ..., see [`crate::quant::x8`]) are multiplied
+//! Interleaved types (`q8_0x8`, ..., see [`crate::quant::x8`]; the
+//! super-block types' `q4kx8`, ..., [`crate::quant::kx8`]) are multiplied
 //! eight rows at a time by group kernels ([`GroupKernels`]), for one token or
 //! up to four sharing each weight load; row-major types go one row at a time
 //! (four tokens per weight load for the block types).

@@ -252,6 +252,62 @@ pub fn gemv8_q4_1(g: &[BlockQ4_1x8], a: &[BlockQ8]) -> [f32; ROWS] {
     acc
 }
 
+use crate::quant::kquant::{Kind, QK, SUBS};
+use crate::quant::kx8;
+
+/// Eight interleaved super-block rows (one group of q4kx8, q5kx8 or q6kx8,
+/// [`crate::quant::kx8`]; its length gives the row length) · one quantised
+/// activation row (at least that long).
+///
+/// The operation order, which every SIMD kernel of these types keeps bit
+/// for bit: per row `l` one accumulator, starting at +0, runs over the
+/// columns in order and within each over its sub-blocks `j` in order. With
+/// `a` the activation block of the sub-block and `d`, `dmin`, `sc[j]`,
+/// `m[j]` row `l`'s header fields (d, dmin as f32):
+///
+/// - `p = Σᵢ c[i] · a.qs[i]` (i32, exact; q6k: `p − 32 · a.sum`, the codes
+///   being stored +32);
+/// - `s = d · f32(sc[j])`; q4k, q5k: `o = dmin · f32(m[j])` (the decoder's
+///   scale and offset: a value is `s · c − o`, q6k `s · (c − 32)`);
+/// - `u = a.d · f32(p)`;
+/// - q4k, q5k: `t = s · u − o · (a.d · f32(a.sum))`; q6k: `t = s · u`;
+/// - `acc = acc + t`.
+///
+/// Every integer is exact in i32 and converts to f32 exactly (below 2²⁴),
+/// and each f32 operation rounds on its own (no fused multiply-add), in the
+/// order of the brackets. This is not the row-major dots' order (one lane
+/// per sub-block, [`crate::quant::kquant`]): the interleaved forms are
+/// types of their own, and within each the one-token and the several-token
+/// kernels agree.
+pub fn gemv8_kx8(kind: Kind, g: &[u8], a: &[BlockQ8]) -> [f32; ROWS] {
+    let n = kx8::row_len(kind, g.len()).expect("whole groups of eight super-block rows");
+    assert!(a.len() * QK >= n, "{kind:?}: {} activation blocks for rows of {n}", a.len());
+    let h = |bits: u16| half::f16::from_bits(bits).to_f32();
+    let (hb, sb) = (kx8::header_bytes(kind), kx8::sub_bytes(kind));
+    let mut acc = [0f32; ROWS];
+    for (b, (start, subs)) in kx8::columns(kind, n).enumerate() {
+        let col = &g[start..start + hb + subs * sb];
+        for (l, acc) in acc.iter_mut().enumerate() {
+            let head = kx8::scales(kind, col, l);
+            for j in 0..subs {
+                let codes = kx8::codes(kind, &col[hb + j * sb..hb + (j + 1) * sb], l);
+                let ba = &a[b * SUBS + j];
+                let mut p: i32 = codes.iter().zip(&ba.qs).map(|(&c, &q)| c as i32 * q as i32).sum();
+                if kind == Kind::Q6K {
+                    p -= 32 * ba.sum;
+                }
+                let s = h(head.d) * head.sc[j] as f32;
+                let u = ba.d * p as f32;
+                *acc += match kind {
+                    Kind::Q6K => s * u,
+                    _ => s * u - h(head.dmin) * head.m[j] as f32 * ba.scaled_sum(),
+                };
+            }
+        }
+    }
+    acc
+}
+
 // ------------------------------------------------------------------
 // The scalar table: the same functions over raw row bytes, one entry per
 // weight type. The other tables fall back to these entries by name.
@@ -300,6 +356,15 @@ fn q4_0x8_group(g: &[u8], q: &[BlockQ8]) -> [f32; 8] {
 }
 fn q4_1x8_group(g: &[u8], q: &[BlockQ8]) -> [f32; 8] {
     gemv8_q4_1(bytemuck::cast_slice(g), q)
+}
+fn q4kx8_group(g: &[u8], q: &[BlockQ8]) -> [f32; 8] {
+    gemv8_kx8(Kind::Q4K, g, q)
+}
+fn q5kx8_group(g: &[u8], q: &[BlockQ8]) -> [f32; 8] {
+    gemv8_kx8(Kind::Q5K, g, q)
+}
+fn q6kx8_group(g: &[u8], q: &[BlockQ8]) -> [f32; 8] {
+    gemv8_kx8(Kind::Q6K, g, q)
 }
 /// One dot per (query, key).
 fn dots_each<T: bytemuck::Pod>(
@@ -394,5 +459,8 @@ pub(super) fn kernels(dtype: DType) -> TypeKernels {
         DType::Q4K => rows(Q8, q4k_row),
         DType::Q5K => rows(Q8, q5k_row),
         DType::Q6K => rows(Q8, q6k_row),
+        DType::Q4Kx8 => group(q4kx8_group),
+        DType::Q5Kx8 => group(q5kx8_group),
+        DType::Q6Kx8 => group(q6kx8_group),
     }
 }

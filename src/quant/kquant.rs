@@ -331,6 +331,28 @@ fn codes_q6k(sub: &SubQ6K) -> [u8; QK] {
     std::array::from_fn(|i| low[i] | ((sub.qh[i % 8] >> (2 * (i / 8))) & 3) << 4)
 }
 
+/// The 32 codes of one sub-block's stored bytes (`kind.sub_bytes()` of
+/// them). Every code layout is a bijection between those bytes and 32 codes
+/// of the type's width, so [`put_sub_codes`] gives the bytes back exactly;
+/// the interleaved forms ([`crate::quant::kx8`]) move codes, not bytes.
+pub(crate) fn sub_codes(kind: Kind, sub: &[u8]) -> [u8; QK] {
+    match kind {
+        Kind::Q4K => nibbles(&sub.try_into().expect("16 bytes")),
+        Kind::Q5K => codes_q5k(&bytemuck::pod_read_unaligned(sub)),
+        Kind::Q6K => codes_q6k(&bytemuck::pod_read_unaligned(sub)),
+    }
+}
+
+/// Writes one sub-block's 32 codes (each below `2^bits` of the type) as its
+/// `kind.sub_bytes()` stored bytes.
+pub(crate) fn put_sub_codes(kind: Kind, codes: &[u8; QK], out: &mut [u8]) {
+    match kind {
+        Kind::Q4K => out.copy_from_slice(&pack_nibbles(codes)),
+        Kind::Q5K => out.copy_from_slice(bytemuck::bytes_of(&pack_q5k_sub(codes))),
+        Kind::Q6K => out.copy_from_slice(bytemuck::bytes_of(&pack_q6k_sub(codes))),
+    }
+}
+
 // ------------------------------------------------------------------
 // Rows as super-blocks.
 

@@ -7,6 +7,7 @@
 //! `#[repr(C)]` blocks in files beside this one.
 
 pub mod kquant;
+pub mod kx8;
 pub mod mxfp4;
 pub mod q4_0;
 pub mod q4_1;
@@ -56,6 +57,15 @@ pub enum DType {
     /// Super-blocks of 256: 6-bit codes, 8-bit scales ([`kquant`]).
     #[serde(rename = "q6k")]
     Q6K,
+    /// q4k rows interleaved in groups of eight ([`kx8`]).
+    #[serde(rename = "q4kx8")]
+    Q4Kx8,
+    /// q5k rows interleaved in groups of eight ([`kx8`]).
+    #[serde(rename = "q5kx8")]
+    Q5Kx8,
+    /// q6k rows interleaved in groups of eight ([`kx8`]).
+    #[serde(rename = "q6kx8")]
+    Q6Kx8,
 }
 
 impl DType {
@@ -75,7 +85,8 @@ impl DType {
 
     /// The interleaved storage forms of the block types (chosen by the
     /// converter, never by name), in the order of their row-major twins.
-    pub const INTERLEAVED: [DType; 4] = [DType::Q8_0x8, DType::Q4_0x8, DType::Q4_1x8, DType::Mxfp4x8];
+    pub const INTERLEAVED: [DType; 7] =
+        [DType::Q8_0x8, DType::Q6Kx8, DType::Q5Kx8, DType::Q4Kx8, DType::Q4_0x8, DType::Q4_1x8, DType::Mxfp4x8];
 
     /// The interleaved form of a block type, if it has one.
     pub fn interleaved(self) -> Option<DType> {
@@ -84,6 +95,9 @@ impl DType {
             DType::Q4_0 => Some(DType::Q4_0x8),
             DType::Q4_1 => Some(DType::Q4_1x8),
             DType::Mxfp4 => Some(DType::Mxfp4x8),
+            DType::Q4K => Some(DType::Q4Kx8),
+            DType::Q5K => Some(DType::Q5Kx8),
+            DType::Q6K => Some(DType::Q6Kx8),
             _ => None,
         }
     }
@@ -95,6 +109,9 @@ impl DType {
             DType::Q4_0x8 => DType::Q4_0,
             DType::Q4_1x8 => DType::Q4_1,
             DType::Mxfp4x8 => DType::Mxfp4,
+            DType::Q4Kx8 => DType::Q4K,
+            DType::Q5Kx8 => DType::Q5K,
+            DType::Q6Kx8 => DType::Q6K,
             d => d,
         }
     }
@@ -122,10 +139,14 @@ impl DType {
             DType::Q4K => "q4k",
             DType::Q5K => "q5k",
             DType::Q6K => "q6k",
+            DType::Q4Kx8 => "q4kx8",
+            DType::Q5Kx8 => "q5kx8",
+            DType::Q6Kx8 => "q6kx8",
         }
     }
 
-    /// The super-block kind of the [`kquant`] types.
+    /// The super-block kind of the row-major [`kquant`] types (`None` for
+    /// their interleaved forms too: ask their [`DType::base`]).
     pub fn kquant(self) -> Option<kquant::Kind> {
         match self {
             DType::Q4K => Some(kquant::Kind::Q4K),
@@ -186,8 +207,9 @@ impl DType {
     /// rows, for the interleaved types). `None` when `cols` is not a legal row
     /// length for the type (block types need whole blocks).
     pub fn row_bytes(self, cols: usize) -> Option<usize> {
-        if let Some(kind) = self.kquant() {
-            // Super-blocks of 256, the last one possibly partial.
+        if let Some(kind) = self.base().kquant() {
+            // Super-blocks of 256, the last one possibly partial (the
+            // interleaved forms take the same bytes per row).
             return kquant::row_bytes(kind, cols);
         }
         let b = self.block_len();
@@ -253,6 +275,9 @@ pub fn encode_weighted(dtype: DType, src: &[f32], cols: usize, importance: Optio
             DType::Q4_0x8 => x8::pack::<x8::BlockQ4_0x8>(cast(rows), nb, cast_mut(dst)),
             DType::Q4_1x8 => x8::pack::<x8::BlockQ4_1x8>(cast(rows), nb, cast_mut(dst)),
             DType::Mxfp4x8 => x8::pack::<x8::BlockMxfp4x8>(cast(rows), nb, cast_mut(dst)),
+            DType::Q4Kx8 => kx8::pack(kquant::Kind::Q4K, rows, cols, dst),
+            DType::Q5Kx8 => kx8::pack(kquant::Kind::Q5K, rows, cols, dst),
+            DType::Q6Kx8 => kx8::pack(kquant::Kind::Q6K, rows, cols, dst),
             _ => unreachable!("group_rows() > 1 only for interleaved types"),
         }
         return;
@@ -346,9 +371,12 @@ pub fn decode(dtype: DType, src: &[u8], cols: usize, dst: &mut [f32]) {
             DType::Q4_0x8 => x8::unpack::<x8::BlockQ4_0x8>(cast(src), nb, cast_mut(out)),
             DType::Q4_1x8 => x8::unpack::<x8::BlockQ4_1x8>(cast(src), nb, cast_mut(out)),
             DType::Mxfp4x8 => x8::unpack::<x8::BlockMxfp4x8>(cast(src), nb, cast_mut(out)),
+            DType::Q4Kx8 => kx8::unpack(kquant::Kind::Q4K, src, cols, out),
+            DType::Q5Kx8 => kx8::unpack(kquant::Kind::Q5K, src, cols, out),
+            DType::Q6Kx8 => kx8::unpack(kquant::Kind::Q6K, src, cols, out),
             _ => unreachable!("group_rows() > 1 only for interleaved types"),
         }
-        decode_rows(dtype.base(), bytemuck::cast_slice(&rows), dst);
+        decode(dtype.base(), bytemuck::cast_slice(&rows), cols, dst);
         return;
     }
     if let Some(kind) = dtype.kquant() {
@@ -376,6 +404,18 @@ pub fn decode_group_row(dtype: DType, src: &[u8], l: usize, dst: &mut [f32]) {
         DType::Q4_0x8 => each::<x8::BlockQ4_0x8>(DType::Q4_0, src, l, dst),
         DType::Q4_1x8 => each::<x8::BlockQ4_1x8>(DType::Q4_1, src, l, dst),
         DType::Mxfp4x8 => each::<x8::BlockMxfp4x8>(DType::Mxfp4, src, l, dst),
+        DType::Q4Kx8 | DType::Q5Kx8 | DType::Q6Kx8 => {
+            let kind = dtype.base().kquant().expect("a super-block type");
+            // One super-block at a time through the stack, as above.
+            let mut row = [0u8; kquant::Kind::Q6K.block_bytes()];
+            const _: () = assert!(kquant::Kind::Q6K.block_bytes() >= kquant::Kind::Q5K.block_bytes());
+            for ((start, subs), out) in kx8::columns(kind, dst.len()).zip(dst.chunks_mut(kquant::QK_K)) {
+                let len = kind.header_bytes() + subs * kind.sub_bytes();
+                let row = &mut row[..len];
+                kx8::unpack_column_row(kind, &src[start..start + x8::ROWS * len], subs, l, row);
+                kquant::dequantize_row(kind, row, out);
+            }
+        }
         _ => panic!("decode_group_row: {dtype} is not an interleaved type"),
     }
 }

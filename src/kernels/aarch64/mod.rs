@@ -44,6 +44,7 @@ impl Neon {
             DType::Q4K => dot(q4k_dot),
             DType::Q5K => dot(q5k_dot),
             DType::Q6K => dot(q6k_dot),
+            DType::Q4Kx8 | DType::Q5Kx8 | DType::Q6Kx8 => scalar::kernels(dtype),
         }
     }
 }

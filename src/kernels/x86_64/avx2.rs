@@ -59,16 +59,16 @@ pub(super) unsafe fn sum4_u8_i8(x: __m256i, y: __m256i) -> __m256i {
 /// `vpdpbusd` in its VEX form (AVX-VNNI) or its EVEX form (AVX-512 VNNI with
 /// VL, for CPUs that have that and not AVX-VNNI: Cascade Lake, Ice Lake,
 /// Zen 4). The three give the same integers.
-const MADD: u8 = 0;
+pub(super) const MADD: u8 = 0;
 /// See [`MADD`].
-const AVX_VNNI: u8 = 1;
+pub(super) const AVX_VNNI: u8 = 1;
 /// See [`MADD`].
 const EVEX_VNNI: u8 = 2;
 
 /// `acc + Σ4 x·y` by `vpdpbusd` in the form `V` names ([`AVX_VNNI`] or
 /// [`EVEX_VNNI`]).
 #[inline(always)]
-unsafe fn vpdpbusd<const V: u8>(acc: __m256i, x: __m256i, y: __m256i) -> __m256i {
+pub(super) unsafe fn vpdpbusd<const V: u8>(acc: __m256i, x: __m256i, y: __m256i) -> __m256i {
     match V {
         EVEX_VNNI => _mm256_dpbusd_epi32(acc, x, y),
         _ => _mm256_dpbusd_avx_epi32(acc, x, y),
@@ -328,7 +328,7 @@ pub unsafe fn dot4_q4_1(row: &[u8], q: [&[BlockQ8]; 4]) -> [f32; 4] {
 
 /// Four activation bytes `4k..4k+4` of a block, broadcast to all eight lanes.
 #[inline(always)]
-unsafe fn act4(ba: &BlockQ8, at: usize) -> __m256i {
+pub(super) unsafe fn act4(ba: &BlockQ8, at: usize) -> __m256i {
     _mm256_set1_epi32((ba.qs.as_ptr().add(at) as *const i32).read_unaligned())
 }
 
@@ -491,7 +491,7 @@ unsafe fn gemm8_mxfp4<const T: usize, const VNNI: u8>(
 }
 
 #[inline(always)]
-unsafe fn store8(v: __m256) -> [f32; 8] {
+pub(super) unsafe fn store8(v: __m256) -> [f32; 8] {
     let mut out = [0f32; 8];
     _mm256_storeu_ps(out.as_mut_ptr(), v);
     out

@@ -10,6 +10,7 @@ mod avx2;
 mod avx512;
 mod kquant;
 mod kv;
+mod kx8;
 mod pack;
 
 use super::{
@@ -74,6 +75,9 @@ impl Avx2 {
             DType::Q4K => rows(Q8, q4k_dot, None),
             DType::Q5K => rows(Q8, q5k_dot, None),
             DType::Q6K => rows(Q8, q6k_dot, None),
+            DType::Q4Kx8 => group(q4kx8_gemv, q4kx8_gemm4),
+            DType::Q5Kx8 => group(q5kx8_gemv, q5kx8_gemm4),
+            DType::Q6Kx8 => group(q6kx8_gemv, q6kx8_gemm4),
         }
     }
 }
@@ -119,6 +123,9 @@ impl AvxVnni {
             DType::Q4_0x8 => group(vnni_q4_0x8_gemv, vnni_q4_0x8_gemm4),
             DType::Q4_1x8 => group(vnni_q4_1x8_gemv, vnni_q4_1x8_gemm4),
             DType::Mxfp4x8 => group(vnni_mxfp4x8_gemv, vnni_mxfp4x8_gemm4),
+            DType::Q4Kx8 => group(vnni_q4kx8_gemv, vnni_q4kx8_gemm4),
+            DType::Q5Kx8 => group(vnni_q5kx8_gemv, vnni_q5kx8_gemm4),
+            DType::Q6Kx8 => group(vnni_q6kx8_gemv, vnni_q6kx8_gemm4),
         }
     }
 }
@@ -194,7 +201,10 @@ impl Avx512 {
             | DType::Mxfp4
             | DType::Q4K
             | DType::Q5K
-            | DType::Q6K => None,
+            | DType::Q6K
+            | DType::Q4Kx8
+            | DType::Q5Kx8
+            | DType::Q6Kx8 => None,
             DType::Q8_0x8 => Some((z_q8_0x8, evex_q8_0x8_gemv, evex_q8_0x8_gemm4)),
             DType::Q4_0x8 => Some((z_q4_0x8, evex_q4_0x8_gemv, evex_q4_0x8_gemm4)),
             DType::Q4_1x8 => Some((z_q4_1x8, evex_q4_1x8_gemv, evex_q4_1x8_gemm4)),
@@ -230,7 +240,10 @@ impl Avx512 {
             | DType::Q8_0x8
             | DType::Q4_0x8
             | DType::Q4_1x8
-            | DType::Mxfp4x8 => return k,
+            | DType::Mxfp4x8
+            | DType::Q4Kx8
+            | DType::Q5Kx8
+            | DType::Q6Kx8 => return k,
         };
         TypeKernels { kv: Some(kv), ..k }
     }
@@ -274,7 +287,10 @@ impl Amx {
             | DType::Mxfp4
             | DType::Q4K
             | DType::Q5K
-            | DType::Q6K => None,
+            | DType::Q6K
+            | DType::Q4Kx8
+            | DType::Q5Kx8
+            | DType::Q6Kx8 => None,
             DType::Q8_0x8 => Some(amx_q8_0x8),
             DType::Q4_0x8 => Some(amx_q4_0x8),
             DType::Q4_1x8 => Some(amx_q4_1x8),
@@ -409,6 +425,12 @@ safe_group!(Avx2: q8_0x8_gemv, q8_0x8_gemm4, avx2::gemv8_q8_0, avx2::gemm8x4_q8_
 safe_group!(Avx2: q4_0x8_gemv, q4_0x8_gemm4, avx2::gemv8_q4_0, avx2::gemm8x4_q4_0);
 safe_group!(Avx2: q4_1x8_gemv, q4_1x8_gemm4, avx2::gemv8_q4_1, avx2::gemm8x4_q4_1);
 safe_group!(Avx2: mxfp4x8_gemv, mxfp4x8_gemm4, avx2::gemv8_mxfp4, avx2::gemm8x4_mxfp4);
+safe_group!(Avx2: q4kx8_gemv, q4kx8_gemm4, kx8::gemv8_q4k, kx8::gemm8x4_q4k);
+safe_group!(Avx2: q5kx8_gemv, q5kx8_gemm4, kx8::gemv8_q5k, kx8::gemm8x4_q5k);
+safe_group!(Avx2: q6kx8_gemv, q6kx8_gemm4, kx8::gemv8_q6k, kx8::gemm8x4_q6k);
+safe_group!(AvxVnni: vnni_q4kx8_gemv, vnni_q4kx8_gemm4, kx8::vnni_gemv8_q4k, kx8::vnni_gemm8x4_q4k);
+safe_group!(AvxVnni: vnni_q5kx8_gemv, vnni_q5kx8_gemm4, kx8::vnni_gemv8_q5k, kx8::vnni_gemm8x4_q5k);
+safe_group!(AvxVnni: vnni_q6kx8_gemv, vnni_q6kx8_gemm4, kx8::vnni_gemv8_q6k, kx8::vnni_gemm8x4_q6k);
 safe_group!(AvxVnni: vnni_q8_0x8_gemv, vnni_q8_0x8_gemm4, avx2::vnni_gemv8_q8_0, avx2::vnni_gemm8x4_q8_0);
 safe_group!(AvxVnni: vnni_q4_0x8_gemv, vnni_q4_0x8_gemm4, avx2::vnni_gemv8_q4_0, avx2::vnni_gemm8x4_q4_0);
 safe_group!(AvxVnni: vnni_q4_1x8_gemv, vnni_q4_1x8_gemm4, avx2::vnni_gemv8_q4_1, avx2::vnni_gemm8x4_q4_1);

@@ -1,0 +1,265 @@
+//! AVX2 group kernels of the interleaved super-block types (q4kx8, q5kx8,
+//! q6kx8; layout in [`crate::quant::kx8`]), bit for bit the scalar
+//! reference [`crate::kernels::scalar::gemv8_kx8`].
+//!
+//! Lane = row, as the q4_1x8 kernels of `avx2.rs`: a 32-byte run of a
+//! sub-block's nibbles is four codes of each of the eight rows (low
+//! nibbles codes `4r..4r+4`, high nibbles `16+4r..`); q5k's fifth bits and
+//! q6k's top bits come from the rows' words (one 32-byte load per sub-block,
+//! two for q6k) by one shift and mask per run. Against four activation
+//! bytes broadcast to every lane, `maddubs` + `madd` (or AVX-VNNI's
+//! `vpdpbusd`) sums each row's products in its own lane: codes are below
+//! 64, so no pair sum saturates, and the 16-bit partial sums are widened
+//! before they could (every four runs for q4k: 8 · 2 · 15 · 127 = 30480;
+//! every two for q5k: 4 · 2 · 31 · 127 = 31496; every run for q6k:
+//! 2 · 2 · 63 · 127 = 32004). The integers are exact either way.
+//!
+//! Per column the eight rows' `d` (and `dmin`) convert with one `vcvtph2ps`;
+//! per sub-block the eight rows' scales widen from one 8-byte load (q4k,
+//! q5k: the top bits from the rows' u32 words, shifted two bits per
+//! sub-block), and `s = d · f32(sc)`, `o = dmin · f32(m)` are made once for
+//! every token. Then per token, on the eight-row vector, the scalar order:
+//! `u = d_a · f32(p)`, `t = s · u − o · (d_a · f32(Σ))` (q6k: `p − 32·Σ`
+//! and `t = s · u`), `acc = acc + t`, each a separate `vmulps` / `vsubps` /
+//! `vaddps` (no fused multiply-add), so every lane is the scalar row's
+//! bits; one to four tokens share each weight load and run the same lane
+//! arithmetic, so prefill and decode agree.
+//!
+//! The whole body of each `unsafe fn` here is the unsafe operation (raw
+//! loads and AVX2 / F16C intrinsics), justified by its `# Safety` section;
+//! the public kernels check the group and activation lengths themselves.
+#![allow(unsafe_op_in_unsafe_fn)]
+
+use std::arch::x86_64::*;
+
+use super::avx2::{AVX_VNNI, MADD, act4, prefetch_ahead, store8, vpdpbusd};
+use crate::kernels::BlockQ8;
+use crate::quant::kquant::{Kind, QK, SUBS};
+use crate::quant::kx8;
+
+/// The kinds as const parameters.
+const Q4K: u8 = 0;
+/// See [`Q4K`].
+const Q5K: u8 = 1;
+/// See [`Q4K`].
+const Q6K: u8 = 2;
+
+const fn kind_of(k: u8) -> Kind {
+    match k {
+        Q4K => Kind::Q4K,
+        Q5K => Kind::Q5K,
+        _ => Kind::Q6K,
+    }
+}
+
+/// Runs of 16-bit partial sums (`maddubs` pairs) summed before widening to
+/// 32 bits, within the bound of the module docs.
+const fn widen_every(k: u8) -> usize {
+    match k {
+        Q4K => 4,
+        Q5K => 2,
+        _ => 1,
+    }
+}
+
+/// `v` shifted left by `by` bits per 32-bit lane (right for negative `by`);
+/// `by` is a constant once the run loop is unrolled.
+#[inline(always)]
+unsafe fn shift(v: __m256i, by: i32) -> __m256i {
+    match by {
+        4 => _mm256_slli_epi32::<4>(v),
+        3 => _mm256_slli_epi32::<3>(v),
+        2 => _mm256_slli_epi32::<2>(v),
+        1 => _mm256_slli_epi32::<1>(v),
+        0 => v,
+        -1 => _mm256_srli_epi32::<1>(v),
+        -2 => _mm256_srli_epi32::<2>(v),
+        _ => _mm256_srli_epi32::<3>(v),
+    }
+}
+
+/// Run `r`'s codes of one sub-block of eight rows: (codes `4r..4r+4`,
+/// codes `16+4r..16+4r+4`) of every row, a row per 32-bit lane. `e0`, `e1`
+/// are the sub-block's extra-bit words (q5k: the fifth bits; q6k: the top
+/// bits of codes 0..16 and 16..32).
+#[inline(always)]
+unsafe fn run_codes<const K: u8>(sub: *const u8, r: usize, e0: __m256i, e1: __m256i) -> (__m256i, __m256i) {
+    let raw = _mm256_loadu_si256(sub.add(32 * r) as *const __m256i);
+    let nib = _mm256_set1_epi8(0x0F);
+    let lo = _mm256_and_si256(raw, nib);
+    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), nib);
+    let r = r as i32;
+    match K {
+        // Bit r of each byte completes the low nibble, bit 4 + r the high one.
+        Q5K => {
+            let bit4 = _mm256_set1_epi8(0x10);
+            let lo5 = _mm256_and_si256(shift(e0, 4 - r), bit4);
+            let hi5 = _mm256_and_si256(shift(e0, -r), bit4);
+            (_mm256_or_si256(lo, lo5), _mm256_or_si256(hi, hi5))
+        }
+        // Bits 2r, 2r+1 of each byte are bits 4-5 of the code.
+        Q6K => {
+            let bits45 = _mm256_set1_epi8(0x30);
+            let lo6 = _mm256_and_si256(shift(e0, 4 - 2 * r), bits45);
+            let hi6 = _mm256_and_si256(shift(e1, 4 - 2 * r), bits45);
+            (_mm256_or_si256(lo, lo6), _mm256_or_si256(hi, hi6))
+        }
+        _ => (lo, hi),
+    }
+}
+
+/// `Σ c · q` of one sub-block of eight rows against each token's activation
+/// block, per lane (row), exact.
+#[inline(always)]
+unsafe fn code_sums<const T: usize, const VNNI: u8, const K: u8>(sub: *const u8, ba: [&BlockQ8; T]) -> [__m256i; T] {
+    let (e0, e1) = match K {
+        Q5K => (_mm256_loadu_si256(sub.add(128) as *const __m256i), _mm256_setzero_si256()),
+        Q6K => (_mm256_loadu_si256(sub.add(128) as *const __m256i), _mm256_loadu_si256(sub.add(160) as *const __m256i)),
+        _ => (_mm256_setzero_si256(), _mm256_setzero_si256()),
+    };
+    let ones = _mm256_set1_epi16(1);
+    let mut s32 = [_mm256_setzero_si256(); T];
+    let mut s16 = [_mm256_setzero_si256(); T];
+    for r in 0..4 {
+        let (lo, hi) = run_codes::<K>(sub, r, e0, e1);
+        for t in 0..T {
+            let (alo, ahi) = (act4(ba[t], 4 * r), act4(ba[t], 16 + 4 * r));
+            if VNNI != MADD {
+                s32[t] = vpdpbusd::<VNNI>(vpdpbusd::<VNNI>(s32[t], lo, alo), hi, ahi);
+            } else {
+                let p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, alo), _mm256_maddubs_epi16(hi, ahi));
+                s16[t] = _mm256_add_epi16(s16[t], p);
+                if (r + 1) % widen_every(K) == 0 {
+                    s32[t] = _mm256_add_epi32(s32[t], _mm256_madd_epi16(s16[t], ones));
+                    s16[t] = _mm256_setzero_si256();
+                }
+            }
+        }
+    }
+    s32
+}
+
+/// One group of `nsub` sub-blocks per row (`g`, exactly that long) against
+/// `T` tokens (`q[t]`, at least `nsub` blocks each): the eight rows' sums
+/// per token.
+#[inline(always)]
+unsafe fn gemm8<const T: usize, const VNNI: u8, const K: u8>(
+    g: *const u8,
+    nsub: usize,
+    q: [*const BlockQ8; T],
+) -> [__m256; T] {
+    let kind = kind_of(K);
+    let (hb, sb, cb) = (kx8::header_bytes(kind), kx8::sub_bytes(kind), kx8::column_bytes(kind));
+    let mut acc = [_mm256_setzero_ps(); T];
+    let (mut first, mut col) = (0, g);
+    while first < nsub {
+        let subs = (nsub - first).min(SUBS);
+        prefetch_ahead(col, hb);
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(col as *const __m128i));
+        // The rows' words of the scales' top bits, with bits 2j, 2j+1 (the
+        // scale's) moved up to bits 4-5 in `tsc` and bits 16+2j, 17+2j (the
+        // minimum's) down to 4-5 in `tm`, for j = 0; two bits lower for
+        // each next sub-block.
+        let (dmin, mut tsc, mut tm) = match K {
+            Q6K => (_mm256_setzero_ps(), _mm256_setzero_si256(), _mm256_setzero_si256()),
+            _ => {
+                let top = _mm256_loadu_si256(col.add(96) as *const __m256i);
+                let dmin = _mm256_cvtph_ps(_mm_loadu_si128(col.add(16) as *const __m128i));
+                (dmin, _mm256_slli_epi32::<4>(top), _mm256_srli_epi32::<12>(top))
+            }
+        };
+        for j in 0..subs {
+            let sub = col.add(hb + j * sb);
+            prefetch_ahead(sub, sb);
+            // The eight rows' s = d · sc and o = dmin · m of sub-block j.
+            let (s, o) = match K {
+                Q6K => {
+                    let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(col.add(16 + 8 * j) as *const __m128i));
+                    (_mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)), _mm256_setzero_ps())
+                }
+                _ => {
+                    let b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(col.add(32 + 8 * j) as *const __m128i));
+                    let bits45 = _mm256_set1_epi32(0x30);
+                    let sc =
+                        _mm256_or_si256(_mm256_and_si256(b, _mm256_set1_epi32(0x0F)), _mm256_and_si256(tsc, bits45));
+                    let m = _mm256_or_si256(_mm256_srli_epi32::<4>(b), _mm256_and_si256(tm, bits45));
+                    (tsc, tm) = (_mm256_srli_epi32::<2>(tsc), _mm256_srli_epi32::<2>(tm));
+                    (_mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)), _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m)))
+                }
+            };
+            let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q[t].add(first + j));
+            let sums = code_sums::<T, VNNI, K>(sub, ba);
+            for t in 0..T {
+                let p = match K {
+                    // Σ (c − 32)·q = Σ c·q − 32·Σq, exactly.
+                    Q6K => _mm256_sub_epi32(sums[t], _mm256_set1_epi32(32 * ba[t].sum)),
+                    _ => sums[t],
+                };
+                let u = _mm256_mul_ps(_mm256_set1_ps(ba[t].d), _mm256_cvtepi32_ps(p));
+                let term = match K {
+                    Q6K => _mm256_mul_ps(s, u),
+                    _ => _mm256_sub_ps(_mm256_mul_ps(s, u), _mm256_mul_ps(o, _mm256_set1_ps(ba[t].scaled_sum()))),
+                };
+                acc[t] = _mm256_add_ps(acc[t], term);
+            }
+        }
+        first += subs;
+        col = col.add(cb);
+    }
+    acc
+}
+
+/// Sub-blocks per row of a group of `K` of `len` bytes, checked against
+/// `qlen` activation blocks: the lengths every kernel here relies on.
+fn sub_blocks<const K: u8>(len: usize, qlen: usize) -> usize {
+    let n = kx8::row_len(kind_of(K), len).expect("whole groups of eight super-block rows");
+    assert!(qlen * QK >= n, "{:?}: {qlen} activation blocks for rows of {n}", kind_of(K));
+    n / QK
+}
+
+macro_rules! kx8_kernels {
+    ($one:ident, $four:ident, $k:ident, $vnni:ident, $features:literal) => {
+        /// # Safety
+        /// The CPU must have the target features this function enables
+        /// (the lengths are checked here).
+        #[target_feature(enable = $features)]
+        pub unsafe fn $one(group: &[u8], q: &[BlockQ8]) -> [f32; 8] {
+            let nsub = sub_blocks::<$k>(group.len(), q.len());
+            let [acc] = gemm8::<1, $vnni, $k>(group.as_ptr(), nsub, [q.as_ptr()]);
+            store8(acc)
+        }
+
+        /// # Safety
+        /// As the one-token kernel, with 1 to 4 tokens (`out` as long as `q`).
+        #[target_feature(enable = $features)]
+        pub unsafe fn $four(group: &[u8], q: &[&[BlockQ8]], out: &mut [[f32; 8]]) {
+            assert_eq!(q.len(), out.len(), "one output per token");
+            let shortest = q.iter().map(|r| r.len()).min().unwrap_or(0);
+            let nsub = sub_blocks::<$k>(group.len(), shortest);
+            let g = group.as_ptr();
+            let p = |t: usize| q[t].as_ptr();
+            let mut put = |acc: &[__m256]| {
+                for (o, a) in out.iter_mut().zip(acc) {
+                    *o = store8(*a);
+                }
+            };
+            match q.len() {
+                1 => put(&gemm8::<1, $vnni, $k>(g, nsub, [p(0)])),
+                2 => put(&gemm8::<2, $vnni, $k>(g, nsub, [p(0), p(1)])),
+                3 => put(&gemm8::<3, $vnni, $k>(g, nsub, [p(0), p(1), p(2)])),
+                4 => put(&gemm8::<4, $vnni, $k>(g, nsub, [p(0), p(1), p(2), p(3)])),
+                n => panic!("group kernels take 1 to 4 tokens, got {n}"),
+            }
+        }
+    };
+}
+
+kx8_kernels!(gemv8_q4k, gemm8x4_q4k, Q4K, MADD, "avx2,fma,f16c");
+kx8_kernels!(gemv8_q5k, gemm8x4_q5k, Q5K, MADD, "avx2,fma,f16c");
+kx8_kernels!(gemv8_q6k, gemm8x4_q6k, Q6K, MADD, "avx2,fma,f16c");
+
+// With AVX-VNNI's `vpdpbusd` for the integer sums: the same integers, so
+// the same bits.
+kx8_kernels!(vnni_gemv8_q4k, vnni_gemm8x4_q4k, Q4K, AVX_VNNI, "avx2,fma,f16c,avxvnni");
+kx8_kernels!(vnni_gemv8_q5k, vnni_gemm8x4_q5k, Q5K, AVX_VNNI, "avx2,fma,f16c,avxvnni");
+kx8_kernels!(vnni_gemv8_q6k, vnni_gemm8x4_q6k, Q6K, AVX_VNNI, "avx2,fma,f16c,avxvnni");
