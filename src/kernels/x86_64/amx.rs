@@ -85,7 +85,7 @@ impl Config {
 pub unsafe fn tiles<B: TileBlock>(groups: &[u8], q: &[BlockQ8], tokens: usize, out: &mut [f32]) {
     let nb = pack::check::<B>(groups, q, tokens, out);
     PACK.with_borrow_mut(|p| {
-        pack::pack::<B>(p, bytemuck::cast_slice(groups), nb);
+        pack::pack::<B>(p, groups, nb);
         let cfg = Config::tiles();
         asm!("ldtilecfg [{}]", in(reg) &cfg, options(nostack, readonly));
         let whole = tokens / TOKENS * TOKENS;

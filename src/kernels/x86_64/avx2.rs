@@ -63,7 +63,7 @@ pub(super) const MADD: u8 = 0;
 /// See [`MADD`].
 pub(super) const AVX_VNNI: u8 = 1;
 /// See [`MADD`].
-const EVEX_VNNI: u8 = 2;
+pub(super) const EVEX_VNNI: u8 = 2;
 
 /// `acc + Σ4 x·y` by `vpdpbusd` in the form `V` names ([`AVX_VNNI`] or
 /// [`EVEX_VNNI`]).

@@ -35,7 +35,7 @@ const TOKENS: usize = 12;
 pub unsafe fn rows16<B: TileBlock>(groups: &[u8], q: &[BlockQ8], tokens: usize, out: &mut [f32]) {
     let nb = pack::check::<B>(groups, q, tokens, out);
     PACK.with_borrow_mut(|p| {
-        pack::pack::<B>(p, bytemuck::cast_slice(groups), nb);
+        pack::pack::<B>(p, groups, nb);
         packed::<B>(p, q.as_ptr(), nb, tokens, out.as_mut_ptr());
     });
 }

@@ -32,10 +32,12 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2::{AVX_VNNI, MADD, act4, prefetch_ahead, store8, vpdpbusd};
+use super::avx2::{AVX_VNNI, EVEX_VNNI, MADD, act4, prefetch_ahead, store8, vpdpbusd};
+use super::pack::{PACKED, Packed, ROWS, TileBlock};
 use crate::kernels::BlockQ8;
-use crate::quant::kquant::{Kind, QK, SUBS};
+use crate::quant::kquant::{self, Kind, QK, SUBS};
 use crate::quant::kx8;
+use crate::quant::x8::ROWS as GROUP;
 
 /// The kinds as const parameters.
 const Q4K: u8 = 0;
@@ -139,6 +141,55 @@ unsafe fn code_sums<const T: usize, const VNNI: u8, const K: u8>(sub: *const u8,
     s32
 }
 
+/// A column's eight `d` (and `dmin`) as f32, and the rows' words of the
+/// scales' top bits, walked sub-block by sub-block.
+struct Head<const K: u8> {
+    d: __m256,
+    dmin: __m256,
+    /// Bits 2j, 2j+1 of each row's word (the scale's top bits) at bits 4-5
+    /// for the next sub-block j.
+    tsc: __m256i,
+    /// Bits 16+2j, 17+2j (the minimum's) at bits 4-5.
+    tm: __m256i,
+}
+
+impl<const K: u8> Head<K> {
+    /// The headers of the column at `col`.
+    #[inline(always)]
+    unsafe fn load(col: *const u8) -> Head<K> {
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(col as *const __m128i));
+        match K {
+            Q6K => Head { d, dmin: _mm256_setzero_ps(), tsc: _mm256_setzero_si256(), tm: _mm256_setzero_si256() },
+            _ => {
+                let top = _mm256_loadu_si256(col.add(96) as *const __m256i);
+                let dmin = _mm256_cvtph_ps(_mm_loadu_si128(col.add(16) as *const __m128i));
+                Head { d, dmin, tsc: _mm256_slli_epi32::<4>(top), tm: _mm256_srli_epi32::<12>(top) }
+            }
+        }
+    }
+
+    /// The eight rows' `s = d · sc` and `o = dmin · m` of sub-block `j`
+    /// (called for j = 0, 1, ... in order; q6k: `o` = 0).
+    #[inline(always)]
+    unsafe fn next(&mut self, col: *const u8, j: usize) -> (__m256, __m256) {
+        match K {
+            Q6K => {
+                let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(col.add(16 + 8 * j) as *const __m128i));
+                (_mm256_mul_ps(self.d, _mm256_cvtepi32_ps(sc)), _mm256_setzero_ps())
+            }
+            _ => {
+                let b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(col.add(32 + 8 * j) as *const __m128i));
+                let bits45 = _mm256_set1_epi32(0x30);
+                let sc =
+                    _mm256_or_si256(_mm256_and_si256(b, _mm256_set1_epi32(0x0F)), _mm256_and_si256(self.tsc, bits45));
+                let m = _mm256_or_si256(_mm256_srli_epi32::<4>(b), _mm256_and_si256(self.tm, bits45));
+                (self.tsc, self.tm) = (_mm256_srli_epi32::<2>(self.tsc), _mm256_srli_epi32::<2>(self.tm));
+                (_mm256_mul_ps(self.d, _mm256_cvtepi32_ps(sc)), _mm256_mul_ps(self.dmin, _mm256_cvtepi32_ps(m)))
+            }
+        }
+    }
+}
+
 /// One group of `nsub` sub-blocks per row (`g`, exactly that long) against
 /// `T` tokens (`q[t]`, at least `nsub` blocks each): the eight rows' sums
 /// per token.
@@ -155,38 +206,11 @@ unsafe fn gemm8<const T: usize, const VNNI: u8, const K: u8>(
     while first < nsub {
         let subs = (nsub - first).min(SUBS);
         prefetch_ahead(col, hb);
-        let d = _mm256_cvtph_ps(_mm_loadu_si128(col as *const __m128i));
-        // The rows' words of the scales' top bits, with bits 2j, 2j+1 (the
-        // scale's) moved up to bits 4-5 in `tsc` and bits 16+2j, 17+2j (the
-        // minimum's) down to 4-5 in `tm`, for j = 0; two bits lower for
-        // each next sub-block.
-        let (dmin, mut tsc, mut tm) = match K {
-            Q6K => (_mm256_setzero_ps(), _mm256_setzero_si256(), _mm256_setzero_si256()),
-            _ => {
-                let top = _mm256_loadu_si256(col.add(96) as *const __m256i);
-                let dmin = _mm256_cvtph_ps(_mm_loadu_si128(col.add(16) as *const __m128i));
-                (dmin, _mm256_slli_epi32::<4>(top), _mm256_srli_epi32::<12>(top))
-            }
-        };
+        let mut head = Head::<K>::load(col);
         for j in 0..subs {
             let sub = col.add(hb + j * sb);
             prefetch_ahead(sub, sb);
-            // The eight rows' s = d · sc and o = dmin · m of sub-block j.
-            let (s, o) = match K {
-                Q6K => {
-                    let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(col.add(16 + 8 * j) as *const __m128i));
-                    (_mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)), _mm256_setzero_ps())
-                }
-                _ => {
-                    let b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(col.add(32 + 8 * j) as *const __m128i));
-                    let bits45 = _mm256_set1_epi32(0x30);
-                    let sc =
-                        _mm256_or_si256(_mm256_and_si256(b, _mm256_set1_epi32(0x0F)), _mm256_and_si256(tsc, bits45));
-                    let m = _mm256_or_si256(_mm256_srli_epi32::<4>(b), _mm256_and_si256(tm, bits45));
-                    (tsc, tm) = (_mm256_srli_epi32::<2>(tsc), _mm256_srli_epi32::<2>(tm));
-                    (_mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)), _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m)))
-                }
-            };
+            let (s, o) = head.next(col, j);
             let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q[t].add(first + j));
             let sums = code_sums::<T, VNNI, K>(sub, ba);
             for t in 0..T {
@@ -263,3 +287,101 @@ kx8_kernels!(gemv8_q6k, gemm8x4_q6k, Q6K, MADD, "avx2,fma,f16c");
 kx8_kernels!(vnni_gemv8_q4k, vnni_gemm8x4_q4k, Q4K, AVX_VNNI, "avx2,fma,f16c,avxvnni");
 kx8_kernels!(vnni_gemv8_q5k, vnni_gemm8x4_q5k, Q5K, AVX_VNNI, "avx2,fma,f16c,avxvnni");
 kx8_kernels!(vnni_gemv8_q6k, vnni_gemm8x4_q6k, Q6K, AVX_VNNI, "avx2,fma,f16c,avxvnni");
+
+// With AVX-512 VNNI's EVEX `vpdpbusd` (CPUs without AVX-VNNI): the same
+// integers again.
+kx8_kernels!(evex_gemv8_q4k, evex_gemm8x4_q4k, Q4K, EVEX_VNNI, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni");
+kx8_kernels!(evex_gemv8_q5k, evex_gemm8x4_q5k, Q5K, EVEX_VNNI, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni");
+kx8_kernels!(evex_gemv8_q6k, evex_gemm8x4_q6k, Q6K, EVEX_VNNI, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni");
+
+// ------------------------------------------------------------------
+// The 16-row kernels' side (`pack.rs`, `avx512.rs`, `amx.rs`).
+
+/// The super-block types as the 16-row kernels take them: each sub-block
+/// one block column, its codes as signed bytes (q4k, q5k: `c`; q6k:
+/// `c − 32`, so the tile's `Σ w · a` is already `p − 32 · Σ`), its `s = d ·
+/// sc` and `o = dmin · m` as the column's scales and minimums.
+pub struct KTile<const K: u8>;
+/// q4kx8 for the 16-row kernels.
+pub type Q4KTile = KTile<Q4K>;
+/// q5kx8 for the 16-row kernels.
+pub type Q5KTile = KTile<Q5K>;
+/// q6kx8 for the 16-row kernels.
+pub type Q6KTile = KTile<Q6K>;
+
+impl<const K: u8> TileBlock for KTile<K> {
+    const MINS: bool = K != Q6K;
+
+    fn check(groups: &[u8], q: &[BlockQ8], tokens: usize, out: &[f32]) -> usize {
+        assert!(tokens > 0, "16-row kernels need at least one token");
+        let nb = q.len() / tokens;
+        assert_eq!(q.len(), tokens * nb, "q is not [tokens, nb]");
+        let gb = GROUP * kquant::row_bytes(kind_of(K), nb * QK).expect("whole sub-blocks");
+        let ng = groups.len() / gb;
+        assert!(
+            nb > 0 && (ng == 1 || ng == 2) && groups.len() == ng * gb,
+            "16-row kernels take one or two whole groups"
+        );
+        assert_eq!(out.len(), tokens * ROWS, "out is not [tokens, 16]");
+        nb
+    }
+
+    #[inline(always)]
+    unsafe fn pack(p: &mut Packed, groups: &[u8], nb: usize) {
+        let kind = kind_of(K);
+        let n = nb * QK;
+        let gb = GROUP * kquant::row_bytes(kind, n).expect("whole sub-blocks");
+        let ng = groups.len() / gb;
+        let (hb, sb) = (kx8::header_bytes(kind), kx8::sub_bytes(kind));
+        let zero = _mm256_setzero_si256();
+        p.reserve(nb);
+        for h in 0..ng {
+            let g = groups.as_ptr().add(h * gb);
+            for (c, (start, subs)) in kx8::columns(kind, n).enumerate() {
+                let col = g.add(start);
+                prefetch_ahead(col, hb + subs * sb);
+                let mut head = Head::<K>::load(col);
+                for j in 0..subs {
+                    let b = c * SUBS + j;
+                    let sub = col.add(hb + j * sb);
+                    let (s, o) = head.next(col, j);
+                    let at = ROWS * b + GROUP * h;
+                    _mm256_storeu_ps(p.scales.as_mut_ptr().add(at), s);
+                    _mm256_storeu_ps(p.mins.as_mut_ptr().add(at), o);
+                    let (e0, e1) = match K {
+                        Q5K => (_mm256_loadu_si256(sub.add(128) as *const __m256i), zero),
+                        Q6K => (
+                            _mm256_loadu_si256(sub.add(128) as *const __m256i),
+                            _mm256_loadu_si256(sub.add(160) as *const __m256i),
+                        ),
+                        _ => (zero, zero),
+                    };
+                    let w = p.w.as_mut_ptr().add(b * PACKED + 32 * h);
+                    let off = _mm256_set1_epi8(if K == Q6K { 32 } else { 0 });
+                    for r in 0..4 {
+                        // Run r is B rows r (codes 4r..4r+4) and 4 + r
+                        // (codes 16+4r..): four weights of each row per lane.
+                        let (lo, hi) = run_codes::<K>(sub, r, e0, e1);
+                        _mm256_storeu_si256(w.add(64 * r) as *mut __m256i, _mm256_sub_epi8(lo, off));
+                        _mm256_storeu_si256(w.add(64 * (4 + r)) as *mut __m256i, _mm256_sub_epi8(hi, off));
+                    }
+                }
+            }
+        }
+        if ng == 1 {
+            (0..nb).for_each(|b| p.zero(b, 1));
+        }
+    }
+
+    /// `acc + (s · (da · f32(isum)) − o · (da · Σa))` (q6k: `acc + s · (da ·
+    /// f32(isum))`), each operation rounded on its own, as [`gemm8`].
+    #[inline(always)]
+    unsafe fn scale_token(acc: __m512, (s, o): (__m512, __m512), ba: &BlockQ8, isum: __m512i) -> __m512 {
+        let u = _mm512_mul_ps(_mm512_set1_ps(ba.d), _mm512_cvtepi32_ps(isum));
+        let term = match K {
+            Q6K => _mm512_mul_ps(s, u),
+            _ => _mm512_sub_ps(_mm512_mul_ps(s, u), _mm512_mul_ps(o, _mm512_set1_ps(ba.scaled_sum()))),
+        };
+        _mm512_add_ps(acc, term)
+    }
+}

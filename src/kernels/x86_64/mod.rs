@@ -201,14 +201,14 @@ impl Avx512 {
             | DType::Mxfp4
             | DType::Q4K
             | DType::Q5K
-            | DType::Q6K
-            | DType::Q4Kx8
-            | DType::Q5Kx8
-            | DType::Q6Kx8 => None,
+            | DType::Q6K => None,
             DType::Q8_0x8 => Some((z_q8_0x8, evex_q8_0x8_gemv, evex_q8_0x8_gemm4)),
             DType::Q4_0x8 => Some((z_q4_0x8, evex_q4_0x8_gemv, evex_q4_0x8_gemm4)),
             DType::Q4_1x8 => Some((z_q4_1x8, evex_q4_1x8_gemv, evex_q4_1x8_gemm4)),
             DType::Mxfp4x8 => Some((z_mxfp4x8, evex_mxfp4x8_gemv, evex_mxfp4x8_gemm4)),
+            DType::Q4Kx8 => Some((z_q4kx8, evex_q4kx8_gemv, evex_q4kx8_gemm4)),
+            DType::Q5Kx8 => Some((z_q5kx8, evex_q5kx8_gemv, evex_q5kx8_gemm4)),
+            DType::Q6Kx8 => Some((z_q6kx8, evex_q6kx8_gemv, evex_q6kx8_gemm4)),
         };
         if let (Layout::Groups(g), Some((f, one, many)), true) = (&mut k.layout, vnni, self.vnni) {
             g.tile = Some(Tiles { f, min: ROWS16_MIN_TOKENS });
@@ -287,14 +287,14 @@ impl Amx {
             | DType::Mxfp4
             | DType::Q4K
             | DType::Q5K
-            | DType::Q6K
-            | DType::Q4Kx8
-            | DType::Q5Kx8
-            | DType::Q6Kx8 => None,
+            | DType::Q6K => None,
             DType::Q8_0x8 => Some(amx_q8_0x8),
             DType::Q4_0x8 => Some(amx_q4_0x8),
             DType::Q4_1x8 => Some(amx_q4_1x8),
             DType::Mxfp4x8 => Some(amx_mxfp4x8),
+            DType::Q4Kx8 => Some(amx_q4kx8),
+            DType::Q5Kx8 => Some(amx_q5kx8),
+            DType::Q6Kx8 => Some(amx_q6kx8),
         };
         if let (Layout::Groups(g), Some(f)) = (&mut k.layout, tile) {
             g.tile = Some(Tiles { f, min: AMX_MIN_TOKENS });
@@ -320,6 +320,9 @@ safe_tile!(amx_q8_0x8, crate::quant::x8::BlockQ8_0x8);
 safe_tile!(amx_q4_0x8, crate::quant::x8::BlockQ4_0x8);
 safe_tile!(amx_q4_1x8, crate::quant::x8::BlockQ4_1x8);
 safe_tile!(amx_mxfp4x8, crate::quant::x8::BlockMxfp4x8);
+safe_tile!(amx_q4kx8, kx8::Q4KTile);
+safe_tile!(amx_q5kx8, kx8::Q5KTile);
+safe_tile!(amx_q6kx8, kx8::Q6KTile);
 
 macro_rules! safe_rows16 {
     ($name:ident, $block:ty) => {
@@ -336,6 +339,9 @@ safe_rows16!(z_q8_0x8, crate::quant::x8::BlockQ8_0x8);
 safe_rows16!(z_q4_0x8, crate::quant::x8::BlockQ4_0x8);
 safe_rows16!(z_q4_1x8, crate::quant::x8::BlockQ4_1x8);
 safe_rows16!(z_mxfp4x8, crate::quant::x8::BlockMxfp4x8);
+safe_rows16!(z_q4kx8, kx8::Q4KTile);
+safe_rows16!(z_q5kx8, kx8::Q5KTile);
+safe_rows16!(z_q6kx8, kx8::Q6KTile);
 
 macro_rules! safe_wrapper {
     ($name:ident, $inner:path) => {
@@ -439,6 +445,9 @@ safe_group!(Avx512: evex_q8_0x8_gemv, evex_q8_0x8_gemm4, avx2::evex_gemv8_q8_0, 
 safe_group!(Avx512: evex_q4_0x8_gemv, evex_q4_0x8_gemm4, avx2::evex_gemv8_q4_0, avx2::evex_gemm8x4_q4_0);
 safe_group!(Avx512: evex_q4_1x8_gemv, evex_q4_1x8_gemm4, avx2::evex_gemv8_q4_1, avx2::evex_gemm8x4_q4_1);
 safe_group!(Avx512: evex_mxfp4x8_gemv, evex_mxfp4x8_gemm4, avx2::evex_gemv8_mxfp4, avx2::evex_gemm8x4_mxfp4);
+safe_group!(Avx512: evex_q4kx8_gemv, evex_q4kx8_gemm4, kx8::evex_gemv8_q4k, kx8::evex_gemm8x4_q4k);
+safe_group!(Avx512: evex_q5kx8_gemv, evex_q5kx8_gemm4, kx8::evex_gemv8_q5k, kx8::evex_gemm8x4_q5k);
+safe_group!(Avx512: evex_q6kx8_gemv, evex_q6kx8_gemm4, kx8::evex_gemv8_q6k, kx8::evex_gemm8x4_q6k);
 
 macro_rules! safe_kv {
     ($proof:ident: $dots:ident, $axpys:ident, $pv:ident, $inner_dots:path, $inner_axpys:path, $inner_pv:path) => {
@@ -478,11 +487,14 @@ mod tests {
             return;
         }
         let avx2 = Avx2::detect().expect("AVX-512 implies the AVX2 table");
-        let evex: [(DType, Gemv8Fn, Gemm8Fn); 4] = [
+        let evex: [(DType, Gemv8Fn, Gemm8Fn); 7] = [
             (DType::Q8_0x8, evex_q8_0x8_gemv, evex_q8_0x8_gemm4),
             (DType::Q4_0x8, evex_q4_0x8_gemv, evex_q4_0x8_gemm4),
             (DType::Q4_1x8, evex_q4_1x8_gemv, evex_q4_1x8_gemm4),
             (DType::Mxfp4x8, evex_mxfp4x8_gemv, evex_mxfp4x8_gemm4),
+            (DType::Q4Kx8, evex_q4kx8_gemv, evex_q4kx8_gemm4),
+            (DType::Q5Kx8, evex_q5kx8_gemv, evex_q5kx8_gemm4),
+            (DType::Q6Kx8, evex_q6kx8_gemv, evex_q6kx8_gemm4),
         ];
         for (dtype, one, many) in evex {
             let Layout::Groups(a) = avx2.kernels(dtype).layout else { panic!("{dtype} is interleaved") };

@@ -3,8 +3,9 @@
 //! eight 64-byte rows, row `k` holding weights `4k..4k+4` of each of the
 //! sixteen rows as signed bytes (the interleaved groups already hold them
 //! so, eight rows at a time; 4-bit codes are widened to bytes: q4_0 as
-//! `c − 8`, mxfp4 through its value table), with the row scales (and q4_1's
-//! minimums) as f32. That is the AMX tile unit's B layout (`amx.rs`), and
+//! `c − 8`, mxfp4 through its value table; the super-block types' 4-, 5- and
+//! 6-bit codes as `c`, `c` and `c − 32`, one block column per sub-block),
+//! with the row scales (and minimums) as f32. That is the AMX tile unit's B layout (`amx.rs`), and
 //! one 64-byte row is one 512-bit register of sixteen 32-bit lanes, one per
 //! weight row (`avx512.rs`).
 #![allow(unsafe_op_in_unsafe_fn)]
@@ -35,7 +36,7 @@ pub struct Packed {
 impl Packed {
     /// Room for `nb` block columns (kept between calls: no clearing, every
     /// byte a call reads is written by its packing).
-    fn reserve(&mut self, nb: usize) {
+    pub(super) fn reserve(&mut self, nb: usize) {
         if self.w.len() < nb * PACKED {
             self.w.resize(nb * PACKED, 0);
             self.scales.resize(nb * ROWS, 0.0);
@@ -44,7 +45,7 @@ impl Packed {
     }
 
     /// Half `h` of block column `b` as zeros (no second group).
-    fn zero(&mut self, b: usize, h: usize) {
+    pub(super) fn zero(&mut self, b: usize, h: usize) {
         for k in 0..8 {
             let at = b * PACKED + 64 * k + 32 * h;
             self.w[at..at + 32].fill(0);
@@ -90,8 +91,38 @@ unsafe fn unpack_codes(qs: &[u8; 16 * GROUP], w: *mut i8, value: impl Fn(__m256i
     }
 }
 
-/// The interleaved block types the tiles multiply.
-pub trait TileBlock: bytemuck::Pod {
+/// The interleaved types the 16-row kernels take: how a call's groups are
+/// checked and packed, and how a token's block column is scaled into its
+/// accumulator. The 32-value block types implement it through
+/// [`GroupBlock`]; the super-block types in `kx8.rs`.
+pub trait TileBlock {
+    /// Whether a block column has minimums (`mins` is read).
+    const MINS: bool;
+
+    /// Checks a 16-row kernel's arguments (one or two whole groups, `q` as
+    /// `[tokens, nb]`, `out` as `[tokens, 16]`) and returns `nb`, the block
+    /// columns (32 values) of a row.
+    fn check(groups: &[u8], q: &[BlockQ8], tokens: usize, out: &[f32]) -> usize;
+
+    /// Packs one or two whole groups (`groups`, rows of `nb` block columns)
+    /// into `p`; a missing second group packs as zeros.
+    ///
+    /// # Safety
+    /// AVX2 and F16C; `groups` passed [`TileBlock::check`] with this `nb`.
+    unsafe fn pack(p: &mut Packed, groups: &[u8], nb: usize);
+
+    /// One token's block column into its accumulator, in the operation
+    /// order of the type's 8-row kernels. `isum` is the exact `Σ w · a` of
+    /// each row (over the packed signed bytes); `scales` from
+    /// [`column_scales`].
+    ///
+    /// # Safety
+    /// AVX-512F must be available.
+    unsafe fn scale_token(acc: __m512, scales: (__m512, __m512), ba: &BlockQ8, isum: __m512i) -> __m512;
+}
+
+/// The 32-value interleaved block types: one group block per block column.
+pub trait GroupBlock: bytemuck::Pod {
     /// Whether the type adds `min · Σ activations` per block (q4_1).
     const MINS: bool;
     /// Writes this group block to `to` as signed bytes and f32 scales.
@@ -101,7 +132,39 @@ pub trait TileBlock: bytemuck::Pod {
     unsafe fn pack(&self, to: &Dest);
 }
 
-impl TileBlock for BlockQ8_0x8 {
+impl<B: GroupBlock> TileBlock for B {
+    const MINS: bool = <B as GroupBlock>::MINS;
+
+    fn check(groups: &[u8], q: &[BlockQ8], tokens: usize, out: &[f32]) -> usize {
+        assert!(tokens > 0, "16-row kernels need at least one token");
+        let nb = q.len() / tokens;
+        assert_eq!(q.len(), tokens * nb, "q is not [tokens, nb]");
+        let blocks = groups.len() / std::mem::size_of::<B>();
+        let ng = blocks / nb.max(1);
+        assert!(
+            nb > 0 && (ng == 1 || ng == 2) && blocks == ng * nb && groups.len() == blocks * std::mem::size_of::<B>(),
+            "16-row kernels take one or two whole groups"
+        );
+        assert_eq!(out.len(), tokens * ROWS, "out is not [tokens, 16]");
+        nb
+    }
+
+    #[inline(always)]
+    unsafe fn pack(p: &mut Packed, groups: &[u8], nb: usize) {
+        pack_blocks::<B>(p, bytemuck::cast_slice(groups), nb);
+    }
+
+    /// `acc + (dw · da) · isum`, then q4_1's `m · (da · Σa)`, the AVX2
+    /// group kernels' operations in their order (so the 16-row kernels give
+    /// their bits).
+    #[inline(always)]
+    unsafe fn scale_token(acc: __m512, (dw, m): (__m512, __m512), ba: &BlockQ8, isum: __m512i) -> __m512 {
+        let s = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(ba.d)), _mm512_cvtepi32_ps(isum), acc);
+        if <B as GroupBlock>::MINS { _mm512_fmadd_ps(m, _mm512_set1_ps(ba.scaled_sum()), s) } else { s }
+    }
+}
+
+impl GroupBlock for BlockQ8_0x8 {
     const MINS: bool = false;
     #[inline(always)]
     unsafe fn pack(&self, to: &Dest) {
@@ -113,7 +176,7 @@ impl TileBlock for BlockQ8_0x8 {
     }
 }
 
-impl TileBlock for BlockQ4_0x8 {
+impl GroupBlock for BlockQ4_0x8 {
     const MINS: bool = false;
     #[inline(always)]
     unsafe fn pack(&self, to: &Dest) {
@@ -124,7 +187,7 @@ impl TileBlock for BlockQ4_0x8 {
     }
 }
 
-impl TileBlock for BlockQ4_1x8 {
+impl GroupBlock for BlockQ4_1x8 {
     const MINS: bool = true;
     #[inline(always)]
     unsafe fn pack(&self, to: &Dest) {
@@ -134,7 +197,7 @@ impl TileBlock for BlockQ4_1x8 {
     }
 }
 
-impl TileBlock for BlockMxfp4x8 {
+impl GroupBlock for BlockMxfp4x8 {
     const MINS: bool = false;
     #[inline(always)]
     unsafe fn pack(&self, to: &Dest) {
@@ -152,7 +215,7 @@ impl TileBlock for BlockMxfp4x8 {
 /// # Safety
 /// AVX2 and F16C must be available.
 #[inline(always)]
-pub unsafe fn pack<B: TileBlock>(p: &mut Packed, blocks: &[B], nb: usize) {
+unsafe fn pack_blocks<B: GroupBlock>(p: &mut Packed, blocks: &[B], nb: usize) {
     let ng = blocks.len() / nb;
     p.reserve(nb);
     for (h, g) in blocks.chunks_exact(nb).enumerate() {
@@ -186,31 +249,26 @@ pub unsafe fn column_scales<B: TileBlock>(p: &Packed, b: usize) -> (__m512, __m5
     (dw, m)
 }
 
-/// One token's block column into its accumulator: `acc + (dw · da) ·
-/// isum`, then q4_1's `m · (da · Σa)`, the AVX2 group kernels' operations in
-/// their order (so the 16-row kernels give their bits). `isum` is the exact
-/// `Σ w · a` of each row; `(dw, m)` from [`column_scales`].
+/// One or two whole groups of `B` into `p` ([`TileBlock::pack`]).
+///
+/// # Safety
+/// As [`TileBlock::pack`].
+#[inline(always)]
+pub unsafe fn pack<B: TileBlock>(p: &mut Packed, groups: &[u8], nb: usize) {
+    B::pack(p, groups, nb)
+}
+
+/// One token's block column into its accumulator ([`TileBlock::scale_token`]).
 ///
 /// # Safety
 /// AVX-512F must be available.
 #[inline(always)]
-pub unsafe fn scale_token<B: TileBlock>(acc: __m512, (dw, m): (__m512, __m512), ba: &BlockQ8, isum: __m512i) -> __m512 {
-    let s = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(ba.d)), _mm512_cvtepi32_ps(isum), acc);
-    if B::MINS { _mm512_fmadd_ps(m, _mm512_set1_ps(ba.scaled_sum()), s) } else { s }
+pub unsafe fn scale_token<B: TileBlock>(acc: __m512, scales: (__m512, __m512), ba: &BlockQ8, isum: __m512i) -> __m512 {
+    B::scale_token(acc, scales, ba, isum)
 }
 
-/// Checks a 16-row kernel's arguments: `nb` block columns of one or two
-/// groups of `B`, `q` as `[tokens, nb]`, `out` as `[tokens, 16]`.
+/// Checks a 16-row kernel's arguments ([`TileBlock::check`]) and returns
+/// the block columns of a row.
 pub fn check<B: TileBlock>(groups: &[u8], q: &[BlockQ8], tokens: usize, out: &[f32]) -> usize {
-    assert!(tokens > 0, "16-row kernels need at least one token");
-    let nb = q.len() / tokens;
-    assert_eq!(q.len(), tokens * nb, "q is not [tokens, nb]");
-    let blocks = groups.len() / std::mem::size_of::<B>();
-    let ng = blocks / nb.max(1);
-    assert!(
-        nb > 0 && (ng == 1 || ng == 2) && blocks == ng * nb && groups.len() == blocks * std::mem::size_of::<B>(),
-        "16-row kernels take one or two whole groups"
-    );
-    assert_eq!(out.len(), tokens * ROWS, "out is not [tokens, 16]");
-    nb
+    B::check(groups, q, tokens, out)
 }
