@@ -34,6 +34,7 @@ Examples::
     python benches/bench.py --noisy --write-docs     # the documented run
     python benches/bench.py --models deepseek_v2_lite,gpt_oss_20b --pairs q8_0:Q8_0,q4_0:Q4_0 --threads 2
     python benches/bench.py --models deepseek_v2_lite --kv   # KV-cache bytes per token at 4k, both engines
+    python benches/bench.py --models qwen3moe --pairs q4k-mix:Q4_K_M --threads 2  # llama.cpp quantises Q4_K_M
 """
 
 from __future__ import annotations
@@ -424,10 +425,44 @@ def bytes_per_token(tensors: list[dict], shape: mm.Shape, fmt: str) -> dict:
 # ---------------------------------------------------------------- the run
 
 
+def llama_quantize(src: Path, dst: Path, qtype: str, threads: int = 2) -> None:
+    """llama.cpp's own quantiser (``llama_model_quantize``, default
+    parameters, no importance matrix) from `src` into LLAMA_FTYPE_MOSTLY_<qtype>,
+    in a child process (its buffers would otherwise count in this one)."""
+    code = (
+        "import ctypes, sys, llama_cpp\n"
+        "p = llama_cpp.llama_model_quantize_default_params()\n"
+        "p.ftype = getattr(llama_cpp, 'LLAMA_FTYPE_MOSTLY_' + sys.argv[3])\n"
+        "p.nthread = int(sys.argv[4])\n"
+        "src, dst = sys.argv[1].encode(), sys.argv[2].encode()\n"
+        "sys.exit(llama_cpp.llama_model_quantize(src, dst, ctypes.byref(p)))\n"
+    )
+    tmp = dst.with_name(dst.name + ".partial")
+    subprocess.run(
+        [sys.executable, "-c", code, str(src), str(tmp), qtype, str(threads)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    tmp.rename(dst)
+
+
 def ensure_models(shape: mm.Shape, layers: int, gguf_types: list[str], log) -> None:
-    need = [g for g in gguf_types if not mm.gguf_path(shape, layers, g).exists()]
+    """The checkpoint and every GGUF in `gguf_types`: the types make_models.py
+    writes itself (mm.GGUF_TYPES) from the checkpoint, any other (Q4_K_M,
+    Q5_K_M, Q6_K, IQ4_XS, ...) by llama.cpp's quantiser from the F16 file."""
+    direct = [g for g in gguf_types if g in mm.GGUF_TYPES]
+    quantised = [g for g in gguf_types if g not in mm.GGUF_TYPES]
+    if quantised and "F16" not in direct:
+        direct.append("F16")
+    need = [g for g in direct if not mm.gguf_path(shape, layers, g).exists()]
     if need or not (mm.hf_dir(shape, layers) / "model.safetensors").exists():
         mm.make(shape, layers, need, mm.CACHE, False, log)
+    for g in quantised:
+        dst = mm.gguf_path(shape, layers, g)
+        if not dst.exists():
+            log(f"llama.cpp quantising {shape.name} l{layers} F16 -> {g}")
+            llama_quantize(mm.gguf_path(shape, layers, "F16"), dst, g)
 
 
 def colibri_file(shape: mm.Shape, layers: int, dtype: str, log) -> Path:
@@ -466,8 +501,10 @@ def summarise(runs: list[dict], prompts: list[int]) -> dict:
 def bench(args, log) -> dict:
     import colibri
 
-    supported = colibri.supported_dtypes()
-    types = [t for t in (args.types.split(",") if args.types != "auto" else supported) if t]
+    # Single types and the named recipes (a mixed recipe is compared with
+    # whichever GGUF type --pairs names).
+    supported = colibri.supported_dtypes() + list(colibri.recipes())
+    types = [t for t in (args.types.split(",") if args.types != "auto" else colibri.supported_dtypes()) if t]
     for t in types:
         if t not in supported:
             raise SystemExit(f"colibri does not support {t} (supported: {', '.join(supported)})")
@@ -933,7 +970,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--pairs",
         default="",
-        help="explicit colibri:GGUF type pairs instead of --types, e.g. q8_0:Q8_0,q4_0:Q4_0,q4_0:MXFP4",
+        help="explicit colibri:GGUF type pairs instead of --types, e.g. q8_0:Q8_0,q4_0:MXFP4,q4k-mix:Q4_K_M "
+        "(GGUF types make_models.py does not write are quantised by llama.cpp from F16)",
     )
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--prompts", default="64,512", help="prefill prompt lengths")

@@ -439,9 +439,15 @@ def _expert_bpw(engine: colibri.Engine) -> float:
 
 
 def quality_rows(
-    reference: Path, texts: dict[str, list[list[int]]], calib, work: Path, threads: int
+    reference: Path,
+    texts: dict[str, list[list[int]]],
+    calib,
+    work: Path,
+    threads: int,
+    types: list[str] | None = None,
 ) -> list[dict]:
-    """Each type of QUALITY_TYPES and recipe of QUALITY_RECIPES, without and
+    """Each type of QUALITY_TYPES and recipe of QUALITY_RECIPES (or of `types`:
+    single types, recipe names or ``class=type,...`` specs), without and
     with an importance matrix calibrated on `calib` (text, or token ids run
     in windows of 256), against `reference`'s logits on `texts`. KV caches
     in f32, so only the weights differ (as scripts/llamacpp_quants.py runs
@@ -455,7 +461,7 @@ def quality_rows(
         ref.calibrate(imatrix, token_ids=calib, window=256, force=True, progress=False)
     del ref
     rows = []
-    for dtype in QUALITY_TYPES + QUALITY_RECIPES:
+    for dtype in types or QUALITY_TYPES + QUALITY_RECIPES:
         for im in (None, imatrix):
             out = work / "quality.colibri"
             colibri.convert(reference, out, dtype=dtype, imatrix=im, force=True, progress=False)
@@ -475,7 +481,14 @@ def quality_rows(
     return rows
 
 
-def run_quality(threads: int, austen: str | None, bench: bool, scratch: Path) -> dict[str, list[dict]]:
+def run_quality(
+    threads: int,
+    austen: str | None,
+    bench: bool,
+    scratch: Path,
+    types: list[str] | None = None,
+    demo: bool = True,
+) -> dict[str, list[dict]]:
     """The demo model (own prose, Austen held-out with --austen; calibrated
     on colibri's default calibration text) and, with `bench`, the 1-layer
     heavy-tailed Qwen3-30B-A3B-width model of scripts/llamacpp_quants.py
@@ -486,13 +499,14 @@ def run_quality(threads: int, austen: str | None, bench: bool, scratch: Path) ->
     out = {}
     work = scratch / "quality"
     work.mkdir(parents=True, exist_ok=True)
-    ref = colibri.Engine(DEMO, threads=threads)
-    texts = {"own prose": windows(ref.tokenize("\n".join(PROSE) + "\n"), 128)}
-    if austen:
-        held = austen_heldout(austen, work / "austen")
-        texts["Austen held-out"] = [w for _, t in held for w in windows(ref.tokenize(t), 256)[:2]]
-    del ref
-    out["demo"] = quality_rows(DEMO, texts, None, work, threads)
+    if demo:
+        ref = colibri.Engine(DEMO, threads=threads)
+        texts = {"own prose": windows(ref.tokenize("\n".join(PROSE) + "\n"), 128)}
+        if austen:
+            held = austen_heldout(austen, work / "austen")
+            texts["Austen held-out"] = [w for _, t in held for w in windows(ref.tokenize(t), 256)[:2]]
+        del ref
+        out["demo"] = quality_rows(DEMO, texts, None, work, threads, types)
     if bench:
         args = argparse.Namespace(
             layers=1, outlier_columns=4, outlier_low=8.0, outlier_high=16.0, scratch=scratch
@@ -501,7 +515,7 @@ def run_quality(threads: int, austen: str | None, bench: bool, scratch: Path) ->
         vocab = colibri.Engine(path, threads=1).vocab_size
         texts = {"random ids": lq.random_sequences(vocab, 4, 256, seed=0)}
         calib = [i for s in lq.random_sequences(vocab, 8, 256, seed=1) for i in s]
-        out[path.parent.name] = quality_rows(path, texts, calib, work, threads)
+        out[path.parent.name] = quality_rows(path, texts, calib, work, threads, types)
     return out
 
 
@@ -544,11 +558,18 @@ def main() -> None:
         "Qwen3-30B-A3B-width model of scripts/llamacpp_quants.py",
     )
     ap.add_argument("--bench", action="store_true", help="with --quality: the bench model too")
+    ap.add_argument("--no-demo", action="store_true", help="with --quality --bench: the bench model only")
+    ap.add_argument(
+        "--types",
+        help="with --quality: ';'-separated types, recipe names or class=type,... specs "
+        "instead of the default list",
+    )
     ap.add_argument("--scratch", default=str(ROOT / ".cache" / "accuracy"), help="big transient files")
     ap.add_argument("--json", metavar="FILE", help="also write the raw sums as JSON")
     args = ap.parse_args()
     if args.quality:
-        res = run_quality(args.threads, args.austen, args.bench, Path(args.scratch))
+        types = [t for t in args.types.split(";") if t] if args.types else None
+        res = run_quality(args.threads, args.austen, args.bench, Path(args.scratch), types, not args.no_demo)
         print_quality(res)
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=1))

@@ -5,16 +5,20 @@
 //! commas, with `default=type` for the classes not named
 //! (`experts=q4_1,experts_down=q8_0,default=q8_0`). The classes are those of
 //! [`TensorClass`]: `embed`, `lm_head`, `attn`, `ffn`, `shared`, `experts`
-//! (routed gate and up) and `experts_down`. Norms, biases and the router are
-//! f32 whatever the recipe. A class the recipe leaves out keeps the source's
-//! own type. A tied embedding is also the output head and takes `lm_head`'s
-//! type.
+//! (routed gate and up), `experts_down`, and `tied` (an embedding that is
+//! also the output head). Norms, biases and the router are f32 whatever the
+//! recipe. A class the recipe leaves out keeps the source's own type, but
+//! `tied`, which takes `lm_head`'s type (named or default) unless named.
 //!
 //! Mixed recipes follow what quantisation studies of MoE models report: the
 //! routed experts hold nearly all the bytes and tolerate 4 bits; attention,
 //! shared experts, the output head and the embedding are a small share of
-//! the bytes and are read by every token, so they get 8; the experts' down
-//! projections are the most sensitive of the expert matrices.
+//! the bytes and are read by every token, so they get 6 or 8 bits (the K
+//! mixes keep an untied output head at q6k: on a model whose vocabulary is
+//! a large share of the weights, q8_0 there would cost more bits than
+//! llama.cpp's Q4_K_M spends in all; a tied embedding, whose error enters at
+//! both ends, gets q8_0); the experts' down projections are the most
+//! sensitive of the expert matrices.
 
 use crate::error::{Error, Result};
 use crate::model::tensors::TensorClass;
@@ -24,16 +28,16 @@ use crate::quant::DType;
 pub const PRESETS: &[(&str, &str, &str)] = &[
     (
         "q4k-mix",
-        "experts=q4k,experts_down=q5k,embed=q4k,lm_head=q8_0,default=q6k",
-        "routed experts q4k with their down projections q5k, attention and shared experts q6k, \
-         the output head q8_0 (a tied embedding is the output head); 4.92 bits per weight on \
-         Qwen3-30B-A3B's shapes, about llama.cpp Q4_K_M's size",
+        "experts=q4k,experts_down=q5k,embed=q4k,lm_head=q6k,tied=q8_0,default=q6k",
+        "routed experts q4k with their down projections q5k, attention, shared experts and the \
+         output head q6k, a tied embedding q8_0; 4.90 bits per weight on Qwen3-30B-A3B's \
+         shapes, about llama.cpp Q4_K_M's size",
     ),
     (
         "q5k-mix",
-        "experts=q5k,experts_down=q6k,embed=q5k,lm_head=q8_0,default=q6k",
-        "routed experts q5k with their down projections q6k, attention and shared experts q6k, \
-         the output head q8_0; 5.82 bits per weight on Qwen3-30B-A3B's shapes",
+        "experts=q5k,experts_down=q6k,embed=q5k,lm_head=q6k,tied=q8_0,default=q6k",
+        "routed experts q5k with their down projections q6k, attention, shared experts and the \
+         output head q6k, a tied embedding q8_0; 5.80 bits per weight on Qwen3-30B-A3B's shapes",
     ),
     (
         "q4_1-mix",
@@ -120,12 +124,17 @@ impl Recipe {
         for t in &mut types {
             *t = t.or(default);
         }
+        // A tied embedding not named is the output head: its type.
+        let (tied, head) = (class_index(TensorClass::Tied), class_index(TensorClass::LmHead));
+        if !seen.contains(&"tied") {
+            types[tied] = types[head];
+        }
         Ok(Recipe { name: spec.to_string(), types })
     }
 
     /// The type of a class (`None`: keep the source's).
     pub fn dtype(&self, class: TensorClass) -> Option<DType> {
-        self.types[TensorClass::ALL.iter().position(|c| *c == class).expect("every class is in ALL")]
+        self.types[class_index(class)]
     }
 
     /// The type the file records as its weight type: the routed experts'
@@ -138,6 +147,10 @@ impl Recipe {
     pub fn is_uniform(&self) -> bool {
         self.types.iter().all(|t| *t == self.types[0])
     }
+}
+
+fn class_index(class: TensorClass) -> usize {
+    TensorClass::ALL.iter().position(|c| *c == class).expect("every class is in ALL")
 }
 
 fn class_names() -> String {
@@ -162,6 +175,13 @@ mod tests {
         assert_eq!(r.dtype(TensorClass::ExpertGateUp), Some(DType::Q4_0));
         assert_eq!(r.dtype(TensorClass::Attention), Some(DType::Bf16));
         assert_eq!(r.dtype(TensorClass::LmHead), None, "not named, no default: the source's own");
+        assert_eq!(r.dtype(TensorClass::Tied), None, "the output head's");
+        let r = Recipe::parse("experts=q4k,lm_head=q6k").unwrap();
+        assert_eq!(r.dtype(TensorClass::Tied), Some(DType::Q6K), "a tied embedding is the output head");
+        let r = Recipe::parse("experts=q4k,default=q5k").unwrap();
+        assert_eq!(r.dtype(TensorClass::Tied), Some(DType::Q5K), "the output head's default");
+        let r = Recipe::parse("q4k-mix").unwrap();
+        assert_eq!((r.dtype(TensorClass::LmHead), r.dtype(TensorClass::Tied)), (Some(DType::Q6K), Some(DType::Q8_0)));
         for (name, _, _) in PRESETS {
             assert!(Recipe::parse(name).is_ok(), "{name}");
         }

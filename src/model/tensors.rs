@@ -190,6 +190,8 @@ pub enum TensorClass {
     Embed,
     /// The output head.
     LmHead,
+    /// An embedding tied to the output head: one matrix read as both.
+    Tied,
     /// Attention projections (q, k, v, o and MLA's factors).
     Attention,
     /// Dense MLPs (layers without experts).
@@ -204,9 +206,10 @@ pub enum TensorClass {
 
 impl TensorClass {
     /// Every class, in the order `colibri info` lists them.
-    pub const ALL: [TensorClass; 7] = [
+    pub const ALL: [TensorClass; 8] = [
         TensorClass::Embed,
         TensorClass::LmHead,
+        TensorClass::Tied,
         TensorClass::Attention,
         TensorClass::Ffn,
         TensorClass::Shared,
@@ -219,6 +222,7 @@ impl TensorClass {
         match self {
             TensorClass::Embed => "embed",
             TensorClass::LmHead => "lm_head",
+            TensorClass::Tied => "tied",
             TensorClass::Attention => "attn",
             TensorClass::Ffn => "ffn",
             TensorClass::Shared => "shared",
@@ -233,10 +237,12 @@ impl TensorId {
     /// `tied` to the output head or not (`None` for norms, biases, the
     /// router and other small tensors, which are always f32). A tied
     /// embedding is the output head too, and the most sensitive matrix of
-    /// the model as that: it takes the output head's class.
+    /// the model as that, its error entering at both ends: it has its own
+    /// class, `tied`, which recipes give the output head's type unless they
+    /// name it.
     pub fn class_in(&self, tied: bool) -> Option<TensorClass> {
         match self {
-            TensorId::Embed if tied => Some(TensorClass::LmHead),
+            TensorId::Embed if tied => Some(TensorClass::Tied),
             _ => self.class(),
         }
     }
