@@ -1,7 +1,8 @@
 //! Single-thread speed of each kernel on an L2-resident matrix:
-//! `cargo run --release --example kernel_speed -- [TOKENS] [DTYPE]` (default 1:
-//! decode; prefill-like counts such as 64 exercise the tiles). Reports ns
-//! per 32 weights and token, and multiply-adds per second.
+//! `cargo run --release --example kernel_speed -- [TOKENS] [DTYPE] [ROWS]` (default 1:
+//! decode; prefill-like counts such as 64 exercise the tiles; ROWS default 256,
+//! e.g. 65536 for a matrix far past the caches, as decode reads it). Reports
+//! ns per 32 weights and token, and multiply-adds per second.
 
 use std::time::Instant;
 
@@ -9,10 +10,11 @@ use colibri::kernels::{BlockQ8, Input, Matrix, matmul_serial};
 use colibri::quant::{self, DType};
 
 fn main() {
-    let (rows, cols) = (256, 2048);
+    let rows: usize = std::env::args().nth(3).and_then(|s| s.parse().ok()).unwrap_or(256);
+    let cols = 2048;
     let n: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(1);
     eprintln!("kernels: {}, {n} token(s)", colibri::kernels::isa());
-    let vals: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.05).collect();
+    let vals: Vec<f32> = (0..rows.min(256) * cols).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.05).collect();
     let x: Vec<f32> = (0..n * cols).map(|i| (i * 31 % 100) as f32 / 50.0 - 1.0).collect();
     let only = std::env::args().nth(2);
     for dtype in
@@ -21,12 +23,19 @@ fn main() {
         let nbytes = dtype.row_bytes(cols).unwrap() * rows;
         let mut buf = vec![0u64; nbytes.div_ceil(8)];
         let bytes = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut buf)[..nbytes];
-        quant::encode(dtype, &vals, cols, bytes);
+        // A tall matrix repeats one encoded 256-row tile (the speed does
+        // not depend on the values, and the super-block quantisers would take
+        // minutes over a quarter of a billion of them).
+        let tile = dtype.row_bytes(cols).unwrap() * rows.min(256);
+        quant::encode(dtype, &vals[..rows.min(256) * cols], cols, &mut bytes[..tile]);
+        for at in (tile..nbytes).step_by(tile) {
+            bytes.copy_within(..tile.min(nbytes - at), at);
+        }
         let m = Matrix::new(dtype, rows, cols, bytes).unwrap();
         let mut q = vec![BlockQ8::default(); n * cols / 32];
         let inp = Input::prepare(&x, cols, dtype.is_quantized(), &mut q);
         let mut y = vec![0f32; n * rows];
-        let reps = (400 / n).max(4);
+        let reps = (400 * 256 / rows / n).max(4);
         let mut best = f64::MAX;
         for _ in 0..5 {
             let t = Instant::now();
