@@ -1,4 +1,4 @@
-//! Single-thread speed of each kernel on an L2-resident matrix:
+//! Single-thread speed of each kernel on a matrix (L2-resident by default):
 //! `cargo run --release --example kernel_speed -- [TOKENS] [DTYPE] [ROWS]` (default 1:
 //! decode; prefill-like counts such as 64 exercise the tiles; ROWS default 256,
 //! e.g. 65536 for a matrix far past the caches, as decode reads it). Reports
@@ -14,7 +14,11 @@ fn main() {
     let cols = 2048;
     let n: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(1);
     eprintln!("kernels: {}, {n} token(s)", colibri::kernels::isa());
-    let vals: Vec<f32> = (0..rows.min(256) * cols).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.05).collect();
+    // A tall matrix repeats one encoded tile of up to 256 rows (the speed
+    // does not depend on the values, and the super-block quantisers would
+    // take minutes over a quarter of a billion of them).
+    let tile_rows = rows.min(256);
+    let vals: Vec<f32> = (0..tile_rows * cols).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.05).collect();
     let x: Vec<f32> = (0..n * cols).map(|i| (i * 31 % 100) as f32 / 50.0 - 1.0).collect();
     let only = std::env::args().nth(2);
     for dtype in
@@ -23,11 +27,8 @@ fn main() {
         let nbytes = dtype.row_bytes(cols).unwrap() * rows;
         let mut buf = vec![0u64; nbytes.div_ceil(8)];
         let bytes = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut buf)[..nbytes];
-        // A tall matrix repeats one encoded 256-row tile (the speed does
-        // not depend on the values, and the super-block quantisers would take
-        // minutes over a quarter of a billion of them).
-        let tile = dtype.row_bytes(cols).unwrap() * rows.min(256);
-        quant::encode(dtype, &vals[..rows.min(256) * cols], cols, &mut bytes[..tile]);
+        let tile = dtype.row_bytes(cols).unwrap() * tile_rows;
+        quant::encode(dtype, &vals, cols, &mut bytes[..tile]);
         for at in (tile..nbytes).step_by(tile) {
             bytes.copy_within(..tile.min(nbytes - at), at);
         }

@@ -121,12 +121,14 @@ impl Recipe {
         if seen.is_empty() {
             return Err(Error::InvalidInput("empty recipe".into()));
         }
+        // A tied embedding not named is the output head: its type, the
+        // default included.
+        let (tied, head) = (class_index(TensorClass::Tied), class_index(TensorClass::LmHead));
+        let tied_named = types[tied].is_some();
         for t in &mut types {
             *t = t.or(default);
         }
-        // A tied embedding not named is the output head: its type.
-        let (tied, head) = (class_index(TensorClass::Tied), class_index(TensorClass::LmHead));
-        if !seen.contains(&"tied") {
+        if !tied_named {
             types[tied] = types[head];
         }
         Ok(Recipe { name: spec.to_string(), types })

@@ -33,7 +33,7 @@
 use std::arch::x86_64::*;
 
 use super::avx2::{AVX_VNNI, EVEX_VNNI, MADD, act4, prefetch_ahead, store8, vpdpbusd};
-use super::pack::{PACKED, Packed, ROWS, TileBlock};
+use super::pack::{self, PACKED, Packed, ROWS, TileBlock};
 use crate::kernels::BlockQ8;
 use crate::quant::kquant::{self, Kind, QK, SUBS};
 use crate::quant::kx8;
@@ -110,15 +110,23 @@ unsafe fn run_codes<const K: u8>(sub: *const u8, r: usize, e0: __m256i, e1: __m2
     }
 }
 
+/// The extra-bit words [`run_codes`] takes of the sub-block at `sub`: q5k's
+/// fifth bits; q6k's top bits of codes 0..16 and 16..32; zeros for q4k.
+#[inline(always)]
+unsafe fn extra_words<const K: u8>(sub: *const u8) -> (__m256i, __m256i) {
+    let word = |at: usize| _mm256_loadu_si256(sub.add(at) as *const __m256i);
+    match K {
+        Q5K => (word(128), _mm256_setzero_si256()),
+        Q6K => (word(128), word(160)),
+        _ => (_mm256_setzero_si256(), _mm256_setzero_si256()),
+    }
+}
+
 /// `Σ c · q` of one sub-block of eight rows against each token's activation
 /// block, per lane (row), exact.
 #[inline(always)]
 unsafe fn code_sums<const T: usize, const VNNI: u8, const K: u8>(sub: *const u8, ba: [&BlockQ8; T]) -> [__m256i; T] {
-    let (e0, e1) = match K {
-        Q5K => (_mm256_loadu_si256(sub.add(128) as *const __m256i), _mm256_setzero_si256()),
-        Q6K => (_mm256_loadu_si256(sub.add(128) as *const __m256i), _mm256_loadu_si256(sub.add(160) as *const __m256i)),
-        _ => (_mm256_setzero_si256(), _mm256_setzero_si256()),
-    };
+    let (e0, e1) = extra_words::<K>(sub);
     let ones = _mm256_set1_epi16(1);
     let mut s32 = [_mm256_setzero_si256(); T];
     let mut s16 = [_mm256_setzero_si256(); T];
@@ -309,31 +317,25 @@ pub type Q5KTile = KTile<Q5K>;
 /// q6kx8 for the 16-row kernels.
 pub type Q6KTile = KTile<Q6K>;
 
+/// Bytes of one group of eight rows of `nb` sub-blocks.
+fn group_bytes<const K: u8>(nb: usize) -> usize {
+    GROUP * kquant::row_bytes(kind_of(K), nb * QK).expect("whole sub-blocks")
+}
+
 impl<const K: u8> TileBlock for KTile<K> {
     const MINS: bool = K != Q6K;
 
     fn check(groups: &[u8], q: &[BlockQ8], tokens: usize, out: &[f32]) -> usize {
-        assert!(tokens > 0, "16-row kernels need at least one token");
-        let nb = q.len() / tokens;
-        assert_eq!(q.len(), tokens * nb, "q is not [tokens, nb]");
-        let gb = GROUP * kquant::row_bytes(kind_of(K), nb * QK).expect("whole sub-blocks");
-        let ng = groups.len() / gb;
-        assert!(
-            nb > 0 && (ng == 1 || ng == 2) && groups.len() == ng * gb,
-            "16-row kernels take one or two whole groups"
-        );
-        assert_eq!(out.len(), tokens * ROWS, "out is not [tokens, 16]");
-        nb
+        pack::check_groups(groups, q, tokens, out, group_bytes::<K>)
     }
 
     #[inline(always)]
     unsafe fn pack(p: &mut Packed, groups: &[u8], nb: usize) {
         let kind = kind_of(K);
         let n = nb * QK;
-        let gb = GROUP * kquant::row_bytes(kind, n).expect("whole sub-blocks");
+        let gb = group_bytes::<K>(nb);
         let ng = groups.len() / gb;
         let (hb, sb) = (kx8::header_bytes(kind), kx8::sub_bytes(kind));
-        let zero = _mm256_setzero_si256();
         p.reserve(nb);
         for h in 0..ng {
             let g = groups.as_ptr().add(h * gb);
@@ -348,14 +350,7 @@ impl<const K: u8> TileBlock for KTile<K> {
                     let at = ROWS * b + GROUP * h;
                     _mm256_storeu_ps(p.scales.as_mut_ptr().add(at), s);
                     _mm256_storeu_ps(p.mins.as_mut_ptr().add(at), o);
-                    let (e0, e1) = match K {
-                        Q5K => (_mm256_loadu_si256(sub.add(128) as *const __m256i), zero),
-                        Q6K => (
-                            _mm256_loadu_si256(sub.add(128) as *const __m256i),
-                            _mm256_loadu_si256(sub.add(160) as *const __m256i),
-                        ),
-                        _ => (zero, zero),
-                    };
+                    let (e0, e1) = extra_words::<K>(sub);
                     let w = p.w.as_mut_ptr().add(b * PACKED + 32 * h);
                     let off = _mm256_set1_epi8(if K == Q6K { 32 } else { 0 });
                     for r in 0..4 {

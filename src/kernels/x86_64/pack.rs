@@ -5,9 +5,9 @@
 //! so, eight rows at a time; 4-bit codes are widened to bytes: q4_0 as
 //! `c − 8`, mxfp4 through its value table; the super-block types' 4-, 5- and
 //! 6-bit codes as `c`, `c` and `c − 32`, one block column per sub-block),
-//! with the row scales (and minimums) as f32. That is the AMX tile unit's B layout (`amx.rs`), and
-//! one 64-byte row is one 512-bit register of sixteen 32-bit lanes, one per
-//! weight row (`avx512.rs`).
+//! with the row scales (and minimums) as f32. That is the AMX tile unit's B
+//! layout (`amx.rs`), and one 64-byte row is one 512-bit register of sixteen
+//! 32-bit lanes, one per weight row (`avx512.rs`).
 #![allow(unsafe_op_in_unsafe_fn)]
 
 use std::arch::x86_64::*;
@@ -136,17 +136,7 @@ impl<B: GroupBlock> TileBlock for B {
     const MINS: bool = <B as GroupBlock>::MINS;
 
     fn check(groups: &[u8], q: &[BlockQ8], tokens: usize, out: &[f32]) -> usize {
-        assert!(tokens > 0, "16-row kernels need at least one token");
-        let nb = q.len() / tokens;
-        assert_eq!(q.len(), tokens * nb, "q is not [tokens, nb]");
-        let blocks = groups.len() / std::mem::size_of::<B>();
-        let ng = blocks / nb.max(1);
-        assert!(
-            nb > 0 && (ng == 1 || ng == 2) && blocks == ng * nb && groups.len() == blocks * std::mem::size_of::<B>(),
-            "16-row kernels take one or two whole groups"
-        );
-        assert_eq!(out.len(), tokens * ROWS, "out is not [tokens, 16]");
-        nb
+        check_groups(groups, q, tokens, out, |nb| nb * std::mem::size_of::<B>())
     }
 
     #[inline(always)]
@@ -265,6 +255,26 @@ pub unsafe fn pack<B: TileBlock>(p: &mut Packed, groups: &[u8], nb: usize) {
 #[inline(always)]
 pub unsafe fn scale_token<B: TileBlock>(acc: __m512, scales: (__m512, __m512), ba: &BlockQ8, isum: __m512i) -> __m512 {
     B::scale_token(acc, scales, ba, isum)
+}
+
+/// [`TileBlock::check`] for a type whose group of eight rows of `nb` block
+/// columns takes `group_bytes(nb)` bytes: `q` is `[tokens, nb]` with `nb >
+/// 0`, `groups` one or two whole groups, `out` `[tokens, 16]`.
+pub fn check_groups(
+    groups: &[u8],
+    q: &[BlockQ8],
+    tokens: usize,
+    out: &[f32],
+    group_bytes: impl FnOnce(usize) -> usize,
+) -> usize {
+    assert!(tokens > 0, "16-row kernels need at least one token");
+    let nb = q.len() / tokens;
+    assert_eq!(q.len(), tokens * nb, "q is not [tokens, nb]");
+    let gb = if nb > 0 { group_bytes(nb) } else { 0 };
+    let ng = groups.len().checked_div(gb).unwrap_or(0);
+    assert!((ng == 1 || ng == 2) && groups.len() == ng * gb, "16-row kernels take one or two whole groups");
+    assert_eq!(out.len(), tokens * ROWS, "out is not [tokens, 16]");
+    nb
 }
 
 /// Checks a 16-row kernel's arguments ([`TileBlock::check`]) and returns
