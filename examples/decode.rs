@@ -52,10 +52,10 @@ fn main() {
         engine.run(&mut s, &prompt, Capture::default(), &never).unwrap();
         let prefill = t.elapsed();
         let t = Instant::now();
-        let mut next = colibri::engine::sampling::argmax(&s.logits);
+        let mut next = colibri::engine::sampling::argmax(&s.seq.logits);
         for _ in 0..tokens {
             engine.run(&mut s, &[next], Capture::default(), &never).unwrap();
-            next = colibri::engine::sampling::argmax(&s.logits);
+            next = colibri::engine::sampling::argmax(&s.seq.logits);
         }
         let decode = t.elapsed();
         println!(

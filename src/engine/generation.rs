@@ -119,7 +119,7 @@ impl Generation {
         }
         let sampler = Sampler::new(opts.sampling.clone(), model.config.vocab_size, prompt)?;
         let session = engine.session(prompt.len().saturating_add(opts.max_new_tokens).min(ctx));
-        check_tokens(model, &session, prompt)?;
+        check_tokens(model, &session.seq, prompt)?;
         Ok(Generation {
             engine: engine.clone(),
             session,
@@ -158,7 +158,7 @@ impl Generation {
             self.broken = true;
             return Err(e);
         }
-        let tok = self.sampler.sample(&self.session.logits);
+        let tok = self.sampler.sample(&self.session.seq.logits);
         self.sampler.accept(tok);
         self.tokens.push(tok);
         let spent = start.elapsed();
@@ -170,7 +170,7 @@ impl Generation {
         self.timings.generated_tokens = self.tokens.len();
         if self.stop_ids.contains(&tok) {
             self.finish = Some(FinishReason::Stop);
-        } else if self.tokens.len() >= self.max_new_tokens || self.session.pos + 1 >= self.session.max_seq {
+        } else if self.tokens.len() >= self.max_new_tokens || self.session.seq.pos + 1 >= self.session.seq.max_seq {
             // The last condition: prompt plus output now fill the session (at
             // most the context), so there is no room to run this token.
             self.finish = Some(FinishReason::Length);

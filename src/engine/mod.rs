@@ -104,7 +104,7 @@ impl Engine {
     pub fn logits(&self, ids: &[u32], interrupted: &dyn Fn() -> bool) -> Result<Vec<f32>> {
         self.check_len(ids.len())?;
         let mut s = self.session(ids.len());
-        crate::model::forward::check_tokens(&self.model, &s, ids)?;
+        crate::model::forward::check_tokens(&self.model, &s.seq, ids)?;
         let mut out = vec![0.0; ids.len() * self.model.config.vocab_size];
         self.run(&mut s, ids, Capture { logits: Some(&mut out), hidden: None }, interrupted)?;
         Ok(out)
@@ -114,7 +114,7 @@ impl Engine {
     pub fn hidden_states(&self, ids: &[u32], interrupted: &dyn Fn() -> bool) -> Result<Vec<f32>> {
         self.check_len(ids.len())?;
         let mut s = self.session(ids.len());
-        crate::model::forward::check_tokens(&self.model, &s, ids)?;
+        crate::model::forward::check_tokens(&self.model, &s.seq, ids)?;
         let c = &self.model.config;
         let mut out = vec![0.0; (c.num_layers() + 1) * ids.len() * c.hidden_size];
         self.run(&mut s, ids, Capture { logits: None, hidden: Some(&mut out) }, interrupted)?;

@@ -34,10 +34,10 @@ fn prefill_then_decode_equals_one_full_forward() {
         let v = e.model().config.vocab_size;
         let mut s = e.session(toks.len());
         e.run(&mut s, &toks[..11], Capture::default(), &never).unwrap();
-        assert_eq!(s.logits, full[10 * v..11 * v], "{dt}: prefill's last row");
+        assert_eq!(s.seq.logits, full[10 * v..11 * v], "{dt}: prefill's last row");
         for (i, &t) in toks.iter().enumerate().skip(11) {
             e.run(&mut s, &[t], Capture::default(), &never).unwrap();
-            assert_eq!(s.logits, full[i * v..(i + 1) * v], "{dt}: decode at position {i}");
+            assert_eq!(s.seq.logits, full[i * v..(i + 1) * v], "{dt}: decode at position {i}");
         }
     }
 }
@@ -275,7 +275,7 @@ fn an_f16_kv_cache_is_exact_across_feeding_and_threads_and_close_to_f32() {
     let mut s = f16_kv.session(toks.len());
     for (i, &t) in toks.iter().enumerate() {
         f16_kv.run(&mut s, &[t], Capture::default(), &never).unwrap();
-        assert_eq!(s.logits, got[i * v..(i + 1) * v], "decode at position {i}");
+        assert_eq!(s.seq.logits, got[i * v..(i + 1) * v], "decode at position {i}");
     }
     // f16 keeps 11 bits of mantissa: relative error ~5e-4 per cached value.
     let range = want.iter().fold(0f32, |m, x| m.max(x.abs()));
@@ -286,4 +286,56 @@ fn an_f16_kv_cache_is_exact_across_feeding_and_threads_and_close_to_f32() {
     write_random_model(&q, &config_for(DType::Q8_0), DType::Q8_0, 9);
     let e = Engine::open(&q, &EngineOptions::default()).unwrap();
     assert_eq!(e.kv_dtype(), DType::F16);
+}
+
+#[test]
+fn a_batch_of_sequences_gives_each_the_bits_it_gets_alone() {
+    use crate::model::forward::{Segment, forward_batch};
+    use session::{Sequence, Workspace};
+    let frontier = crate::synth::frontier_config();
+    let cases =
+        DType::ALL.map(|dt| (dt, config_for(dt))).into_iter().chain(DType::ALL.map(|dt| (dt, frontier.clone())));
+    for (dt, cfg) in cases {
+        let (_d, e) = engine_with(&cfg, dt, 2);
+        let m = e.model();
+        let v = m.config.vocab_size;
+        // Four sequences of their own tokens, each alone in one pass.
+        let streams: Vec<Vec<u32>> =
+            (0..4u32).map(|k| (0..24u32).map(|i| (i * 31 + k * 17 + 5) % 53).collect()).collect();
+        let alone: Vec<Vec<f32>> = streams.iter().map(|t| e.logits(t, &never).unwrap()).collect();
+        let mut seqs: Vec<Sequence> = (0..4).map(|_| Sequence::new(m, 24, e.kv_dtype())).collect();
+        let mut ws = Workspace::new(m, 12, 4);
+        // Steps of (tokens per sequence, logits wanted): prompts of unequal
+        // lengths fed over several passes beside sequences that decode.
+        let steps: [[(usize, bool); 4]; 6] = [
+            [(1, true), (5, true), (6, false), (0, false)],
+            [(1, true), (1, true), (3, true), (7, false)],
+            [(1, true), (1, true), (1, true), (6, true)],
+            [(4, true), (1, true), (1, true), (1, true)],
+            [(1, true), (1, true), (1, true), (1, true)],
+            [(2, true), (3, true), (1, false), (1, true)],
+        ];
+        for (step, plan) in steps.iter().enumerate() {
+            let mut segs: Vec<Segment> = Vec::new();
+            for ((seq, stream), &(n, logits)) in seqs.iter_mut().zip(&streams).zip(plan) {
+                if n > 0 {
+                    let p = seq.pos;
+                    segs.push(Segment { seq, tokens: &stream[p..p + n], end: p + n, logits });
+                }
+            }
+            forward_batch(m, &mut ws, &mut segs, None).unwrap();
+            for (k, (seq, &(n, logits))) in seqs.iter().zip(plan).enumerate() {
+                if n > 0 && logits {
+                    let row = seq.pos - 1;
+                    assert_eq!(seq.logits, alone[k][row * v..(row + 1) * v], "{dt}: step {step}, sequence {k}");
+                }
+            }
+        }
+        // A batch larger than the workspace is refused, not run.
+        let mut big = Sequence::new(m, 24, e.kv_dtype());
+        let toks = ids(13);
+        let err =
+            forward_batch(m, &mut ws, &mut [Segment { seq: &mut big, tokens: &toks, end: 13, logits: true }], None);
+        assert!(matches!(err, Err(Error::InvalidInput(_))), "{dt}: {err:?}");
+    }
 }

@@ -20,13 +20,13 @@ use super::blocks::ffn::{Mlp, MlpScratch, add_bias, gated_mlp};
 use super::blocks::moe::{MoeBlock, MoeLayer, moe_block, predict};
 use super::blocks::norm::{norm_rows, rmsnorm_rows_inplace};
 use super::config::{Activation, QkNorm};
-use super::session::{HeadScratch, Session};
+use super::session::{HeadScratch, Sequence, Session, Workspace};
 use super::{FfnRefs, LayerRefs, MlaQuery, MlpRefs, Model, NormRefs, QkvRefs};
 use crate::error::{Error, Result};
 use crate::kernels::{Input, Matrix, matmul, matmul_many, matmul_serial, observe_unmultiplied};
 
 /// Optional outputs beyond the last token's logits (always left in
-/// `Session::logits`).
+/// `Sequence::logits`).
 #[derive(Default)]
 pub struct Capture<'a> {
     /// [T, V]: logits of every token of the call.
@@ -36,8 +36,8 @@ pub struct Capture<'a> {
     pub hidden: Option<&'a mut [f32]>,
 }
 
-/// Checks that `tokens` can be appended to the session.
-pub fn check_tokens(model: &Model, s: &Session, tokens: &[u32]) -> Result<()> {
+/// Checks that `tokens` can be appended to the sequence.
+pub fn check_tokens(model: &Model, s: &Sequence, tokens: &[u32]) -> Result<()> {
     let v = model.config.vocab_size;
     if tokens.is_empty() {
         return Err(Error::InvalidInput("empty token sequence: give at least one token id".into()));
@@ -69,36 +69,87 @@ pub fn forward(
     pool: Option<&rayon::ThreadPool>,
     interrupted: &dyn Fn() -> bool,
 ) -> Result<()> {
-    check_tokens(model, s, tokens)?;
+    check_tokens(model, &s.seq, tokens)?;
     let total = tokens.len();
+    let end = s.seq.pos + total;
     let mut done = 0;
     while done < total {
         if interrupted() {
             return Err(Error::Interrupted);
         }
-        let n = (total - done).min(s.chunk);
-        let chunk = &tokens[done..done + n];
+        let n = (total - done).min(s.ws.chunk);
+        let seg = Segment { seq: &mut s.seq, tokens: &tokens[done..done + n], end, logits: done + n == total };
+        let ws = &mut s.ws;
+        let mut segs = [seg];
         match pool {
-            Some(p) => p.install(|| forward_chunk(model, s, chunk, done, total, &mut cap))?,
-            None => forward_chunk(model, s, chunk, done, total, &mut cap)?,
+            Some(p) => p.install(|| forward_chunk(model, ws, &mut segs, done, total, &mut cap))?,
+            None => forward_chunk(model, ws, &mut segs, done, total, &mut cap)?,
         }
         done += n;
     }
     Ok(())
 }
 
-/// One chunk of `n <= C` tokens at positions `s.pos..s.pos+n`; `off` is the
-/// chunk's index within the call's `total` tokens (for the captures).
+/// Some tokens of one sequence in a batched pass.
+pub struct Segment<'a> {
+    /// The sequence they continue (at its `pos`).
+    pub seq: &'a mut Sequence,
+    /// The tokens, in order.
+    pub tokens: &'a [u32],
+    /// Where the run of tokens these belong to ends (a prompt fed over several
+    /// passes ends where the prompt does): LongRoPE's sequence length.
+    pub end: usize,
+    /// Leave the logits of the last token in `seq.logits`.
+    pub logits: bool,
+}
+
+/// One pass over the tokens of several sequences at once: every weight is
+/// read once for all of them and each routed expert once for all the tokens
+/// routed to it, while each sequence attends only to its own cache. Each
+/// row's numbers are those it would get alone (the kernels give every row
+/// the same bits whatever the rows beside it), so batching never changes a
+/// token. At most `ws.chunk` tokens and `ws.heads` logit rows in all; the
+/// tokens are checked as [`forward`] checks them.
+pub fn forward_batch(
+    model: &Model,
+    ws: &mut Workspace,
+    segs: &mut [Segment],
+    pool: Option<&rayon::ThreadPool>,
+) -> Result<()> {
+    let n: usize = segs.iter().map(|g| g.tokens.len()).sum();
+    let heads = segs.iter().filter(|g| g.logits).count();
+    if n > ws.chunk || heads > ws.heads {
+        return Err(Error::InvalidInput(format!(
+            "a batch of {n} tokens and {heads} logit rows does not fit a workspace of {} and {}",
+            ws.chunk, ws.heads
+        )));
+    }
+    for g in segs.iter() {
+        check_tokens(model, g.seq, g.tokens)?;
+    }
+    let mut cap = Capture::default();
+    match pool {
+        Some(p) => p.install(|| forward_chunk(model, ws, segs, 0, n, &mut cap)),
+        None => forward_chunk(model, ws, segs, 0, n, &mut cap),
+    }
+}
+
+/// One chunk of `n <= C` tokens: each segment's tokens at its positions
+/// `seq.pos..`, their rows one after another. `off` is the chunk's index
+/// within the call's `total` tokens (for the captures, which only a single
+/// segment takes).
 fn forward_chunk(
     model: &Model,
-    s: &mut Session,
-    tokens: &[u32],
+    s: &mut Workspace,
+    segs: &mut [Segment],
     off: usize,
     total: usize,
     cap: &mut Capture,
 ) -> Result<()> {
     let c = &model.config;
-    let (n, d) = (tokens.len(), c.hidden_size);
+    let d = c.hidden_size;
+    let n: usize = segs.iter().map(|g| g.tokens.len()).sum();
+    debug_assert!(segs.len() == 1 || (cap.logits.is_none() && cap.hidden.is_none()));
     let snap = |hidden: &mut Option<&mut [f32]>, slot: usize, x: &[f32]| {
         if let Some(h) = hidden.as_deref_mut() {
             let at = (slot * total + off) * d;
@@ -106,12 +157,12 @@ fn forward_chunk(
         }
     };
 
-    embed(model, s, tokens); // x: [T, D]
+    embed(model, s, segs); // x: [T, D]
     snap(&mut cap.hidden, 0, &s.x);
-    rope_angles(model, s, n, s.pos - off + total);
+    rope_angles(model, s, segs);
     for (l, lw) in model.layers.iter().enumerate() {
         norm(model, lw.attn_norm, &s.x[..n * d], &mut s.xn[..n * d]);
-        attention(model, l, s, n); // proj: [T, D]
+        attention(model, l, s, segs, n); // proj: [T, D]
         residual(&mut s.x[..n * d], &s.proj[..n * d], c.scales.residual);
         prefetch_next_layer(model, l, s, n);
         norm(model, lw.ffn_norm, &s.x[..n * d], &mut s.xn[..n * d]);
@@ -123,18 +174,29 @@ fn forward_chunk(
     }
     norm(model, model.final_norm, &s.x[..n * d], &mut s.xn[..n * d]);
     snap(&mut cap.hidden, c.num_layers(), &s.xn);
-    lm_head(model, s, n, off, total, cap);
-    s.pos += n;
+    lm_head(model, s, segs, n, off, cap);
+    for g in segs.iter_mut() {
+        g.seq.pos += g.tokens.len();
+    }
     model.telemetry.tokens.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
     Ok(())
 }
 
+/// Each segment's first row and its row count, in order.
+fn rows<'a>(segs: &'a [Segment]) -> impl Iterator<Item = (usize, usize)> + 'a {
+    segs.iter().scan(0, |r0, g| {
+        let at = *r0;
+        *r0 += g.tokens.len();
+        Some((at, g.tokens.len()))
+    })
+}
+
 /// `x[t] = embedding[token t] · s_emb`.
-fn embed(model: &Model, s: &mut Session, tokens: &[u32]) {
+fn embed(model: &Model, s: &mut Workspace, segs: &[Segment]) {
     let d = model.config.hidden_size;
     let table = model.mat(model.embed);
     let scale = model.config.scales.embedding;
-    for (t, &tok) in tokens.iter().enumerate() {
+    for (t, &tok) in segs.iter().flat_map(|g| g.tokens).enumerate() {
         let row = &mut s.x[t * d..(t + 1) * d];
         table.decode_row(tok as usize, row); // [D]
         if scale != 1.0 {
@@ -143,14 +205,17 @@ fn embed(model: &Model, s: &mut Session, tokens: &[u32]) {
     }
 }
 
-/// RoPE cosines and sines of this chunk's positions: `[T, R/2]` each.
-/// `seq_len` is where the whole call's sequence ends (LongRoPE's switch, as
+/// RoPE cosines and sines of this chunk's positions: `[T, R/2]` each. Each
+/// segment's `end` is where its run of tokens ends (LongRoPE's switch, as
 /// transformers decides it per call).
-fn rope_angles(model: &Model, s: &mut Session, n: usize, seq_len: usize) {
+fn rope_angles(model: &Model, s: &mut Workspace, segs: &[Segment]) {
     let half = model.config.rope.rotary_dim / 2;
-    for t in 0..n {
-        let (cs, sn) = (&mut s.cos[t * half..(t + 1) * half], &mut s.sin[t * half..(t + 1) * half]);
-        model.rope.angles(s.pos + t, seq_len, cs, sn);
+    for ((r0, m), g) in rows(segs).zip(segs) {
+        for i in 0..m {
+            let t = r0 + i;
+            let (cs, sn) = (&mut s.cos[t * half..(t + 1) * half], &mut s.sin[t * half..(t + 1) * half]);
+            model.rope.angles(g.seq.pos + i, g.end, cs, sn);
+        }
     }
 }
 
@@ -170,28 +235,32 @@ fn residual(x: &mut [f32], y: &[f32], scale: f32) {
 
 /// `proj = W_o · attend(q, cache)`: projects this chunk's queries, keys and
 /// values from `xn`, appends the keys and values to the cache, attends.
-fn attention(model: &Model, l: usize, s: &mut Session, n: usize) {
+fn attention(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n: usize) {
     let c = &model.config;
     let lw = &model.layers[l];
-    let (d, h, dh, pos0) = (c.hidden_size, c.num_heads, c.head_dim, s.pos);
+    let (d, h, dh) = (c.hidden_size, c.num_heads, c.head_dim);
     let window = c.layers[l].sliding_window;
     let sinks = model.opt_vec(lw.sinks);
     let ad = c.att_dim();
     // Over the q/k head width Dh (MLA: nope + rope, not the latent's width).
     let scale = c.attention.softmax_scale.unwrap_or(1.0 / (dh as f32).sqrt());
+    let spans: Vec<(usize, usize)> = rows(segs).collect();
     match lw.qkv {
         QkvRefs::Gqa { wq, wk, wv } => {
             let (qd, kvd) = (c.q_dim(), c.kv_dim());
             gqa_qkv(model, lw, [wq, wk, wv], s, n); // q: [T, H·Dh], k, v: [T, Hkv·Dh]
-            s.kv.store(l, pos0, &s.k[..n * kvd], &s.v[..n * kvd]);
             let heads = Heads { h, hkv: c.num_kv_heads, dk: dh, dv: dh, window, scale, sinks };
-            attend(&s.q[..n * qd], s.kv.view(l, pos0 + n), pos0, heads, &mut s.att_order, &mut s.att[..n * ad]); // [T, H·Dh]
+            for (g, &(r0, m)) in segs.iter_mut().zip(&spans) {
+                let (r, pos0) = (r0..r0 + m, g.seq.pos);
+                g.seq.kv.store(l, pos0, &s.k[r.start * kvd..r.end * kvd], &s.v[r.start * kvd..r.end * kvd]);
+                let (q, att) = (&s.q[r.start * qd..r.end * qd], &mut s.att[r.start * ad..r.end * ad]);
+                attend(q, g.seq.kv.view(l, pos0 + m), pos0, heads, &mut s.att_order, att); // [m, H·Dh]
+            }
         }
         QkvRefs::Mla { q, wkv_a, kv_a_norm, wk_b, wv_b } => {
             let m = *c.mla().expect("MLA weights imply an MLA config");
             let (r, dr) = (m.kv_lora_rank, m.qk_rope_dim);
             mla_latent(model, q, wkv_a, kv_a_norm, s, n); // q: [T, H·Dh], k: [T, R + Dr]
-            s.kv.store(l, pos0, &s.k[..n * (r + dr)], &[]);
             // Absorbed queries: q_abs[t, h] = [W_UK_hᵀ · q_nope[t, h], q_pe[t, h]]   [T, H·(R + Dr)]
             let quantize = s.quantize;
             per_head_matmul(
@@ -209,8 +278,14 @@ fn attention(model: &Model, l: usize, s: &mut Session, n: usize) {
             }
             // One latent "kv head" shared by all heads; the values are the latent.
             let heads = Heads { h, hkv: 1, dk: r + dr, dv: r, window, scale, sinks };
-            let o_lat = &mut s.mla.o_lat[..n * h * r];
-            attend(&s.mla.q_abs[..n * h * (r + dr)], s.kv.view(l, pos0 + n), pos0, heads, &mut s.att_order, o_lat); // [T, H·R]
+            let (qw, ow) = (h * (r + dr), h * r);
+            for (g, &(r0, t)) in segs.iter_mut().zip(&spans) {
+                let pos0 = g.seq.pos;
+                g.seq.kv.store(l, pos0, &s.k[r0 * (r + dr)..(r0 + t) * (r + dr)], &[]);
+                let qa = &s.mla.q_abs[r0 * qw..(r0 + t) * qw];
+                let o_lat = &mut s.mla.o_lat[r0 * ow..(r0 + t) * ow];
+                attend(qa, g.seq.kv.view(l, pos0 + t), pos0, heads, &mut s.att_order, o_lat); // [t, H·R]
+            }
             // att[t, h] = W_UV_h · o_lat[t, h]   [T, H·Dv]
             let o_lat = &s.mla.o_lat[..n * h * r];
             per_head_matmul(&model.mat(wv_b), h, o_lat, r, &mut s.att, m.v_head_dim, quantize, &mut s.mla.heads);
@@ -224,7 +299,7 @@ fn attention(model: &Model, l: usize, s: &mut Session, n: usize) {
 }
 
 /// GQA projections: q, k, v from `xn` (+ bias, q/k norm, clip, RoPE).
-fn gqa_qkv(model: &Model, lw: &LayerRefs, [wq, wk, wv]: [super::TensorRef; 3], s: &mut Session, n: usize) {
+fn gqa_qkv(model: &Model, lw: &LayerRefs, [wq, wk, wv]: [super::TensorRef; 3], s: &mut Workspace, n: usize) {
     let c = &model.config;
     let (d, qd, kvd, dh, half) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.head_dim, c.rope.rotary_dim / 2);
     let (q, k, v) = (&mut s.q[..n * qd], &mut s.k[..n * kvd], &mut s.v[..n * kvd]);
@@ -264,7 +339,7 @@ fn mla_latent(
     q: MlaQuery,
     wkv_a: super::TensorRef,
     kv_a_norm: super::TensorRef,
-    s: &mut Session,
+    s: &mut Workspace,
     n: usize,
 ) {
     let c = &model.config;
@@ -341,7 +416,7 @@ fn per_head_matmul(
 /// this residual, normed as the next layer will norm its own, and queue the
 /// experts it picks for background reads while this layer's FFN and the next
 /// attention compute. Only the store's reads change; no number does.
-fn prefetch_next_layer(model: &Model, l: usize, s: &mut Session, n: usize) {
+fn prefetch_next_layer(model: &Model, l: usize, s: &mut Workspace, n: usize) {
     if !model.experts.wants_prefetch() {
         return;
     }
@@ -371,7 +446,7 @@ fn moe_layer<'a>(model: &'a Model, l: usize, lw: &LayerRefs) -> Option<MoeLayer<
 
 /// `proj = ffn(xn)`: the dense MLP, or the MoE block (router, routed
 /// experts, shared expert).
-fn ffn_or_moe(model: &Model, l: usize, s: &mut Session, n: usize) -> Result<()> {
+fn ffn_or_moe(model: &Model, l: usize, s: &mut Workspace, n: usize) -> Result<()> {
     let lw = &model.layers[l];
     let d = model.config.hidden_size;
     let proj = &mut s.proj[..n * d];
@@ -394,9 +469,10 @@ fn ffn_or_moe(model: &Model, l: usize, s: &mut Session, n: usize) -> Result<()> 
     }
 }
 
-/// `logits = lm_head · xn (+ bias) / s_logits` for the last token, or for
-/// every token when captured.
-fn lm_head(model: &Model, s: &mut Session, n: usize, off: usize, total: usize, cap: &mut Capture) {
+/// `logits = lm_head · xn (+ bias) / s_logits` for the last token of each
+/// segment that asks, into its sequence; for every token when captured (one
+/// segment).
+fn lm_head(model: &Model, s: &mut Workspace, segs: &mut [Segment], n: usize, off: usize, cap: &mut Capture) {
     let c = &model.config;
     let (d, vocab) = (c.hidden_size, c.vocab_size);
     let head = model.mat(model.lm_head);
@@ -413,19 +489,31 @@ fn lm_head(model: &Model, s: &mut Session, n: usize, off: usize, total: usize, c
         let y = &mut all[off * vocab..(off + n) * vocab];
         matmul(&head, &Input::prepare(xn, d, s.quantize, &mut s.xq), y); // [T, V]
         finish(y);
-        if off + n == total {
-            s.logits.copy_from_slice(&y[(n - 1) * vocab..n * vocab]);
+        for g in segs.iter_mut().filter(|g| g.logits) {
+            g.seq.logits.copy_from_slice(&y[(n - 1) * vocab..n * vocab]);
         }
-    } else {
-        // The rows whose logits nobody asked for are still the head's input
-        // to a calibration (a no-op otherwise).
-        let last = if off + n == total { n - 1 } else { n };
-        observe_unmultiplied(&head, &Input::plain(&xn[..last * d], d));
-        if off + n == total {
-            let inp = Input::prepare(&xn[(n - 1) * d..n * d], d, s.quantize, &mut s.xq);
-            matmul(&head, &inp, &mut s.logits); // [V]
-            finish(&mut s.logits);
+        return;
+    }
+    // The rows whose logits nobody asked for are still the head's input to
+    // a calibration (a no-op otherwise); the others are gathered, [S, D].
+    let mut wanted = 0;
+    for (g, (r0, m)) in segs.iter().zip(rows(segs)) {
+        let plain = if g.logits { m - 1 } else { m };
+        observe_unmultiplied(&head, &Input::plain(&xn[r0 * d..(r0 + plain) * d], d));
+        if g.logits {
+            let last = r0 + m - 1;
+            s.head_x[wanted * d..(wanted + 1) * d].copy_from_slice(&xn[last * d..(last + 1) * d]);
+            wanted += 1;
         }
+    }
+    if wanted == 0 {
+        return;
+    }
+    let y = &mut s.head_y[..wanted * vocab];
+    matmul(&head, &Input::prepare(&s.head_x[..wanted * d], d, s.quantize, &mut s.xq), y); // [S, V]
+    for (row, g) in y.chunks_exact_mut(vocab).zip(segs.iter_mut().filter(|g| g.logits)) {
+        finish(row);
+        g.seq.logits.copy_from_slice(row);
     }
 }
 

@@ -52,16 +52,45 @@ impl KvCacheType {
 /// 514 -> 714 on AMX tiles, going from 128-token passes to 512).
 pub const DEFAULT_CHUNK: usize = 512;
 
-/// KV cache plus workspace for one sequence.
-pub struct Session {
-    /// Longest sequence this session holds (KV cache rows).
+/// One sequence's own state: its KV cache, its position and the logits of
+/// its last token. A [`Workspace`] holds everything a forward pass only needs
+/// while it runs, so many sequences can share one (see
+/// [`crate::model::forward::forward_batch`]).
+pub struct Sequence {
+    /// Longest sequence this holds (KV cache rows).
     pub max_seq: usize,
-    /// C: most tokens one forward chunk processes.
-    pub chunk: usize,
     /// Tokens already in the cache (the next token's position).
     pub pos: usize,
     /// Keys and values of every layer and position.
     pub kv: KvCache,
+    /// [V] logits of the last token processed.
+    pub logits: Vec<f32>,
+}
+
+impl Sequence {
+    /// A sequence of up to `max_seq` tokens (capped at the model's context)
+    /// with a KV cache of `kv_dtype` (f32 or f16).
+    pub fn new(model: &Model, max_seq: usize, kv_dtype: DType) -> Sequence {
+        let c = &model.config;
+        let max_seq = max_seq.clamp(1, c.max_seq_len);
+        let (k_width, v_width) = c.kv_widths();
+        Sequence {
+            max_seq,
+            pos: 0,
+            kv: KvCache::new(kv_dtype, c.num_layers(), max_seq, k_width, v_width),
+            logits: vec![0.0; c.vocab_size],
+        }
+    }
+}
+
+/// Activation buffers of the forward pass, sized once for up to C tokens
+/// (of one sequence or several) and S sequences' logits per pass, so the
+/// forward pass never allocates.
+pub struct Workspace {
+    /// C: most tokens one forward chunk processes.
+    pub chunk: usize,
+    /// S: most sequences one forward chunk asks logits of.
+    pub heads: usize,
     /// [C, D] residual stream.
     pub x: Vec<f32>,
     /// [C, D] normed residual.
@@ -98,25 +127,21 @@ pub struct Session {
     pub sin: Vec<f32>,
     /// MoE scratch.
     pub moe: MoeScratch,
-    /// [V] logits of the last token processed.
-    pub logits: Vec<f32>,
+    /// [S, D] the normed last rows whose logits are wanted.
+    pub head_x: Vec<f32>,
+    /// [S, V] their logits.
+    pub head_y: Vec<f32>,
 }
 
-impl Session {
-    /// Allocates a session for sequences up to `max_seq` tokens (capped at the
-    /// model's context), processing at most `chunk` tokens per pass, with the
-    /// model's default KV cache type ([`KvCacheType::Auto`]).
-    pub fn new(model: &Model, max_seq: usize, chunk: usize) -> Session {
-        Session::with_kv(model, max_seq, chunk, KvCacheType::Auto.resolve(model))
-    }
-
-    /// As [`Session::new`], with the KV cache's element type (f32 or f16) given.
-    pub fn with_kv(model: &Model, max_seq: usize, chunk: usize, kv_dtype: DType) -> Session {
+impl Workspace {
+    /// Buffers for passes of up to `chunk` tokens asking the logits of up to
+    /// `heads` sequences.
+    pub fn new(model: &Model, chunk: usize, heads: usize) -> Workspace {
         let c = &model.config;
-        let max_seq = max_seq.clamp(1, c.max_seq_len);
-        let chunk = chunk.clamp(1, max_seq);
-        let (d, l, kv) = (c.hidden_size, c.num_layers(), c.kv_dim());
-        let (k_width, v_width) = c.kv_widths();
+        let chunk = chunk.max(1);
+        let heads = heads.clamp(1, chunk);
+        let (d, kv) = (c.hidden_size, c.kv_dim());
+        let (k_width, _) = c.kv_widths();
         let mut fmax = 1;
         for layer in &c.layers {
             if let FfnSpec::Dense { ffn_dim } = layer.ffn {
@@ -133,11 +158,9 @@ impl Session {
             None => (1, 1, 1),
         };
         let half = c.rope.rotary_dim / 2;
-        Session {
-            max_seq,
+        Workspace {
             chunk,
-            pos: 0,
-            kv: KvCache::new(kv_dtype, l, max_seq, k_width, v_width),
+            heads,
             x: vec![0.0; chunk * d],
             xn: vec![0.0; chunk * d],
             q: vec![0.0; chunk * c.q_dim()],
@@ -156,13 +179,53 @@ impl Session {
             cos: vec![0.0; chunk * half],
             sin: vec![0.0; chunk * half],
             moe: MoeScratch::new(chunk, e, k, d, fe),
-            logits: vec![0.0; c.vocab_size],
+            head_x: vec![0.0; heads * d],
+            head_y: vec![0.0; heads * c.vocab_size],
         }
+    }
+}
+
+/// One sequence with a workspace of its own: what a single caller runs.
+pub struct Session {
+    /// The sequence (KV cache, position, last logits).
+    pub seq: Sequence,
+    /// Its activation buffers.
+    pub ws: Workspace,
+}
+
+impl Session {
+    /// Allocates a session for sequences up to `max_seq` tokens (capped at the
+    /// model's context), processing at most `chunk` tokens per pass, with the
+    /// model's default KV cache type ([`KvCacheType::Auto`]).
+    pub fn new(model: &Model, max_seq: usize, chunk: usize) -> Session {
+        Session::with_kv(model, max_seq, chunk, KvCacheType::Auto.resolve(model))
+    }
+
+    /// As [`Session::new`], with the KV cache's element type (f32 or f16) given.
+    pub fn with_kv(model: &Model, max_seq: usize, chunk: usize, kv_dtype: DType) -> Session {
+        let seq = Sequence::new(model, max_seq, kv_dtype);
+        let ws = Workspace::new(model, chunk.clamp(1, seq.max_seq), 1);
+        Session { seq, ws }
+    }
+
+    /// Tokens already in the cache.
+    pub fn pos(&self) -> usize {
+        self.seq.pos
+    }
+
+    /// Longest sequence this session holds.
+    pub fn max_seq(&self) -> usize {
+        self.seq.max_seq
+    }
+
+    /// [V] logits of the last token processed.
+    pub fn logits(&self) -> &[f32] {
+        &self.seq.logits
     }
 
     /// Forgets the sequence (keeps the buffers).
     pub fn reset(&mut self) {
-        self.pos = 0;
+        self.seq.pos = 0;
     }
 }
 

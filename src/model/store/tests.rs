@@ -52,10 +52,10 @@ fn run(model: &Model, pool: &rayon::ThreadPool, prompt: &[u32], steps: usize, ch
     forward(model, &mut s, prompt, Capture { logits: Some(&mut all), hidden: None }, Some(pool), &never)?;
     let (mut tokens, mut decode) = (Vec::new(), Vec::new());
     for _ in 0..steps {
-        let next = argmax(&s.logits);
+        let next = argmax(&s.seq.logits);
         tokens.push(next);
         forward(model, &mut s, &[next], Capture::default(), Some(pool), &never)?;
-        decode.push(bits(&s.logits));
+        decode.push(bits(&s.seq.logits));
     }
     Ok(Run { logits: bits(&all), tokens, decode })
 }
