@@ -84,6 +84,33 @@ pub enum Error {
     /// The caller interrupted a long operation (Ctrl-C).
     #[error("interrupted")]
     Interrupted,
+
+    /// A scheduler's queue is full: try again later.
+    #[error("{0}")]
+    Busy(String),
+}
+
+impl Clone for Error {
+    /// An equal error; an OS error keeps its kind and message (the OS code
+    /// itself cannot be cloned).
+    fn clone(&self) -> Self {
+        let io = |e: &std::io::Error| std::io::Error::new(e.kind(), e.to_string());
+        match self {
+            Error::Format { path, msg } => Error::Format { path: path.clone(), msg: msg.clone() },
+            Error::Unsupported(m) => Error::Unsupported(m.clone()),
+            Error::Checkpoint { path, msg } => Error::Checkpoint { path: path.clone(), msg: msg.clone() },
+            Error::InvalidInput(m) => Error::InvalidInput(m.clone()),
+            Error::ContextOverflow(m) => Error::ContextOverflow(m.clone()),
+            Error::OutputExists(p) => Error::OutputExists(p.clone()),
+            Error::NotFound(p) => Error::NotFound(p.clone()),
+            Error::Io { path, source } => Error::Io { path: path.clone(), source: io(source) },
+            Error::ExpertRead { path, layer, expert, source } => {
+                Error::ExpertRead { path: path.clone(), layer: *layer, expert: *expert, source: io(source) }
+            }
+            Error::Interrupted => Error::Interrupted,
+            Error::Busy(m) => Error::Busy(m.clone()),
+        }
+    }
 }
 
 impl Error {

@@ -5,6 +5,7 @@
 //! the weights and the pool, which is how a [`Generation`] outlives the call
 //! that started it.
 
+pub mod batch;
 pub mod generation;
 pub mod sampling;
 pub use crate::model::session;
@@ -19,6 +20,7 @@ use crate::error::{Error, Result};
 use crate::model::Model;
 use crate::model::forward::{Capture, forward};
 use crate::quant::DType;
+pub use batch::{BatchOptions, BatchStats, Scheduler, Ticket};
 pub use generation::{FinishReason, GenerateOptions, Generation, Timings};
 pub use sampling::SamplingParams;
 use session::{DEFAULT_CHUNK, Session};

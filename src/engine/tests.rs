@@ -339,3 +339,97 @@ fn a_batch_of_sequences_gives_each_the_bits_it_gets_alone() {
         assert!(matches!(err, Err(Error::InvalidInput(_))), "{dt}: {err:?}");
     }
 }
+
+fn collect(t: &mut Ticket) -> Vec<u32> {
+    let mut out = Vec::new();
+    while let Some(tok) = t.next_token(&never).unwrap() {
+        out.push(tok);
+    }
+    out
+}
+
+#[test]
+fn batched_generations_give_the_tokens_each_gives_alone() {
+    let frontier = crate::synth::frontier_config();
+    let cases = [DType::F32, DType::Q8_0, DType::Q4K]
+        .map(|dt| (dt, config_for(dt)))
+        .into_iter()
+        .chain([(DType::Q4_0, frontier)]);
+    for (dt, cfg) in cases {
+        let (_d, e) = engine_with(&cfg, dt, 2);
+        // A small step budget, so prompts are fed in pieces beside decoders.
+        let sched = Scheduler::new(&e, BatchOptions { max_batch: 4, step_tokens: 8, max_queue: 0 }).unwrap();
+        let prompts: Vec<Vec<u32>> =
+            (0..8u32).map(|k| (0..1 + 3 * k).map(|i| (i * 29 + k * 7 + 3) % 53).collect()).collect();
+        let opts = |k: usize| GenerateOptions {
+            max_new_tokens: 6 + k,
+            sampling: if k.is_multiple_of(2) {
+                SamplingParams::default()
+            } else {
+                SamplingParams { temperature: 0.8, top_p: 0.9, seed: k as u64, ..SamplingParams::default() }
+            },
+            stop_ids: Vec::new(),
+        };
+        let alone: Vec<Vec<u32>> =
+            prompts.iter().enumerate().map(|(k, p)| e.generate(p, &opts(k), &never, &mut |_| true).unwrap()).collect();
+        let mut tickets: Vec<Ticket> =
+            prompts.iter().enumerate().map(|(k, p)| sched.submit(p, &opts(k)).unwrap()).collect();
+        for (k, t) in tickets.iter_mut().enumerate() {
+            assert_eq!(collect(t), alone[k], "{dt}: request {k}");
+            assert_eq!(t.finish_reason(), Some(FinishReason::Length));
+            assert_eq!(t.timings().generated_tokens, 6 + k);
+        }
+        let st = sched.stats();
+        assert!(st.step_sequences[2..].iter().sum::<u64>() > 0, "{dt}: no step ran two decoders: {st:?}");
+        assert_eq!(st.generated_tokens, (0..8).map(|k| 6 + k as u64).sum::<u64>());
+        assert_eq!(st.prompt_tokens, prompts.iter().map(|p| p.len() as u64).sum::<u64>());
+    }
+}
+
+#[test]
+fn a_scheduler_refuses_bad_requests_and_survives_cancellation() {
+    let (_d, e) = engine(DType::Q8_0, 2);
+    let sched = Scheduler::new(&e, BatchOptions { max_batch: 2, step_tokens: 16, max_queue: 2 }).unwrap();
+    let long = GenerateOptions { max_new_tokens: 40, ..GenerateOptions::default() };
+    // Refused at submission: empty prompt, id out of range, bad sampling.
+    assert!(matches!(sched.submit(&[], &long), Err(Error::InvalidInput(_))));
+    assert!(matches!(sched.submit(&[1, 999_999], &long), Err(Error::InvalidInput(_))));
+    let bad = GenerateOptions { sampling: SamplingParams { top_p: 2.0, ..SamplingParams::default() }, ..long.clone() };
+    assert!(matches!(sched.submit(&[1, 2], &bad), Err(Error::InvalidInput(_))));
+    // Nothing to generate: finished at once.
+    let mut none = sched.submit(&[1, 2], &GenerateOptions { max_new_tokens: 0, ..long.clone() }).unwrap();
+    assert_eq!(none.next_token(&never).unwrap(), None);
+    // Three requests, the first two running (they have tokens) before the third comes.
+    let mut t: Vec<Ticket> = (0..2).map(|k| sched.submit(&ids(3 + k), &long).unwrap()).collect();
+    t.iter_mut().for_each(|t| assert!(t.next_token(&never).unwrap().is_some()));
+    t.push(sched.submit(&ids(5), &long).unwrap());
+    // A full queue refuses: two run, the queue holds two more, the next
+    // submission (kept alive, so not cancelled) is Busy.
+    let mut held = Vec::new();
+    let full = loop {
+        match sched.submit(&ids(2), &GenerateOptions { max_new_tokens: 1_000, ..long.clone() }) {
+            Ok(h) if held.len() < 50 => held.push(h),
+            other => break other,
+        }
+    };
+    assert!(matches!(full, Err(Error::Busy(_))), "{full:?}");
+    drop(held);
+    // One is dropped mid-way, one interrupted; the others finish unchanged.
+    drop(t.remove(0));
+    assert!(matches!(t[0].next_token(&|| true), Err(Error::Interrupted) | Ok(Some(_))));
+    let alone = e.generate(&ids(5), &long, &never, &mut |_| true).unwrap();
+    assert_eq!(collect(&mut t[1]), alone);
+    let after = sched.submit(&ids(5), &long).unwrap();
+    drop(t);
+    let mut after = after;
+    assert_eq!(collect(&mut after), alone, "the scheduler still serves");
+    // Closing the scheduler fails what still runs, with an error.
+    let mut left = sched.submit(&ids(4), &GenerateOptions { max_new_tokens: 1_000, ..long }).unwrap();
+    assert!(left.next_token(&never).unwrap().is_some());
+    drop(sched);
+    let mut r = Ok(Some(0));
+    while let Ok(Some(_)) = r {
+        r = left.next_token(&never);
+    }
+    assert!(r.is_err(), "{r:?}");
+}

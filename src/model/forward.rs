@@ -38,6 +38,19 @@ pub struct Capture<'a> {
 
 /// Checks that `tokens` can be appended to the sequence.
 pub fn check_tokens(model: &Model, s: &Sequence, tokens: &[u32]) -> Result<()> {
+    check_ids(model, tokens)?;
+    let end = s.pos + tokens.len();
+    if end > s.max_seq {
+        return Err(Error::ContextOverflow(format!(
+            "sequence of {end} tokens does not fit: the context holds {} (model maximum {})",
+            s.max_seq, model.config.max_seq_len
+        )));
+    }
+    Ok(())
+}
+
+/// Checks that `tokens` is not empty and that every id is in the vocabulary.
+pub fn check_ids(model: &Model, tokens: &[u32]) -> Result<()> {
     let v = model.config.vocab_size;
     if tokens.is_empty() {
         return Err(Error::InvalidInput("empty token sequence: give at least one token id".into()));
@@ -45,13 +58,6 @@ pub fn check_tokens(model: &Model, s: &Sequence, tokens: &[u32]) -> Result<()> {
     if let Some((i, &t)) = tokens.iter().enumerate().find(|(_, t)| **t as usize >= v) {
         return Err(Error::InvalidInput(format!(
             "token id {t} at position {i} is out of range for a vocabulary of {v}"
-        )));
-    }
-    let end = s.pos + tokens.len();
-    if end > s.max_seq {
-        return Err(Error::ContextOverflow(format!(
-            "sequence of {end} tokens does not fit: the context holds {} (model maximum {})",
-            s.max_seq, model.config.max_seq_len
         )));
     }
     Ok(())

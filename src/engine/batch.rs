@@ -1,0 +1,501 @@
+//! Continuous batching: one thread advances every running generation
+//! together, a step at a time.
+//!
+//! Each step is one [`forward_batch`] over the next token of every decoding
+//! sequence plus chunks of waiting prompts (decoders first, prompts filling
+//! the rest of the step's token budget in arrival order), so the dense
+//! weights are read once per step for all of them and each routed expert
+//! once for all the tokens routed to it. Every sequence keeps its own KV
+//! cache and sampler; requests join between steps and leave the moment they
+//! finish or are cancelled (a dropped [`Ticket`] cancels). The kernels give a
+//! row the same bits whatever rows run beside it, so a sequence's tokens do
+//! not depend on what else is running.
+//!
+//! ```text
+//! submit ─► waiting (FIFO, at most max_queue) ─► running (at most max_batch)
+//!                                                   │ step: decoders' last tokens + prompt chunks
+//!                                                   ▼
+//!                                     sample each finished row ─► Ticket's channel
+//! ```
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::Engine;
+use super::generation::{FinishReason, GenerateOptions, Timings};
+use super::sampling::Sampler;
+use super::session::{DEFAULT_CHUNK, Sequence, Workspace};
+use crate::error::{Error, Result};
+use crate::model::forward::{Segment, check_ids, forward_batch};
+
+/// How a scheduler batches.
+#[derive(Clone, Copy, Debug)]
+pub struct BatchOptions {
+    /// Most sequences running at once (each step computes at most this many
+    /// sequences' logits).
+    pub max_batch: usize,
+    /// Most tokens in one step (decoding tokens plus prompt chunks).
+    pub step_tokens: usize,
+    /// Most requests waiting for a place; a submission beyond it is refused
+    /// with [`Error::Busy`]. `0` = unbounded.
+    pub max_queue: usize,
+}
+
+impl Default for BatchOptions {
+    fn default() -> Self {
+        BatchOptions { max_batch: 16, step_tokens: DEFAULT_CHUNK, max_queue: 0 }
+    }
+}
+
+/// Upper bounds of the step-size histogram's buckets (tokens per step); a
+/// last bucket counts the larger steps.
+pub const STEP_BUCKETS: [usize; 10] = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512];
+
+/// Counters of a scheduler since it started; read with [`Scheduler::stats`].
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct BatchStats {
+    /// Requests waiting for a place.
+    pub waiting: usize,
+    /// Requests running (prefilling or decoding).
+    pub running: usize,
+    /// Steps run.
+    pub steps: u64,
+    /// Prompt tokens processed.
+    pub prompt_tokens: u64,
+    /// Tokens generated.
+    pub generated_tokens: u64,
+    /// Sequences in the last step.
+    pub last_batch: usize,
+    /// Steps by tokens per step, bucketed by [`STEP_BUCKETS`] (one more
+    /// bucket at the end for larger steps).
+    pub step_tokens: Vec<u64>,
+    /// Steps by decoding sequences per step (index = count, the last slot
+    /// for `max_batch` and more).
+    pub step_sequences: Vec<u64>,
+    /// Requests finished, cancelled or failed.
+    pub finished: u64,
+    /// Seconds spent in steps.
+    pub busy_seconds: f64,
+}
+
+/// What a running request sends its ticket.
+enum Event {
+    Token(u32, Timings, Option<FinishReason>),
+    Failed(Error),
+}
+
+struct Request {
+    prompt: Vec<u32>,
+    opts: GenerateOptions,
+    sampler: Sampler,
+    tx: Sender<Event>,
+    cancel: Arc<AtomicBool>,
+}
+
+/// A request with its place: its sequence, how much of the prompt is in.
+struct Running {
+    req: Request,
+    seq: Sequence,
+    fed: usize,
+    tokens: Vec<u32>,
+    timings: Timings,
+    /// When its first step began (prefill time runs from there).
+    started: Option<Instant>,
+    /// When its last token was sent (decode time runs from there).
+    last: Instant,
+}
+
+#[derive(Default)]
+struct Queue {
+    waiting: VecDeque<Request>,
+    shutdown: bool,
+}
+
+struct Counters {
+    running: AtomicUsize,
+    steps: AtomicU64,
+    prompt_tokens: AtomicU64,
+    generated_tokens: AtomicU64,
+    last_batch: AtomicUsize,
+    step_tokens: Vec<AtomicU64>,
+    step_sequences: Vec<AtomicU64>,
+    finished: AtomicU64,
+    busy_nanos: AtomicU64,
+}
+
+struct Shared {
+    queue: Mutex<Queue>,
+    wake: Condvar,
+    counters: Counters,
+}
+
+impl Shared {
+    fn queue(&self) -> MutexGuard<'_, Queue> {
+        // A panic elsewhere cannot leave the queue half-updated: every
+        // critical section is a push, a pop or a flag.
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Runs generations side by side on one engine. Dropping it stops its
+/// thread; requests still running then fail with an error saying so.
+pub struct Scheduler {
+    engine: Engine,
+    opts: BatchOptions,
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Scheduler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scheduler").field("opts", &self.opts).finish_non_exhaustive()
+    }
+}
+
+impl Scheduler {
+    /// Starts the scheduling thread of `engine` (idle until a submission).
+    pub fn new(engine: &Engine, opts: BatchOptions) -> Result<Scheduler> {
+        if opts.max_batch == 0 || opts.step_tokens == 0 {
+            return Err(Error::InvalidInput(format!(
+                "max_batch and step_tokens must be at least 1, got {} and {}",
+                opts.max_batch, opts.step_tokens
+            )));
+        }
+        let opts = BatchOptions { step_tokens: opts.step_tokens.max(opts.max_batch), ..opts };
+        let shared = Arc::new(Shared {
+            queue: Mutex::new(Queue::default()),
+            wake: Condvar::new(),
+            counters: Counters {
+                running: AtomicUsize::new(0),
+                steps: AtomicU64::new(0),
+                prompt_tokens: AtomicU64::new(0),
+                generated_tokens: AtomicU64::new(0),
+                last_batch: AtomicUsize::new(0),
+                step_tokens: (0..=STEP_BUCKETS.len()).map(|_| AtomicU64::new(0)).collect(),
+                step_sequences: (0..=opts.max_batch).map(|_| AtomicU64::new(0)).collect(),
+                finished: AtomicU64::new(0),
+                busy_nanos: AtomicU64::new(0),
+            },
+        });
+        let (e, sh) = (engine.clone(), shared.clone());
+        let thread = std::thread::Builder::new()
+            .name("colibri-scheduler".into())
+            .spawn(move || run(e, opts, sh))
+            .map_err(|err| Error::InvalidInput(format!("cannot start the scheduler thread: {err}")))?;
+        Ok(Scheduler { engine: engine.clone(), opts, shared, thread: Some(thread) })
+    }
+
+    /// The options in force (`step_tokens` raised to `max_batch` if below).
+    pub fn options(&self) -> BatchOptions {
+        self.opts
+    }
+
+    /// Queues a generation continuing `prompt`. The prompt and options are
+    /// checked here, so a bad request is an error at once; the work starts
+    /// when a place is free. A full queue is [`Error::Busy`].
+    pub fn submit(&self, prompt: &[u32], opts: &GenerateOptions) -> Result<Ticket> {
+        let model = self.engine.model();
+        let ctx = model.config.max_seq_len;
+        if prompt.len() > ctx {
+            return Err(Error::ContextOverflow(format!(
+                "prompt of {} tokens is longer than the model's context of {ctx}",
+                prompt.len()
+            )));
+        }
+        let sampler = Sampler::new(opts.sampling.clone(), model.config.vocab_size, prompt)?;
+        check_ids(model, prompt)?;
+        let (tx, rx) = mpsc::channel();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let ticket = Ticket {
+            rx,
+            cancel: cancel.clone(),
+            tokens: Vec::new(),
+            finish: (opts.max_new_tokens == 0).then_some(FinishReason::Length),
+            broken: false,
+            timings: Timings { prompt_tokens: prompt.len(), ..Timings::default() },
+        };
+        if ticket.finish.is_some() {
+            return Ok(ticket);
+        }
+        let req = Request { prompt: prompt.to_vec(), opts: opts.clone(), sampler, tx, cancel };
+        let mut q = self.shared.queue();
+        q.waiting.retain(|r| !r.cancel.load(Ordering::Relaxed));
+        if self.opts.max_queue > 0 && q.waiting.len() >= self.opts.max_queue {
+            return Err(Error::Busy(format!(
+                "the queue is full: {} requests are waiting (max_queue {})",
+                q.waiting.len(),
+                self.opts.max_queue
+            )));
+        }
+        q.waiting.push_back(req);
+        drop(q);
+        self.shared.wake.notify_one();
+        Ok(ticket)
+    }
+
+    /// Counters since the scheduler started.
+    pub fn stats(&self) -> BatchStats {
+        let c = &self.shared.counters;
+        let load = |v: &[AtomicU64]| v.iter().map(|a| a.load(Ordering::Relaxed)).collect();
+        BatchStats {
+            waiting: self.shared.queue().waiting.len(),
+            running: c.running.load(Ordering::Relaxed),
+            steps: c.steps.load(Ordering::Relaxed),
+            prompt_tokens: c.prompt_tokens.load(Ordering::Relaxed),
+            generated_tokens: c.generated_tokens.load(Ordering::Relaxed),
+            last_batch: c.last_batch.load(Ordering::Relaxed),
+            step_tokens: load(&c.step_tokens),
+            step_sequences: load(&c.step_sequences),
+            finished: c.finished.load(Ordering::Relaxed),
+            busy_seconds: c.busy_nanos.load(Ordering::Relaxed) as f64 * 1e-9,
+        }
+    }
+}
+
+impl Drop for Scheduler {
+    fn drop(&mut self) {
+        self.shared.queue().shutdown = true;
+        self.shared.wake.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A submitted generation: its tokens arrive as the scheduler makes them.
+/// Dropping it (or [`Ticket::cancel`]) frees its place at the next step.
+pub struct Ticket {
+    rx: Receiver<Event>,
+    cancel: Arc<AtomicBool>,
+    tokens: Vec<u32>,
+    finish: Option<FinishReason>,
+    broken: bool,
+    timings: Timings,
+}
+
+impl std::fmt::Debug for Ticket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ticket").field("tokens", &self.tokens).field("finish", &self.finish).finish_non_exhaustive()
+    }
+}
+
+/// How often a waiting ticket polls `interrupted`.
+const POLL: Duration = Duration::from_millis(20);
+
+impl Ticket {
+    /// The next new token, waiting for it; `None` once the generation has
+    /// finished. `interrupted` is polled while waiting: when it says so the
+    /// request is cancelled and this fails with [`Error::Interrupted`].
+    pub fn next_token(&mut self, interrupted: &dyn Fn() -> bool) -> Result<Option<u32>> {
+        if self.finish.is_some() {
+            return Ok(None);
+        }
+        if self.broken {
+            return Err(Error::InvalidInput("this generation was interrupted or failed and cannot go on".into()));
+        }
+        loop {
+            match self.rx.recv_timeout(POLL) {
+                Ok(Event::Token(t, timings, finish)) => {
+                    self.tokens.push(t);
+                    self.timings = timings;
+                    self.finish = finish;
+                    return Ok(Some(t));
+                }
+                Ok(Event::Failed(e)) => {
+                    self.broken = true;
+                    return Err(e);
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    if interrupted() {
+                        self.cancel();
+                        self.broken = true;
+                        return Err(Error::Interrupted);
+                    }
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    self.broken = true;
+                    return Err(Error::InvalidInput(
+                        "the engine's scheduler stopped before this generation ended".into(),
+                    ));
+                }
+            }
+        }
+    }
+
+    /// Stops the generation; its place is freed at the next step.
+    pub fn cancel(&self) {
+        self.cancel.store(true, Ordering::Relaxed);
+    }
+
+    /// Why the generation ended; `None` while it can go on.
+    pub fn finish_reason(&self) -> Option<FinishReason> {
+        self.finish
+    }
+
+    /// The tokens received so far.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Counts and times as of the last token received.
+    pub fn timings(&self) -> Timings {
+        self.timings
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.cancel();
+    }
+}
+
+/// The scheduling thread: admit, step, deliver, until shut down.
+fn run(engine: Engine, opts: BatchOptions, shared: Arc<Shared>) {
+    let model = engine.model();
+    let mut ws = Workspace::new(model, opts.step_tokens, opts.max_batch);
+    let mut running: Vec<Running> = Vec::new();
+    let c = &shared.counters;
+    loop {
+        {
+            let mut q = shared.queue();
+            while q.waiting.is_empty() && running.is_empty() && !q.shutdown {
+                q = shared.wake.wait(q).unwrap_or_else(|p| p.into_inner());
+            }
+            if q.shutdown {
+                let stopped = Error::InvalidInput("the engine was closed while this generation ran".into());
+                for r in q.waiting.drain(..).chain(running.drain(..).map(|r| r.req)) {
+                    let _ = r.tx.send(Event::Failed(stopped.clone()));
+                }
+                return;
+            }
+            while running.len() < opts.max_batch {
+                let Some(req) = q.waiting.pop_front() else { break };
+                if req.cancel.load(Ordering::Relaxed) {
+                    continue;
+                }
+                let max_seq = req.prompt.len().saturating_add(req.opts.max_new_tokens);
+                let seq = Sequence::new(model, max_seq, engine.kv_dtype());
+                let timings = Timings { prompt_tokens: req.prompt.len(), ..Timings::default() };
+                running.push(Running {
+                    req,
+                    seq,
+                    fed: 0,
+                    tokens: Vec::new(),
+                    timings,
+                    started: None,
+                    last: Instant::now(),
+                });
+            }
+        }
+        let before = running.len();
+        running.retain(|r| !r.req.cancel.load(Ordering::Relaxed));
+        c.finished.fetch_add((before - running.len()) as u64, Ordering::Relaxed);
+        c.running.store(running.len(), Ordering::Relaxed);
+        if running.is_empty() {
+            continue;
+        }
+        step(&engine, &mut ws, &mut running, opts, c);
+        c.running.store(running.len(), Ordering::Relaxed);
+    }
+}
+
+/// One step over every running request; delivers the new tokens and drops
+/// the requests that finished, failed or whose ticket is gone.
+fn step(engine: &Engine, ws: &mut Workspace, running: &mut Vec<Running>, opts: BatchOptions, c: &Counters) {
+    let t0 = Instant::now();
+    // Decoders first (one token each), then prompt chunks in arrival order.
+    let decoding = running.iter().filter(|r| !r.tokens.is_empty()).count();
+    let mut budget = opts.step_tokens - decoding;
+    let mut plan: Vec<(usize, bool)> = Vec::with_capacity(running.len()); // (tokens, logits) per request
+    for r in running.iter() {
+        if !r.tokens.is_empty() {
+            plan.push((1, true));
+        } else {
+            let take = (r.req.prompt.len() - r.fed).min(budget);
+            budget -= take;
+            plan.push((take, r.fed + take == r.req.prompt.len()));
+        }
+    }
+    let mut prompt_tokens = 0;
+    let mut segs: Vec<Segment> = Vec::with_capacity(running.len());
+    for (r, &(n, logits)) in running.iter_mut().zip(&plan) {
+        if n == 0 {
+            continue;
+        }
+        r.started.get_or_insert(t0);
+        let tokens = if r.tokens.is_empty() {
+            prompt_tokens += n;
+            &r.req.prompt[r.fed..r.fed + n]
+        } else {
+            &r.tokens[r.tokens.len() - 1..]
+        };
+        let end = if r.tokens.is_empty() { r.req.prompt.len() } else { r.seq.pos + 1 };
+        segs.push(Segment { seq: &mut r.seq, tokens, end, logits });
+    }
+    let n_tokens: usize = segs.iter().map(|g| g.tokens.len()).sum();
+    let result = forward_batch(engine.model(), ws, &mut segs, Some(&engine.pool));
+    drop(segs);
+    let now = Instant::now();
+    c.steps.fetch_add(1, Ordering::Relaxed);
+    c.prompt_tokens.fetch_add(prompt_tokens as u64, Ordering::Relaxed);
+    c.last_batch.store(plan.iter().filter(|p| p.0 > 0).count(), Ordering::Relaxed);
+    let bucket = STEP_BUCKETS.iter().position(|&b| n_tokens <= b).unwrap_or(STEP_BUCKETS.len());
+    c.step_tokens[bucket].fetch_add(1, Ordering::Relaxed);
+    c.step_sequences[decoding.min(opts.max_batch)].fetch_add(1, Ordering::Relaxed);
+    c.busy_nanos.fetch_add((now - t0).as_nanos() as u64, Ordering::Relaxed);
+    if let Err(e) = result {
+        // The step's sequences are mid-update: all of them fail.
+        let before = running.len();
+        let mut i = 0;
+        running.retain(|r| {
+            let took = plan[i].0 > 0;
+            i += 1;
+            if took {
+                let _ = r.req.tx.send(Event::Failed(e.clone()));
+            }
+            !took
+        });
+        c.finished.fetch_add((before - running.len()) as u64, Ordering::Relaxed);
+        return;
+    }
+    let mut keep = Vec::with_capacity(running.len());
+    for (mut r, (n, logits)) in running.drain(..).zip(plan) {
+        if r.tokens.is_empty() {
+            r.fed += n;
+        }
+        if !logits {
+            keep.push(r);
+            continue;
+        }
+        let tok = r.req.sampler.sample(&r.seq.logits);
+        r.req.sampler.accept(tok);
+        r.tokens.push(tok);
+        if r.tokens.len() == 1 {
+            r.timings.prefill = now - r.started.unwrap_or(t0);
+        } else {
+            r.timings.decode += now - r.last;
+        }
+        r.last = now;
+        r.timings.generated_tokens = r.tokens.len();
+        c.generated_tokens.fetch_add(1, Ordering::Relaxed);
+        let finish = if r.req.opts.stop_ids.contains(&tok) {
+            Some(FinishReason::Stop)
+        } else if r.tokens.len() >= r.req.opts.max_new_tokens || r.seq.pos + 1 >= r.seq.max_seq {
+            // Prompt plus output fill the sequence: no room to run this token.
+            Some(FinishReason::Length)
+        } else {
+            None
+        };
+        let delivered = r.req.tx.send(Event::Token(tok, r.timings, finish)).is_ok();
+        if delivered && finish.is_none() {
+            keep.push(r);
+        } else {
+            c.finished.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    *running = keep;
+}
