@@ -51,6 +51,7 @@ def recipes() -> dict[str, dict[str, str]]:
 
 
 __all__ = [
+    "BusyError",
     "ChatTemplateError",
     "CheckpointError",
     "ColibriError",

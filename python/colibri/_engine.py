@@ -166,8 +166,11 @@ class Engine:
     """A `.colibri` model opened for inference.
 
     Opening maps the file (nothing is copied) and validates it. One engine can
-    be shared by several Python threads: each call runs in its own session
-    over the shared weights, and gives the same result as it would alone.
+    be shared by several Python threads. Generations (``generate``,
+    ``stream``, ``chat``, from any thread, and the prompts of one
+    ``generate([...])``) run together, batched: each step advances every
+    running one by a token, reading the weights once for all of them, and
+    each gives the same tokens it would alone.
 
     Args:
         path: a ``.colibri`` file made by :func:`colibri.convert`.
@@ -192,6 +195,10 @@ class Engine:
             f16 for block-quantised weights, whose own rounding is far larger,
             f32 otherwise, so f32/bf16/f16 models stay exact against
             transformers).
+        max_batch: most generations running at once (default 16); more wait
+            for a place, first come first served.
+        max_queue: most generations waiting for a place; beyond it starting
+            one raises :class:`BusyError` (default 0: no limit).
     """
 
     def __init__(
@@ -206,7 +213,12 @@ class Engine:
         io: str = "buffered",
         heat_file: PathLike | None = None,
         kv_cache: str = "auto",
+        max_batch: int = 16,
+        max_queue: int = 0,
     ) -> None:
+        for name, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 0)):
+            if not _is_int(value) or not low <= value <= 2**16:
+                raise InvalidInputError(f"{name} must be an integer in [{low}, 65536], got {value!r}")
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)):
             raise InvalidInputError(f"threads must be a positive integer or None, got {threads!r}")
         if threads is not None and threads < 1:
@@ -225,6 +237,8 @@ class Engine:
             str(io),
             heat,
             str(kv_cache),
+            int(max_batch),
+            int(max_queue),
         )
         self._meta = json.loads(self._native.metadata_json())
         self._lock = threading.Lock()
@@ -574,6 +588,18 @@ class Engine:
         """
         return dict(json.loads(self._native.routing_stats_json()))
 
+    def batch_stats(self) -> dict[str, Any]:
+        """The generation scheduler's counters since the engine opened:
+        ``waiting`` and ``running`` generations, ``steps`` run,
+        ``prompt_tokens`` and ``generated_tokens``, ``last_batch`` (sequences
+        in the last step), ``step_tokens`` (steps by tokens per step, bucketed
+        by the upper bounds ``step_token_buckets``, one more bucket for larger
+        steps), ``step_sequences`` (steps by decoding sequences, the last slot
+        ``max_batch`` or more), ``finished``, ``busy_seconds``, ``kv_tokens``
+        (positions in the running generations' KV caches) and the limits
+        ``max_batch``, ``max_queue`` and ``step_budget``."""
+        return dict(json.loads(self._native.batch_stats_json()))
+
     def store_stats(self) -> dict[str, Any]:
         """Expert-cache figures since the file was opened: hits, misses,
         ``hit_rate``, bytes read from disk per token, prefetch accuracy
@@ -674,7 +700,9 @@ class Engine:
             skip_special_tokens=skip_special_tokens,
         )
         if _is_batch(prompt):
-            return [self._start(p, **opts).result() for p in prompt]  # type: ignore[union-attr]
+            # All queued first, so they run batched.
+            streams = [self._start(p, **opts) for p in prompt]  # type: ignore[union-attr]
+            return [s.result() for s in streams]
         return self._start(prompt, **opts).result()
 
     def stream(
@@ -776,10 +804,12 @@ class Engine:
         add_special_tokens: bool,
         skip_special_tokens: bool,
         seed: Any,
+        text_out: bool = False,
         **sampling: Any,
     ) -> Stream[Any]:
-        text_mode = isinstance(prompt, str)
-        if text_mode:
+        # text_out: text pieces also for a token-id prompt (the server's case).
+        text_mode = isinstance(prompt, str) or text_out
+        if isinstance(prompt, str):
             ids = self.tokenize(prompt, add_special_tokens=add_special_tokens)
             if not ids:
                 raise InvalidInputError("the prompt is empty: it gives no tokens")

@@ -9,6 +9,7 @@ built-in category also derive from it, so ``except ValueError`` or
 from __future__ import annotations
 
 __all__ = [
+    "BusyError",
     "ChatTemplateError",
     "CheckpointError",
     "ColibriError",
@@ -65,3 +66,7 @@ class ModelNotFoundError(ColibriError, FileNotFoundError):
 
 class ColibriIOError(ColibriError, OSError):
     """An operating-system error while reading or writing a file."""
+
+
+class BusyError(ColibriError):
+    """The engine's queue of waiting generations is full (``max_queue``); try again later."""

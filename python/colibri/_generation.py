@@ -1,9 +1,9 @@
 """Generation results and the per-call driver that turns native token steps
 into text: incremental detokenisation, stop strings, finish reasons, timings.
 
-The native side (``NativeGeneration``) runs one model step per ``next()`` with
-the GIL released; everything here runs between steps, which is also where a
-KeyboardInterrupt lands.
+The native side (``NativeGeneration``) receives the engine scheduler's tokens,
+waiting for each with the GIL released; everything here runs between tokens,
+which is also where a KeyboardInterrupt lands.
 """
 
 from __future__ import annotations
@@ -161,6 +161,12 @@ class Stream(Generic[T]):
         """Stops the generation (nothing more is computed)."""
         self._it.close()
 
+    def cancel(self) -> None:
+        """Stops the generation from any thread, also while another thread
+        waits in ``next()``: the iteration ends at once, ``finish_reason``
+        stays ``None``."""
+        self._native.cancel()
+
     @property
     def token_ids(self) -> list[int]:
         """Every token generated so far."""
@@ -200,6 +206,14 @@ class Stream(Generic[T]):
         return True
 
     def _run(self) -> Generator[Any, None, None]:
+        try:
+            yield from self._steps()
+        finally:
+            # Ended by a stop string, closed early or failed: the scheduler
+            # frees the place (a no-op once the native side has finished).
+            self._native.cancel()
+
+    def _steps(self) -> Generator[Any, None, None]:
         native, detok = self._native, self._detok
         for tok in native:
             if native.finish_reason == "stop":

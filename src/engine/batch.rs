@@ -80,6 +80,8 @@ pub struct BatchStats {
     pub finished: u64,
     /// Seconds spent in steps.
     pub busy_seconds: f64,
+    /// Positions held in the KV caches of the running requests.
+    pub kv_tokens: usize,
 }
 
 /// What a running request sends its ticket.
@@ -125,6 +127,7 @@ struct Counters {
     step_sequences: Vec<AtomicU64>,
     finished: AtomicU64,
     busy_nanos: AtomicU64,
+    kv_tokens: AtomicUsize,
 }
 
 struct Shared {
@@ -179,6 +182,7 @@ impl Scheduler {
                 step_sequences: (0..=opts.max_batch).map(|_| AtomicU64::new(0)).collect(),
                 finished: AtomicU64::new(0),
                 busy_nanos: AtomicU64::new(0),
+                kv_tokens: AtomicUsize::new(0),
             },
         });
         let (e, sh) = (engine.clone(), shared.clone());
@@ -252,6 +256,7 @@ impl Scheduler {
             step_sequences: load(&c.step_sequences),
             finished: c.finished.load(Ordering::Relaxed),
             busy_seconds: c.busy_nanos.load(Ordering::Relaxed) as f64 * 1e-9,
+            kv_tokens: c.kv_tokens.load(Ordering::Relaxed),
         }
     }
 }
@@ -280,6 +285,17 @@ pub struct Ticket {
 impl std::fmt::Debug for Ticket {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Ticket").field("tokens", &self.tokens).field("finish", &self.finish).finish_non_exhaustive()
+    }
+}
+
+/// Cancels one ticket's generation; see [`Ticket::canceller`].
+#[derive(Clone, Debug)]
+pub struct Canceller(Arc<AtomicBool>);
+
+impl Canceller {
+    /// Stops the generation; a thread waiting for its next token gets `None`.
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::Relaxed);
     }
 }
 
@@ -316,6 +332,10 @@ impl Ticket {
                         return Err(Error::Interrupted);
                     }
                 }
+                Err(RecvTimeoutError::Disconnected) if self.cancel.load(Ordering::Relaxed) => {
+                    // Cancelled (from another thread, say): it ends here.
+                    return Ok(None);
+                }
                 Err(RecvTimeoutError::Disconnected) => {
                     self.broken = true;
                     return Err(Error::InvalidInput(
@@ -329,6 +349,12 @@ impl Ticket {
     /// Stops the generation; its place is freed at the next step.
     pub fn cancel(&self) {
         self.cancel.store(true, Ordering::Relaxed);
+    }
+
+    /// A handle that cancels this generation from anywhere (another thread
+    /// included, while this one waits for a token).
+    pub fn canceller(&self) -> Canceller {
+        Canceller(self.cancel.clone())
     }
 
     /// Why the generation ended; `None` while it can go on.
@@ -396,10 +422,12 @@ fn run(engine: Engine, opts: BatchOptions, shared: Arc<Shared>) {
         c.finished.fetch_add((before - running.len()) as u64, Ordering::Relaxed);
         c.running.store(running.len(), Ordering::Relaxed);
         if running.is_empty() {
+            c.kv_tokens.store(0, Ordering::Relaxed);
             continue;
         }
         step(&engine, &mut ws, &mut running, opts, c);
         c.running.store(running.len(), Ordering::Relaxed);
+        c.kv_tokens.store(running.iter().map(|r| r.seq.pos).sum(), Ordering::Relaxed);
     }
 }
 

@@ -16,8 +16,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyDict};
 
 use crate::convert::{ConvertOptions, Recipe, convert};
+use crate::engine::batch::Canceller;
 use crate::engine::session::KvCacheType;
-use crate::engine::{Engine, EngineOptions, GenerateOptions, Generation, SamplingParams};
+use crate::engine::{BatchOptions, Engine, EngineOptions, GenerateOptions, SamplingParams, Scheduler, Ticket};
 use crate::error::Error;
 use crate::model::store::{HeatFile, IoMode, Policy, StoreOptions};
 use crate::quant::DType;
@@ -33,6 +34,7 @@ fn to_py(e: Error) -> PyErr {
         Error::OutputExists(_) => "OutputExistsError",
         Error::NotFound(_) => "ModelNotFoundError",
         Error::Io { .. } | Error::ExpertRead { .. } => "ColibriIOError",
+        Error::Busy(_) => "BusyError",
         Error::Interrupted => {
             // The exception the signal handler raised (KeyboardInterrupt for
             // Ctrl-C, whatever a caller's SIGTERM handler raises), so it
@@ -89,12 +91,14 @@ fn f32_bytes<'py>(py: Python<'py>, v: &[f32]) -> Bound<'py, PyByteArray> {
 #[pyclass(frozen, module = "colibri._colibri", name = "NativeEngine")]
 struct NativeEngine {
     inner: Engine,
+    /// Every generation goes through it, so concurrent callers share steps.
+    batch: Scheduler,
 }
 
 #[pymethods]
 impl NativeEngine {
     #[new]
-    #[pyo3(signature = (path, threads=None, ram_budget=None, lru=true, pin_hot=true, prefetch=false, io="buffered", heat_file=None, kv_cache="auto"))]
+    #[pyo3(signature = (path, threads=None, ram_budget=None, lru=true, pin_hot=true, prefetch=false, io="buffered", heat_file=None, kv_cache="auto", max_batch=16, max_queue=0))]
     #[allow(clippy::too_many_arguments)] // mirrors keyword arguments of the Python constructor
     fn new(
         py: Python<'_>,
@@ -107,6 +111,8 @@ impl NativeEngine {
         io: &str,
         heat_file: Option<&str>,
         kv_cache: &str,
+        max_batch: usize,
+        max_queue: usize,
     ) -> PyResult<Self> {
         let io = IoMode::parse(io).map_err(to_py)?;
         let kv_cache = KvCacheType::parse(kv_cache).ok_or_else(|| {
@@ -121,7 +127,9 @@ impl NativeEngine {
             StoreOptions { ram_budget, policy: Policy { lru, pin_hot, prefetch }, io, heat_file, io_threads: 0 };
         let opts = EngineOptions { threads, store, kv_cache };
         let inner = py.detach(|| Engine::open(&path, &opts)).map_err(to_py)?;
-        Ok(NativeEngine { inner })
+        let batch_opts = BatchOptions { max_batch, max_queue, ..BatchOptions::default() };
+        let batch = Scheduler::new(&inner, batch_opts).map_err(to_py)?;
+        Ok(NativeEngine { inner, batch })
     }
 
     /// Element type of the KV cache sessions use: "f32" or "f16".
@@ -158,7 +166,8 @@ impl NativeEngine {
         Ok(f32_bytes(py, &out))
     }
 
-    /// Starts a generation (no compute until the first `__next__`).
+    /// Queues a generation on the engine's scheduler; it runs beside every
+    /// other one, its tokens arriving through `__next__`.
     #[pyo3(signature = (
         token_ids, *, max_new_tokens, stop_ids, temperature, top_k, top_p, min_p,
         repetition_penalty, presence_penalty, frequency_penalty, seed,
@@ -193,8 +202,32 @@ impl NativeEngine {
             seed,
         };
         let opts = GenerateOptions { max_new_tokens, sampling, stop_ids };
-        let g = py.detach(|| self.inner.start(&ids, &opts)).map_err(to_py)?;
-        Ok(NativeGeneration { inner: Mutex::new(g) })
+        let t = py.detach(|| self.batch.submit(&ids, &opts)).map_err(to_py)?;
+        Ok(NativeGeneration { canceller: t.canceller(), inner: Mutex::new(t) })
+    }
+
+    /// The scheduler's counters as JSON (see `BatchStats`).
+    fn batch_stats_json(&self) -> String {
+        let s = self.batch.stats();
+        let o = self.batch.options();
+        serde_json::json!({
+            "waiting": s.waiting,
+            "running": s.running,
+            "steps": s.steps,
+            "prompt_tokens": s.prompt_tokens,
+            "generated_tokens": s.generated_tokens,
+            "last_batch": s.last_batch,
+            "step_token_buckets": crate::engine::batch::STEP_BUCKETS,
+            "step_tokens": s.step_tokens,
+            "step_sequences": s.step_sequences,
+            "finished": s.finished,
+            "busy_seconds": s.busy_seconds,
+            "kv_tokens": s.kv_tokens,
+            "max_batch": o.max_batch,
+            "max_queue": o.max_queue,
+            "step_budget": o.step_tokens,
+        })
+        .to_string()
     }
 
     /// The metadata block as JSON text, without the tokenizer (see
@@ -289,16 +322,19 @@ impl NativeEngine {
 }
 
 /// One generation in progress: an iterator of new token ids. Each
-/// `__next__` runs one step with the interpreter detached. The lock makes a
-/// second thread calling `__next__` on the same object at the same time an
-/// error rather than a data race; distinct generations never contend.
+/// `__next__` waits for the scheduler's next token with the interpreter
+/// detached. The lock makes a second thread calling `__next__` on the same
+/// object at the same time an error rather than a data race; distinct
+/// generations never contend. Dropping it cancels the generation.
 #[pyclass(frozen, module = "colibri._colibri", name = "NativeGeneration")]
 struct NativeGeneration {
-    inner: Mutex<Generation>,
+    inner: Mutex<Ticket>,
+    /// Reaches the ticket without its lock, so another thread can cancel.
+    canceller: Canceller,
 }
 
 impl NativeGeneration {
-    fn lock(&self) -> PyResult<std::sync::MutexGuard<'_, Generation>> {
+    fn lock(&self) -> PyResult<std::sync::MutexGuard<'_, Ticket>> {
         self.inner.try_lock().map_err(|e| match e {
             std::sync::TryLockError::WouldBlock => to_py(Error::InvalidInput(
                 "this generation is being advanced by another thread; use one generation per thread".into(),
@@ -318,8 +354,14 @@ impl NativeGeneration {
 
     fn __next__(&self, py: Python<'_>) -> PyResult<Option<u32>> {
         let mut guard = self.lock()?;
-        let g: &mut Generation = &mut guard;
+        let g: &mut Ticket = &mut guard;
         py.detach(|| g.next_token(&interrupted)).map_err(to_py)
+    }
+
+    /// Stops the generation (from any thread); the scheduler frees its
+    /// place at the next step and a waiting `__next__` ends the iteration.
+    fn cancel(&self) {
+        self.canceller.cancel();
     }
 
     /// "stop", "length", or None while the generation can go on.

@@ -1,0 +1,783 @@
+"""An OpenAI-compatible HTTP server over one :class:`~colibri.Engine`.
+
+``colibri serve MODEL`` (or :func:`serve`) answers ``/v1/chat/completions``,
+``/v1/completions`` (both streaming as server-sent events or not),
+``/v1/models``, ``/health`` and ``/metrics`` (Prometheus text). Every request
+becomes one or more generations on the engine's scheduler, so concurrent
+clients share steps: the weights are read once per step for all of them.
+
+Needs the ``serve`` extra (``pip install 'colibri-moe[serve]'``): Starlette,
+uvicorn and prometheus_client.
+
+Each generation runs in a pump thread that iterates its
+:class:`~colibri.Stream` and hands the pieces to the event loop; a client that
+disconnects cancels its generations at the next token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ._errors import BusyError, ColibriError, ContextLengthError, InvalidInputError
+
+try:
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        f"colibri's server needs the 'serve' extra: pip install 'colibri-moe[serve]' (missing: {e.name})"
+    ) from e
+
+__all__ = ["create_app", "serve"]
+
+#: Largest request body accepted (bytes); a larger one is answered 413.
+MAX_BODY = 8 << 20
+#: Most choices one request may ask for (``n``).
+MAX_N = 16
+#: Most stop strings (OpenAI's limit).
+MAX_STOP = 4
+#: Most alternatives per token in ``top_logprobs`` (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
+
+# Fields each endpoint takes; anything else is a 400 naming the field.
+_COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+    "user",
+    # vLLM's extra sampling fields.
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "ignore_eos",
+    "stop_token_ids",
+    "skip_special_tokens",
+    # Accepted and ignored: they change nothing a local server does.
+    "metadata",
+    "store",
+    "service_tier",
+    "logit_bias",
+}
+_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs"}
+_COMPLETION = _COMMON | {"prompt", "echo", "suffix", "best_of"}
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.headers = dict(headers or {})
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def _bad(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param=param)
+
+
+# ----------------------------------------------------------------------
+# Request parsing: one function per field kind, each naming the field.
+
+
+def _int(body: Mapping[str, Any], name: str, low: int, high: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _bad(name, f"must be an integer, got {json.dumps(v)}")
+    if v < low or (high is not None and v > high):
+        bound = f"at least {low}" if high is None else f"between {low} and {high}"
+        raise _bad(name, f"must be {bound}, got {v}")
+    return v
+
+
+def _float(body: Mapping[str, Any], name: str, low: float, high: float) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+        raise _bad(name, f"must be a number, got {json.dumps(v)}")
+    if not low <= v <= high:
+        raise _bad(name, f"must be between {low} and {high}, got {v}")
+    return float(v)
+
+
+def _bool(body: Mapping[str, Any], name: str) -> bool | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        raise _bad(name, f"must be true or false, got {json.dumps(v)}")
+    return v
+
+
+def _stops(body: Mapping[str, Any]) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
+        raise _bad("stop", "must be a non-empty string or a list of them")
+    if len(v) > MAX_STOP:
+        raise _bad("stop", f"at most {MAX_STOP} stop strings, got {len(v)}")
+    return list(v)
+
+
+def _token_ids(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+
+@dataclass
+class Job:
+    """What one request asks: its prompts, how many choices each, the options."""
+
+    prompts: list[Any]
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: int | None
+    prompt_field: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def _parse(body: Any, allowed: set[str], chat: bool, engine: Any, model_name: str) -> Job:
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise _bad(unknown[0], "unknown field")
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise APIError(
+            404,
+            f"The model {model!r} does not exist; this server serves {model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+    if body.get("logit_bias"):
+        raise _bad("logit_bias", "is not supported")
+    for name in ("echo", "suffix"):
+        if body.get(name):
+            raise _bad(name, "is not supported")
+    best_of = _int(body, "best_of", 1, 1)
+    del best_of  # only 1, the default, is supported
+    n = _int(body, "n", 1, MAX_N) or 1
+    stream = bool(_bool(body, "stream"))
+    so = body.get("stream_options")
+    if so is not None:
+        if not isinstance(so, dict) or set(so) - {"include_usage", "continuous_usage_stats"}:
+            raise _bad("stream_options", "must be an object with include_usage")
+        if not stream:
+            raise _bad("stream_options", "is only allowed with stream: true")
+    include_usage = bool(isinstance(so, dict) and so.get("include_usage"))
+    # Tokens to generate: absent means up to the context (chat) or 16
+    # (completions), as OpenAI's endpoints default.
+    max_tokens = _int(body, "max_completion_tokens", 0) if chat else None
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", 0)
+    if max_tokens is None:
+        max_tokens = engine.context_length if chat else 16
+    opts: dict[str, Any] = {
+        "max_new_tokens": max_tokens,
+        "temperature": _float(body, "temperature", 0.0, 2.0),
+        "top_p": _float(body, "top_p", 0.0, 1.0),
+        "presence_penalty": _float(body, "presence_penalty", -2.0, 2.0),
+        "frequency_penalty": _float(body, "frequency_penalty", -2.0, 2.0),
+        "top_k": _int(body, "top_k", -1, 1 << 31),
+        "min_p": _float(body, "min_p", 0.0, 1.0),
+        "repetition_penalty": _float(body, "repetition_penalty", 1e-3, 100.0),
+        "seed": _int(body, "seed", -(1 << 63), (1 << 64) - 1),
+        "stop": _stops(body),
+        "ignore_eos": bool(_bool(body, "ignore_eos")),
+        "stop_token_ids": None,
+        "skip_special_tokens": True,
+    }
+    if opts["top_k"] == -1:  # vLLM's spelling of "off"
+        opts["top_k"] = 0
+    if opts["seed"] is not None and opts["seed"] < 0:
+        opts["seed"] += 1 << 64
+    skip = _bool(body, "skip_special_tokens")
+    if skip is not None:
+        opts["skip_special_tokens"] = skip
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < engine.vocab_size for t in stop_ids
+        ):
+            raise _bad("stop_token_ids", "must be a list of token ids in the vocabulary")
+        opts["stop_token_ids"] = stop_ids
+    logprobs: int | None = None
+    if chat:
+        if _bool(body, "logprobs"):
+            logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+        elif body.get("top_logprobs") is not None:
+            raise _bad("top_logprobs", "needs logprobs: true")
+    else:
+        logprobs = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    if logprobs is not None:
+        raise _bad("logprobs", "log probabilities are not supported yet")
+    prompts = [_render(body, engine)] if chat else _prompts(body)
+    if len(prompts) * n > MAX_N:
+        raise _bad("n", f"{len(prompts)} prompts x n={n} asks {len(prompts) * n} choices; at most {MAX_N}")
+    return Job(prompts, n, stream, include_usage, logprobs, "messages" if chat else "prompt", opts)
+
+
+def _render(body: Mapping[str, Any], engine: Any) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "must be a non-empty list of messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise _bad(f"messages[{i}]", "must be an object with a role")
+        content = m.get("content")
+        if isinstance(content, list):
+            # The parts form: only text parts can be given to a text model.
+            texts = []
+            for part in content:
+                if (
+                    not isinstance(part, dict)
+                    or part.get("type") != "text"
+                    or not isinstance(part.get("text"), str)
+                ):
+                    raise _bad(f"messages[{i}].content", "only text parts are supported")
+                texts.append(part["text"])
+            messages[i] = {**m, "content": "".join(texts)}
+        elif content is not None and not isinstance(content, str):
+            raise _bad(f"messages[{i}].content", "must be a string or a list of text parts")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise _bad("chat_template_kwargs", "must be an object")
+    try:
+        text = engine.apply_chat_template(messages, chat_template_kwargs=kwargs)
+    except InvalidInputError as e:
+        raise _bad("messages", str(e)) from e
+    return list(engine.tokenize(text, add_special_tokens=False))
+
+
+def _prompts(body: Mapping[str, Any]) -> list[Any]:
+    p = body.get("prompt")
+    if isinstance(p, str):
+        return [p]
+    if _token_ids(p):
+        return [p]
+    if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        return list(p)
+    if isinstance(p, list) and p and all(_token_ids(x) for x in p):
+        return list(p)
+    raise _bad("prompt", "must be a string, a list of strings, a list of token ids or a list of those")
+
+
+# ----------------------------------------------------------------------
+# Running generations: one pump thread per choice.
+
+
+@dataclass
+class _Choice:
+    index: int
+    prompt_tokens: int = 0
+    text: str = ""
+    tokens: int = 0
+    finish_reason: str | None = None
+    first_token: float | None = None
+
+
+class _Run:
+    """The generations of one request, fed to the event loop as
+    ``(choice, piece)`` events (``piece`` None when a choice ends)."""
+
+    def __init__(self, engine: Any, job: Job, loop: asyncio.AbstractEventLoop, metrics: _Metrics) -> None:
+        self.job, self.loop, self.metrics = job, loop, metrics
+        self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self.choices: list[_Choice] = []
+        self.streams: list[Any] = []
+        self.started = time.perf_counter()
+        ids = [engine.tokenize(p) if isinstance(p, str) else list(p) for p in job.prompts]
+        ctx = engine.context_length
+        for p in ids:
+            if not p:
+                raise _bad(job.prompt_field, "is empty: it gives no tokens")
+            if len(p) >= ctx:
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {ctx} tokens; the prompt has {len(p)}",
+                    param=job.prompt_field,
+                    code="context_length_exceeded",
+                )
+            bad = next((t for t in p if not 0 <= t < engine.vocab_size), None)
+            if bad is not None:
+                raise _bad(
+                    job.prompt_field, f"token id {bad} is not in the vocabulary of {engine.vocab_size}"
+                )
+        try:
+            for k, p in enumerate(ids):
+                for j in range(job.n):
+                    opts = dict(job.options)
+                    if opts.get("seed") is not None:
+                        opts["seed"] = (opts["seed"] + j) % (1 << 64)
+                    # Token ids in, text pieces out.
+                    stream = engine._start(p, text_out=True, add_special_tokens=False, **opts)
+                    self.streams.append(stream)
+                    self.choices.append(_Choice(index=k * job.n + j, prompt_tokens=len(p)))
+        except BusyError as e:
+            self.cancel()
+            raise APIError(
+                429, str(e), type="rate_limit_exceeded", code="queue_full", headers={"Retry-After": "1"}
+            ) from e
+        except ContextLengthError as e:
+            self.cancel()
+            raise APIError(400, str(e), param=job.prompt_field, code="context_length_exceeded") from e
+        except InvalidInputError as e:
+            self.cancel()
+            raise APIError(400, str(e)) from e
+        for c, s in zip(self.choices, self.streams):
+            threading.Thread(target=self._pump, args=(c, s), daemon=True, name="colibri-pump").start()
+
+    def _pump(self, choice: _Choice, stream: Any) -> None:
+        """Iterates one stream's text pieces onto the event loop."""
+        put = self.loop.call_soon_threadsafe
+        try:
+            last = self.started
+            for piece in stream:
+                now, n = time.perf_counter(), len(stream.token_ids)
+                if choice.first_token is None and n:
+                    choice.first_token = now
+                    self.metrics.ttft.observe(now - self.started)
+                elif n > choice.tokens:
+                    # A piece can hold several tokens: their mean gap.
+                    gap = (now - last) / (n - choice.tokens)
+                    for _ in range(n - choice.tokens):
+                        self.metrics.tpot.observe(gap)
+                last, choice.tokens = now, n
+                put(self.queue.put_nowait, (choice.index, piece))
+            choice.tokens = len(stream.token_ids)
+            choice.finish_reason = stream.finish_reason
+            put(self.queue.put_nowait, (choice.index, None))
+        except BaseException as e:  # delivered to the request, never lost in a thread
+            put(self.queue.put_nowait, (choice.index, e))
+
+    def cancel(self) -> None:
+        for s in self.streams:
+            s.cancel()
+
+    async def events(self) -> AsyncIterator[tuple[_Choice, str | None]]:
+        """Each choice's pieces as they come, then ``(choice, None)`` at its end."""
+        left = len(self.choices)
+        while left:
+            i, piece = await self.queue.get()
+            if isinstance(piece, BaseException):
+                self.cancel()
+                if isinstance(piece, ColibriError):
+                    raise APIError(500, f"generation failed: {piece}", type="server_error") from piece
+                raise piece
+            if piece is None:
+                left -= 1
+            yield self.choices[i], piece
+
+    def usage(self) -> dict[str, int]:
+        prompt = sum(c.prompt_tokens for c in self.choices[:: self.job.n])
+        completion = sum(c.tokens for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+# ----------------------------------------------------------------------
+# Metrics
+
+
+class _Metrics:
+    """Prometheus metrics of one app: request-side histograms observed here,
+    the engine's own counters read at each scrape."""
+
+    def __init__(self, engine_ref: Callable[[], Any]) -> None:
+        self.registry = CollectorRegistry()
+        self.ttft = Histogram(
+            "colibri_time_to_first_token_seconds",
+            "Time from a request's arrival to its first generated token.",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "colibri_time_per_output_token_seconds",
+            "Time between consecutive generated tokens of one choice.",
+            buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5),
+            registry=self.registry,
+        )
+        self.requests = Counter(
+            "colibri_requests",
+            "Requests answered, by endpoint and status.",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.registry.register(_EngineCollector(engine_ref))
+
+
+class _EngineCollector:
+    def __init__(self, engine_ref: Callable[[], Any]) -> None:
+        self.engine_ref = engine_ref
+
+    def collect(self) -> Iterable[Any]:
+        engine = self.engine_ref()
+        if engine is None:
+            return
+        b = engine.batch_stats()
+        yield CounterMetricFamily(
+            "colibri_prompt_tokens", "Prompt tokens processed.", value=b["prompt_tokens"]
+        )
+        yield CounterMetricFamily(
+            "colibri_generation_tokens", "Tokens generated.", value=b["generated_tokens"]
+        )
+        yield _gauge("colibri_queue_depth", "Generations waiting for a place.", b["waiting"])
+        yield _gauge("colibri_running_sequences", "Generations running.", b["running"])
+        yield _gauge("colibri_batch_size", "Sequences in the last step.", b["last_batch"])
+        yield CounterMetricFamily("colibri_steps", "Scheduler steps run.", value=b["steps"])
+        yield CounterMetricFamily(
+            "colibri_busy_seconds", "Seconds the scheduler spent in steps.", value=b["busy_seconds"]
+        )
+        yield _gauge(
+            "colibri_kv_cache_tokens", "Positions held in running generations' KV caches.", b["kv_tokens"]
+        )
+        yield _gauge(
+            "colibri_kv_cache_bytes",
+            "Bytes of KV cache those positions fill.",
+            b["kv_tokens"] * engine.kv_bytes_per_token,
+        )
+        # Tokens per step as a histogram (the scheduler keeps the buckets).
+        bounds, counts = b["step_token_buckets"], b["step_tokens"]
+        acc, buckets = 0, []
+        for bound, count in zip([*map(float, bounds), float("inf")], counts):
+            acc += count
+            buckets.append(("+Inf" if bound == float("inf") else str(bound), acc))
+        h = HistogramMetricFamily("colibri_step_tokens", "Tokens per scheduler step.")
+        h.add_metric([], buckets, sum_value=None)
+        yield h
+        s = engine.store_stats()
+        yield _gauge("colibri_expert_cache_hit_rate", "Routed-expert lookups served from RAM.", s["hit_rate"])
+        yield _gauge(
+            "colibri_expert_bytes_read_per_token",
+            "Expert bytes read from disk per token.",
+            s["bytes_read_per_token"],
+        )
+        r = engine.routing_stats()
+        g = GaugeMetricFamily(
+            "colibri_routing_entropy",
+            "Normalised entropy of each layer's expert use (1 = uniform).",
+            labels=["layer"],
+        )
+        for layer in r.get("layers", []):
+            g.add_metric([str(layer["layer"])], layer["entropy"])
+        yield g
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+# ----------------------------------------------------------------------
+# The app
+
+
+def create_app(
+    engine: Any | Callable[[], Any],
+    *,
+    model_name: str | None = None,
+    api_key: str | None = None,
+) -> Starlette:
+    """The ASGI app serving ``engine``; pass a callable to load the engine in
+    the background (requests are answered 503 until it returns)."""
+    state: dict[str, Any] = {"engine": None, "error": None}
+    name = model_name
+    if callable(engine) and not hasattr(engine, "generate"):
+        loader = engine
+
+        def load() -> None:
+            try:
+                state["engine"] = loader()
+            except BaseException as e:  # reported by /health and every request
+                state["error"] = e
+
+        threading.Thread(target=load, daemon=True, name="colibri-load").start()
+    else:
+        state["engine"] = engine
+    metrics = _Metrics(lambda: state["engine"])
+    created = int(time.time())
+
+    def served_name() -> str:
+        e = state["engine"]
+        return name or (os.path.splitext(os.path.basename(e.path))[0] if e is not None else "colibri")
+
+    def ready() -> Any:
+        if state["error"] is not None:
+            raise APIError(500, f"the model failed to load: {state['error']}", type="server_error")
+        e = state["engine"]
+        if e is None:
+            raise APIError(
+                503, "the model is still loading", type="server_error", headers={"Retry-After": "1"}
+            )
+        return e
+
+    def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        token = got[7:] if got.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), api_key.encode()):
+            raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
+
+    async def body_of(request: Request) -> Any:
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > MAX_BODY:
+            raise APIError(413, f"the request body is {size} bytes; at most {MAX_BODY}")
+        raw = b""
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY:
+                raise APIError(413, f"the request body is larger than {MAX_BODY} bytes")
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}") from e
+
+    def endpoint(kind: str) -> Callable[[Request], Any]:
+        async def handle(request: Request) -> Response:
+            status = 200
+            try:
+                check_key(request)
+                e = ready()
+                body = await body_of(request)
+                chat = kind == "chat"
+                job = await asyncio.to_thread(
+                    _parse, body, _CHAT if chat else _COMPLETION, chat, e, served_name()
+                )
+                loop = asyncio.get_running_loop()
+                run = await asyncio.to_thread(_Run, e, job, loop, metrics)
+                if job.stream:
+                    return StreamingResponse(
+                        _sse(run, chat, served_name(), request),
+                        media_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache"},
+                    )
+                return JSONResponse(await _whole(run, chat, served_name(), request))
+            except APIError as err:
+                status = err.status
+                return err.response()
+            except Exception as err:  # a bug: answered, logged, the server goes on
+                status = 500
+                logging.getLogger("colibri.server").exception("request failed")
+                return APIError(
+                    500, f"internal error: {type(err).__name__}: {err}", type="server_error"
+                ).response()
+            finally:
+                metrics.requests.labels(kind, str(status)).inc()
+
+        return handle
+
+    async def models(request: Request) -> Response:
+        try:
+            check_key(request)
+            ready()
+        except APIError as err:
+            return err.response()
+        card = {"id": served_name(), "object": "model", "created": created, "owned_by": "colibri"}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(request: Request) -> Response:
+        if state["error"] is not None:
+            return JSONResponse({"status": "error", "error": str(state["error"])}, status_code=500)
+        if state["engine"] is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ok", "model": served_name()})
+
+    async def prometheus(request: Request) -> Response:
+        try:
+            check_key(request)
+        except APIError as err:
+            return err.response()
+        data = await asyncio.to_thread(generate_latest, metrics.registry)
+        return Response(data, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return APIError(
+            404, f"no such endpoint: {request.method} {request.url.path}", code="not_found"
+        ).response()
+
+    async def wrong_method(request: Request, exc: Exception) -> Response:
+        return APIError(405, f"{request.method} is not allowed on {request.url.path}").response()
+
+    routes = [
+        Route("/v1/chat/completions", endpoint("chat"), methods=["POST"]),
+        Route("/v1/completions", endpoint("completion"), methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={404: not_found, 405: wrong_method})
+
+
+async def _until_done_or_gone(run: _Run, request: Request, work: Any) -> Any:
+    """Awaits ``work``; if the client goes away first, cancels the run."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                run.cancel()
+                task.cancel()
+                raise APIError(499, "client closed the request")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+async def _whole(run: _Run, chat: bool, model: str, request: Request) -> dict[str, Any]:
+    async def collect() -> None:
+        async for choice, piece in run.events():
+            if piece is not None:
+                choice.text += piece
+
+    await _until_done_or_gone(run, request, collect())
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    choices = []
+    for c in run.choices:
+        if chat:
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": None,
+                    "finish_reason": c.finish_reason,
+                }
+            )
+        else:
+            choices.append(
+                {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+            )
+    return {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": run.usage(),
+    }
+
+
+async def _sse(run: _Run, chat: bool, model: str, request: Request) -> AsyncIterator[str]:
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    created = int(time.time())
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        body: dict[str, Any] = {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": model,
+            "choices": choices,
+        }
+        if run.job.include_usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def choice(c: _Choice, text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+        if chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            if text is not None:
+                delta["content"] = text
+            return {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": c.index, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+    try:
+        if chat:
+            for c in run.choices:
+                yield chunk([choice(c, None, None, role=True)])
+        try:
+            async for c, piece in run.events():
+                if piece is None:
+                    yield chunk([choice(c, None if chat else "", c.finish_reason)])
+                else:
+                    yield chunk([choice(c, piece, None)])
+        except APIError as err:
+            yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.type}})}\n\n"
+            return
+        if run.job.include_usage:
+            body = {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": run.usage(),
+            }
+            yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        # Finished, or the client went away (the response task is cancelled
+        # and this runs): nothing more is computed for it.
+        run.cancel()
+
+
+def serve(
+    model: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    model_name: str | None = None,
+    log_level: str = "info",
+    **engine_options: Any,
+) -> None:
+    """Loads ``model`` (a ``.colibri`` file, ``"demo"``, or a Hugging Face
+    folder converted on the fly as :meth:`Engine.from_pretrained` does) and
+    serves it until interrupted. ``engine_options`` go to the engine
+    (``threads``, ``ram_budget``, ``max_batch``, ``max_queue``, ...)."""
+    import uvicorn
+
+    from ._engine import Engine
+
+    def load() -> Any:
+        if model == "demo":
+            return Engine.demo(**engine_options)
+        if os.path.isdir(model):
+            return Engine.from_pretrained(model, **engine_options)
+        return Engine(model, **engine_options)
+
+    app = create_app(load, model_name=model_name, api_key=api_key)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
