@@ -16,6 +16,7 @@ from ._colibri import kernel_tables as _kernel_tables
 from ._colibri import recipes as _recipes
 from ._engine import Engine, calibrate, convert, plan
 from ._errors import (
+    BusyError,
     ChatTemplateError,
     CheckpointError,
     ColibriError,

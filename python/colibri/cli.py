@@ -256,6 +256,9 @@ def _open_model(args: argparse.Namespace, positional: list[str]) -> tuple[Engine
     positionals left over."""
     store = {"ram_budget": args.ram, "io": args.io, "prefetch": args.prefetch}
     store["kv_cache"] = args.kv_cache
+    for name in ("max_batch", "max_queue"):
+        if getattr(args, name, None) is not None:
+            store[name] = getattr(args, name)
     if args.demo:
         return Engine.demo(threads=args.threads, **store), positional
     if not positional:
@@ -295,6 +298,29 @@ def _report(args: argparse.Namespace, stream: Any) -> None:
 def _write(text: str) -> None:
     sys.stdout.write(text)
     sys.stdout.flush()
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    if len(args.args) > (0 if args.demo else 1):
+        raise _UsageError("give one model (a .colibri file or a Hugging Face folder), or --demo")
+    if not args.demo and not args.args:
+        raise _UsageError("give a model (a .colibri file or a Hugging Face folder), or --demo")
+    if not 0 < args.port < 65536:
+        raise _UsageError(f"--port must be in 1..65535, got {args.port}")
+    try:
+        from .server import serve
+    except ImportError as e:
+        raise _UsageError(str(e)) from e
+    print(f"colibri: serving on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", file=sys.stderr)
+    serve(
+        lambda: _open_model(args, list(args.args))[0],
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        model_name=args.served_model_name or ("demo" if args.demo else None),
+        log_level="info" if args.verbose else "warning",
+    )
+    return 0
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -598,6 +624,40 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--system", metavar="TEXT", help="a system message to start the conversation")
     _add_sampling_flags(ch)
     ch.set_defaults(func=_cmd_chat)
+
+    sv = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        usage="colibri serve (MODEL | --demo) [--host H] [--port P] [options]",
+        description="Serves /v1/chat/completions, /v1/completions (streaming or not), /v1/models, "
+        "/health and /metrics (Prometheus). Concurrent requests are batched: every step advances "
+        "all running generations by one token. Needs the serve extra: "
+        "pip install 'colibri-moe[serve]'.",
+    )
+    sv.add_argument("args", nargs="*", metavar="MODEL", help=argparse.SUPPRESS)
+    _add_model_flags(sv)
+    sv.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
+    sv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    sv.add_argument("--max-batch", type=int, default=16, metavar="N", help="most generations running at once")
+    sv.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        metavar="N",
+        help="most generations waiting; beyond it requests get 429 (default 64, 0 = no limit)",
+    )
+    sv.add_argument(
+        "--api-key",
+        metavar="KEY",
+        default=os.environ.get("COLIBRI_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: $COLIBRI_API_KEY)",
+    )
+    sv.add_argument(
+        "--served-model-name", metavar="NAME", help="the model id clients use (default: file stem)"
+    )
+    sv.set_defaults(func=_cmd_serve)
 
     i = sub.add_parser(
         "info",

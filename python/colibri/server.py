@@ -729,7 +729,15 @@ async def _sse(run: _Run, chat: bool, model: str, request: Request) -> AsyncIter
             for c in run.choices:
                 yield chunk([choice(c, None, None, role=True)])
         try:
+            checked = time.perf_counter()
             async for c, piece in run.events():
+                now = time.perf_counter()
+                if now - checked > 0.02:
+                    # The transport does not fail a write to a closed socket:
+                    # ask the server whether the client is still there.
+                    checked = now
+                    if await request.is_disconnected():
+                        return
                 if piece is None:
                     yield chunk([choice(c, None if chat else "", c.finish_reason)])
                 else:
@@ -755,7 +763,7 @@ async def _sse(run: _Run, chat: bool, model: str, request: Request) -> AsyncIter
 
 
 def serve(
-    model: str,
+    model: Any,
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
@@ -764,20 +772,25 @@ def serve(
     log_level: str = "info",
     **engine_options: Any,
 ) -> None:
-    """Loads ``model`` (a ``.colibri`` file, ``"demo"``, or a Hugging Face
-    folder converted on the fly as :meth:`Engine.from_pretrained` does) and
-    serves it until interrupted. ``engine_options`` go to the engine
+    """Serves a model until interrupted: ``model`` is an
+    :class:`~colibri.Engine`, a callable returning one (loaded in the
+    background; requests are answered 503 meanwhile), a ``.colibri`` path, a
+    Hugging Face folder, or ``"demo"``. ``engine_options`` go to the engine
     (``threads``, ``ram_budget``, ``max_batch``, ``max_queue``, ...)."""
     import uvicorn
 
     from ._engine import Engine
 
-    def load() -> Any:
-        if model == "demo":
-            return Engine.demo(**engine_options)
-        if os.path.isdir(model):
-            return Engine.from_pretrained(model, **engine_options)
-        return Engine(model, **engine_options)
+    if isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
 
-    app = create_app(load, model_name=model_name, api_key=api_key)
+        def load() -> Any:
+            if path == "demo":
+                return Engine.demo(**engine_options)
+            if os.path.isdir(path):
+                return Engine.from_pretrained(path, **engine_options)
+            return Engine(path, **engine_options)
+
+        model = load
+    app = create_app(model, model_name=model_name, api_key=api_key)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
