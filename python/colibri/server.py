@@ -82,7 +82,7 @@ _COMMON = {
     "logit_bias",
 }
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs"}
-_COMPLETION = _COMMON | {"prompt", "echo", "suffix", "best_of"}
+_COMPLETION = _COMMON | {"prompt", "echo", "suffix", "best_of", "return_token_ids"}
 
 
 class APIError(Exception):
@@ -175,6 +175,8 @@ class Job:
     logprobs: int | None
     prompt_field: str
     options: dict[str, Any] = field(default_factory=dict)
+    #: vLLM's extra: each choice also carries its generated token ids.
+    return_token_ids: bool = False
 
 
 def _parse(body: Any, allowed: set[str], chat: bool, engine: Any, model_name: str) -> Job:
@@ -256,7 +258,15 @@ def _parse(body: Any, allowed: set[str], chat: bool, engine: Any, model_name: st
     prompts = [_render(body, engine)] if chat else _prompts(body)
     if len(prompts) * n > MAX_N:
         raise _bad("n", f"{len(prompts)} prompts x n={n} asks {len(prompts) * n} choices; at most {MAX_N}")
-    return Job(prompts, n, stream, include_usage, logprobs, "messages" if chat else "prompt", opts)
+    job = Job(prompts, n, stream, include_usage, logprobs, "messages" if chat else "prompt", opts)
+    job.return_token_ids = bool(_bool(body, "return_token_ids"))
+    if not engine.has_tokenizer and not (job.return_token_ids and all(_token_ids(p) for p in prompts)):
+        raise APIError(
+            400,
+            "this model has no tokenizer: give the prompt as token ids and set return_token_ids: true",
+            param="prompt",
+        )
+    return job
 
 
 def _render(body: Mapping[str, Any], engine: Any) -> list[int]:
@@ -316,6 +326,7 @@ class _Choice:
     tokens: int = 0
     finish_reason: str | None = None
     first_token: float | None = None
+    token_ids: list[int] = field(default_factory=list)
 
 
 class _Run:
@@ -328,7 +339,10 @@ class _Run:
         self.choices: list[_Choice] = []
         self.streams: list[Any] = []
         self.started = time.perf_counter()
-        ids = [engine.tokenize(p) if isinstance(p, str) else list(p) for p in job.prompts]
+        try:
+            ids = [engine.tokenize(p) if isinstance(p, str) else list(p) for p in job.prompts]
+        except InvalidInputError as e:
+            raise _bad(job.prompt_field, str(e)) from e
         ctx = engine.context_length
         for p in ids:
             if not p:
@@ -352,7 +366,8 @@ class _Run:
                     if opts.get("seed") is not None:
                         opts["seed"] = (opts["seed"] + j) % (1 << 64)
                     # Token ids in, text pieces out.
-                    stream = engine._start(p, text_out=True, add_special_tokens=False, **opts)
+                    # (A model without a tokenizer: ids out, no text.)
+                    stream = engine._start(p, text_out=engine.has_tokenizer, add_special_tokens=False, **opts)
                     self.streams.append(stream)
                     self.choices.append(_Choice(index=k * job.n + j, prompt_tokens=len(p)))
         except BusyError as e:
@@ -385,8 +400,9 @@ class _Run:
                     for _ in range(n - choice.tokens):
                         self.metrics.tpot.observe(gap)
                 last, choice.tokens = now, n
-                put(self.queue.put_nowait, (choice.index, piece))
-            choice.tokens = len(stream.token_ids)
+                put(self.queue.put_nowait, (choice.index, piece if isinstance(piece, str) else ""))
+            choice.token_ids = stream.token_ids
+            choice.tokens = len(choice.token_ids)
             choice.finish_reason = stream.finish_reason
             put(self.queue.put_nowait, (choice.index, None))
         except BaseException as e:  # delivered to the request, never lost in a thread
@@ -689,6 +705,8 @@ async def _whole(run: _Run, chat: bool, model: str, request: Request) -> dict[st
             choices.append(
                 {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
             )
+            if run.job.return_token_ids:
+                choices[-1]["token_ids"] = c.token_ids
     return {
         "id": rid,
         "object": "chat.completion" if chat else "text_completion",

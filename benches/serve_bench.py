@@ -1,0 +1,146 @@
+#!/usr/bin/env python3
+"""Load on `colibri serve`: aggregate decode tokens/s and request latency at
+several numbers of concurrent clients, beside the batched roofline.
+
+The server runs in its own process (`colibri serve MODEL --threads T`);
+each client is a thread sending non-streamed /v1/completions requests one
+after another (short distinct prompts, `max_tokens` tokens each, ignore_eos
+so every request makes exactly that many). Aggregate tokens/s = all
+completion tokens / wall time of the run; latency = each request's wall time.
+
+The roofline of a step: the bytes it must read, the dense part (every
+tensor but the routed experts and the embedding table) once plus the
+experts its B tokens choose (with uniform routing, which these random-weight
+models have, E·(1 - (1 - k/E)^B) distinct experts per layer), against the
+read bandwidth given by --bandwidth. B concurrent decoders can then run at
+most B · bandwidth / bytes(B) tokens/s.
+
+    python benches/serve_bench.py benches/.cache/olmoe-l4/q4_0.colibri --clients 1,2,4,8,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+import colibri
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def step_bytes(model: Path) -> tuple[float, float, int, int, int]:
+    """(dense bytes, bytes of one expert of one layer, experts, top-k, MoE layers)."""
+    e = colibri.Engine(model, threads=1)
+    cfg = e.config
+    moe = cfg["moe"]
+    experts, top_k = int(moe["num_experts"]), int(moe["router"]["top_k"])
+    layers = sum(1 for x in cfg["layers"] if x["ffn"]["kind"] == "moe")
+    dense = expert = 0
+    for name, _dtype, _shape, nbytes in e.tensors():
+        if ".moe.experts." in name:
+            expert += nbytes
+        elif name != "embed":  # one row per token is all the embedding reads
+            dense += nbytes
+    return dense, expert / (experts * layers), experts, top_k, layers
+
+
+def run(url: str, clients: int, requests: int, max_tokens: int) -> dict[str, float]:
+    # Token-id prompts (the bench models have no tokenizer): 16 distinct ids each.
+    prompts = [[(i * 97 + j * 13 + 5) % 50000 for j in range(16)] for i in range(clients * requests)]
+
+    def one(k: int) -> list[tuple[float, int]]:
+        out = []
+        with httpx.Client(timeout=600) as c:
+            for r in range(requests):
+                body = {
+                    "prompt": prompts[k * requests + r],
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                }
+                t = time.perf_counter()
+                resp = c.post(url + "/v1/completions", json=body)
+                resp.raise_for_status()
+                out.append((time.perf_counter() - t, resp.json()["usage"]["completion_tokens"]))
+        return out
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = [x for xs in pool.map(one, range(clients)) for x in xs]
+    wall = time.perf_counter() - t0
+    lat = sorted(x[0] for x in results)
+    tokens = sum(x[1] for x in results)
+    p99 = lat[min(len(lat) - 1, int(round(0.99 * (len(lat) - 1))))]
+    return {"tok_s": tokens / wall, "p50": statistics.median(lat), "p99": p99, "tokens": tokens}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--clients", default="1,2,4,8,16")
+    ap.add_argument("--requests", type=int, default=2, help="requests per client")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3, help="runs per cell (the median is reported)")
+    ap.add_argument(
+        "--bandwidth", type=float, default=23.5e9, help="read bandwidth, bytes/s, for the roofline"
+    )
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+
+    dense, expert, n_exp, top_k, layers = step_bytes(args.model)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "colibri", "serve", str(args.model), "--threads", str(args.threads)]
+    cmd += ["--port", str(port), "--max-batch", "16", "--max-queue", "0"]
+    server = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    rows = []
+    try:
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        run(url, 1, 1, 8)  # warm-up: page the weights in
+        base = None
+        for b in [int(x) for x in args.clients.split(",")]:
+            reps = [run(url, b, args.requests, args.max_tokens) for _ in range(args.reps)]
+            med = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
+            distinct = n_exp * (1 - (1 - top_k / n_exp) ** b)
+            step = dense + layers * distinct * expert
+            roof = b * args.bandwidth / step
+            base = base or med["tok_s"]
+            rows.append({"clients": b, **med, "step_bytes": step, "roofline_tok_s": roof})
+            print(
+                f"{b:3d} clients: {med['tok_s']:7.1f} tok/s ({med['tok_s'] / base:4.2f}x one), "
+                f"p50 {med['p50']:.2f} s, p99 {med['p99']:.2f} s; step {step / 1e6:.0f} MB, "
+                f"roofline {roof:.0f} tok/s ({med['tok_s'] / roof:.0%})",
+                flush=True,
+            )
+    finally:
+        server.terminate()
+        server.wait(30)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
