@@ -26,11 +26,11 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::Engine;
-use super::generation::{FinishReason, GenerateOptions, Timings};
+use super::generation::{FinishReason, GenerateOptions, Timings, check_request};
 use super::sampling::Sampler;
 use super::session::{DEFAULT_CHUNK, Sequence, Workspace};
 use crate::error::{Error, Result};
-use crate::model::forward::{Segment, check_ids, forward_batch};
+use crate::model::forward::{Segment, forward_batch};
 
 /// How a scheduler batches.
 #[derive(Clone, Copy, Debug)]
@@ -202,16 +202,7 @@ impl Scheduler {
     /// checked here, so a bad request is an error at once; the work starts
     /// when a place is free. A full queue is [`Error::Busy`].
     pub fn submit(&self, prompt: &[u32], opts: &GenerateOptions) -> Result<Ticket> {
-        let model = self.engine.model();
-        let ctx = model.config.max_seq_len;
-        if prompt.len() > ctx {
-            return Err(Error::ContextOverflow(format!(
-                "prompt of {} tokens is longer than the model's context of {ctx}",
-                prompt.len()
-            )));
-        }
-        let sampler = Sampler::new(opts.sampling.clone(), model.config.vocab_size, prompt)?;
-        check_ids(model, prompt)?;
+        let sampler = check_request(&self.engine, prompt, opts)?;
         let (tx, rx) = mpsc::channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let ticket = Ticket {

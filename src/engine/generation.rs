@@ -13,7 +13,7 @@ use super::Engine;
 use super::sampling::{Sampler, SamplingParams};
 use super::session::Session;
 use crate::error::{Error, Result};
-use crate::model::forward::{Capture, check_tokens};
+use crate::model::forward::{Capture, check_ids};
 
 /// What to generate and when to stop.
 #[derive(Clone, Debug)]
@@ -106,20 +106,29 @@ impl std::fmt::Debug for Generation {
     }
 }
 
+/// Checks a request before any work (prompt ids and length, sampling
+/// options) and makes its sampler; shared by [`Generation`] and the
+/// scheduler.
+pub(super) fn check_request(engine: &Engine, prompt: &[u32], opts: &GenerateOptions) -> Result<Sampler> {
+    let model = engine.model();
+    let ctx = model.config.max_seq_len;
+    if prompt.len() > ctx {
+        return Err(Error::ContextOverflow(format!(
+            "prompt of {} tokens is longer than the model's context of {ctx}",
+            prompt.len()
+        )));
+    }
+    let sampler = Sampler::new(opts.sampling.clone(), model.config.vocab_size, prompt)?;
+    check_ids(model, prompt)?;
+    Ok(sampler)
+}
+
 impl Generation {
     /// Checks the prompt and options and allocates the session; no compute.
     pub(super) fn new(engine: &Engine, prompt: &[u32], opts: &GenerateOptions) -> Result<Generation> {
-        let model = engine.model();
-        let ctx = model.config.max_seq_len;
-        if prompt.len() > ctx {
-            return Err(Error::ContextOverflow(format!(
-                "prompt of {} tokens is longer than the model's context of {ctx}",
-                prompt.len()
-            )));
-        }
-        let sampler = Sampler::new(opts.sampling.clone(), model.config.vocab_size, prompt)?;
+        let sampler = check_request(engine, prompt, opts)?;
+        let ctx = engine.model().config.max_seq_len;
         let session = engine.session(prompt.len().saturating_add(opts.max_new_tokens).min(ctx));
-        check_tokens(model, &session.seq, prompt)?;
         Ok(Generation {
             engine: engine.clone(),
             session,
