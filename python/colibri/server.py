@@ -198,8 +198,7 @@ def _parse(body: Any, allowed: set[str], chat: bool, engine: Any, model_name: st
     for name in ("echo", "suffix"):
         if body.get(name):
             raise _bad(name, "is not supported")
-    best_of = _int(body, "best_of", 1, 1)
-    del best_of  # only 1, the default, is supported
+    _int(body, "best_of", 1, 1)  # checked only: 1, the default, is all there is
     n = _int(body, "n", 1, MAX_N) or 1
     stream = bool(_bool(body, "stream"))
     so = body.get("stream_options")

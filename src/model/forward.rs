@@ -188,6 +188,16 @@ fn forward_chunk(
     Ok(())
 }
 
+/// Each segment with its first row, in order (no allocation: the forward
+/// pass never allocates).
+fn rows_mut<'s, 'a>(segs: &'s mut [Segment<'a>]) -> impl Iterator<Item = (usize, &'s mut Segment<'a>)> {
+    segs.iter_mut().scan(0, |r0, g| {
+        let at = *r0;
+        *r0 += g.tokens.len();
+        Some((at, g))
+    })
+}
+
 /// Each segment's first row and its row count, in order.
 fn rows<'a>(segs: &'a [Segment]) -> impl Iterator<Item = (usize, usize)> + 'a {
     segs.iter().scan(0, |r0, g| {
@@ -250,14 +260,14 @@ fn attention(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n
     let ad = c.att_dim();
     // Over the q/k head width Dh (MLA: nope + rope, not the latent's width).
     let scale = c.attention.softmax_scale.unwrap_or(1.0 / (dh as f32).sqrt());
-    let spans: Vec<(usize, usize)> = rows(segs).collect();
     match lw.qkv {
         QkvRefs::Gqa { wq, wk, wv } => {
             let (qd, kvd) = (c.q_dim(), c.kv_dim());
             gqa_qkv(model, lw, [wq, wk, wv], s, n); // q: [T, H·Dh], k, v: [T, Hkv·Dh]
             let heads = Heads { h, hkv: c.num_kv_heads, dk: dh, dv: dh, window, scale, sinks };
-            for (g, &(r0, m)) in segs.iter_mut().zip(&spans) {
-                let (r, pos0) = (r0..r0 + m, g.seq.pos);
+            for (r0, g) in rows_mut(segs) {
+                let (m, pos0) = (g.tokens.len(), g.seq.pos);
+                let r = r0..r0 + m;
                 g.seq.kv.store(l, pos0, &s.k[r.start * kvd..r.end * kvd], &s.v[r.start * kvd..r.end * kvd]);
                 let (q, att) = (&s.q[r.start * qd..r.end * qd], &mut s.att[r.start * ad..r.end * ad]);
                 attend(q, g.seq.kv.view(l, pos0 + m), pos0, heads, &mut s.att_order, att); // [m, H·Dh]
@@ -285,8 +295,8 @@ fn attention(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n
             // One latent "kv head" shared by all heads; the values are the latent.
             let heads = Heads { h, hkv: 1, dk: r + dr, dv: r, window, scale, sinks };
             let (qw, ow) = (h * (r + dr), h * r);
-            for (g, &(r0, t)) in segs.iter_mut().zip(&spans) {
-                let pos0 = g.seq.pos;
+            for (r0, g) in rows_mut(segs) {
+                let (t, pos0) = (g.tokens.len(), g.seq.pos);
                 g.seq.kv.store(l, pos0, &s.k[r0 * (r + dr)..(r0 + t) * (r + dr)], &[]);
                 let qa = &s.mla.q_abs[r0 * qw..(r0 + t) * qw];
                 let o_lat = &mut s.mla.o_lat[r0 * ow..(r0 + t) * ow];
