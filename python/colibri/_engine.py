@@ -579,14 +579,24 @@ class Engine:
     # ------------------------------------------------------------------
     # Forward passes
 
-    def routing_stats(self) -> dict[str, Any]:
-        """How the router has chosen experts since the file was opened.
+    def routing_stats(self, since: dict[str, Any] | None = None) -> dict[str, Any]:
+        """How the router has chosen experts since the file was opened, or
+        over the tokens run since ``since`` (an earlier result of this call
+        on the same engine: counts are subtracted and the figures computed
+        again over that window).
 
         Per MoE layer: ``heat`` (times each expert was chosen), utilisation
-        entropy (bits, and normalised to [0, 1]), and the mean and histogram of
-        the margin between each token's top-1 and top-2 router probabilities.
+        entropy (bits, and normalised to [0, 1]), the mean (``mean_margin``)
+        and histogram of the margin between each token's top-1 and top-2
+        router probabilities, router health (``dead``: experts never chosen;
+        ``overloaded``: chosen more than 3x their uniform share; ``max_load``:
+        the busiest expert's count over its uniform share) and ``residency``,
+        one character per expert: ``R`` resident, ``P`` pinned in the expert
+        cache, ``C`` cached, ``.`` on disk. A ``since`` that is not an earlier
+        snapshot of this model raises ValueError.
         """
-        return dict(json.loads(self._native.routing_stats_json()))
+        earlier = None if since is None else json.dumps(since)
+        return dict(json.loads(self._native.routing_stats_json(earlier)))
 
     def batch_stats(self) -> dict[str, Any]:
         """The generation scheduler's counters since the engine opened:

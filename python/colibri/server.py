@@ -24,6 +24,7 @@ import os
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -35,7 +36,7 @@ try:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
     from starlette.applications import Starlette
     from starlette.requests import Request
-    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -52,6 +53,9 @@ MAX_N = 16
 MAX_STOP = 4
 #: Most alternatives per token in ``top_logprobs`` (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
+#: Routed tokens the dashboard's heat map and the router-health metrics
+#: cover (the most recent ones).
+ROUTING_WINDOW = 1024
 
 # Fields each endpoint takes; anything else is a 400 naming the field.
 _COMMON = {
@@ -393,6 +397,7 @@ class _Run:
                 if choice.first_token is None and n:
                     choice.first_token = now
                     self.metrics.ttft.observe(now - self.started)
+                    self.metrics.monitor.ttfts.append(now - self.started)
                 elif n > choice.tokens:
                     # A piece can hold several tokens: their mean gap.
                     gap = (now - last) / (n - choice.tokens)
@@ -435,12 +440,65 @@ class _Run:
 # Metrics
 
 
+class _Monitor:
+    """Recent history of the engine's counters, so the dashboard and
+    ``/metrics`` can give rates over the last seconds and routing over the
+    last :data:`ROUTING_WINDOW` tokens. Sampled whenever either is read."""
+
+    #: Seconds the token rates average over.
+    RATE_SECONDS = 5.0
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        #: (time, prompt tokens, generated tokens), one every quarter second.
+        self.rates: deque[tuple[float, int, int]] = deque(maxlen=64)
+        #: Routing snapshots, one each time tokens have run since the last.
+        self.routing: deque[dict[str, Any]] = deque(maxlen=256)
+        #: Recent times to first token (seconds).
+        self.ttfts: deque[float] = deque(maxlen=64)
+
+    def sample(self, engine: Any) -> dict[str, Any]:
+        """Counters now, token rates and the routing window."""
+        now = time.monotonic()
+        b = engine.batch_stats()
+        r = engine.routing_stats()
+        with self.lock:
+            if not self.rates or now - self.rates[-1][0] >= 0.25:
+                self.rates.append((now, b["prompt_tokens"], b["generated_tokens"]))
+            if not self.routing or self.routing[-1]["tokens"] != r["tokens"]:
+                self.routing.append(r)
+            # Rates: against the oldest sample within RATE_SECONDS.
+            t0, p0, g0 = next(
+                (x for x in self.rates if now - x[0] <= self.RATE_SECONDS + 0.25), self.rates[-1]
+            )
+            span = now - t0
+            rate_in = (b["prompt_tokens"] - p0) / span if span > 0 else 0.0
+            rate_out = (b["generated_tokens"] - g0) / span if span > 0 else 0.0
+            # Routing: since the last snapshot at least ROUTING_WINDOW tokens
+            # back, else since the engine opened (at least the window, or
+            # everything when less has run).
+            earlier = None
+            for snap in self.routing:
+                if snap["tokens"] <= r["tokens"] - ROUTING_WINDOW:
+                    earlier = snap
+            ttfts = sorted(self.ttfts)
+        window = r if earlier is None else engine.routing_stats(since=earlier)
+        return {
+            "batch": b,
+            "tokens_per_second_in": rate_in,
+            "tokens_per_second_out": rate_out,
+            "ttft_p50": ttfts[len(ttfts) // 2] if ttfts else None,
+            "routing": window,
+        }
+
+
 class _Metrics:
     """Prometheus metrics of one app: request-side histograms observed here,
     the engine's own counters read at each scrape."""
 
     def __init__(self, engine_ref: Callable[[], Any]) -> None:
         self.registry = CollectorRegistry()
+        self.monitor = _Monitor()
         self.ttft = Histogram(
             "colibri_time_to_first_token_seconds",
             "Time from a request's arrival to its first generated token.",
@@ -459,18 +517,20 @@ class _Metrics:
             ["endpoint", "status"],
             registry=self.registry,
         )
-        self.registry.register(_EngineCollector(engine_ref))
+        self.registry.register(_EngineCollector(engine_ref, self.monitor))
 
 
 class _EngineCollector:
-    def __init__(self, engine_ref: Callable[[], Any]) -> None:
+    def __init__(self, engine_ref: Callable[[], Any], monitor: _Monitor) -> None:
         self.engine_ref = engine_ref
+        self.monitor = monitor
 
     def collect(self) -> Iterable[Any]:
         engine = self.engine_ref()
         if engine is None:
             return
-        b = engine.batch_stats()
+        m = self.monitor.sample(engine)
+        b = m["batch"]
         yield CounterMetricFamily(
             "colibri_prompt_tokens", "Prompt tokens processed.", value=b["prompt_tokens"]
         )
@@ -508,15 +568,26 @@ class _EngineCollector:
             "Expert bytes read from disk per token.",
             s["bytes_read_per_token"],
         )
-        r = engine.routing_stats()
-        g = GaugeMetricFamily(
-            "colibri_routing_entropy",
-            "Normalised entropy of each layer's expert use (1 = uniform).",
-            labels=["layer"],
-        )
-        for layer in r.get("layers", []):
-            g.add_metric([str(layer["layer"])], layer["entropy"])
-        yield g
+        # Router health over the recent window.
+        over = f" over the last {ROUTING_WINDOW} routed tokens"
+        per_layer = [
+            (
+                "colibri_routing_entropy",
+                "Normalised entropy of each layer's expert use (1 = uniform)",
+                "entropy",
+            ),
+            ("colibri_router_dead_experts", "Experts of each layer never chosen", "dead"),
+            ("colibri_router_overloaded_experts", "Experts chosen over 3x their uniform share", "overloaded"),
+            ("colibri_router_max_load", "Busiest expert's choices over its uniform share", "max_load"),
+            ("colibri_router_top1_margin", "Mean top-1 minus top-2 router probability", "mean_margin"),
+        ]
+        layers = m["routing"].get("layers", [])
+        for metric, doc, key in per_layer:
+            g = GaugeMetricFamily(metric, doc + over + ".", labels=["layer"])
+            for layer in layers:
+                v = layer[key]
+                g.add_metric([str(layer["layer"])], len(v) if isinstance(v, list) else v)
+            yield g
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -646,6 +717,38 @@ def create_app(
         data = await asyncio.to_thread(generate_latest, metrics.registry)
         return Response(data, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    async def dashboard(request: Request) -> Response:
+        # The page holds no data: it reads /dashboard/data (with the key
+        # given after # in its address when the server has one).
+        return HTMLResponse(_dashboard_page(), headers={"Cache-Control": "no-cache"})
+
+    async def dashboard_data(request: Request) -> Response:
+        try:
+            check_key(request)
+            e = ready()
+        except APIError as err:
+            return err.response()
+        m = await asyncio.to_thread(metrics.monitor.sample, e)
+        b, r = m.pop("batch"), m["routing"]
+        store = await asyncio.to_thread(e.store_stats)
+        m.update(
+            {
+                "model": served_name(),
+                "queue": b["waiting"],
+                "running": b["running"],
+                "batch_size": b["last_batch"],
+                "max_batch": b["max_batch"],
+                "kv_tokens": b["kv_tokens"],
+                "generated_tokens": b["generated_tokens"],
+                "streaming": bool(store["streaming"]),
+                "hit_rate": store["hit_rate"],
+                "routing_window": ROUTING_WINDOW,
+                "top_k": ((e.config.get("moe") or {}).get("router") or {}).get("top_k"),
+            }
+        )
+        m["routing"] = {"tokens": r["tokens"], "layers": r["layers"]}
+        return JSONResponse(m)
+
     async def not_found(request: Request, exc: Exception) -> Response:
         return APIError(
             404, f"no such endpoint: {request.method} {request.url.path}", code="not_found"
@@ -660,8 +763,16 @@ def create_app(
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
+        Route("/", dashboard, methods=["GET"]),
+        Route("/dashboard/data", dashboard_data, methods=["GET"]),
     ]
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: wrong_method})
+
+
+def _dashboard_page() -> str:
+    from importlib.resources import files
+
+    return files("colibri").joinpath("data", "dashboard.html").read_text(encoding="utf-8")
 
 
 async def _until_done_or_gone(run: _Run, request: Request, work: Any) -> Any:

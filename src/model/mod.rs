@@ -277,7 +277,11 @@ impl Model {
     /// Routing telemetry since open: per MoE layer and expert, how often it
     /// was chosen (heat), utilisation entropy, top-1/top-2 margins.
     pub fn routing_stats(&self) -> RoutingStats {
-        self.telemetry.snapshot()
+        let mut r = self.telemetry.snapshot();
+        for l in &mut r.layers {
+            self.experts.residency(l.layer, &mut l.residency, l.heat.len());
+        }
+        r
     }
 
     /// What the expert store did since open: hits, bytes read per token,

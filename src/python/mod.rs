@@ -142,9 +142,20 @@ impl NativeEngine {
         self.inner.kv_bytes_per_token()
     }
 
-    /// Routing statistics as JSON text (counts since the file was opened).
-    fn routing_stats_json(&self) -> String {
-        serde_json::to_string(&self.inner.model().routing_stats()).unwrap_or_default()
+    /// Routing statistics as JSON text: counts since the file was opened, or
+    /// since `since` (the JSON of an earlier snapshot of this model).
+    #[pyo3(signature = (since=None))]
+    fn routing_stats_json(&self, since: Option<&str>) -> PyResult<String> {
+        let now = self.inner.model().routing_stats();
+        let stats = match since {
+            None => now,
+            Some(text) => {
+                let earlier: crate::model::store::RoutingStats = serde_json::from_str(text)
+                    .map_err(|e| to_py(Error::InvalidInput(format!("since: not a routing_stats() snapshot: {e}"))))?;
+                now.since(&earlier).map_err(to_py)?
+            }
+        };
+        Ok(serde_json::to_string(&stats).unwrap_or_default())
     }
 
     /// Expert-store statistics as JSON text (counts since the file was opened).

@@ -218,6 +218,13 @@ pub trait ExpertStore: Send + Sync {
 
     /// Counters so far.
     fn stats(&self) -> StoreStats;
+
+    /// Where the experts of `layer` are now, one byte per expert written to
+    /// `out` (see [`telemetry::LayerRouting::residency`]): `R` when every
+    /// expert is resident.
+    fn residency(&self, _layer: usize, out: &mut String, experts: usize) {
+        out.extend(std::iter::repeat_n('R', experts));
+    }
 }
 
 /// One expert held for as long as the guard lives.

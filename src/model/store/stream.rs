@@ -687,6 +687,19 @@ impl ExpertStore for StreamStore {
         }
     }
 
+    fn residency(&self, layer: usize, out: &mut String, experts: usize) {
+        let st = self.shared.lock();
+        let Some(index) = st.index.get(layer) else {
+            out.extend(std::iter::repeat_n('.', experts));
+            return;
+        };
+        out.extend(index.iter().map(|&s| match st.slots.get(s as usize) {
+            Some(m) if m.pinned => 'P',
+            Some(m) if m.state == SlotState::Ready => 'C',
+            _ => '.',
+        }));
+    }
+
     fn begin_layer(&self, layer: usize) {
         let mut st = self.shared.lock();
         let before = st.queue.len();

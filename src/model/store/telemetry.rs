@@ -7,9 +7,10 @@
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::{IoMode, Policy};
+use crate::error::{Error, Result};
 
 /// Buckets of the top-1/top-2 margin histogram, evenly spaced over [0, 1].
 pub const MARGIN_BUCKETS: usize = 10;
@@ -78,39 +79,25 @@ impl Telemetry {
             .enumerate()
             .filter(|(_, t)| !t.counts.is_empty())
             .map(|(layer, t)| {
-                let heat: Vec<u64> = t.counts.iter().map(|c| c.load(Relaxed)).collect();
-                let tokens = t.tokens.load(Relaxed);
-                let total: u64 = heat.iter().sum();
-                let entropy_bits = if total == 0 {
-                    0.0
-                } else {
-                    heat.iter()
-                        .filter(|&&c| c > 0)
-                        .map(|&c| {
-                            let p = c as f64 / total as f64;
-                            -p * p.log2()
-                        })
-                        .sum()
-                };
-                let max_bits = (heat.len() as f64).log2();
-                let margin_sum = t.margin_sum.load(Relaxed) as f64 / MARGIN_SCALE;
-                LayerRouting {
+                LayerRouting::from_counts(
                     layer,
-                    tokens,
-                    entropy_bits,
-                    entropy: if max_bits > 0.0 { entropy_bits / max_bits } else { 0.0 },
-                    mean_margin: if tokens > 0 { margin_sum / tokens as f64 } else { 0.0 },
-                    margin_histogram: t.margin_hist.iter().map(|h| h.load(Relaxed)).collect(),
-                    heat,
-                }
+                    t.tokens.load(Relaxed),
+                    t.counts.iter().map(|c| c.load(Relaxed)).collect(),
+                    t.margin_sum.load(Relaxed) as f64 / MARGIN_SCALE,
+                    t.margin_hist.iter().map(|h| h.load(Relaxed)).collect(),
+                )
             })
             .collect();
         RoutingStats { tokens: self.tokens.load(Relaxed), layers }
     }
 }
 
+/// An expert is overloaded when chosen more than this many times its
+/// uniform share of a layer's choices.
+pub const OVERLOAD_FACTOR: f64 = 3.0;
+
 /// Routing telemetry of a model (`Engine.routing_stats()`).
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct RoutingStats {
     /// Tokens that went through the forward pass since the model was opened.
     pub tokens: u64,
@@ -118,8 +105,48 @@ pub struct RoutingStats {
     pub layers: Vec<LayerRouting>,
 }
 
+impl RoutingStats {
+    /// The routing of the tokens run between `earlier` (a snapshot of the
+    /// same model) and this snapshot: counts subtracted, the derived figures
+    /// (entropy, margins, dead and overloaded experts) computed again over
+    /// that window. An `earlier` that does not fit (other layers or experts,
+    /// or counts above these) is an [`Error::InvalidInput`].
+    pub fn since(&self, earlier: &RoutingStats) -> Result<RoutingStats> {
+        let bad = |what: &str| Error::InvalidInput(format!("routing stats to diff against {what}"));
+        if earlier.tokens > self.tokens || earlier.layers.len() != self.layers.len() {
+            return Err(bad("are not an earlier snapshot of this model"));
+        }
+        let sub = |a: &[u64], b: &[u64]| -> Result<Vec<u64>> {
+            if a.len() != b.len() {
+                return Err(bad("have other experts"));
+            }
+            a.iter().zip(b).map(|(&x, &y)| x.checked_sub(y).ok_or_else(|| bad("count more than now"))).collect()
+        };
+        let layers = self
+            .layers
+            .iter()
+            .zip(&earlier.layers)
+            .map(|(now, then)| {
+                if now.layer != then.layer || then.tokens > now.tokens {
+                    return Err(bad("are not an earlier snapshot of this model"));
+                }
+                let mut l = LayerRouting::from_counts(
+                    now.layer,
+                    now.tokens - then.tokens,
+                    sub(&now.heat, &then.heat)?,
+                    (now.margin_sum - then.margin_sum).max(0.0),
+                    sub(&now.margin_histogram, &then.margin_histogram)?,
+                );
+                l.residency.clone_from(&now.residency);
+                Ok(l)
+            })
+            .collect::<Result<_>>()?;
+        Ok(RoutingStats { tokens: self.tokens - earlier.tokens, layers })
+    }
+}
+
 /// Routing telemetry of one MoE layer.
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct LayerRouting {
     /// Decoder layer index.
     pub layer: usize,
@@ -128,16 +155,79 @@ pub struct LayerRouting {
     /// Times each expert was chosen (its heat), indexed by expert.
     pub heat: Vec<u64>,
     /// Shannon entropy of the experts' share of choices, in bits.
+    #[serde(default)]
     pub entropy_bits: f64,
     /// The same divided by log2(E): 1 = every expert used equally, 0 = one
     /// expert takes everything (or nothing routed yet).
+    #[serde(default)]
     pub entropy: f64,
-    /// Mean over tokens of p(first choice) − p(second choice), router
-    /// softmax probabilities before any renormalisation. Small margins mean
-    /// routing decisions that a tiny numerical change could flip.
+    /// Σ over tokens of p(first choice) − p(second choice), router softmax
+    /// probabilities before any renormalisation.
+    pub margin_sum: f64,
+    /// `margin_sum / tokens`. Small margins mean routing decisions that a
+    /// tiny numerical change could flip.
+    #[serde(default)]
     pub mean_margin: f64,
     /// Tokens per margin bucket: bucket i holds margins in [i/10, (i+1)/10).
     pub margin_histogram: Vec<u64>,
+    /// Experts never chosen (empty until a token has been routed).
+    #[serde(default)]
+    pub dead: Vec<usize>,
+    /// Experts chosen more than [`OVERLOAD_FACTOR`] times their uniform share.
+    #[serde(default)]
+    pub overloaded: Vec<usize>,
+    /// The busiest expert's count over its uniform share (1 = perfectly
+    /// balanced; 0 before any token).
+    #[serde(default)]
+    pub max_load: f64,
+    /// Where each expert's weights are now, one character per expert:
+    /// `R` resident (the whole model is mapped), `P` pinned in the cache,
+    /// `C` in the cache, `.` on disk (read when chosen).
+    #[serde(default)]
+    pub residency: String,
+}
+
+impl LayerRouting {
+    /// A layer's figures from its raw counts.
+    pub fn from_counts(layer: usize, tokens: u64, heat: Vec<u64>, margin_sum: f64, hist: Vec<u64>) -> LayerRouting {
+        let total: u64 = heat.iter().sum();
+        let experts = heat.len();
+        let entropy_bits: f64 = if total == 0 {
+            0.0
+        } else {
+            heat.iter()
+                .filter(|&&c| c > 0)
+                .map(|&c| {
+                    let p = c as f64 / total as f64;
+                    -p * p.log2()
+                })
+                .sum()
+        };
+        let max_bits = (experts as f64).log2();
+        let uniform = total as f64 / experts.max(1) as f64;
+        let (dead, overloaded, max_load) = if total == 0 {
+            (Vec::new(), Vec::new(), 0.0)
+        } else {
+            let pick =
+                |f: &dyn Fn(u64) -> bool| heat.iter().enumerate().filter(|&(_, &c)| f(c)).map(|(e, _)| e).collect();
+            let max = heat.iter().copied().max().unwrap_or(0);
+            (pick(&|c| c == 0), pick(&|c| c as f64 > OVERLOAD_FACTOR * uniform), max as f64 / uniform)
+        };
+        LayerRouting {
+            layer,
+            tokens,
+            entropy_bits,
+            entropy: if max_bits > 0.0 { entropy_bits / max_bits } else { 0.0 },
+            margin_sum,
+            mean_margin: if tokens > 0 { margin_sum / tokens as f64 } else { 0.0 },
+            margin_histogram: hist,
+            dead,
+            overloaded,
+            max_load,
+            residency: String::new(),
+            heat,
+        }
+    }
 }
 
 /// Counters of one layer of a streaming store.

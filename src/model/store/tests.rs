@@ -333,7 +333,19 @@ fn telemetry_counts_what_happened() {
         assert!(l.entropy > 0.0 && l.entropy <= 1.0 + 1e-12, "{}", l.entropy);
         assert!(l.mean_margin >= 0.0 && l.mean_margin <= 1.0);
         assert_eq!(l.margin_histogram.iter().sum::<u64>(), tokens);
+        // Router health follows from the counts.
+        let uniform = l.heat.iter().sum::<u64>() as f64 / l.heat.len() as f64;
+        for (e, &c) in l.heat.iter().enumerate() {
+            assert_eq!(l.dead.contains(&e), c == 0);
+            assert_eq!(l.overloaded.contains(&e), c as f64 > 3.0 * uniform);
+        }
+        let max = *l.heat.iter().max().unwrap() as f64;
+        assert!((l.max_load - max / uniform).abs() < 1e-12 && l.max_load >= 1.0);
+        // 14 slots: some experts cached, none pinned (no heat file), the rest on disk.
+        assert_eq!(l.residency.len(), l.heat.len());
+        assert!(l.residency.chars().all(|c| c == 'C' || c == '.'), "{}", l.residency);
     }
+    assert!(r.layers.iter().any(|l| l.residency.contains('C')));
 
     let s = m.store_stats();
     assert!(s.streaming && s.slots == 14 && s.pinned == 0);
@@ -353,6 +365,28 @@ fn telemetry_counts_what_happened() {
     let json = serde_json::to_string(&s).unwrap();
     assert!(json.contains("\"hit_rate\"") && json.contains("\"io\":\"buffered\""), "{json}");
     assert!(serde_json::to_string(&r).unwrap().contains("\"heat\""));
+    // A window: the routing of the tokens between two snapshots.
+    let more = prompt(9, 4);
+    run(&m, &pool(2), &more, 0, 9).unwrap();
+    let r2 = m.routing_stats();
+    let w = r2.since(&r).unwrap();
+    assert_eq!(w.tokens, more.len() as u64);
+    for ((a, b), d) in r2.layers.iter().zip(&r.layers).zip(&w.layers) {
+        assert_eq!(d.tokens, more.len() as u64);
+        assert!(d.heat.iter().zip(&a.heat).zip(&b.heat).all(|((&d, &a), &b)| d == a - b));
+        assert_eq!(d.margin_histogram.iter().sum::<u64>(), d.tokens);
+        assert!((d.mean_margin * d.tokens as f64 - (a.margin_sum - b.margin_sum)).abs() < 1e-6);
+        assert_eq!(d.residency, a.residency);
+    }
+    assert_eq!(r2.since(&r2).unwrap().layers[0].dead.len(), 0, "nothing routed: no expert called dead");
+    assert!(r.since(&r2).is_err(), "a later snapshot is not an earlier one");
+    let mut foreign = r.clone();
+    foreign.layers[0].heat.pop();
+    assert!(r2.since(&foreign).is_err());
+    // Snapshots survive a trip through JSON (Python hands them back).
+    let back: RoutingStats = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
+    assert_eq!(r2.since(&back).unwrap(), w);
+
     drop(m);
     assert!(!heat_path_for(&path).exists(), "heat files were off");
 
@@ -371,6 +405,7 @@ fn telemetry_counts_what_happened() {
     let m = Model::open(&path).unwrap();
     run(&m, &pool(2), &toks, 5, 6).unwrap();
     assert_eq!(m.routing_stats().tokens, tokens);
+    assert!(m.routing_stats().layers.iter().all(|l| l.residency.chars().all(|c| c == 'R')));
     let s = m.store_stats();
     assert!(!s.streaming && s.hit_rate == 1.0 && s.bytes_read == 0 && s.lookups > 0);
 }
