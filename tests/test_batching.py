@@ -74,7 +74,11 @@ def test_a_stream_cancelled_from_another_thread_ends_and_frees_its_place(demo):
 
 def test_a_full_queue_is_a_busy_error_and_the_options_are_checked():
     e = colibri.Engine.demo(threads=2, max_batch=1, max_queue=1)
-    held = []
+    held = [e.stream(PROMPTS[0], max_new_tokens=400, temperature=0, ignore_eos=True)]
+    # Once the first runs, one more fits in the queue and the next is refused.
+    deadline = time.monotonic() + 10
+    while e.batch_stats()["running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
     with pytest.raises(colibri.BusyError, match="queue is full"):
         for _ in range(50):
             held.append(e.stream(PROMPTS[0], max_new_tokens=400, temperature=0, ignore_eos=True))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 import threading
 
 import httpx
@@ -149,3 +150,25 @@ def test_the_dashboard_in_headless_chromium(tmp_path):
     assert 'class="bad"' not in dom, "the page reported an error"
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000, "a screenshot with something drawn"
+
+
+def test_colibri_stats_plots_the_heat_map(tmp_path):
+    budget = colibri.plan(colibri.Engine.demo().path)["min_budget"]
+    out = tmp_path / "heat.png"
+    cmd = [sys.executable, "-m", "colibri", "stats", "--demo", "Emma was", "--max-new-tokens", "12"]
+    r = subprocess.run(
+        [*cmd, "--ram", str(budget), "--plot", str(out)], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    assert "max load" in r.stdout and "dead" in r.stdout and "overloaded" in r.stdout
+    assert f"wrote the routing heat map to {out}" in r.stderr
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    # Somewhere it cannot write: a clean error, no traceback.
+    r = subprocess.run(
+        [*cmd, "--plot", str(tmp_path / "no" / "such" / "dir" / "heat.png")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode != 0 and "heat.png" in r.stderr and "Traceback" not in r.stderr

@@ -435,3 +435,28 @@ def test_prompts_that_give_nothing_to_run(chatml):
         chatml.generate(PROMPT, stop_token_ids=[-1])
     with pytest.raises(colibri.InvalidInputError, match="one prompt"):
         chatml.stream([PROMPT, PROMPT])
+
+
+def test_logprobs_are_the_models_log_softmax_and_change_no_token():
+    e = colibri.Engine.demo(threads=2)
+    prompt = e.tokenize("Emma was")
+    plain = e.generate(prompt, max_new_tokens=8, temperature=0.9, seed=3)
+    r = e.generate(prompt, max_new_tokens=8, temperature=0.9, seed=3, logprobs=4)
+    assert list(r) == list(plain) and plain.logprobs is None
+    assert [t.token_id for t in r.logprobs] == list(r)
+    # Against a fresh forward pass over prompt + output, in float64.
+    logits = e.logits(prompt + list(r)[:-1])[len(prompt) - 1 :].astype(np.float64)
+    lse = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
+    for row, t, z in zip(logits, r.logprobs, lse):
+        assert t.logprob == pytest.approx(row[t.token_id] - z, abs=1e-4)
+        assert [i for i, _ in t.top] == list(np.argsort(-row, kind="stable")[:4])
+        assert [v for _, v in t.top] == pytest.approx(list(np.sort(row)[::-1][:4] - z), abs=1e-4)
+    # A stream carries them too, aligned with its token ids; text prompts as well.
+    s = e.stream("Emma was", max_new_tokens=5, temperature=0, logprobs=0)
+    text = "".join(s)
+    assert len(s.logprobs) == len(s.token_ids) and all(t.top == [] for t in s.logprobs)
+    assert e.generate("Emma was", max_new_tokens=5, temperature=0, logprobs=0).logprobs == s.logprobs
+    assert text == e.generate("Emma was", max_new_tokens=5, temperature=0)
+    for bad in (-1, 21, 2.5, "3"):
+        with pytest.raises(colibri.InvalidInputError, match="logprobs"):
+            e.generate("Emma", max_new_tokens=1, logprobs=bad)

@@ -162,7 +162,8 @@ def error_of(r: httpx.Response) -> dict:
         ({"prompt": []}, "prompt", 400),
         ({"prompt": [1, 2, 10**9]}, "prompt", 400),
         ({"prompt": "x", "model": "gpt-5"}, "model", 404),
-        ({"prompt": "x", "logprobs": 2}, "logprobs", 400),
+        ({"prompt": "x", "logprobs": 21}, "logprobs", 400),
+        ({"prompt": "x", "logprobs": True}, "logprobs", 400),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", 400),
     ],
 )
@@ -172,6 +173,48 @@ def test_bad_requests_are_clean_4xx_and_the_server_goes_on(url, body, param, sta
     assert error_of(r)["param"] == param
     ok = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
     assert ok.status_code == 200
+
+
+def test_logprobs_are_the_engines_streamed_or_not(url, demo):
+    want = demo.generate(PROMPTS[1], max_new_tokens=10, temperature=0, logprobs=3)
+    c = client(url)
+    # Chat-style, through the real client.
+    r = c.chat.completions.create(
+        model="demo",
+        messages=[{"role": "user", "content": "Tell me about Emma."}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    ids = demo.tokenize(
+        demo.apply_chat_template([{"role": "user", "content": "Tell me about Emma."}]),
+        add_special_tokens=False,
+    )
+    chat_want = demo.generate(ids, max_new_tokens=6, temperature=0, logprobs=2)
+    for got, exp in zip(content, chat_want.logprobs):
+        assert got.token == demo.detokenize([exp.token_id])
+        assert got.logprob == pytest.approx(exp.logprob, abs=1e-6)
+        assert [t.logprob for t in got.top_logprobs] == pytest.approx([v for _, v in exp.top], abs=1e-6)
+        # Greedy: the chosen token is the most likely one.
+        assert got.top_logprobs[0].logprob == got.logprob >= got.top_logprobs[1].logprob
+    # Completions, whole and streamed: the same numbers.
+    body = {"prompt": PROMPTS[1], "max_tokens": 10, "temperature": 0, "logprobs": 3}
+    whole = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["logprobs"]
+    assert whole["token_logprobs"] == pytest.approx([t.logprob for t in want.logprobs], abs=1e-6)
+    assert whole["tokens"] == [demo.detokenize([t.token_id]) for t in want.logprobs]
+    assert [len(t) for t in whole["top_logprobs"]] == [3] * len(want.logprobs)
+    assert whole["text_offset"][0] == 0 and whole["text_offset"] == sorted(whole["text_offset"])
+    streamed = []
+    for ch in c.completions.create(model="demo", stream=True, **body):
+        if ch.choices and ch.choices[0].logprobs is not None:
+            streamed += ch.choices[0].logprobs.token_logprobs
+    assert streamed == pytest.approx(whole["token_logprobs"], abs=0)
+    # Not asked for: null, as OpenAI answers.
+    plain = httpx.post(url + "/v1/completions", json={**body, "logprobs": None}, timeout=60).json()
+    assert plain["choices"][0]["logprobs"] is None
 
 
 def test_malformed_bodies_long_prompts_and_unknown_routes(url, demo):

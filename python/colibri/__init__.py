@@ -29,7 +29,7 @@ from ._errors import (
     TokenizerError,
     UnsupportedModelError,
 )
-from ._generation import Completion, Stream, Timings, TokenCompletion
+from ._generation import Completion, Stream, Timings, TokenCompletion, TokenLogprob
 
 
 def kernels() -> dict[str, Any]:
@@ -67,6 +67,7 @@ __all__ = [
     "Stream",
     "Timings",
     "TokenCompletion",
+    "TokenLogprob",
     "TokenizerError",
     "UnsupportedModelError",
     "__version__",

@@ -661,6 +661,7 @@ class Engine:
         ignore_eos: bool = False,
         add_special_tokens: bool = True,
         skip_special_tokens: bool = True,
+        logprobs: int | None = None,
     ) -> Result | list[Result]:
         """Continues a prompt.
 
@@ -692,6 +693,12 @@ class Engine:
         Text: ``add_special_tokens`` lets the tokenizer add its
         beginning-of-sequence token to a text prompt; ``skip_special_tokens``
         leaves special tokens out of the returned text.
+
+        ``logprobs=k`` (0 to 20) records, for every generated token, its
+        log-probability under the model's distribution (before temperature,
+        penalties and truncation) and the k most likely tokens at its
+        position: the result's ``logprobs``, one :class:`TokenLogprob` per
+        token id. Asking for them changes no token.
         """
         opts: dict[str, Any] = dict(
             max_new_tokens=max_new_tokens,
@@ -708,6 +715,7 @@ class Engine:
             ignore_eos=ignore_eos,
             add_special_tokens=add_special_tokens,
             skip_special_tokens=skip_special_tokens,
+            logprobs=logprobs,
         )
         if _is_batch(prompt):
             # All queued first, so they run batched.
@@ -733,6 +741,7 @@ class Engine:
         ignore_eos: bool = False,
         add_special_tokens: bool = True,
         skip_special_tokens: bool = True,
+        logprobs: int | None = None,
     ) -> Stream[Any]:
         """Like :meth:`generate` for one prompt, but yields the output as it is
         produced: text pieces for a text prompt (never a broken character;
@@ -755,6 +764,7 @@ class Engine:
             ignore_eos=ignore_eos,
             add_special_tokens=add_special_tokens,
             skip_special_tokens=skip_special_tokens,
+            logprobs=logprobs,
         )
 
     def chat(
@@ -815,6 +825,7 @@ class Engine:
         skip_special_tokens: bool,
         seed: Any,
         text_out: bool = False,
+        logprobs: Any = None,
         **sampling: Any,
     ) -> Stream[Any]:
         # text_out: text pieces also for a token-id prompt (the server's case).
@@ -866,7 +877,10 @@ class Engine:
             seed = random.SystemRandom().getrandbits(64)
         elif not _is_int(seed) or not 0 <= seed < 2**64:
             raise InvalidInputError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-        native = self._native.start(ids, stop_ids=stop_ids, seed=int(seed), **values)
+        if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= 20):
+            raise InvalidInputError(f"logprobs must be an integer in [0, 20] or None, got {logprobs!r}")
+        lp = None if logprobs is None else int(logprobs)
+        native = self._native.start(ids, stop_ids=stop_ids, seed=int(seed), logprobs=lp, **values)
         return Stream(
             native,
             codec=codec,
@@ -874,6 +888,7 @@ class Engine:
             stop=stops,
             skip_special_tokens=bool(skip_special_tokens),
             context=ids,
+            logprobs=lp is not None,
         )
 
 

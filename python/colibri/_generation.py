@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar, Union
+from typing import Any, Generic, NamedTuple, TypeVar, Union
 
 from ._text import IncrementalDetokenizer, StopMatcher, TextCodec
 
@@ -48,6 +48,16 @@ class Timings:
         )
 
 
+class TokenLogprob(NamedTuple):
+    """One generated token's log-probability under the model's distribution
+    (softmax of its logits, before temperature, penalties or truncation) and
+    the most likely tokens at that position, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
 class Completion(str):
     """Generated text: a ``str``, with what produced it.
 
@@ -58,12 +68,15 @@ class Completion(str):
             or ``None`` for a stream closed before its end.
         stop_reason: the stop string or token id that ended it, else ``None``.
         timings: :class:`Timings`.
+        logprobs: one :class:`TokenLogprob` per token id when ``logprobs``
+            was asked for, else ``None``.
     """
 
     token_ids: list[int]
     finish_reason: str | None
     stop_reason: str | int | None
     timings: Timings
+    logprobs: list[TokenLogprob] | None
 
     def __new__(
         cls,
@@ -72,12 +85,14 @@ class Completion(str):
         finish_reason: str | None,
         stop_reason: str | int | None,
         timings: Timings,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> Completion:
         self = super().__new__(cls, text)
         self.token_ids = token_ids
         self.finish_reason = finish_reason
         self.stop_reason = stop_reason
         self.timings = timings
+        self.logprobs = logprobs
         return self
 
     @property
@@ -87,7 +102,8 @@ class Completion(str):
 
     def __reduce__(self) -> tuple[Any, ...]:
         # str's own pickling would call __new__ with the text alone.
-        return (Completion, (self.text, self.token_ids, self.finish_reason, self.stop_reason, self.timings))
+        args = (self.text, self.token_ids, self.finish_reason, self.stop_reason, self.timings, self.logprobs)
+        return (Completion, args)
 
     def __repr__(self) -> str:
         return f"Completion({str.__repr__(self)}, finish_reason={self.finish_reason!r})"
@@ -95,19 +111,26 @@ class Completion(str):
 
 class TokenCompletion(list):  # type: ignore[type-arg]
     """Generated token ids: a ``list`` of int, with ``finish_reason``,
-    ``stop_reason`` and ``timings`` as :class:`Completion` has them."""
+    ``stop_reason``, ``timings`` and ``logprobs`` as :class:`Completion` has them."""
 
     finish_reason: str | None
     stop_reason: str | int | None
     timings: Timings
+    logprobs: list[TokenLogprob] | None
 
     def __init__(
-        self, token_ids: list[int], finish_reason: str | None, stop_reason: str | int | None, timings: Timings
+        self,
+        token_ids: list[int],
+        finish_reason: str | None,
+        stop_reason: str | int | None,
+        timings: Timings,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> None:
         super().__init__(token_ids)
         self.finish_reason = finish_reason
         self.stop_reason = stop_reason
         self.timings = timings
+        self.logprobs = logprobs
 
     def __repr__(self) -> str:
         return f"TokenCompletion({list.__repr__(self)}, finish_reason={self.finish_reason!r})"
@@ -135,8 +158,10 @@ class Stream(Generic[T]):
         stop: Sequence[str],
         skip_special_tokens: bool,
         context: Sequence[int] = (),
+        logprobs: bool = False,
     ) -> None:
         self._native = native
+        self._logprobs = logprobs
         self._text_mode = text_mode
         self._detok = None if codec is None else IncrementalDetokenizer(codec, skip_special_tokens, context)
         self._matcher = StopMatcher(stop) if stop else None
@@ -173,6 +198,20 @@ class Stream(Generic[T]):
         return list(self._native.token_ids)
 
     @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """One :class:`TokenLogprob` per token so far, when the generation
+        was started with ``logprobs``; else ``None``."""
+        return self.logprobs_from(0)
+
+    def logprobs_from(self, start: int) -> list[TokenLogprob] | None:
+        """Those of the tokens from index ``start`` on."""
+        if not self._logprobs:
+            return None
+        ids = self._native.token_ids
+        rows = self._native.logprobs(start)
+        return [TokenLogprob(t, lp, top) for t, (lp, top) in zip(ids[start:], rows)]
+
+    @property
     def text(self) -> str:
         """The text emitted so far (for a text prompt)."""
         return "".join(self._pieces)
@@ -187,9 +226,10 @@ class Stream(Generic[T]):
         for _ in self:
             pass
         reason = self.finish_reason
+        lps = self.logprobs
         if self._text_mode:
-            return Completion(self.text, self.token_ids, reason, self.stop_reason, self.timings)
-        return TokenCompletion(self.token_ids, reason, self.stop_reason, self.timings)
+            return Completion(self.text, self.token_ids, reason, self.stop_reason, self.timings, lps)
+        return TokenCompletion(self.token_ids, reason, self.stop_reason, self.timings, lps)
 
     def _text(self, piece: str) -> str:
         """Passes decoded text through the stop matcher; records what is emitted."""

@@ -346,6 +346,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     _report(args, stream)
     if getattr(args, "stats", False):
         _print_stats(engine, file=sys.stdout if args.command == "stats" else sys.stderr)
+    if getattr(args, "plot", None):
+        from ._plot import plot_heat
+
+        try:
+            plot_heat(
+                engine.routing_stats(), args.plot, title=f"routing heat: {os.path.basename(engine.path)}"
+            )
+        except (ImportError, ValueError, OSError) as e:
+            raise _UsageError(str(e)) from e
+        print(f"colibri: wrote the routing heat map to {args.plot}", file=sys.stderr)
     return 0
 
 
@@ -359,7 +369,9 @@ def _print_stats(engine: Engine, file: Any) -> None:
         print(
             f"  layer {layer.get('layer')}: tokens {layer.get('tokens', 0)}, "
             f"entropy {layer.get('entropy', 0.0):.3f} (normalised), "
-            f"top1-top2 margin {layer.get('mean_margin', 0.0):.3f}, hottest experts {hottest}",
+            f"top1-top2 margin {layer.get('mean_margin', 0.0):.3f}, hottest experts {hottest}, "
+            f"max load {layer.get('max_load', 0.0):.2f}x uniform, "
+            f"dead {layer.get('dead', [])}, overloaded {layer.get('overloaded', [])}",
             file=file,
         )
     keys = ("hit_rate", "bytes_read_per_token", "prefetch_accuracy", "io_wait_seconds", "hits", "misses")
@@ -596,6 +608,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(st)
     st.add_argument("--echo", action="store_true", help=argparse.SUPPRESS)
     st.add_argument("--no-special-tokens", action="store_true", help=argparse.SUPPRESS)
+    st.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="also draw the routing heat map (layers x experts) to FILE, e.g. heat.png (needs matplotlib)",
+    )
     _add_sampling_flags(st)
     st.set_defaults(func=_cmd_generate, stats=True)
 

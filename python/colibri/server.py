@@ -256,8 +256,6 @@ def _parse(body: Any, allowed: set[str], chat: bool, engine: Any, model_name: st
             raise _bad("top_logprobs", "needs logprobs: true")
     else:
         logprobs = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
-    if logprobs is not None:
-        raise _bad("logprobs", "log probabilities are not supported yet")
     prompts = [_render(body, engine)] if chat else _prompts(body)
     if len(prompts) * n > MAX_N:
         raise _bad("n", f"{len(prompts)} prompts x n={n} asks {len(prompts) * n} choices; at most {MAX_N}")
@@ -330,6 +328,8 @@ class _Choice:
     finish_reason: str | None = None
     first_token: float | None = None
     token_ids: list[int] = field(default_factory=list)
+    #: (token id, logprob, top alternatives) per token, when asked for.
+    logprobs: list[Any] = field(default_factory=list)
 
 
 class _Run:
@@ -337,7 +337,7 @@ class _Run:
     ``(choice, piece)`` events (``piece`` None when a choice ends)."""
 
     def __init__(self, engine: Any, job: Job, loop: asyncio.AbstractEventLoop, metrics: _Metrics) -> None:
-        self.job, self.loop, self.metrics = job, loop, metrics
+        self.job, self.loop, self.metrics, self.engine = job, loop, metrics, engine
         self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self.choices: list[_Choice] = []
         self.streams: list[Any] = []
@@ -370,7 +370,13 @@ class _Run:
                         opts["seed"] = (opts["seed"] + j) % (1 << 64)
                     # Token ids in, text pieces out.
                     # (A model without a tokenizer: ids out, no text.)
-                    stream = engine._start(p, text_out=engine.has_tokenizer, add_special_tokens=False, **opts)
+                    stream = engine._start(
+                        p,
+                        text_out=engine.has_tokenizer,
+                        add_special_tokens=False,
+                        logprobs=job.logprobs,
+                        **opts,
+                    )
                     self.streams.append(stream)
                     self.choices.append(_Choice(index=k * job.n + j, prompt_tokens=len(p)))
         except BusyError as e:
@@ -388,10 +394,12 @@ class _Run:
             threading.Thread(target=self._pump, args=(c, s), daemon=True, name="colibri-pump").start()
 
     def _pump(self, choice: _Choice, stream: Any) -> None:
-        """Iterates one stream's text pieces onto the event loop."""
+        """Iterates one stream's text pieces onto the event loop, each with
+        the log-probabilities of its new tokens (None unless asked for)."""
         put = self.loop.call_soon_threadsafe
+        want_lps = self.job.logprobs is not None
         try:
-            last = self.started
+            last, sent = self.started, 0
             for piece in stream:
                 now, n = time.perf_counter(), len(stream.token_ids)
                 if choice.first_token is None and n:
@@ -404,23 +412,27 @@ class _Run:
                     for _ in range(n - choice.tokens):
                         self.metrics.tpot.observe(gap)
                 last, choice.tokens = now, n
-                put(self.queue.put_nowait, (choice.index, piece if isinstance(piece, str) else ""))
+                lps = stream.logprobs_from(sent) if want_lps else None
+                sent += len(lps or ())
+                put(self.queue.put_nowait, (choice.index, piece if isinstance(piece, str) else "", lps))
             choice.token_ids = stream.token_ids
             choice.tokens = len(choice.token_ids)
             choice.finish_reason = stream.finish_reason
-            put(self.queue.put_nowait, (choice.index, None))
+            # The last tokens may have brought no text (a stop id).
+            put(self.queue.put_nowait, (choice.index, None, stream.logprobs_from(sent) if want_lps else None))
         except BaseException as e:  # delivered to the request, never lost in a thread
-            put(self.queue.put_nowait, (choice.index, e))
+            put(self.queue.put_nowait, (choice.index, e, None))
 
     def cancel(self) -> None:
         for s in self.streams:
             s.cancel()
 
-    async def events(self) -> AsyncIterator[tuple[_Choice, str | None]]:
-        """Each choice's pieces as they come, then ``(choice, None)`` at its end."""
+    async def events(self) -> AsyncIterator[tuple[_Choice, str | None, list[Any] | None]]:
+        """Each choice's pieces as they come, then ``(choice, None, ...)`` at
+        its end; the third item holds the new tokens' log-probabilities."""
         left = len(self.choices)
         while left:
-            i, piece = await self.queue.get()
+            i, piece, lps = await self.queue.get()
             if isinstance(piece, BaseException):
                 self.cancel()
                 if isinstance(piece, ColibriError):
@@ -428,7 +440,42 @@ class _Run:
                 raise piece
             if piece is None:
                 left -= 1
-            yield self.choices[i], piece
+            if lps:
+                self.choices[i].logprobs.extend(lps)
+            yield self.choices[i], piece, lps
+
+    def token_text(self, token_id: int) -> str:
+        """A token as logprobs show it: its text, or ``token_id:N`` for a
+        model without a tokenizer (vLLM's spelling)."""
+        if not self.engine.has_tokenizer:
+            return f"token_id:{token_id}"
+        return str(self.engine.detokenize([token_id]))
+
+    def chat_logprobs(self, lps: list[Any]) -> dict[str, Any]:
+        """OpenAI's chat form: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+
+        def entry(t: int, lp: float) -> dict[str, Any]:
+            text = self.token_text(t)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", "replace"))}
+
+        content = [
+            {**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, v) for i, v in t.top]} for t in lps
+        ]
+        return {"content": content, "refusal": None}
+
+    def completion_logprobs(self, lps: list[Any], offset: int) -> dict[str, Any]:
+        """The legacy completions form: parallel lists, text offsets from ``offset``."""
+        tokens = [self.token_text(t.token_id) for t in lps]
+        offsets = []
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [t.logprob for t in lps],
+            "top_logprobs": [{self.token_text(i): v for i, v in t.top} for t in lps],
+            "text_offset": offsets,
+        }
 
     def usage(self) -> dict[str, int]:
         prompt = sum(c.prompt_tokens for c in self.choices[:: self.job.n])
@@ -794,11 +841,12 @@ async def _until_done_or_gone(run: _Run, request: Request, work: Any) -> Any:
 
 async def _whole(run: _Run, chat: bool, model: str, request: Request) -> dict[str, Any]:
     async def collect() -> None:
-        async for choice, piece in run.events():
+        async for choice, piece, _ in run.events():
             if piece is not None:
                 choice.text += piece
 
     await _until_done_or_gone(run, request, collect())
+    want_lps = run.job.logprobs
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     choices = []
     for c in run.choices:
@@ -807,13 +855,14 @@ async def _whole(run: _Run, chat: bool, model: str, request: Request) -> dict[st
                 {
                     "index": c.index,
                     "message": {"role": "assistant", "content": c.text},
-                    "logprobs": None,
+                    "logprobs": None if want_lps is None else run.chat_logprobs(c.logprobs),
                     "finish_reason": c.finish_reason,
                 }
             )
         else:
+            lps = None if want_lps is None else run.completion_logprobs(c.logprobs, 0)
             choices.append(
-                {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+                {"index": c.index, "text": c.text, "logprobs": lps, "finish_reason": c.finish_reason}
             )
             if run.job.return_token_ids:
                 choices[-1]["token_ids"] = c.token_ids
@@ -844,13 +893,24 @@ async def _sse(run: _Run, chat: bool, model: str, request: Request) -> AsyncIter
             body["usage"] = usage
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-    def choice(c: _Choice, text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+    offsets = [0] * len(run.choices)
+
+    def choice(
+        c: _Choice, text: str | None, finish: str | None, lps: list[Any] | None = None, role: bool = False
+    ) -> dict[str, Any]:
+        logprobs: dict[str, Any] | None = None
+        if run.job.logprobs is not None and not role:
+            if chat:
+                logprobs = run.chat_logprobs(lps or [])
+            else:
+                logprobs = run.completion_logprobs(lps or [], offsets[c.index])
+                offsets[c.index] += len(text or "")
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text is not None:
                 delta["content"] = text
-            return {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": c.index, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": c.index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
 
     try:
         if chat:
@@ -858,7 +918,7 @@ async def _sse(run: _Run, chat: bool, model: str, request: Request) -> AsyncIter
                 yield chunk([choice(c, None, None, role=True)])
         try:
             checked = time.perf_counter()
-            async for c, piece in run.events():
+            async for c, piece, lps in run.events():
                 now = time.perf_counter()
                 if now - checked > 0.02:
                     # The transport does not fail a write to a closed socket:
@@ -867,9 +927,9 @@ async def _sse(run: _Run, chat: bool, model: str, request: Request) -> AsyncIter
                     if await request.is_disconnected():
                         return
                 if piece is None:
-                    yield chunk([choice(c, None if chat else "", c.finish_reason)])
+                    yield chunk([choice(c, None if chat else "", c.finish_reason, lps)])
                 else:
-                    yield chunk([choice(c, piece, None)])
+                    yield chunk([choice(c, piece, None, lps)])
         except APIError as err:
             yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.type}})}\n\n"
             return

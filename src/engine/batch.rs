@@ -26,7 +26,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::Engine;
-use super::generation::{FinishReason, GenerateOptions, Timings, check_request};
+use super::generation::{FinishReason, GenerateOptions, Timings, TokenLogprobs, check_request};
 use super::sampling::Sampler;
 use super::session::{DEFAULT_CHUNK, Sequence, Workspace};
 use crate::error::{Error, Result};
@@ -86,7 +86,7 @@ pub struct BatchStats {
 
 /// What a running request sends its ticket.
 enum Event {
-    Token(u32, Timings, Option<FinishReason>),
+    Token(u32, Option<TokenLogprobs>, Timings, Option<FinishReason>),
     Failed(Error),
 }
 
@@ -209,6 +209,7 @@ impl Scheduler {
             rx,
             cancel: cancel.clone(),
             tokens: Vec::new(),
+            logprobs: Vec::new(),
             finish: (opts.max_new_tokens == 0).then_some(FinishReason::Length),
             broken: false,
             timings: Timings { prompt_tokens: prompt.len(), ..Timings::default() },
@@ -268,6 +269,7 @@ pub struct Ticket {
     rx: Receiver<Event>,
     cancel: Arc<AtomicBool>,
     tokens: Vec<u32>,
+    logprobs: Vec<TokenLogprobs>,
     finish: Option<FinishReason>,
     broken: bool,
     timings: Timings,
@@ -306,8 +308,9 @@ impl Ticket {
         }
         loop {
             match self.rx.recv_timeout(POLL) {
-                Ok(Event::Token(t, timings, finish)) => {
+                Ok(Event::Token(t, lp, timings, finish)) => {
                     self.tokens.push(t);
+                    self.logprobs.extend(lp);
                     self.timings = timings;
                     self.finish = finish;
                     return Ok(Some(t));
@@ -356,6 +359,12 @@ impl Ticket {
     /// The tokens received so far.
     pub fn tokens(&self) -> &[u32] {
         &self.tokens
+    }
+
+    /// Their log-probabilities, when the request asked for them
+    /// ([`GenerateOptions::logprobs`]; empty otherwise).
+    pub fn logprobs(&self) -> &[TokenLogprobs] {
+        &self.logprobs
     }
 
     /// Counts and times as of the last token received.
@@ -509,7 +518,8 @@ fn step(engine: &Engine, ws: &mut Workspace, running: &mut Vec<Running>, opts: B
         } else {
             None
         };
-        let delivered = r.req.tx.send(Event::Token(tok, r.timings, finish)).is_ok();
+        let lp = r.req.opts.logprobs.map(|k| TokenLogprobs::of(&r.seq.logits, tok, k));
+        let delivered = r.req.tx.send(Event::Token(tok, lp, r.timings, finish)).is_ok();
         if delivered && finish.is_none() {
             keep.push(r);
         } else {

@@ -24,11 +24,62 @@ pub struct GenerateOptions {
     pub sampling: SamplingParams,
     /// Stop when one of these ids is produced (it is included in the output).
     pub stop_ids: Vec<u32>,
+    /// Record each generated token's log-probability and this many of the
+    /// most likely alternatives (at most [`MAX_TOP_LOGPROBS`]); `None`: off.
+    pub logprobs: Option<usize>,
 }
 
 impl Default for GenerateOptions {
     fn default() -> Self {
-        GenerateOptions { max_new_tokens: 16, sampling: SamplingParams::default(), stop_ids: Vec::new() }
+        GenerateOptions {
+            max_new_tokens: 16,
+            sampling: SamplingParams::default(),
+            stop_ids: Vec::new(),
+            logprobs: None,
+        }
+    }
+}
+
+/// Most alternatives [`GenerateOptions::logprobs`] may ask for per token.
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// The log-probability of one generated token and of the most likely
+/// tokens at its position, under the model's own distribution (softmax of
+/// the logits, before temperature, penalties or truncation change it).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    /// ln p(the chosen token).
+    pub logprob: f32,
+    /// The most likely tokens and their ln p, most likely first (ties: the
+    /// lower id first).
+    pub top: Vec<(u32, f32)>,
+}
+
+impl TokenLogprobs {
+    /// Of `token` and the `k` most likely tokens under `logits`.
+    pub fn of(logits: &[f32], token: u32, k: usize) -> TokenLogprobs {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        // In f64, so the normaliser of a large vocabulary loses nothing.
+        let sum: f64 = logits.iter().map(|&x| ((x - max) as f64).exp()).sum();
+        let lse = max as f64 + sum.ln();
+        let lp = |x: f32| (x as f64 - lse) as f32;
+        let mut top: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
+        if k > 0 {
+            for (i, &x) in logits.iter().enumerate() {
+                if top.len() == k && x <= top[k - 1].1 {
+                    continue;
+                }
+                // After every kept entry at least as large (ids ascend, so
+                // an equal one already kept has the lower id).
+                let at = top.partition_point(|&(_, y)| y >= x);
+                top.insert(at, (i as u32, x));
+                top.truncate(k);
+            }
+        }
+        for t in &mut top {
+            t.1 = lp(t.1);
+        }
+        TokenLogprobs { logprob: logits.get(token as usize).map_or(f32::NEG_INFINITY, |&x| lp(x)), top }
     }
 }
 
@@ -90,6 +141,8 @@ pub struct Generation {
     stop_ids: Vec<u32>,
     max_new_tokens: usize,
     tokens: Vec<u32>,
+    logprobs_k: Option<usize>,
+    logprobs: Vec<TokenLogprobs>,
     finish: Option<FinishReason>,
     /// A step failed (interrupted, most likely): the session is mid-update.
     broken: bool,
@@ -118,6 +171,11 @@ pub(super) fn check_request(engine: &Engine, prompt: &[u32], opts: &GenerateOpti
             prompt.len()
         )));
     }
+    if let Some(k) = opts.logprobs
+        && k > MAX_TOP_LOGPROBS
+    {
+        return Err(Error::InvalidInput(format!("logprobs: at most {MAX_TOP_LOGPROBS} alternatives, got {k}")));
+    }
     let sampler = Sampler::new(opts.sampling.clone(), model.config.vocab_size, prompt)?;
     check_ids(model, prompt)?;
     Ok(sampler)
@@ -137,6 +195,8 @@ impl Generation {
             stop_ids: opts.stop_ids.clone(),
             max_new_tokens: opts.max_new_tokens,
             tokens: Vec::with_capacity(opts.max_new_tokens.min(ctx)),
+            logprobs_k: opts.logprobs,
+            logprobs: Vec::new(),
             finish: None,
             broken: false,
             timings: Timings { prompt_tokens: prompt.len(), ..Timings::default() },
@@ -170,6 +230,9 @@ impl Generation {
         let tok = self.sampler.sample(&self.session.seq.logits);
         self.sampler.accept(tok);
         self.tokens.push(tok);
+        if let Some(k) = self.logprobs_k {
+            self.logprobs.push(TokenLogprobs::of(&self.session.seq.logits, tok, k));
+        }
         let spent = start.elapsed();
         if self.tokens.len() == 1 {
             self.timings.prefill = spent;
@@ -195,6 +258,12 @@ impl Generation {
     /// The tokens generated so far.
     pub fn tokens(&self) -> &[u32] {
         &self.tokens
+    }
+
+    /// Each generated token's log-probabilities, when asked for
+    /// ([`GenerateOptions::logprobs`]; empty otherwise).
+    pub fn logprobs(&self) -> &[TokenLogprobs] {
+        &self.logprobs
     }
 
     /// The generated tokens, consuming the generation.

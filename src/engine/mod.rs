@@ -21,7 +21,7 @@ use crate::model::Model;
 use crate::model::forward::{Capture, forward};
 use crate::quant::DType;
 pub use batch::{BatchOptions, BatchStats, Scheduler, Ticket};
-pub use generation::{FinishReason, GenerateOptions, Generation, Timings};
+pub use generation::{FinishReason, GenerateOptions, Generation, MAX_TOP_LOGPROBS, Timings, TokenLogprobs};
 pub use sampling::SamplingParams;
 use session::{DEFAULT_CHUNK, Session};
 

@@ -81,7 +81,7 @@ fn thread_count_does_not_change_a_single_bit() {
         frequency_penalty: 0.2,
         seed: 5,
     };
-    let opts = GenerateOptions { max_new_tokens: 9, sampling, stop_ids: vec![] };
+    let opts = GenerateOptions { max_new_tokens: 9, sampling, stop_ids: vec![], logprobs: None };
     let g1 = one.generate(&toks[..4], &opts, &never, &mut |_| true).unwrap();
     assert_eq!(g1.len(), 9);
     assert_eq!(two.generate(&toks[..4], &opts, &never, &mut |_| true).unwrap(), g1);
@@ -369,13 +369,26 @@ fn batched_generations_give_the_tokens_each_gives_alone() {
                 SamplingParams { temperature: 0.8, top_p: 0.9, seed: k as u64, ..SamplingParams::default() }
             },
             stop_ids: Vec::new(),
+            // Some ask for log-probabilities (which change no token).
+            logprobs: [None, Some(0), Some(3)][k % 3],
         };
-        let alone: Vec<Vec<u32>> =
-            prompts.iter().enumerate().map(|(k, p)| e.generate(p, &opts(k), &never, &mut |_| true).unwrap()).collect();
+        let alone: Vec<(Vec<u32>, Vec<TokenLogprobs>)> = prompts
+            .iter()
+            .enumerate()
+            .map(|(k, p)| {
+                let mut g = e.start(p, &opts(k)).unwrap();
+                while g.next_token(&never).unwrap().is_some() {}
+                (g.tokens().to_vec(), g.logprobs().to_vec())
+            })
+            .collect();
         let mut tickets: Vec<Ticket> =
             prompts.iter().enumerate().map(|(k, p)| sched.submit(p, &opts(k)).unwrap()).collect();
         for (k, t) in tickets.iter_mut().enumerate() {
-            assert_eq!(collect(t), alone[k], "{dt}: request {k}");
+            assert_eq!(collect(t), alone[k].0, "{dt}: request {k}");
+            assert_eq!(t.logprobs(), alone[k].1, "{dt}: request {k}: the same log-probabilities");
+            let want = opts(k).logprobs.map_or(0, |_| 6 + k);
+            assert_eq!(t.logprobs().len(), want);
+            assert!(t.logprobs().iter().all(|l| Some(l.top.len()) == opts(k).logprobs));
             assert_eq!(t.finish_reason(), Some(FinishReason::Length));
             assert_eq!(t.timings().generated_tokens, 6 + k);
         }
@@ -384,6 +397,26 @@ fn batched_generations_give_the_tokens_each_gives_alone() {
         assert_eq!(st.generated_tokens, (0..8).map(|k| 6 + k as u64).sum::<u64>());
         assert_eq!(st.prompt_tokens, prompts.iter().map(|p| p.len() as u64).sum::<u64>());
     }
+}
+
+#[test]
+fn token_logprobs_are_a_normalised_log_softmax() {
+    let logits = [1.0f32, 3.0, -2.0, 3.0, 0.5, 1e-3];
+    let t = TokenLogprobs::of(&logits, 4, 3);
+    let total: f64 = (0..logits.len() as u32).map(|i| (TokenLogprobs::of(&logits, i, 0).logprob as f64).exp()).sum();
+    assert!((total - 1.0).abs() < 1e-6, "{total}");
+    let lse = logits.iter().map(|&x| (x as f64).exp()).sum::<f64>().ln();
+    assert!((t.logprob as f64 - (0.5 - lse)).abs() < 1e-6);
+    // Most likely first; of two equal ones the lower id first.
+    assert_eq!(t.top.iter().map(|x| x.0).collect::<Vec<_>>(), [1, 3, 0]);
+    assert_eq!(t.top[0].1, t.top[1].1);
+    assert!(t.top[1].1 > t.top[2].1);
+    // More asked than there are tokens: all of them; none asked: none.
+    assert_eq!(TokenLogprobs::of(&logits, 0, 20).top.len(), logits.len());
+    assert!(TokenLogprobs::of(&logits, 0, 0).top.is_empty());
+    // Huge logits do not overflow.
+    let big = TokenLogprobs::of(&[1e30, 1e30 - 1e24, 0.0], 0, 1);
+    assert!(big.logprob.is_finite() && big.logprob <= 0.0);
 }
 
 #[test]
@@ -396,6 +429,8 @@ fn a_scheduler_refuses_bad_requests_and_survives_cancellation() {
     assert!(matches!(sched.submit(&[1, 999_999], &long), Err(Error::InvalidInput(_))));
     let bad = GenerateOptions { sampling: SamplingParams { top_p: 2.0, ..SamplingParams::default() }, ..long.clone() };
     assert!(matches!(sched.submit(&[1, 2], &bad), Err(Error::InvalidInput(_))));
+    let bad = GenerateOptions { logprobs: Some(21), ..long.clone() };
+    assert!(matches!(sched.submit(&[1, 2], &bad), Err(Error::InvalidInput(m)) if m.contains("logprobs")));
     // Nothing to generate: finished at once.
     let mut none = sched.submit(&[1, 2], &GenerateOptions { max_new_tokens: 0, ..long.clone() }).unwrap();
     assert_eq!(none.next_token(&never).unwrap(), None);

@@ -181,7 +181,7 @@ impl NativeEngine {
     /// other one, its tokens arriving through `__next__`.
     #[pyo3(signature = (
         token_ids, *, max_new_tokens, stop_ids, temperature, top_k, top_p, min_p,
-        repetition_penalty, presence_penalty, frequency_penalty, seed,
+        repetition_penalty, presence_penalty, frequency_penalty, seed, logprobs=None,
     ))]
     #[allow(clippy::too_many_arguments)] // keyword-only on the Python side
     fn start(
@@ -198,6 +198,7 @@ impl NativeEngine {
         presence_penalty: f32,
         frequency_penalty: f32,
         seed: u64,
+        logprobs: Option<usize>,
     ) -> PyResult<NativeGeneration> {
         let ids = to_ids(token_ids).map_err(to_py)?;
         // An id no token can have never matches; dropping it is harmless.
@@ -212,7 +213,7 @@ impl NativeEngine {
             frequency_penalty,
             seed,
         };
-        let opts = GenerateOptions { max_new_tokens, sampling, stop_ids };
+        let opts = GenerateOptions { max_new_tokens, sampling, stop_ids, logprobs };
         let t = py.detach(|| self.batch.submit(&ids, &opts)).map_err(to_py)?;
         Ok(NativeGeneration { canceller: t.canceller(), inner: Mutex::new(t) })
     }
@@ -337,6 +338,9 @@ impl NativeEngine {
 /// detached. The lock makes a second thread calling `__next__` on the same
 /// object at the same time an error rather than a data race; distinct
 /// generations never contend. Dropping it cancels the generation.
+/// Per token: its log-probability and the top alternatives.
+type LogprobRows = Vec<(f32, Vec<(u32, f32)>)>;
+
 #[pyclass(frozen, module = "colibri._colibri", name = "NativeGeneration")]
 struct NativeGeneration {
     inner: Mutex<Ticket>,
@@ -385,6 +389,15 @@ impl NativeGeneration {
     #[getter]
     fn token_ids(&self) -> PyResult<Vec<u32>> {
         Ok(self.lock()?.tokens().to_vec())
+    }
+
+    /// Log-probabilities of the tokens from index `start` on, when asked for:
+    /// one `(logprob, [(token id, logprob), ...])` per token.
+    #[pyo3(signature = (start=0))]
+    fn logprobs(&self, start: usize) -> PyResult<LogprobRows> {
+        let g = self.lock()?;
+        let rows = g.logprobs().get(start..).unwrap_or_default();
+        Ok(rows.iter().map(|t| (t.logprob, t.top.clone())).collect())
     }
 
     /// (prompt tokens, generated tokens, prefill seconds, decode seconds).
