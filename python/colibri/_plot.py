@@ -27,8 +27,8 @@ def plot_heat(routing: dict[str, Any], path: str | os.PathLike[str], title: str 
     experts = max(len(lay["heat"]) for lay in layers)
     share = [[0.0] * experts for _ in layers]
     for row, lay in zip(share, layers):
-        for e, c in enumerate(lay["heat"]):
-            row[e] = c / lay["tokens"] if lay["tokens"] else 0.0
+        for x, c in enumerate(lay["heat"]):
+            row[x] = c / lay["tokens"] if lay["tokens"] else 0.0
     width = min(16.0, max(5.0, experts * 0.12 + 2.5))
     height = min(12.0, max(2.5, len(layers) * 0.25 + 1.5))
     fig, ax = plt.subplots(figsize=(width, height), dpi=120, layout="constrained")
@@ -40,14 +40,15 @@ def plot_heat(routing: dict[str, Any], path: str | os.PathLike[str], title: str 
         fig.colorbar(im, ax=ax, label="share of tokens")
         streaming = any(set(lay.get("residency", "")) - {"R"} for lay in layers)
         if streaming:
-            for mark, style in (
+            marks: tuple[tuple[str, dict[str, Any]], ...] = (
                 ("P", {"marker": "o", "facecolors": "none", "edgecolors": "#4fd1c5"}),
                 ("C", {"marker": ".", "color": "#7ee081"}),
-            ):
+            )
+            for mark, style in marks:
                 pts = [
-                    (e, r)
+                    (x, r)
                     for r, lay in enumerate(layers)
-                    for e, c in enumerate(lay.get("residency", ""))
+                    for x, c in enumerate(lay.get("residency", ""))
                     if c == mark
                 ]
                 if pts:

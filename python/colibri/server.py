@@ -338,7 +338,7 @@ class _Run:
 
     def __init__(self, engine: Any, job: Job, loop: asyncio.AbstractEventLoop, metrics: _Metrics) -> None:
         self.job, self.loop, self.metrics, self.engine = job, loop, metrics, engine
-        self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[int, Any, Any]] = asyncio.Queue()
         self.choices: list[_Choice] = []
         self.streams: list[Any] = []
         self.started = time.perf_counter()
