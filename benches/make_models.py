@@ -876,9 +876,19 @@ def write_gguf(s: Shape, layers: int, st: SafetensorsFile, gtype: str, path: Pat
     }[gtype]
     w.add_file_type(ftype)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    # No tokenizer: llama.cpp then makes `vocab_size` placeholder tokens; the
-    # bench feeds token ids directly.
-    w.add_tokenizer_model("none")
+    # A placeholder vocabulary in SentencePiece form (the benches feed token
+    # ids; llama-server turns every generated id into text, so each must
+    # exist): <unk> <s> </s>, the 256 byte tokens, then "t<id>".
+    w.add_tokenizer_model("llama")
+    names = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    names += [f"t{i}" for i in range(len(names), s.vocab)]
+    w.add_token_list(names)
+    w.add_token_scores([0.0] * s.vocab)
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (s.vocab - 259))  # unknown, control, byte, normal
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(False)
     assert f"{arch}.vocab_size" in w.kv_data[0]
 
     plan = gguf_plan(s, layers)

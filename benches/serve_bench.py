@@ -16,6 +16,11 @@ read bandwidth given by --bandwidth. B concurrent decoders can then run at
 most B · bandwidth / bytes(B) tokens/s.
 
     python benches/serve_bench.py benches/.cache/olmoe-l4/q4_0.colibri --clients 1,2,4,8,16
+
+With --llama-server BIN --gguf FILE the same load also runs against
+llama.cpp's own server on the same weights (`BIN -m FILE -t T -np 16 -cb`,
+each of its 16 slots with room for a prompt and max_tokens), interleaved
+with colibri's runs cell by cell, and the ratio is printed.
 """
 
 from __future__ import annotations
@@ -28,8 +33,11 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -89,6 +97,31 @@ def run(url: str, clients: int, requests: int, max_tokens: int) -> dict[str, flo
     return {"tok_s": tokens / wall, "p50": statistics.median(lat), "p99": p99, "tokens": tokens}
 
 
+@contextmanager
+def running(cmd: list[str], url: str) -> Iterator[None]:
+    """Starts a server, waits until it answers /health, stops it after."""
+    server = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"{cmd[0]} exited with {server.returncode}")
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{cmd[0]} did not come up")
+            time.sleep(0.1)
+        yield
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", type=Path)
@@ -101,42 +134,61 @@ def main() -> int:
         "--bandwidth", type=float, default=23.5e9, help="read bandwidth, bytes/s, for the roofline"
     )
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server binary, to compare against")
+    ap.add_argument("--gguf", type=Path, help="the same weights as GGUF, for --llama-server")
     args = ap.parse_args()
+    if (args.llama_server is None) != (args.gguf is None):
+        ap.error("--llama-server and --gguf go together")
 
     dense, expert, n_exp, top_k, layers = step_bytes(args.model)
+    servers = {}
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "colibri", "serve", str(args.model), "--threads", str(args.threads)]
     cmd += ["--port", str(port), "--max-batch", "16", "--max-queue", "0"]
-    server = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    servers["colibri"] = (cmd, f"http://127.0.0.1:{port}")
+    if args.llama_server:
+        port = free_port()
+        slots = 16
+        ctx = slots * (16 + args.max_tokens + 16)
+        cmd = [
+            str(args.llama_server),
+            "-m",
+            str(args.gguf),
+            "-t",
+            str(args.threads),
+            "-tb",
+            str(args.threads),
+        ]
+        cmd += ["-np", str(slots), "-cb", "-c", str(ctx), "--host", "127.0.0.1", "--port", str(port)]
+        servers["llama-server"] = (cmd, f"http://127.0.0.1:{port}")
     rows = []
-    try:
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        run(url, 1, 1, 8)  # warm-up: page the weights in
-        base = None
-        for b in [int(x) for x in args.clients.split(",")]:
-            reps = [run(url, b, args.requests, args.max_tokens) for _ in range(args.reps)]
+    # One server at a time (they would share the two cores): each cell is
+    # run on every server in turn, starting each server once per cell.
+    clients = [int(x) for x in args.clients.split(",")]
+    base: dict[str, float] = {}
+    for b in clients:
+        distinct = n_exp * (1 - (1 - top_k / n_exp) ** b)
+        step = dense + layers * distinct * expert
+        roof = b * args.bandwidth / step
+        row: dict[str, Any] = {"clients": b, "step_bytes": step, "roofline_tok_s": roof}
+        for name, (cmd, url) in servers.items():
+            with running(cmd, url):
+                run(url, 1, 1, 8)  # warm-up: page the weights in
+                reps = [run(url, b, args.requests, args.max_tokens) for _ in range(args.reps)]
             med = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
-            distinct = n_exp * (1 - (1 - top_k / n_exp) ** b)
-            step = dense + layers * distinct * expert
-            roof = b * args.bandwidth / step
-            base = base or med["tok_s"]
-            rows.append({"clients": b, **med, "step_bytes": step, "roofline_tok_s": roof})
+            base.setdefault(name, med["tok_s"])
+            row[name] = med
             print(
-                f"{b:3d} clients: {med['tok_s']:7.1f} tok/s ({med['tok_s'] / base:4.2f}x one), "
+                f"{name:>12} {b:3d} clients: {med['tok_s']:7.1f} tok/s "
+                f"({med['tok_s'] / base[name]:4.2f}x one), "
                 f"p50 {med['p50']:.2f} s, p99 {med['p99']:.2f} s; step {step / 1e6:.0f} MB, "
                 f"roofline {roof:.0f} tok/s ({med['tok_s'] / roof:.0%})",
                 flush=True,
             )
-    finally:
-        server.terminate()
-        server.wait(30)
+        if "llama-server" in row:
+            ours, theirs = row["colibri"], row["llama-server"]
+            print(f"{'':>12} {b:3d} clients: colibri / llama-server = {ours['tok_s'] / theirs['tok_s']:.2f}x")
+        rows.append(row)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

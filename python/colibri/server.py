@@ -414,12 +414,23 @@ class _Run:
                 last, choice.tokens = now, n
                 lps = stream.logprobs_from(sent) if want_lps else None
                 sent += len(lps or ())
-                put(self.queue.put_nowait, (choice.index, piece if isinstance(piece, str) else "", lps))
+                text = piece if isinstance(piece, str) else ""
+                if self.job.stream:
+                    put(self.queue.put_nowait, (choice.index, text, lps))
+                else:
+                    # Nobody waits for the pieces: the loop is woken once, at
+                    # the end (every wake-up takes a core from the compute).
+                    choice.text += text
+                    choice.logprobs.extend(lps or ())
             choice.token_ids = stream.token_ids
             choice.tokens = len(choice.token_ids)
             choice.finish_reason = stream.finish_reason
             # The last tokens may have brought no text (a stop id).
-            put(self.queue.put_nowait, (choice.index, None, stream.logprobs_from(sent) if want_lps else None))
+            rest = stream.logprobs_from(sent) if want_lps else None
+            if not self.job.stream:
+                choice.logprobs.extend(rest or ())
+                rest = None
+            put(self.queue.put_nowait, (choice.index, None, rest))
         except BaseException as e:  # delivered to the request, never lost in a thread
             put(self.queue.put_nowait, (choice.index, e, None))
 
