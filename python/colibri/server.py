@@ -852,9 +852,10 @@ async def _until_done_or_gone(run: _Run, request: Request, work: Any) -> Any:
 
 async def _whole(run: _Run, chat: bool, model: str, request: Request) -> dict[str, Any]:
     async def collect() -> None:
-        async for choice, piece, _ in run.events():
-            if piece is not None:
-                choice.text += piece
+        # The pumps of a non-streamed request keep their own text and
+        # log-probabilities; only the choices' ends come through.
+        async for _ in run.events():
+            pass
 
     await _until_done_or_gone(run, request, collect())
     want_lps = run.job.logprobs
