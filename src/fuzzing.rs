@@ -133,7 +133,7 @@ pub fn write_seeds(dir: &Path, fixtures: &Path) -> std::io::Result<usize> {
         b.extend_from_slice(&0u32.to_le_bytes());
         b.extend_from_slice(&50u32.to_le_bytes());
         for i in 0..50 {
-            b.extend_from_slice(&((i as f32 * 0.37).sin() * 4.0).to_le_bytes());
+            b.extend_from_slice(&(crate::math::sin(i as f64 * 0.37) as f32 * 4.0).to_le_bytes());
         }
         put("sampler", &format!("{name}.bin"), &b)?;
     }

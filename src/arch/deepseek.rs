@@ -122,7 +122,7 @@ fn config(
     if let RopeScaling::Yarn { factor, .. } = rope.scaling
         && let Some(all) = rope_param(c, "mscale_all_dim").filter(|&m| m != 0.0)
     {
-        let m = if factor <= 1.0 { 1.0 } else { 0.1 * all * factor.ln() + 1.0 };
+        let m = if factor <= 1.0 { 1.0 } else { 0.1 * all * crate::math::ln(factor) + 1.0 };
         scale *= m * m;
     }
     let e = c.usize(&["n_routed_experts", "num_experts", "num_local_experts"])?;

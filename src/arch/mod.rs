@@ -319,7 +319,8 @@ impl HfConfig {
                     ));
                 }
                 let factor = num("factor").unwrap_or(max_pos as f64 / original as f64);
-                let get_mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+                let get_mscale =
+                    |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * crate::math::ln(scale) + 1.0 };
                 let attention_factor = match (num("attention_factor"), num("mscale"), num("mscale_all_dim")) {
                     (Some(a), _, _) => a,
                     (None, Some(m), Some(ma)) if m != 0.0 && ma != 0.0 => {
@@ -360,7 +361,7 @@ impl HfConfig {
                 let default = num("attention_factor").unwrap_or(if factor <= 1.0 {
                     1.0
                 } else {
-                    (1.0 + factor.ln() / (original as f64).ln()).sqrt()
+                    (1.0 + crate::math::ln(factor) / crate::math::ln(original as f64)).sqrt()
                 });
                 RopeScaling::LongRope {
                     short_factor: list("short_factor")?,

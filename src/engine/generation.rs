@@ -60,8 +60,8 @@ impl TokenLogprobs {
     pub fn of(logits: &[f32], token: u32, k: usize) -> TokenLogprobs {
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         // In f64, so the normaliser of a large vocabulary loses nothing.
-        let sum: f64 = logits.iter().map(|&x| ((x - max) as f64).exp()).sum();
-        let lse = max as f64 + sum.ln();
+        let sum: f64 = logits.iter().map(|&x| crate::math::exp((x - max) as f64)).sum();
+        let lse = max as f64 + crate::math::ln(sum);
         let lp = |x: f32| (x as f64 - lse) as f32;
         let mut top: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
         if k > 0 {

@@ -255,7 +255,7 @@ impl Sampler {
             if l == max {
                 return 1.0;
             }
-            let w = ((l - max) as f64).exp();
+            let w = crate::math::exp((l - max) as f64);
             if w.is_nan() { 0.0 } else { w }
         };
 

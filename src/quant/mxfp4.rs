@@ -60,7 +60,7 @@ pub fn quantize(src: &[f32], dst: &mut [BlockMxfp4]) {
     for (x, b) in src.chunks_exact(QK).zip(dst.iter_mut()) {
         let amax = x.iter().fold(0f32, |m, &v| m.max(v.abs()));
         let mut e: i32 =
-            if amax > 0.0 && amax.is_finite() { (amax as f64 / 6.0).log2().ceil() as i32 + 127 } else { 0 };
+            if amax > 0.0 && amax.is_finite() { crate::math::log2(amax as f64 / 6.0).ceil() as i32 + 127 } else { 0 };
         // log2 is not exact: step to the smallest exponent that holds amax.
         e = e.clamp(0, 254);
         while e > 0 && amax as f64 <= 6.0 * exp2i(e - 1 - 127) {

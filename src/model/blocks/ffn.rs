@@ -8,13 +8,13 @@ use crate::model::config::Activation;
 /// x · sigmoid(x), written to saturate cleanly for large |x|.
 #[inline]
 pub fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
+    x / (1.0 + crate::math::expf(-x))
 }
 
 /// Logistic sigmoid.
 #[inline]
 pub fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
+    1.0 / (1.0 + crate::math::expf(-x))
 }
 
 /// The three matrices of a gated MLP (a dense layer, a routed or shared

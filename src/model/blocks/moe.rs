@@ -106,7 +106,7 @@ fn softmax(x: &mut [f32]) {
     let m = x.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
     let mut z = 0.0f32;
     for v in x.iter_mut() {
-        *v = (*v - m).exp();
+        *v = crate::math::expf(*v - m);
         z += *v;
     }
     x.iter_mut().for_each(|v| *v /= z);
@@ -136,7 +136,7 @@ fn sparse_mixer(s: &[f32], eps: f32, ids: &mut [u32], w: &mut [f32]) {
             let masked = ratio.partial_cmp(&(2.0 * eps)) == Some(std::cmp::Ordering::Greater);
             let kept = Some(j) != skip && !masked;
             if kept {
-                z += (v - m).exp();
+                z += crate::math::expf(v - m);
             }
         }
         1.0 / z

@@ -39,7 +39,8 @@ impl Rope {
     fn ladder(spec: &RopeSpec) -> (Vec<f32>, f32) {
         let r = spec.rotary_dim;
         // θ^(2i/R) in f32, as transformers computes it.
-        let base: Vec<f32> = (0..r / 2).map(|i| (spec.theta as f32).powf((2 * i) as f32 / r as f32)).collect();
+        let base: Vec<f32> =
+            (0..r / 2).map(|i| crate::math::powf(spec.theta as f32, (2 * i) as f32 / r as f32)).collect();
         let plain: Vec<f32> = base.iter().map(|b| 1.0 / b).collect();
         match &spec.scaling {
             RopeScaling::None => (plain, 1.0),
@@ -59,8 +60,11 @@ impl Rope {
             } => {
                 // The dimension whose wavelength completes `rot` rotations over the original context.
                 let dim_for = |rot: f64| {
-                    (r as f64 * (*original_max_position_embeddings as f64 / (rot * 2.0 * std::f64::consts::PI)).ln())
-                        / (2.0 * spec.theta.ln())
+                    (r as f64
+                        * crate::math::ln(
+                            *original_max_position_embeddings as f64 / (rot * 2.0 * std::f64::consts::PI),
+                        ))
+                        / (2.0 * crate::math::ln(spec.theta))
                 };
                 let (mut lo, mut hi) = (dim_for(*beta_fast), dim_for(*beta_slow));
                 if *truncate {
@@ -114,8 +118,8 @@ impl Rope {
         };
         for ((c, s), &f) in cos.iter_mut().zip(sin.iter_mut()).zip(&self.inv_freq) {
             let a = (pos as f32 * f) as f64;
-            *c = a.cos() as f32 * magnitude;
-            *s = a.sin() as f32 * magnitude;
+            *c = crate::math::cos(a) as f32 * magnitude;
+            *s = crate::math::sin(a) as f32 * magnitude;
         }
     }
 }

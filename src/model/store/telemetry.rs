@@ -199,11 +199,11 @@ impl LayerRouting {
                 .filter(|&&c| c > 0)
                 .map(|&c| {
                     let p = c as f64 / total as f64;
-                    -p * p.log2()
+                    -p * crate::math::log2(p)
                 })
                 .sum()
         };
-        let max_bits = (experts as f64).log2();
+        let max_bits = crate::math::log2(experts as f64);
         let uniform = total as f64 / experts.max(1) as f64;
         let (dead, overloaded, max_load) = if total == 0 {
             (Vec::new(), Vec::new(), 0.0)
