@@ -38,6 +38,7 @@
 compile_error!("colibri reads little-endian files through typed views; big-endian targets are not supported");
 
 pub mod arch;
+pub mod capi;
 pub mod convert;
 pub mod engine;
 pub mod error;
