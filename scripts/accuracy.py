@@ -341,7 +341,7 @@ def run_fixtures(threads: int, widened: bool, margins: dict, growth: dict) -> li
             seqs = fixture_sequences(ref.vocab_size, length=min(96, ref.context_length))
             margins[case.name + (" (widened)" if widened else "")] = reference_margins(ref, seqs)
             for t, path in convert_all(src, work, types).items():
-                eng = colibri.Engine(path, threads=threads, kv_cache=KV_CACHE[0])
+                eng = colibri.Engine(path, threads=threads, kv_cache_dtype=KV_CACHE[0])
                 m = measure(ref, eng, seqs)
                 rows.append({"model": case.name, "ref": ref.dtype, "type": t, "block": block_share(eng), **m})
                 if widened and t in BLOCK_TYPES:
@@ -367,7 +367,7 @@ def run_demo(threads: int, austen: str | None, margins: dict, growth: dict) -> l
             paths[chained] = work / f"demo-{first}-{second}.colibri"
             colibri.convert(paths[first], paths[chained], dtype=second, progress=False)
         for t, path in paths.items():
-            eng = colibri.Engine(path, threads=threads, kv_cache=KV_CACHE[0])
+            eng = colibri.Engine(path, threads=threads, kv_cache_dtype=KV_CACHE[0])
             if t in BLOCK_TYPES:
                 growth[("demo, own prose", t)] = residual_errors(ref, eng, texts["own prose"][0][0])
             for label, groups in texts.items():
@@ -452,7 +452,7 @@ def quality_rows(
     in windows of 256), against `reference`'s logits on `texts`. KV caches
     in f32, so only the weights differ (as scripts/llamacpp_quants.py runs
     llama.cpp)."""
-    ref = colibri.Engine(reference, threads=threads, kv_cache="f32")
+    ref = colibri.Engine(reference, threads=threads, kv_cache_dtype="f32")
     ref_logits = {k: [ref.logits(s) for s in v] for k, v in texts.items()}
     imatrix = work / "model.imatrix"
     if isinstance(calib, str):
@@ -465,7 +465,7 @@ def quality_rows(
         for im in (None, imatrix):
             out = work / "quality.colibri"
             colibri.convert(reference, out, dtype=dtype, imatrix=im, force=True, progress=False)
-            e = colibri.Engine(out, threads=threads, kv_cache="f32")
+            e = colibri.Engine(out, threads=threads, kv_cache_dtype="f32")
             row = {
                 "type": dtype,
                 "imatrix": im is not None,

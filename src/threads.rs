@@ -30,6 +30,14 @@ pub fn physical_cores() -> usize {
             return cores.len().min(logical);
         }
     }
+    #[cfg(any(windows, target_os = "macos"))]
+    {
+        // GetLogicalProcessorInformation's cores on Windows, hw.physicalcpu on macOS.
+        let n = num_cpus::get_physical();
+        if n > 0 {
+            return n.min(logical);
+        }
+    }
     logical
 }
 

@@ -159,7 +159,7 @@ def test_kv_cache_types(converted):
     path = converted("mixtral")
     ids = list(range(3, 40))
     auto = colibri.Engine(path, threads=2)
-    f16 = colibri.Engine(path, threads=2, kv_cache="f16")
+    f16 = colibri.Engine(path, threads=2, kv_cache_dtype="f16")
     assert auto.kv_cache_dtype == "f32", "an f32 model keeps an exact f32 cache by default"
     assert f16.kv_cache_dtype == "f16"
     a, b = auto.logits(ids), f16.logits(ids)

@@ -30,6 +30,7 @@ from ._errors import (
     UnsupportedModelError,
 )
 from ._generation import Completion, Stream, Timings, TokenCompletion, TokenLogprob
+from ._sampling import SamplingOptions, SamplingParams
 
 
 def kernels() -> dict[str, Any]:
@@ -52,6 +53,8 @@ def recipes() -> dict[str, dict[str, str]]:
 
 
 __all__ = [
+    "SamplingOptions",
+    "SamplingParams",
     "BusyError",
     "ChatTemplateError",
     "CheckpointError",

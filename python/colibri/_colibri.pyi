@@ -3,6 +3,19 @@
 from os import PathLike
 from typing import Any, final
 
+__all__ = [
+    "NativeEngine",
+    "NativeGeneration",
+    "convert_checkpoint",
+    "supported_architectures",
+    "supported_dtypes",
+    "recipes",
+    "parse_bytes",
+    "kernel_tables",
+    "plan_json",
+    "__version__",
+]
+
 __version__: str
 
 @final
@@ -21,6 +34,7 @@ class NativeEngine:
         max_batch: int = 16,
         max_queue: int = 0,
     ) -> NativeEngine: ...
+    def close(self) -> str | None: ...
     def batch_stats_json(self) -> str: ...
     def kv_dtype(self) -> str: ...
     def kv_bytes_per_token(self) -> int: ...

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import sys
 import threading
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union, cast, overload
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 from . import _colibri
 from ._errors import (
@@ -27,6 +30,7 @@ from ._errors import (
     TokenizerError,
 )
 from ._generation import Completion, Result, Stream, TokenCompletion
+from ._sampling import SamplingOptions, SamplingParams, sampling_params
 from ._text import ChatTemplate, TextCodec, template_from_metadata
 
 TokenIds = Union[Sequence[int], "np.ndarray"]
@@ -155,6 +159,16 @@ def plan(path: PathLike, ram_budget: int | str | None = None) -> dict[str, Any]:
     return dict(json.loads(_colibri.plan_json(os.fspath(path), _budget_bytes(ram_budget))))
 
 
+class _Closed:
+    """Stands in for the native engine once :meth:`Engine.close` ran."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise InvalidInputError("this Engine is closed")
+
+
+_CLOSED = _Closed()
+
+
 def _is_batch(prompt: Any) -> bool:
     """A list or tuple of prompts (strings or token-id sequences), not one token-id list."""
     if not isinstance(prompt, (list, tuple)) or not prompt:
@@ -190,11 +204,11 @@ class Engine:
             (unbuffered, where the OS supports it).
         heat_file: where routing heat is kept (default: beside the model file,
             ``MODEL.colibri.heat``), or ``"off"``.
-        kv_cache: element type of the attention KV cache: ``"f16"`` (half the
+        kv_cache_dtype: element type of the attention KV cache: ``"f16"`` (half the
             memory and the attention reads), ``"f32"``, or ``"auto"`` (default:
             f16 for block-quantised weights, whose own rounding is far larger,
             f32 otherwise, so f32/bf16/f16 models stay exact against
-            transformers).
+            transformers). (``kv_cache=`` is its old name, still accepted.)
         max_batch: most generations running at once (default 16); more wait
             for a place, first come first served.
         max_queue: most generations waiting for a place; beyond it starting
@@ -212,10 +226,14 @@ class Engine:
         prefetch: bool = False,
         io: str = "buffered",
         heat_file: PathLike | None = None,
-        kv_cache: str = "auto",
+        kv_cache_dtype: str = "auto",
         max_batch: int = 16,
         max_queue: int = 0,
+        kv_cache: str | None = None,
     ) -> None:
+        if kv_cache is not None:
+            warnings.warn("Engine(kv_cache=...) is now kv_cache_dtype=...", DeprecationWarning, stacklevel=2)
+            kv_cache_dtype = kv_cache
         for name, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 0)):
             if not _is_int(value) or not low <= value <= 2**16:
                 raise InvalidInputError(f"{name} must be an integer in [{low}, 65536], got {value!r}")
@@ -236,7 +254,7 @@ class Engine:
             bool(prefetch),
             str(io),
             heat,
-            str(kv_cache),
+            str(kv_cache_dtype),
             int(max_batch),
             int(max_queue),
         )
@@ -285,10 +303,33 @@ class Engine:
         return cls(path, threads=threads, **options)
 
     def __repr__(self) -> str:
+        if self.closed:
+            return f"Engine({self._path!r}, closed)"
         return (
             f"Engine({self._path!r}, architecture={self.architecture!r}, "
             f"dtype={self._meta['weight_dtype']!r}, threads={self.threads})"
         )
+
+    def close(self) -> None:
+        """Stops the engine: generations still waiting or running end with an
+        error, routing heat is saved now (when experts stream), and every
+        later call raises :class:`InvalidInputError`. The weights are unmapped
+        once nothing refers to them. Calling it again does nothing; ``with
+        Engine(...) as engine:`` closes on leaving the block."""
+        native, self._native = self._native, cast(_colibri.NativeEngine, _CLOSED)
+        if not isinstance(native, _Closed):
+            native.close()
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return isinstance(self._native, _Closed)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------------
     # What the model is
@@ -301,12 +342,14 @@ class Engine:
     @property
     def config(self) -> dict[str, Any]:
         """The canonical model config (a fresh copy; editing it changes nothing)."""
-        return json.loads(json.dumps(self._meta["config"]))
+        config: dict[str, Any] = json.loads(json.dumps(self._meta["config"]))
+        return config
 
     @property
     def source_config(self) -> dict[str, Any] | None:
         """The checkpoint's original config.json, as embedded at conversion."""
-        return self._meta.get("source_config")
+        source: dict[str, Any] | None = self._meta.get("source_config")
+        return source
 
     @property
     def architecture(self) -> str:
@@ -643,26 +686,50 @@ class Engine:
     # ------------------------------------------------------------------
     # Generation
 
+    @overload
+    def generate(  # type: ignore[overload-overlap]  # a str is also a Sequence[str]
+        self,
+        prompt: str,
+        sampling: SamplingParams | None = None,
+        *,
+        add_special_tokens: bool = True,
+        **options: Unpack[SamplingOptions],
+    ) -> Completion: ...
+    @overload
+    def generate(
+        self,
+        prompt: TokenIds,
+        sampling: SamplingParams | None = None,
+        *,
+        add_special_tokens: bool = True,
+        **options: Unpack[SamplingOptions],
+    ) -> TokenCompletion: ...
+    @overload
+    def generate(
+        self,
+        prompt: Sequence[str],
+        sampling: SamplingParams | None = None,
+        *,
+        add_special_tokens: bool = True,
+        **options: Unpack[SamplingOptions],
+    ) -> list[Completion]: ...
+    @overload
+    def generate(
+        self,
+        prompt: Sequence[TokenIds],
+        sampling: SamplingParams | None = None,
+        *,
+        add_special_tokens: bool = True,
+        **options: Unpack[SamplingOptions],
+    ) -> list[TokenCompletion]: ...
     def generate(
         self,
         prompt: Prompt | Sequence[Prompt],
+        sampling: SamplingParams | None = None,
         *,
-        max_new_tokens: int | None = None,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        presence_penalty: float | None = None,
-        frequency_penalty: float | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool = False,
         add_special_tokens: bool = True,
-        skip_special_tokens: bool = True,
-        logprobs: int | None = None,
-    ) -> Result | list[Result]:
+        **options: Unpack[SamplingOptions],
+    ) -> Result | list[Any]:
         """Continues a prompt.
 
         Text in, text out: a ``str`` prompt gives a :class:`Completion` (a
@@ -672,17 +739,13 @@ class Engine:
         attributes). A list of prompts gives a list of results, each the same as
         its prompt would give alone.
 
-        Sampling (every option left out takes the model's default, see
-        :attr:`generation_defaults`):
-            max_new_tokens: most tokens to generate.
-            temperature: 0 = greedy (argmax); otherwise softmax temperature.
-            top_k: keep the k most likely tokens (0 = off).
-            top_p: keep the most likely tokens holding this much probability (1 = off).
-            min_p: drop tokens less likely than ``min_p`` times the most likely (0 = off).
-            repetition_penalty: transformers' penalty on every token of prompt and output (1 = off).
-            presence_penalty, frequency_penalty: OpenAI's penalties on generated tokens (0 = off).
-            seed: makes sampling reproducible; the same seed gives the same
-                tokens whatever the thread count. ``None`` = a fresh random seed.
+        How tokens are chosen and when it stops: a :class:`SamplingParams`
+        and/or its fields as keywords (``max_new_tokens``, ``temperature``,
+        ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``,
+        ``presence_penalty``, ``frequency_penalty``, ``seed``, ``stop``,
+        ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``,
+        ``logprobs``; keywords replace the object's fields). Every one left
+        unset takes the model's default (:attr:`generation_defaults`).
 
         Stopping: on any end-of-sequence id of the model (unless
         ``ignore_eos``) and any id in ``stop_token_ids`` (kept in the token ids,
@@ -690,101 +753,59 @@ class Engine:
         tokens (not included in the text); after ``max_new_tokens``; or when
         prompt plus output fill the context.
 
-        Text: ``add_special_tokens`` lets the tokenizer add its
-        beginning-of-sequence token to a text prompt; ``skip_special_tokens``
-        leaves special tokens out of the returned text.
-
-        ``logprobs=k`` (0 to 20) records, for every generated token, its
-        log-probability under the model's distribution (before temperature,
-        penalties and truncation) and the k most likely tokens at its
-        position: the result's ``logprobs``, one :class:`TokenLogprob` per
-        token id. Asking for them changes no token.
+        ``add_special_tokens`` lets the tokenizer add its beginning-of-sequence
+        token to a text prompt. ``logprobs=k`` fills the result's ``logprobs``,
+        one :class:`TokenLogprob` per token id; asking for them changes no token.
         """
-        opts: dict[str, Any] = dict(
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
-            seed=seed,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos,
-            add_special_tokens=add_special_tokens,
-            skip_special_tokens=skip_special_tokens,
-            logprobs=logprobs,
-        )
+        params = sampling_params(sampling, options, "generate")
         if _is_batch(prompt):
             # All queued first, so they run batched.
-            streams = [self._start(p, **opts) for p in prompt]  # type: ignore[union-attr]
+            streams = [self._start(p, params, add_special_tokens=add_special_tokens) for p in prompt]
             return [s.result() for s in streams]
-        return self._start(prompt, **opts).result()
+        return self._start(prompt, params, add_special_tokens=add_special_tokens).result()
 
+    @overload
+    def stream(
+        self,
+        prompt: str,
+        sampling: SamplingParams | None = None,
+        *,
+        add_special_tokens: bool = True,
+        **options: Unpack[SamplingOptions],
+    ) -> Stream[str]: ...
+    @overload
+    def stream(
+        self,
+        prompt: TokenIds,
+        sampling: SamplingParams | None = None,
+        *,
+        add_special_tokens: bool = True,
+        **options: Unpack[SamplingOptions],
+    ) -> Stream[int]: ...
     def stream(
         self,
         prompt: Prompt,
+        sampling: SamplingParams | None = None,
         *,
-        max_new_tokens: int | None = None,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        presence_penalty: float | None = None,
-        frequency_penalty: float | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool = False,
         add_special_tokens: bool = True,
-        skip_special_tokens: bool = True,
-        logprobs: int | None = None,
+        **options: Unpack[SamplingOptions],
     ) -> Stream[Any]:
-        """Like :meth:`generate` for one prompt, but yields the output as it is
-        produced: text pieces for a text prompt (never a broken character;
-        joined they equal what :meth:`generate` returns), token ids for a
-        token-id prompt. The returned :class:`Stream` tells ``finish_reason``
-        and ``timings`` once exhausted; leaving the loop early stops the work."""
-        return self._start(
-            prompt,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
-            seed=seed,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos,
-            add_special_tokens=add_special_tokens,
-            skip_special_tokens=skip_special_tokens,
-            logprobs=logprobs,
-        )
+        """Like :meth:`generate` for one prompt (the same options), but yields the
+        output as it is produced: text pieces for a text prompt (never a broken
+        character; joined they equal what :meth:`generate` returns), token ids
+        for a token-id prompt. The returned :class:`Stream` tells
+        ``finish_reason`` and ``timings`` once exhausted; leaving the loop early
+        stops the work."""
+        params = sampling_params(sampling, options, "stream")
+        return self._start(prompt, params, add_special_tokens=add_special_tokens)
 
     def chat(
         self,
         messages: Sequence[Mapping[str, Any]],
+        sampling: SamplingParams | None = None,
         *,
         chat_template_kwargs: Mapping[str, Any] | None = None,
-        max_new_tokens: int | None = None,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        presence_penalty: float | None = None,
-        frequency_penalty: float | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool = False,
-        skip_special_tokens: bool = True,
+        **options: Unpack[SamplingOptions],
     ) -> Completion:
         """The assistant's reply to a conversation.
 
@@ -792,41 +813,20 @@ class Engine:
         rendered with the model's chat template (see :meth:`apply_chat_template`)
         and continued as :meth:`generate` does, with the same options.
         """
+        params = sampling_params(sampling, options, "chat")
         text = self.apply_chat_template(messages, chat_template_kwargs=chat_template_kwargs)
-        result = self._start(
-            text,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
-            seed=seed,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos,
-            # The template writes the special tokens it wants itself.
-            add_special_tokens=False,
-            skip_special_tokens=skip_special_tokens,
-        ).result()
+        # The template writes the special tokens it wants itself.
+        result = self._start(text, params, add_special_tokens=False).result()
         assert isinstance(result, Completion)
         return result
 
     def _start(
         self,
         prompt: Any,
+        params: SamplingParams,
         *,
-        stop: Any,
-        stop_token_ids: Any,
-        ignore_eos: bool,
         add_special_tokens: bool,
-        skip_special_tokens: bool,
-        seed: Any,
         text_out: bool = False,
-        logprobs: Any = None,
-        **sampling: Any,
     ) -> Stream[Any]:
         # text_out: text pieces also for a token-id prompt (the server's case).
         text_mode = isinstance(prompt, str) or text_out
@@ -838,57 +838,21 @@ class Engine:
             raise InvalidInputError("stream() takes one prompt; call it once per prompt")
         else:
             ids = _as_ids(prompt, "prompt")
-        if stop is None:
-            stops: list[str] = []
-        elif isinstance(stop, str):
-            stops = [stop]
-        elif isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop):
-            stops = list(stop)
-        else:
-            raise InvalidInputError(f"stop must be a string or a list of strings, got {stop!r}")
+        stops = list(params.stop)
         codec = self._text() if text_mode or stops else None
-        stop_ids = _as_ids(stop_token_ids or [], "stop_token_ids")
-        if any(not 0 <= t < 2**32 for t in stop_ids):
-            raise InvalidInputError(f"stop_token_ids must be token ids >= 0, got {stop_ids}")
-        if not ignore_eos:
+        stop_ids = list(params.stop_token_ids)
+        if not params.ignore_eos:
             stop_ids += [t for t in self.eos_token_ids if t not in stop_ids]
-        values = dict(self._defaults)
-        for name, value in sampling.items():
-            if value is not None:
-                values[name] = value
-        for name in ("max_new_tokens", "top_k"):
-            v = values[name]
-            if not _is_int(v) or v < 0:
-                raise InvalidInputError(f"{name} must be an integer >= 0, got {v!r}")
-            values[name] = min(int(v), 2**32)  # the context bounds both long before that
-        for name in (
-            "temperature",
-            "top_p",
-            "min_p",
-            "repetition_penalty",
-            "presence_penalty",
-            "frequency_penalty",
-        ):
-            v = values[name]
-            if not _is_number(v):
-                raise InvalidInputError(f"{name} must be a number, got {v!r}")
-            values[name] = float(v)
-        if seed is None:
-            seed = random.SystemRandom().getrandbits(64)
-        elif not _is_int(seed) or not 0 <= seed < 2**64:
-            raise InvalidInputError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-        if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= 20):
-            raise InvalidInputError(f"logprobs must be an integer in [0, 20] or None, got {logprobs!r}")
-        lp = None if logprobs is None else int(logprobs)
-        native = self._native.start(ids, stop_ids=stop_ids, seed=int(seed), logprobs=lp, **values)
+        full = params.with_defaults(self._defaults)
+        native = self._native.start(ids, stop_ids=stop_ids, **full.native())
         return Stream(
             native,
             codec=codec,
             text_mode=text_mode,
             stop=stops,
-            skip_special_tokens=bool(skip_special_tokens),
+            skip_special_tokens=params.skip_special_tokens,
             context=ids,
-            logprobs=lp is not None,
+            logprobs=params.logprobs is not None,
         )
 
 

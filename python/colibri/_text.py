@@ -263,7 +263,7 @@ def _environment() -> Any:
     from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    class BoundedSandbox(ImmutableSandboxedEnvironment):  # type: ignore[misc]
+    class BoundedSandbox(ImmutableSandboxedEnvironment):
         """The immutable sandbox, plus size checks on the operators and calls
         that can build a huge value from a short template."""
 

@@ -26,6 +26,7 @@ from ._colibri import recipes as _recipe_table
 from ._colibri import supported_dtypes
 from ._engine import Engine, convert, plan
 from ._errors import ColibriError
+from ._sampling import SamplingParams
 
 
 class _Terminated(BaseException):
@@ -111,7 +112,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 # info
 
 
-def _params(cfg: dict, tensors: list[tuple[str, str, tuple[int, ...], int]]) -> tuple[int, int]:
+def _params(cfg: dict[str, Any], tensors: list[tuple[str, str, tuple[int, ...], int]]) -> tuple[int, int]:
     """Total and active-per-token parameter counts, from the tensor table:
     everything but the routed experts is active, plus top-k experts per MoE layer."""
     count = {name: math.prod(shape) for name, _, shape, _ in tensors}
@@ -135,7 +136,7 @@ def _weights_line(engine: Engine) -> str:
     return f"{engine.recipe} (recipe), {bpw}" if engine.recipe else f"{engine.dtype}, {bpw}"
 
 
-def _attention(cfg: dict) -> str:
+def _attention(cfg: dict[str, Any]) -> str:
     """One line on the attention: kind, heads, widths, windows, sinks."""
     att = cfg["attention"]
     kind = att.get("kind", {"type": "gqa"})
@@ -255,7 +256,7 @@ def _open_model(args: argparse.Namespace, positional: list[str]) -> tuple[Engine
     or a Hugging Face folder, converted once into the cache); returns the
     positionals left over."""
     store = {"ram_budget": args.ram, "io": args.io, "prefetch": args.prefetch}
-    store["kv_cache"] = args.kv_cache
+    store["kv_cache_dtype"] = args.kv_cache_dtype
     for name in ("max_batch", "max_queue"):
         if getattr(args, name, None) is not None:
             store[name] = getattr(args, name)
@@ -269,7 +270,7 @@ def _open_model(args: argparse.Namespace, positional: list[str]) -> tuple[Engine
     return Engine(model, threads=args.threads, **store), rest
 
 
-def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+def _sampling(args: argparse.Namespace) -> SamplingParams:
     names = (
         "max_new_tokens",
         "temperature",
@@ -281,10 +282,9 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
         "frequency_penalty",
         "seed",
     )
-    out = {n: getattr(args, n) for n in names}
-    out["stop"] = args.stop or None
-    out["ignore_eos"] = args.ignore_eos
-    return out
+    return SamplingParams(
+        **{n: getattr(args, n) for n in names}, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos
+    )
 
 
 def _report(args: argparse.Namespace, stream: Any) -> None:
@@ -337,7 +337,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             prompt = prompt[:-1]  # the newline `echo` adds is not part of the prompt
     if not prompt:
         raise _UsageError("the prompt is empty")
-    stream = engine.stream(prompt, add_special_tokens=not args.no_special_tokens, **_sampling(args))
+    stream = engine.stream(prompt, _sampling(args), add_special_tokens=not args.no_special_tokens)
     if args.echo:
         _write(prompt)
     for piece in stream:
@@ -458,7 +458,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             continue
         history.append({"role": "user", "content": message})
         prompt = engine.apply_chat_template(history)
-        stream = engine.stream(prompt, add_special_tokens=False, **sampling)
+        stream = engine.stream(prompt, sampling, add_special_tokens=False)
         try:
             for piece in stream:
                 _write(piece)
@@ -515,7 +515,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         help="read the next layer's predicted experts ahead (off by default)",
     )
     p.add_argument(
-        "--kv-cache",
+        "--kv-cache-dtype",
+        "--kv-cache",  # its old name
+        dest="kv_cache_dtype",
         choices=["auto", "f32", "f16"],
         default="auto",
         help="KV cache element type (default auto: f16 for quantised weights, else f32)",

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ._errors import BusyError, ColibriError, ContextLengthError, InvalidInputError
+from ._sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 try:
     from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -52,7 +53,6 @@ MAX_N = 16
 #: Most stop strings (OpenAI's limit).
 MAX_STOP = 4
 #: Most alternatives per token in ``top_logprobs`` (OpenAI's limit).
-MAX_TOP_LOGPROBS = 20
 #: Routed tokens the dashboard's heat map and the router-health metrics
 #: cover (the most recent ones).
 ROUTING_WINDOW = 1024
@@ -372,10 +372,9 @@ class _Run:
                     # (A model without a tokenizer: ids out, no text.)
                     stream = engine._start(
                         p,
+                        SamplingParams(**opts, logprobs=job.logprobs),
                         text_out=engine.has_tokenizer,
                         add_special_tokens=False,
-                        logprobs=job.logprobs,
-                        **opts,
                     )
                     self.streams.append(stream)
                     self.choices.append(_Choice(index=k * job.n + j, prompt_tokens=len(p)))

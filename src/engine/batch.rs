@@ -150,7 +150,7 @@ pub struct Scheduler {
     engine: Engine,
     opts: BatchOptions,
     shared: Arc<Shared>,
-    thread: Option<JoinHandle<()>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl std::fmt::Debug for Scheduler {
@@ -190,7 +190,7 @@ impl Scheduler {
             .name("colibri-scheduler".into())
             .spawn(move || run(e, opts, sh))
             .map_err(|err| Error::InvalidInput(format!("cannot start the scheduler thread: {err}")))?;
-        Ok(Scheduler { engine: engine.clone(), opts, shared, thread: Some(thread) })
+        Ok(Scheduler { engine: engine.clone(), opts, shared, thread: Mutex::new(Some(thread)) })
     }
 
     /// The options in force (`step_tokens` raised to `max_batch` if below).
@@ -219,6 +219,9 @@ impl Scheduler {
         }
         let req = Request { prompt: prompt.to_vec(), opts: opts.clone(), sampler, tx, cancel };
         let mut q = self.shared.queue();
+        if q.shutdown {
+            return Err(Error::InvalidInput("the engine is closed".into()));
+        }
         q.waiting.retain(|r| !r.cancel.load(Ordering::Relaxed));
         if self.opts.max_queue > 0 && q.waiting.len() >= self.opts.max_queue {
             return Err(Error::Busy(format!(
@@ -253,13 +256,24 @@ impl Scheduler {
     }
 }
 
-impl Drop for Scheduler {
-    fn drop(&mut self) {
+impl Scheduler {
+    /// Stops the scheduling thread and waits for it: waiting and running
+    /// generations end with an error saying the engine was closed, and later
+    /// submissions are refused. Calling it again does nothing; dropping the
+    /// scheduler closes it.
+    pub fn close(&self) {
         self.shared.queue().shutdown = true;
         self.shared.wake.notify_all();
-        if let Some(t) = self.thread.take() {
+        let thread = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(t) = thread {
             let _ = t.join();
         }
+    }
+}
+
+impl Drop for Scheduler {
+    fn drop(&mut self) {
+        self.close();
     }
 }
 

@@ -218,6 +218,19 @@ impl NativeEngine {
         Ok(NativeGeneration { canceller: t.canceller(), inner: Mutex::new(t) })
     }
 
+    /// Stops the scheduler (waiting and running generations end with an
+    /// error, later ones are refused) and saves routing heat now; returns
+    /// where it went, if experts streamed. The weights stay mapped until the
+    /// last object using them is gone.
+    fn close(&self, py: Python<'_>) -> PyResult<Option<String>> {
+        py.detach(|| {
+            self.batch.close();
+            self.inner.model().save_heat()
+        })
+        .map(|p| p.map(|p| p.display().to_string()))
+        .map_err(to_py)
+    }
+
     /// The scheduler's counters as JSON (see `BatchStats`).
     fn batch_stats_json(&self) -> String {
         let s = self.batch.stats();

@@ -1,0 +1,183 @@
+"""How tokens are chosen and when a generation stops: one definition.
+
+:class:`SamplingParams` is what ``generate``, ``stream``, ``chat``, the
+command line and the server hand to the native scheduler. The same names
+are accepted as keywords (``generate(p, temperature=0.7)``), typed by
+:class:`SamplingOptions`; keywords given beside a ``SamplingParams`` replace
+its fields. A field left ``None`` takes the model's default
+(``Engine.generation_defaults``: its generation_config.json, else greedy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any, TypedDict
+
+from ._errors import InvalidInputError
+
+#: Most alternatives ``logprobs`` may ask for per token (the engine's limit).
+MAX_TOP_LOGPROBS = 20
+
+_INTS = ("max_new_tokens", "top_k")
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen and when generation stops (frozen; see :meth:`replace`).
+
+    Attributes:
+        max_new_tokens: most tokens to generate.
+        temperature: 0 = greedy (argmax); otherwise the softmax temperature.
+        top_k: keep the k most likely tokens (0 = off).
+        top_p: keep the most likely tokens holding this much probability (1 = off).
+        min_p: drop tokens less likely than ``min_p`` times the most likely (0 = off).
+        repetition_penalty: transformers' penalty on every token of prompt and output (1 = off).
+        presence_penalty, frequency_penalty: OpenAI's penalties on generated tokens (0 = off).
+        seed: makes sampling reproducible whatever the thread count; ``None`` = a fresh random seed.
+        stop: strings that end the output (not included in the text), also spanning tokens.
+        stop_token_ids: ids that end the output (kept in the ids, never in the text).
+        ignore_eos: do not stop on the model's end-of-sequence ids.
+        skip_special_tokens: leave special tokens out of the returned text.
+        logprobs: record for every generated token its log-probability and the
+            ``logprobs`` (0 to 20) most likely tokens at its position (under the
+            model's distribution, before temperature, penalties and truncation).
+
+    ``None`` in any of the first eight fields takes the model's default.
+    Values are checked when the object is made: a bad one is an
+    :class:`InvalidInputError` naming the field.
+    """
+
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalise once, here
+        for name in _INTS:
+            v = getattr(self, name)
+            if v is not None:
+                if not _is_int(v) or v < 0:
+                    raise InvalidInputError(f"{name} must be an integer >= 0, got {v!r}")
+                set_(self, name, min(int(v), 2**32))  # the context bounds both long before that
+        for name in _FLOATS:
+            v = getattr(self, name)
+            if v is not None:
+                if not _is_number(v):
+                    raise InvalidInputError(f"{name} must be a number, got {v!r}")
+                set_(self, name, float(v))
+        seed = self.seed
+        if seed is not None:
+            if not _is_int(seed) or not 0 <= seed < 2**64:
+                raise InvalidInputError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+            set_(self, "seed", int(seed))
+        stop: Any = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        elif isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop):
+            stop = tuple(stop)
+        else:
+            raise InvalidInputError(f"stop must be a string or a list of strings, got {stop!r}")
+        set_(self, "stop", stop)
+        set_(self, "stop_token_ids", _token_ids(self.stop_token_ids))
+        for name in ("ignore_eos", "skip_special_tokens"):
+            set_(self, name, bool(getattr(self, name)))
+        lp = self.logprobs
+        if lp is not None:
+            if not _is_int(lp) or not 0 <= lp <= MAX_TOP_LOGPROBS:
+                raise InvalidInputError(
+                    f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got {lp!r}"
+                )
+            set_(self, "logprobs", int(lp))
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        """A copy with some fields changed (checked as the constructor checks them)."""
+        unknown = sorted(set(changes) - _FIELDS)
+        if unknown:
+            raise TypeError(f"SamplingParams has no field {unknown[0]!r}")
+        return dataclasses.replace(self, **changes)
+
+    def with_defaults(self, defaults: Mapping[str, Any]) -> SamplingParams:
+        """Every ``None`` of the first eight fields filled from ``defaults``
+        (the model's generation defaults); the seed drawn at random if unset."""
+        filled = {n: defaults[n] for n in (*_INTS, *_FLOATS) if getattr(self, n) is None and n in defaults}
+        if self.seed is None:
+            filled["seed"] = random.SystemRandom().getrandbits(64)
+        return self.replace(**filled) if filled else self
+
+    def native(self) -> dict[str, Any]:
+        """The keywords of the native ``start`` call (after :meth:`with_defaults`)."""
+        out = {n: getattr(self, n) for n in (*_INTS, *_FLOATS, "seed", "logprobs")}
+        missing = [n for n, v in out.items() if v is None and n != "logprobs"]
+        if missing:
+            raise InvalidInputError(f"{missing[0]} has no value and the model gives no default")
+        return out
+
+
+class SamplingOptions(TypedDict, total=False):
+    """The fields of :class:`SamplingParams` as keyword arguments (for typing ``**options``)."""
+
+    max_new_tokens: int | None
+    temperature: float | None
+    top_k: int | None
+    top_p: float | None
+    min_p: float | None
+    repetition_penalty: float | None
+    presence_penalty: float | None
+    frequency_penalty: float | None
+    seed: int | None
+    stop: str | Sequence[str] | None
+    stop_token_ids: Sequence[int] | None
+    ignore_eos: bool
+    skip_special_tokens: bool
+    logprobs: int | None
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def sampling_params(sampling: SamplingParams | None, options: Mapping[str, Any], call: str) -> SamplingParams:
+    """``sampling`` (or the defaults) with the keyword ``options`` of a call applied."""
+    if sampling is not None and not isinstance(sampling, SamplingParams):
+        raise InvalidInputError(f"{call}: sampling must be a SamplingParams, got {type(sampling).__name__}")
+    unknown = sorted(set(options) - _FIELDS)
+    if unknown:
+        raise TypeError(f"{call}() got an unexpected keyword argument {unknown[0]!r}")
+    base = sampling or SamplingParams()
+    changes = dict(options)
+    if changes.get("stop_token_ids", ()) is None:
+        changes["stop_token_ids"] = ()
+    return base.replace(**changes) if changes else base
+
+
+def _token_ids(v: Any) -> tuple[int, ...]:
+    from ._engine import _as_ids
+
+    return tuple(_as_ids(() if v is None else v, "stop_token_ids"))
+
+
+__all__ = ["MAX_TOP_LOGPROBS", "SamplingOptions", "SamplingParams"]
