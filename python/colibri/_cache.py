@@ -75,3 +75,70 @@ def cached_conversion(src: Path, *, dtype: str | None, cache_dir: Any, progress:
             except OSError:
                 pass  # in use elsewhere (Windows) or already gone: harmless
     return out
+
+
+#: What a conversion reads from a Hub repository (weights, configs, tokenizer, chat template).
+HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"]
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def looks_like_repo_id(name: str) -> bool:
+    """``org/name`` (or a bare legacy ``name``) that is not a path here."""
+    return bool(_REPO_ID.match(name)) and ".." not in name and not Path(name).exists()
+
+
+def hub_snapshot(repo_id: str, revision: str | None, progress: bool | None) -> Path:
+    """The local folder of ``repo_id`` at ``revision`` from the Hugging Face
+    cache, downloaded first unless it is there (``huggingface_hub``'s own
+    conventions: ``HF_HOME`` / ``HF_HUB_CACHE`` for the cache, ``HF_HUB_OFFLINE=1``
+    to never touch the network, ``HF_TOKEN`` for gated repositories)."""
+    try:
+        import huggingface_hub
+        from huggingface_hub import errors
+        from huggingface_hub.errors import HfHubHTTPError
+    except ImportError:
+        raise ModelNotFoundError(
+            f"{repo_id}: no such file or folder here; to fetch it from the Hugging Face Hub, "
+            "install huggingface_hub (pip install 'colibri-moe[hub]')"
+        ) from None
+    where = f"{repo_id}" + (f" at revision {revision!r}" if revision else "")
+    try:
+        folder = huggingface_hub.snapshot_download(
+            repo_id,
+            revision=revision,
+            allow_patterns=HUB_FILES,
+            library_name="colibri-moe",
+            library_version=__version__,
+            tqdm_class=_Silent if progress is False else None,
+        )
+    except errors.LocalEntryNotFoundError as e:
+        raise ModelNotFoundError(
+            f"{where}: not a file or folder here, not in the Hugging Face cache, and cannot be "
+            f"downloaded now (offline: HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '')!r}, "
+            f"or no network): {e}"
+        ) from None
+    except (errors.RepositoryNotFoundError, errors.RevisionNotFoundError) as e:
+        raise ModelNotFoundError(f"{where}: not a file or folder here, and not on the Hub: {e}") from None
+    except HfHubHTTPError as e:
+        raise ColibriIOError(f"{where}: the Hub answered with an error: {e}") from None
+    return Path(str(folder))
+
+
+class _Silent:
+    """A tqdm stand-in that shows nothing (``progress=False``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __enter__(self) -> _Silent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -267,27 +267,41 @@ class Engine:
     @classmethod
     def from_pretrained(
         cls,
-        model_dir: PathLike,
+        model: PathLike,
         *,
+        revision: str | None = None,
         dtype: str | None = None,
         cache_dir: PathLike | None = None,
         threads: int | None = None,
         progress: bool | None = None,
         **options: Any,
     ) -> Engine:
-        """Opens a Hugging Face checkpoint folder, converting it once.
+        """Opens a Hugging Face checkpoint, converting it once.
+
+        ``model`` is a checkpoint folder, a ``.colibri`` file (opened as is),
+        or a Hub repository id such as ``"Qwen/Qwen3-30B-A3B"``: that is fetched
+        through the optional ``huggingface_hub`` package (``pip install
+        'colibri-moe[hub]'``) at ``revision`` (a branch, tag or commit; default
+        the main branch) into the Hugging Face cache with its conventions
+        (``HF_HOME``/``HF_HUB_CACHE``, ``HF_HUB_OFFLINE=1`` to use only what is
+        cached, ``HF_TOKEN``), only the files a conversion reads.
 
         The converted file is kept under ``cache_dir`` (default:
         ``$COLIBRI_CACHE``, else ``~/.cache/colibri``) and reused while the
         folder's files (names, sizes, modification times), the ``dtype`` and
         the colibri version stay the same; a stale conversion of the same
-        folder and dtype is removed. A ``.colibri`` file is opened as is.
+        folder and dtype is removed.
         """
-        from ._cache import cached_conversion
+        from ._cache import cached_conversion, hub_snapshot, looks_like_repo_id
 
-        src = Path(os.fspath(model_dir))
+        name = os.fspath(model)
+        src = Path(name)
         if src.is_file():
             return cls(src, threads=threads, **options)
+        if revision is not None and not looks_like_repo_id(name):
+            raise InvalidInputError(f"revision= is for Hub repository ids, and {name!r} is a local path")
+        if not src.exists() and looks_like_repo_id(name):
+            src = hub_snapshot(name, revision, progress)
         path = cached_conversion(src, dtype=dtype, cache_dir=cache_dir, progress=progress)
         return cls(path, threads=threads, **options)
 
