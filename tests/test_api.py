@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import threading
+import typing
 
 import pytest
 
@@ -118,3 +119,30 @@ def test_kv_cache_dtype_is_the_name_and_the_old_one_warns(demo):
         assert colibri.Engine(demo.path, kv_cache="f32").kv_cache_dtype == "f32"
     with pytest.raises(colibri.InvalidInputError, match="kv_cache"):
         colibri.Engine(demo.path, kv_cache_dtype="int8")
+
+
+def _keys_match(shape: type, value: dict, where: str) -> None:
+    hints = typing.get_type_hints(shape)
+    assert set(hints) == set(value), (
+        f"{where}: typed {sorted(set(hints) ^ set(value))} differ from the report"
+    )
+    for k, hint in hints.items():
+        inner = typing.get_args(hint)
+        if typing.is_typeddict(hint):
+            _keys_match(hint, value[k], f"{where}.{k}")
+        elif typing.get_origin(hint) is list and inner and typing.is_typeddict(inner[0]):
+            for i, item in enumerate(value[k]):
+                _keys_match(inner[0], item, f"{where}.{k}[{i}]")
+
+
+def test_typed_reports_have_exactly_the_native_keys(demo):
+    plan = colibri.plan(demo.path)
+    engine = colibri.Engine(
+        demo.path, ram_budget=plan["dense_bytes"] + plan["expert_bytes"] // 3, heat_file="off"
+    )
+    engine.generate(PROMPT, max_new_tokens=4)
+    _keys_match(colibri.RoutingStats, engine.routing_stats(), "routing_stats()")
+    _keys_match(colibri.StoreStats, engine.store_stats(), "store_stats()")
+    _keys_match(colibri.BatchStats, engine.batch_stats(), "batch_stats()")
+    _keys_match(colibri.Plan, colibri.plan(demo.path, plan["min_budget"] * 2), "plan()")
+    assert engine.store_stats()["layers"], "a streaming engine reports its layers"

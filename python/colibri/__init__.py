@@ -31,6 +31,7 @@ from ._errors import (
 )
 from ._generation import Completion, Stream, Timings, TokenCompletion, TokenLogprob
 from ._sampling import SamplingOptions, SamplingParams
+from ._stats import BatchStats, LayerRouting, Plan, RoutingStats, StoreStats
 
 
 def kernels() -> dict[str, Any]:
@@ -53,6 +54,11 @@ def recipes() -> dict[str, dict[str, str]]:
 
 
 __all__ = [
+    "BatchStats",
+    "LayerRouting",
+    "Plan",
+    "RoutingStats",
+    "StoreStats",
     "SamplingOptions",
     "SamplingParams",
     "BusyError",

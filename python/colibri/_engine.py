@@ -31,6 +31,7 @@ from ._errors import (
 )
 from ._generation import Completion, Result, Stream, TokenCompletion
 from ._sampling import SamplingOptions, SamplingParams, sampling_params
+from ._stats import BatchStats, Plan, RoutingStats, StoreStats
 from ._text import ChatTemplate, TextCodec, template_from_metadata
 
 TokenIds = Union[Sequence[int], "np.ndarray"]
@@ -146,7 +147,7 @@ def _budget_bytes(ram_budget: int | str | None) -> int | None:
     return ram_budget
 
 
-def plan(path: PathLike, ram_budget: int | str | None = None) -> dict[str, Any]:
+def plan(path: PathLike, ram_budget: int | str | None = None) -> Plan:
     """What opening ``path`` with ``ram_budget`` keeps resident and what it streams.
 
     Returns a dict: ``dense_bytes`` (always resident), ``expert_bytes``,
@@ -156,7 +157,8 @@ def plan(path: PathLike, ram_budget: int | str | None = None) -> dict[str, Any]:
     (from the routing heat file beside the model when there is one, else
     assuming uniform routing), and ``warnings``.
     """
-    return dict(json.loads(_colibri.plan_json(os.fspath(path), _budget_bytes(ram_budget))))
+    result: Plan = json.loads(_colibri.plan_json(os.fspath(path), _budget_bytes(ram_budget)))
+    return result
 
 
 class _Closed:
@@ -636,7 +638,7 @@ class Engine:
     # ------------------------------------------------------------------
     # Forward passes
 
-    def routing_stats(self, since: dict[str, Any] | None = None) -> dict[str, Any]:
+    def routing_stats(self, since: RoutingStats | Mapping[str, Any] | None = None) -> RoutingStats:
         """How the router has chosen experts since the file was opened, or
         over the tokens run since ``since`` (an earlier result of this call
         on the same engine: counts are subtracted and the figures computed
@@ -653,9 +655,10 @@ class Engine:
         snapshot of this model raises ValueError.
         """
         earlier = None if since is None else json.dumps(since)
-        return dict(json.loads(self._native.routing_stats_json(earlier)))
+        result: RoutingStats = json.loads(self._native.routing_stats_json(earlier))
+        return result
 
-    def batch_stats(self) -> dict[str, Any]:
+    def batch_stats(self) -> BatchStats:
         """The generation scheduler's counters since the engine opened:
         ``waiting`` and ``running`` generations, ``steps`` run,
         ``prompt_tokens`` and ``generated_tokens``, ``last_batch`` (sequences
@@ -665,14 +668,16 @@ class Engine:
         ``max_batch`` or more), ``finished``, ``busy_seconds``, ``kv_tokens``
         (positions in the running generations' KV caches) and the limits
         ``max_batch``, ``max_queue`` and ``step_budget``."""
-        return dict(json.loads(self._native.batch_stats_json()))
+        result: BatchStats = json.loads(self._native.batch_stats_json())
+        return result
 
-    def store_stats(self) -> dict[str, Any]:
+    def store_stats(self) -> StoreStats:
         """Expert-cache figures since the file was opened: hits, misses,
         ``hit_rate``, bytes read from disk per token, prefetch accuracy
         (fraction of prefetched experts that were used), time waiting on I/O,
         per layer and in total. All zero when the whole model is resident."""
-        return dict(json.loads(self._native.store_stats_json()))
+        result: StoreStats = json.loads(self._native.store_stats_json())
+        return result
 
     def logits(self, token_ids: TokenIds) -> np.ndarray:
         """Logits of every position of a fresh forward pass over ``token_ids``.

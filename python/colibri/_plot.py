@@ -6,10 +6,11 @@ Needs matplotlib, the ``plot`` extra: ``pip install 'colibri-moe[plot]'``.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 
-def plot_heat(routing: dict[str, Any], path: str | os.PathLike[str], title: str = "") -> None:
+def plot_heat(routing: Mapping[str, Any], path: str | os.PathLike[str], title: str = "") -> None:
     """Draws layers x experts, each cell the share of the layer's tokens that
     chose the expert, and writes it to ``path`` (the format follows the
     extension: .png, .svg, .pdf, ...). When experts stream under a RAM

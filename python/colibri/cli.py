@@ -374,12 +374,15 @@ def _print_stats(engine: Engine, file: Any) -> None:
             f"dead {layer.get('dead', [])}, overloaded {layer.get('overloaded', [])}",
             file=file,
         )
-    keys = ("hit_rate", "bytes_read_per_token", "prefetch_accuracy", "io_wait_seconds", "hits", "misses")
-    parts = []
-    for k in keys:
-        if k in store:
-            v = store[k]
-            parts.append(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}")
+    figures: dict[str, float] = {
+        "hit_rate": store["hit_rate"],
+        "bytes_read_per_token": store["bytes_read_per_token"],
+        "prefetch_accuracy": store["prefetch_accuracy"],
+        "io_wait_seconds": store["io_wait_seconds"],
+        "hits": store["hits"],
+        "misses": store["misses"],
+    }
+    parts = [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items()]
     print(f"expert store: {', '.join(parts)}", file=file)
     for w in store.get("warnings", []) or []:
         print(f"warning: {w}", file=file)
@@ -403,7 +406,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     ]
     if p["streams"]:
         rows += [
-            ("budget", f"{h(p['budget'])}: {p['slots']} expert slots ({p['pinned_slots']} for the hot set)"),
+            (
+                "budget",
+                f"{h(p['budget'] or 0)}: {p['slots']} expert slots ({p['pinned_slots']} for the hot set)",
+            ),
             ("resident", f"{h(p['resident_bytes'])} (dense part + slots)"),
             ("streamed", f"{h(p['streamed_bytes'])} stay in the file"),
             (
