@@ -143,7 +143,9 @@ def main() -> None:
         args.out.write_text(text, encoding="utf-8", newline="\n")
     else:
         sys.stdout.write(text)
-    print(f"smoke: ok ({sys.platform}, {colibri.kernels()['active']} kernels)", file=sys.stderr)
+    threads = colibri.Engine.demo().threads  # the default: physical cores
+    kernels = colibri.kernels()["active"]
+    print(f"smoke: ok ({sys.platform}, {kernels} kernels, {threads} default threads)", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -167,4 +167,4 @@ def test_kv_cache_types(converted):
     assert 0 < np.abs(a - b).max() < 1e-2 * np.abs(a).max()
     np.testing.assert_array_equal(b, f16.logits(ids))
     with pytest.raises(colibri.InvalidInputError, match="kv_cache"):
-        colibri.Engine(path, kv_cache="int8")
+        colibri.Engine(path, kv_cache_dtype="int8")
