@@ -194,8 +194,13 @@ class Stream(Generic[T]):
 
     @property
     def token_ids(self) -> list[int]:
-        """Every token generated so far."""
+        """Every token generated so far (a fresh list)."""
         return list(self._native.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """How many tokens were generated so far (``len(token_ids)``, without copying them)."""
+        return int(self._native.num_tokens)
 
     @property
     def logprobs(self) -> list[TokenLogprob] | None:

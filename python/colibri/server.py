@@ -17,6 +17,7 @@ disconnects cancels its generations at the next token.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -400,7 +401,7 @@ class _Run:
         try:
             last, sent = self.started, 0
             for piece in stream:
-                now, n = time.perf_counter(), len(stream.token_ids)
+                now, n = time.perf_counter(), stream.num_tokens
                 if choice.first_token is None and n:
                     choice.first_token = now
                     self.metrics.ttft.observe(now - self.started)
@@ -826,7 +827,9 @@ def create_app(
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: wrong_method})
 
 
+@functools.lru_cache(maxsize=1)
 def _dashboard_page() -> str:
+    """The page, read from the package once."""
     from importlib.resources import files
 
     return files("colibri").joinpath("data", "dashboard.html").read_text(encoding="utf-8")

@@ -404,6 +404,12 @@ impl NativeGeneration {
         Ok(self.lock()?.tokens().to_vec())
     }
 
+    /// How many tokens were generated so far (`len(token_ids)` without the copy).
+    #[getter]
+    fn num_tokens(&self) -> PyResult<usize> {
+        Ok(self.lock()?.tokens().len())
+    }
+
     /// Log-probabilities of the tokens from index `start` on, when asked for:
     /// one `(logprob, [(token id, logprob), ...])` per token.
     #[pyo3(signature = (start=0))]
