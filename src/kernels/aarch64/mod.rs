@@ -44,7 +44,9 @@ impl Neon {
             DType::Q4K => dot(q4k_dot),
             DType::Q5K => dot(q5k_dot),
             DType::Q6K => dot(q6k_dot),
-            DType::Q4Kx8 | DType::Q5Kx8 | DType::Q6Kx8 => scalar::kernels(dtype),
+            DType::Q4Kx8 => group(q4kx8_gemv),
+            DType::Q5Kx8 => group(q5kx8_gemv),
+            DType::Q6Kx8 => group(q6kx8_gemv),
         }
     }
 }
@@ -100,4 +102,19 @@ fn q4_1x8_gemv(group: &[u8], q: &[BlockQ8]) -> [f32; 8] {
 fn mxfp4x8_gemv(group: &[u8], q: &[BlockQ8]) -> [f32; 8] {
     // SAFETY: NEON was detected (see above).
     unsafe { neon::gemv8_mxfp4(group, q) }
+}
+
+fn q4kx8_gemv(group: &[u8], q: &[BlockQ8]) -> [f32; 8] {
+    // SAFETY: NEON was detected (see above).
+    unsafe { neon::gemv8_q4k(group, q) }
+}
+
+fn q5kx8_gemv(group: &[u8], q: &[BlockQ8]) -> [f32; 8] {
+    // SAFETY: NEON was detected (see above).
+    unsafe { neon::gemv8_q5k(group, q) }
+}
+
+fn q6kx8_gemv(group: &[u8], q: &[BlockQ8]) -> [f32; 8] {
+    // SAFETY: NEON was detected (see above).
+    unsafe { neon::gemv8_q6k(group, q) }
 }

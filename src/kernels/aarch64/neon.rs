@@ -338,3 +338,111 @@ pub unsafe fn dot_q6k(row: &[u8], _x: &[f32], q: &[BlockQ8]) -> f32 {
     }
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
 }
+
+/// Column quad `k` of one interleaved super-block sub-block (`crate::quant::kx8`)
+/// for rows 0..4 and 4..8: the nibbles as [`nibbles`] reads them, completed
+/// by q5k's fifth bits or q6k's top bits. `e0`, `e1` are the sub-block's
+/// extra-bit bytes (q5k: 32 bytes of fifth bits; q6k: the top bits of codes
+/// 0..16 and 16..32), one 4-byte word per row. Bit `r` (q5k) or bits `2r`,
+/// `2r+1` (q6k) of a row's byte `k'` belong to its code `4r + k'` (and bit
+/// `4 + r` / the second word to code `16 + 4r + k'`); moving them to bit 4
+/// (bits 4-5) is a per-byte shift and mask, exact.
+#[inline(always)]
+unsafe fn kx8_quad(
+    kind: crate::quant::kquant::Kind,
+    sub: *const u8,
+    k: usize,
+    e0: (uint8x16_t, uint8x16_t),
+    e1: (uint8x16_t, uint8x16_t),
+) -> (int8x16_t, int8x16_t) {
+    use crate::quant::kquant::Kind;
+    let (c0, c1) = nibbles(sub, k);
+    let (c0, c1) = (vreinterpretq_u8_s8(c0), vreinterpretq_u8_s8(c1));
+    let r = (k % 4) as i8;
+    let (extra, by, mask) = match (kind, k < 4) {
+        (Kind::Q4K, _) => return (vreinterpretq_s8_u8(c0), vreinterpretq_s8_u8(c1)),
+        (Kind::Q5K, true) => (e0, 4 - r, 0x10),
+        (Kind::Q5K, false) => (e0, -r, 0x10),
+        (Kind::Q6K, true) => (e0, 4 - 2 * r, 0x30),
+        (Kind::Q6K, false) => (e1, 4 - 2 * r, 0x30),
+    };
+    let (shift, mask) = (vdupq_n_s8(by), vdupq_n_u8(mask));
+    let x0 = vandq_u8(vshlq_u8(extra.0, shift), mask);
+    let x1 = vandq_u8(vshlq_u8(extra.1, shift), mask);
+    (vreinterpretq_s8_u8(vorrq_u8(c0, x0)), vreinterpretq_s8_u8(vorrq_u8(c1, x1)))
+}
+
+/// A group of eight interleaved super-block rows against one token, bit for
+/// bit [`crate::kernels::scalar::gemv8_kx8`]: the integer sums of a
+/// sub-block per row (exact), then per row the scalar kernel's operations
+/// in its order, each rounded on its own (`s = d · sc`, `u = d_a · p`,
+/// `s · u − (dmin · m) · (d_a · Σ)`, `acc + term`; no fused multiply-add).
+#[inline(always)]
+unsafe fn gemv8_kx8(kind: crate::quant::kquant::Kind, g: &[u8], a: &[BlockQ8]) -> [f32; 8] {
+    use crate::quant::kquant::{Kind, QK, SUBS};
+    use crate::quant::kx8;
+    let n = kx8::row_len(kind, g.len()).expect("whole groups of eight super-block rows");
+    assert!(a.len() * QK >= n, "{kind:?}: {} activation blocks for rows of {n}", a.len());
+    let (hb, sb) = (kx8::header_bytes(kind), kx8::sub_bytes(kind));
+    let h = |bits: u16| half::f16::from_bits(bits).to_f32();
+    let pair = |v: [f32; 8]| (vld1q_f32(v.as_ptr()), vld1q_f32(v.as_ptr().add(4)));
+    let (mut acc0, mut acc1) = (vdupq_n_f32(0.0), vdupq_n_f32(0.0));
+    for (b, (start, subs)) in kx8::columns(kind, n).enumerate() {
+        let col = &g[start..start + hb + subs * sb];
+        let heads: [kx8::RowScales; 8] = std::array::from_fn(|l| kx8::scales(kind, col, l));
+        for j in 0..subs {
+            let s = pair(std::array::from_fn(|l| h(heads[l].d) * heads[l].sc[j] as f32));
+            let sub = col.as_ptr().add(hb + j * sb);
+            let words = |at: usize| (vld1q_u8(sub.add(at)), vld1q_u8(sub.add(at + 16)));
+            let zero = (vdupq_n_u8(0), vdupq_n_u8(0));
+            let (e0, e1) = match kind {
+                Kind::Q4K => (zero, zero),
+                Kind::Q5K => (words(128), zero),
+                Kind::Q6K => (words(128), words(160)),
+            };
+            let ba = &a[b * SUBS + j];
+            let (mut p0, mut p1) = group_sums(ba, |k| kx8_quad(kind, sub, k, e0, e1));
+            if kind == Kind::Q6K {
+                // Σ (c − 32)·q = Σ c·q − 32·Σq, exactly.
+                let off = vdupq_n_s32(32 * ba.sum);
+                (p0, p1) = (vsubq_s32(p0, off), vsubq_s32(p1, off));
+            }
+            let da = vdupq_n_f32(ba.d);
+            let (u0, u1) = (vmulq_f32(da, vcvtq_f32_s32(p0)), vmulq_f32(da, vcvtq_f32_s32(p1)));
+            let (t0, t1) = match kind {
+                Kind::Q6K => (vmulq_f32(s.0, u0), vmulq_f32(s.1, u1)),
+                _ => {
+                    let o = pair(std::array::from_fn(|l| h(heads[l].dmin) * heads[l].m[j] as f32));
+                    let ss = vdupq_n_f32(ba.scaled_sum());
+                    (
+                        vsubq_f32(vmulq_f32(s.0, u0), vmulq_f32(o.0, ss)),
+                        vsubq_f32(vmulq_f32(s.1, u1), vmulq_f32(o.1, ss)),
+                    )
+                }
+            };
+            (acc0, acc1) = (vaddq_f32(acc0, t0), vaddq_f32(acc1, t1));
+        }
+    }
+    store8(acc0, acc1)
+}
+
+/// # Safety
+/// NEON must be available (the lengths are checked here).
+#[target_feature(enable = "neon")]
+pub unsafe fn gemv8_q4k(group: &[u8], q: &[BlockQ8]) -> [f32; 8] {
+    gemv8_kx8(crate::quant::kquant::Kind::Q4K, group, q)
+}
+
+/// # Safety
+/// As [`gemv8_q4k`], for q5kx8.
+#[target_feature(enable = "neon")]
+pub unsafe fn gemv8_q5k(group: &[u8], q: &[BlockQ8]) -> [f32; 8] {
+    gemv8_kx8(crate::quant::kquant::Kind::Q5K, group, q)
+}
+
+/// # Safety
+/// As [`gemv8_q4k`], for q6kx8.
+#[target_feature(enable = "neon")]
+pub unsafe fn gemv8_q6k(group: &[u8], q: &[BlockQ8]) -> [f32; 8] {
+    gemv8_kx8(crate::quant::kquant::Kind::Q6K, group, q)
+}
