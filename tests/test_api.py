@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import threading
+import time
 import typing
 
 import pytest
@@ -107,7 +108,7 @@ def test_context_manager_closes_and_concurrent_callers_get_an_error(demo):
         t = threading.Thread(target=run)
         t.start()
         while engine.batch_stats()["running"] == 0 and t.is_alive():
-            pass
+            time.sleep(0.001)
     t.join(timeout=30)
     assert not t.is_alive() and engine.closed
     assert len(errors) == 1 and isinstance(errors[0], colibri.ColibriError), errors
