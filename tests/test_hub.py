@@ -40,9 +40,11 @@ def hub_cache(tmp_path_factory):
     return root
 
 
-def _run(code: str, hub: Path, cache: Path) -> subprocess.CompletedProcess:
+def _run(code: str, hub: Path, cache: Path, cwd: Path | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_CACHE=str(hub), HF_HUB_OFFLINE="1", COLIBRI_CACHE=str(cache))
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=cwd
+    )
 
 
 def test_a_repo_id_opens_from_the_hf_cache_offline(hub_cache, tmp_path):
@@ -53,16 +55,7 @@ b = colibri.Engine.from_pretrained("testorg/tiny-moe", revision="v1", progress=F
 np.save("main.npy", a.logits([1, 2, 3])); np.save("v1.npy", b.logits([1, 2, 3]))
 print(a.path); print(b.path)
 """
-    run = subprocess.run(
-        [sys.executable, "-c", code],
-        env=dict(
-            os.environ, HF_HUB_CACHE=str(hub_cache), HF_HUB_OFFLINE="1", COLIBRI_CACHE=str(tmp_path / "c")
-        ),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
+    run = _run(code, hub_cache, tmp_path / "c", cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     main_path, v1_path = run.stdout.split()
     assert main_path != v1_path and Path(main_path).parent == tmp_path / "c"

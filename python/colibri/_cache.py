@@ -110,7 +110,7 @@ def hub_snapshot(repo_id: str, revision: str | None, progress: bool | None) -> P
             allow_patterns=HUB_FILES,
             library_name="colibri-moe",
             library_version=__version__,
-            tqdm_class=_Silent if progress is False else None,
+            tqdm_class=_silent_tqdm() if progress is False else None,
         )
     except errors.LocalEntryNotFoundError as e:
         raise ModelNotFoundError(
@@ -125,20 +125,12 @@ def hub_snapshot(repo_id: str, revision: str | None, progress: bool | None) -> P
     return Path(str(folder))
 
 
-class _Silent:
-    """A tqdm stand-in that shows nothing (``progress=False``)."""
+def _silent_tqdm() -> Any:
+    """huggingface_hub's own progress bar class (tqdm), switched off."""
+    from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
+    class Silent(tqdm):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **{**kwargs, "disable": True})
 
-    def __enter__(self) -> _Silent:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+    return Silent

@@ -30,7 +30,7 @@ from ._errors import (
     TokenizerError,
 )
 from ._generation import Completion, Result, Stream, TokenCompletion
-from ._sampling import SamplingOptions, SamplingParams, sampling_params
+from ._sampling import SamplingOptions, SamplingParams, _as_ids, _is_int, _is_number, sampling_params
 from ._stats import BatchStats, Plan, RoutingStats, StoreStats
 from ._text import ChatTemplate, TextCodec, template_from_metadata
 
@@ -40,51 +40,6 @@ Prompt = Union[str, TokenIds]
 
 #: Used when the model's generation_config.json does not say.
 DEFAULT_MAX_NEW_TOKENS = 256
-
-
-#: Token ids are 32-bit in the extension.
-_ID_LIMIT = 1 << 32
-
-
-def _as_ids(token_ids: Any, what: str = "token_ids") -> list[int]:
-    """Validates a 1-D sequence of integer token ids and returns it as a list."""
-    if isinstance(token_ids, (str, bytes)):
-        raise InvalidInputError(
-            f"{what} must be a sequence of integer token ids, got {type(token_ids).__name__} "
-            "(pass text to generate(), stream() or tokenize())"
-        )
-    if isinstance(token_ids, np.ndarray):
-        if token_ids.ndim != 1:
-            raise InvalidInputError(f"{what} must be 1-D, got an array of shape {token_ids.shape}")
-        if not np.issubdtype(token_ids.dtype, np.integer):
-            raise InvalidInputError(f"{what} must hold integers, got dtype {token_ids.dtype}")
-        # Python ints from here on, checked one by one as a list's are.
-        token_ids = token_ids.tolist()
-    try:
-        items = list(token_ids)
-    except TypeError:
-        raise InvalidInputError(
-            f"{what} must be a sequence of integer token ids, got {type(token_ids).__name__}"
-        ) from None
-    out = []
-    for i, t in enumerate(items):
-        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-            raise InvalidInputError(f"{what}[{i}] = {t!r} is not an integer token id")
-        v = int(t)
-        # Ids past 32 bits cannot be in any vocabulary (and do not fit the
-        # extension's integers): the same error the vocabulary check gives.
-        if not 0 <= v < _ID_LIMIT:
-            raise InvalidInputError(f"{what}[{i}] = {v} is out of range")
-        out.append(v)
-    return out
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 def _ints(value: Any) -> list[int]:
@@ -300,9 +255,10 @@ class Engine:
         src = Path(name)
         if src.is_file():
             return cls(src, threads=threads, **options)
-        if revision is not None and not looks_like_repo_id(name):
+        hub = looks_like_repo_id(name)  # and not a path here
+        if revision is not None and not hub:
             raise InvalidInputError(f"revision= is for Hub repository ids, and {name!r} is a local path")
-        if not src.exists() and looks_like_repo_id(name):
+        if hub:
             src = hub_snapshot(name, revision, progress)
         path = cached_conversion(src, dtype=dtype, cache_dir=cache_dir, progress=progress)
         return cls(path, threads=threads, **options)

@@ -11,10 +11,11 @@ its fields. A field left ``None`` takes the model's default
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import random
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
+
+import numpy as np
 
 from ._errors import InvalidInputError
 
@@ -25,12 +26,49 @@ _INTS = ("max_new_tokens", "top_k")
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
-def _is_int(v: object) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
 
 
-def _is_number(v: object) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+def _is_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+#: Token ids are 32-bit in the extension.
+_ID_LIMIT = 1 << 32
+
+
+def _as_ids(token_ids: Any, what: str = "token_ids") -> list[int]:
+    """Validates a 1-D sequence of integer token ids and returns it as a list."""
+    if isinstance(token_ids, (str, bytes)):
+        raise InvalidInputError(
+            f"{what} must be a sequence of integer token ids, got {type(token_ids).__name__} "
+            "(pass text to generate(), stream() or tokenize())"
+        )
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.ndim != 1:
+            raise InvalidInputError(f"{what} must be 1-D, got an array of shape {token_ids.shape}")
+        if not np.issubdtype(token_ids.dtype, np.integer):
+            raise InvalidInputError(f"{what} must hold integers, got dtype {token_ids.dtype}")
+        # Python ints from here on, checked one by one as a list's are.
+        token_ids = token_ids.tolist()
+    try:
+        items = list(token_ids)
+    except TypeError:
+        raise InvalidInputError(
+            f"{what} must be a sequence of integer token ids, got {type(token_ids).__name__}"
+        ) from None
+    out = []
+    for i, t in enumerate(items):
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise InvalidInputError(f"{what}[{i}] = {t!r} is not an integer token id")
+        v = int(t)
+        # Ids past 32 bits cannot be in any vocabulary (and do not fit the
+        # extension's integers): the same error the vocabulary check gives.
+        if not 0 <= v < _ID_LIMIT:
+            raise InvalidInputError(f"{what}[{i}] = {v} is out of range")
+        out.append(v)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,15 +206,10 @@ def sampling_params(sampling: SamplingParams | None, options: Mapping[str, Any],
     if unknown:
         raise TypeError(f"{call}() got an unexpected keyword argument {unknown[0]!r}")
     base = sampling or SamplingParams()
-    changes = dict(options)
-    if changes.get("stop_token_ids", ()) is None:
-        changes["stop_token_ids"] = ()
-    return base.replace(**changes) if changes else base
+    return base.replace(**options) if options else base
 
 
 def _token_ids(v: Any) -> tuple[int, ...]:
-    from ._engine import _as_ids
-
     return tuple(_as_ids(() if v is None else v, "stop_token_ids"))
 
 
