@@ -124,6 +124,13 @@ impl ColibriFile {
         let mut by_name = HashMap::with_capacity(meta.tensors.len());
         for (i, t) in meta.tensors.iter().enumerate() {
             let want = t.dtype.tensor_bytes(&t.shape).map(|n| n as u64);
+            if want != Some(t.nbytes) && first_q6k_layout(t.dtype, &t.shape) == Some(t.nbytes) {
+                return Err(bad(format!(
+                    "tensor {}: its {} bytes are the first q6k layout (one scale per 32 values), which this \
+                     build no longer reads; convert the checkpoint again (q6k now has a scale per 16 values)",
+                    t.name, t.nbytes
+                )));
+            }
             if want != Some(t.nbytes) {
                 return Err(bad(format!(
                     "tensor {}: {} bytes recorded, but a {} tensor of shape {:?} needs {:?}",
@@ -269,4 +276,16 @@ impl ColibriFile {
         let s = &self.meta.experts[*self.slabs.get(&(layer, expert))?];
         Some((self.data_off as u64 + s.offset, s.nbytes))
     }
+}
+
+/// The size a `dtype` (q6k or q6kx8) tensor of `shape` had in the first
+/// q6k layout (`None` for other types).
+fn first_q6k_layout(dtype: DType, shape: &[usize]) -> Option<u64> {
+    if dtype.base() != DType::Q6K {
+        return None;
+    }
+    let (&cols, lead) = shape.split_last()?;
+    let rows = lead.iter().try_fold(1usize, |a, &d| a.checked_mul(d))?;
+    let row = crate::quant::kquant::row_bytes_q6k_v1(cols)?;
+    rows.checked_mul(row).map(|n| n as u64)
 }

@@ -179,3 +179,15 @@ fn a_small_tensor_stored_in_bf16_is_refused() {
     });
     expect_format_error(&p, "small tensors must be f32");
 }
+
+#[test]
+fn a_q6k_tensor_of_the_first_layout_asks_for_a_new_conversion() {
+    let dir = tempfile::tempdir().unwrap();
+    let (p, meta) = fresh(&dir, DType::Q6K);
+    let (i, t) = meta.tensors.iter().enumerate().find(|(_, t)| t.dtype.base() == DType::Q6K).unwrap();
+    let (&cols, lead) = t.shape.split_last().unwrap();
+    let old = lead.iter().product::<usize>() * crate::quant::kquant::row_bytes_q6k_v1(cols).unwrap();
+    assert!((old as u64) < t.nbytes, "the first layout was smaller");
+    edit_meta(&p, |v| v["tensors"][i]["nbytes"] = old.into());
+    expect_format_error(&p, "first q6k layout");
+}

@@ -265,15 +265,15 @@ use crate::quant::kx8;
 /// `a` the activation block of the sub-block and `d`, `dmin`, `sc[j]`,
 /// `m[j]` row `l`'s header fields (d, dmin as f32):
 ///
-/// - `p = Σᵢ c[i] · a.qs[i]` (i32, exact; q6k: `p − 32 · a.sum`, the codes
-///   being stored +32);
-/// - `s = d · f32(sc[j])`; q4k, q5k: `o = dmin · f32(m[j])` (the decoder's
-///   scale and offset: a value is `s · c − o`, q6k `s · (c − 32)`);
-/// - `u = a.d · f32(p)`;
-/// - q4k, q5k: `t = s · u − o · (a.d · f32(a.sum))`; q6k: `t = s · u`;
+/// - q4k, q5k: `p = Σᵢ c[i] · a.qs[i]` (i32, exact), `s = d · f32(sc[j])`,
+///   `o = dmin · f32(m[j])` (the decoder's scale and offset: a value is
+///   `s · c − o`), `u = a.d · f32(p)`, `t = s · u − o · (a.d · f32(a.sum))`;
+/// - q6k: `n = sc[2j] · (p₀ − 32 · Σ₀) + sc[2j+1] · (p₁ − 32 · Σ₁)` (i32,
+///   exact; `p₀`, `Σ₀` the code and activation sums over values 0..16, `p₁`,
+///   `Σ₁` over 16..32, as the row type's), `u = a.d · f32(n)`, `t = d · u`;
 /// - `acc = acc + t`.
 ///
-/// Every integer is exact in i32 and converts to f32 exactly (below 2²⁴),
+/// Every integer is exact in i32 and converts to f32 exactly (at most 2²⁴),
 /// and each f32 operation rounds on its own (no fused multiply-add), in the
 /// order of the brackets. This is not the row-major dots' order (one lane
 /// per sub-block, [`crate::quant::kquant`]): the interleaved forms are
@@ -292,16 +292,16 @@ pub fn gemv8_kx8(kind: Kind, g: &[u8], a: &[BlockQ8]) -> [f32; ROWS] {
             for j in 0..subs {
                 let codes = kx8::codes(kind, &col[hb + j * sb..hb + (j + 1) * sb], l);
                 let ba = &a[b * SUBS + j];
-                let mut p: i32 = codes.iter().zip(&ba.qs).map(|(&c, &q)| c as i32 * q as i32).sum();
                 if kind == Kind::Q6K {
-                    p -= 32 * ba.sum;
+                    let sc = [head.sc[2 * j] as i8, head.sc[2 * j + 1] as i8];
+                    let u = ba.d * crate::quant::kquant::q6k_sub_sum(&codes, sc, ba) as f32;
+                    *acc += h(head.d) * u;
+                    continue;
                 }
+                let p: i32 = codes.iter().zip(&ba.qs).map(|(&c, &q)| c as i32 * q as i32).sum();
                 let s = h(head.d) * head.sc[j] as f32;
                 let u = ba.d * p as f32;
-                *acc += match kind {
-                    Kind::Q6K => s * u,
-                    _ => s * u - h(head.dmin) * head.m[j] as f32 * ba.scaled_sum(),
-                };
+                *acc += s * u - h(head.dmin) * head.m[j] as f32 * ba.scaled_sum();
             }
         }
     }

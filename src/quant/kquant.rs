@@ -23,7 +23,7 @@
 //! | --- | --- | --- | --- | --- |
 //! | q4k | 16 | 16 | 144 | 4.5 |
 //! | q5k | 16 | 20 | 176 | 5.5 |
-//! | q6k | 10 | 24 | 202 | 6.3125 |
+//! | q6k | 18 | 24 | 210 | 6.5625 |
 //!
 //! Every size is even, so the f16 fields of every super-block are 2-aligned
 //! when the row is. All fields are little-endian. `c[i]` below is the code of
@@ -52,14 +52,23 @@
 //! | 16+20j – 31+20j | sub-block `j`: the low four bits of the codes, nibbles as q4k |
 //! | 32+20j – 35+20j | a u32: bit `i` = bit 4 of `c[i]` |
 //!
-//! # q6k: `x = d · sc[j] · (c − 32)`, `c` in 0..=63
+//! # q6k: `x = d · sc[h] · (c − 32)`, `c` in 0..=63, a scale per 16 values
+//!
+//! Each sub-block has two scales: `sc[2j]` for its values 0..16 and
+//! `sc[2j + 1]` for 16..32 (`h` below is that half-sub-block, 0..16). A
+//! q6k is most often an output head or an attention matrix, where trained
+//! models have outlier input columns; with one scale per 32 values an
+//! outlier coarsened the steps of 31 others (the first q6k layout, 10-byte
+//! header, 6.3125 bits per weight: 1.31x llama.cpp Q6_K's KL on the
+//! heavy-tailed bench model, docs/accuracy.md). Files of that layout are
+//! refused by size with a message to convert again.
 //!
 //! | bytes | field |
 //! | --- | --- |
 //! | 0–1 | `d`: f16 scale of the scales |
-//! | 2–9 | `sc[j]`: i8 |
-//! | 10+24j – 25+24j | sub-block `j`: the low four bits of the codes, nibbles as q4k |
-//! | 26+24j – 33+24j | byte `i` (0..8), bits `2k, 2k+1` = bits 4–5 of `c[i + 8k]`, `k` in 0..4 |
+//! | 2–17 | `sc[h]`: i8, `h` in 0..16 |
+//! | 18+24j – 33+24j | sub-block `j`: the low four bits of the codes, nibbles as q4k |
+//! | 34+24j – 41+24j | byte `i` (0..8), bits `2k, 2k+1` = bits 4–5 of `c[i + 8k]`, `k` in 0..4 |
 //!
 //! The q6k top bits are laid out so that one 8-byte load broadcast to four
 //! 64-bit lanes and shifted right by (0, 2, 4, 6) gives, masked with `0x03`
@@ -68,7 +77,7 @@
 //! # Decoding and the dot product
 //!
 //! [`dequantize_q4k`] (and q5k) computes `(d · sc[j]) · c − dmin · m[j]`, q6k
-//! `(d · sc[j]) · (c − 32)`, each product rounded to f32 (d, dmin as f32).
+//! `(d · sc[h]) · (c − 32)`, each product rounded to f32 (d, dmin as f32).
 //!
 //! The dot products ([`dot_q4k`], [`dot_q5k`], [`dot_q6k`]) take the
 //! activation quantised to [`BlockQ8`]s (`d_a`, `Σ`, `qs`) and work in the
@@ -76,11 +85,13 @@
 //!
 //! - `p = Σᵢ c[i] · qs[i]` (i32, exact);
 //! - q4k, q5k: `t = (d · f32(sc[j] · p) − dmin · f32(m[j] · Σ)) · d_a`;
-//! - q6k: `t = (d · f32(sc[j] · (p − 32 · Σ))) · d_a`;
+//! - q6k: with `p₀`, `Σ₀` the sums over values 0..16 and `p₁`, `Σ₁` over
+//!   16..32 (`Σ₁ = Σ − Σ₀`), `n = sc[2j] · (p₀ − 32 · Σ₀) + sc[2j+1] · (p₁ −
+//!   32 · Σ₁)` (i32) and `t = (d · f32(n)) · d_a`;
 //! - `acc[j] += t`.
 //!
 //! Every integer product is exact in i32 and converts to f32 exactly (all are
-//! below 2²⁴ in magnitude: `63 · 32 · 31 · 127`, `128 · 32 · 32 · 127`); each
+//! at most 2²⁴ in magnitude: `63 · 32 · 31 · 127`, `2 · 128 · 16 · 32 · 128`); each
 //! f32 operation is rounded on its own (no fused multiply-add), in the
 //! order of the brackets. The eight lane accumulators start at +0 and run
 //! over the super-blocks in order (a partial super-block leaves lanes `s..8`
@@ -106,8 +117,9 @@
 //! 1. Per sub-block, the continuous scale (and offset) fit: 21 inverse
 //!    scales from 0.6 levels wider to 1.4 levels narrower than the
 //!    sub-block's range (q4k/q5k: `[min, max]`, the offset's sign
-//!    constrained; q6k: the largest-magnitude value at either end, −32 or
-//!    +31), each with the origin shifted by −0.3, 0 and +0.3 levels; codes
+//!    constrained; q6k, per 16 values: the largest-magnitude value at
+//!    either end, −32 or +31), each with the origin shifted by −0.3, 0 and
+//!    +0.3 levels; codes
 //!    rounded for each, then the weighted least-squares optimal (scale,
 //!    offset) for those codes in closed form; the best refined by
 //!    re-rounding and re-solving while that helps. (The shifts let the
@@ -117,7 +129,7 @@
 //!    clips; `sc[j]`, `m[j]` rounded against them; every code re-assigned to
 //!    its nearest level under the stored values.
 //! 3. Refinement, repeated while the error falls: each sub-block tries its
-//!    integer neighbours (`sc ± 1` × `m ± 1`; q6k `sc ± 1, ± 2`), codes
+//!    integer neighbours (`sc ± 1` × `m ± 1`; q6k each half's `sc ± 1, ± 2`), codes
 //!    re-assigned, keeping the best; then the least-squares optimal `d`,
 //!    `dmin` of the whole super-block for the chosen integers and codes (a
 //!    2×2 system), rounded to f16, codes re-assigned, kept if better.
@@ -158,7 +170,7 @@ pub enum Kind {
     Q4K,
     /// 5-bit codes, 6-bit scales and minimums.
     Q5K,
-    /// 6-bit codes, 8-bit scales, symmetric.
+    /// 6-bit codes, 8-bit scales (one per 16 values), symmetric.
     Q6K,
 }
 
@@ -167,7 +179,7 @@ impl Kind {
     pub const fn header_bytes(self) -> usize {
         match self {
             Kind::Q4K | Kind::Q5K => 16,
-            Kind::Q6K => 10,
+            Kind::Q6K => 18,
         }
     }
 
@@ -243,16 +255,19 @@ pub struct BlockQ5K {
 }
 const _: () = assert!(size_of::<BlockQ5K>() == 176 && size_of::<BlockQ5K>() == Kind::Q5K.block_bytes());
 
+/// Scales of a q6k super-block: one per 16 values.
+pub const HALVES: usize = 2 * SUBS;
+
 /// The header of a q6k super-block.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Pod, Zeroable)]
 pub struct HeaderQ6K {
-    /// Scale of the sub-block scales, f16 bits.
+    /// Scale of the scales, f16 bits.
     pub d: u16,
-    /// Sub-block scales.
-    pub scales: [i8; SUBS],
+    /// Scale `h` covers values `16h..16h + 16` of the super-block.
+    pub scales: [i8; HALVES],
 }
-const _: () = assert!(size_of::<HeaderQ6K>() == 10);
+const _: () = assert!(size_of::<HeaderQ6K>() == 18);
 
 /// One q6k sub-block's codes.
 #[repr(C)]
@@ -273,7 +288,18 @@ pub struct BlockQ6K {
     /// Codes per sub-block.
     pub subs: [SubQ6K; SUBS],
 }
-const _: () = assert!(size_of::<BlockQ6K>() == 202 && size_of::<BlockQ6K>() == Kind::Q6K.block_bytes());
+const _: () = assert!(size_of::<BlockQ6K>() == 210 && size_of::<BlockQ6K>() == Kind::Q6K.block_bytes());
+
+/// Bytes of a q6k row of `n` values in the first q6k layout (a 10-byte
+/// header, one scale per 32 values), which no build reads since: the
+/// reader names it when a q6k tensor has that size.
+pub fn row_bytes_q6k_v1(n: usize) -> Option<usize> {
+    let tail = match (n % QK_K) / QK {
+        0 => 0,
+        s => 10 + s * 24,
+    };
+    (n.is_multiple_of(QK)).then(|| (n / QK_K) * 202 + tail)
+}
 
 // ------------------------------------------------------------------
 // Bit packing.
@@ -479,8 +505,9 @@ pub fn dequantize_q6k(src: &[u8], dst: &mut [f32]) {
     for (span, y) in spans(Kind::Q6K, dst.len()).zip(dst.chunks_mut(QK_K)) {
         let b: BlockQ6K = load(&src[span.0]);
         for (j, y) in y.chunks_exact_mut(QK).enumerate() {
-            let s = h2f(b.head.d) * b.head.scales[j] as f32;
-            for (o, c) in y.iter_mut().zip(codes_q6k(&b.subs[j])) {
+            let codes = codes_q6k(&b.subs[j]);
+            for (i, (o, c)) in y.iter_mut().zip(codes).enumerate() {
+                let s = h2f(b.head.d) * b.head.scales[2 * j + i / 16] as f32;
                 *o = s * (c as i32 - 32) as f32;
             }
         }
@@ -549,12 +576,24 @@ pub fn dot_q6k(row: &[u8], a: &[BlockQ8]) -> f32 {
     for (span, a) in spans(Kind::Q6K, a.len() * QK).zip(a.chunks(SUBS)) {
         let b: BlockQ6K = load(&row[span.0]);
         for (j, a) in a.iter().enumerate() {
-            // Σ (c − 32)·q = Σ c·q − 32·Σq, exactly, in integers.
-            let p = code_dot(&codes_q6k(&b.subs[j]), a) - 32 * a.sum;
-            acc[j] += h2f(b.head.d) * (b.head.scales[j] as i32 * p) as f32 * a.d;
+            let n = q6k_sub_sum(&codes_q6k(&b.subs[j]), [b.head.scales[2 * j], b.head.scales[2 * j + 1]], a);
+            acc[j] += h2f(b.head.d) * n as f32 * a.d;
         }
     }
     reduce8(acc)
+}
+
+/// One q6k sub-block's integer `n = sc₀ · (p₀ − 32 · Σ₀) + sc₁ · (p₁ − 32 ·
+/// Σ₁)` of the module docs (`Σ (c − 32)·q` per half, exactly, each times its
+/// scale): the integer every q6k kernel computes, row-major or interleaved.
+pub(crate) fn q6k_sub_sum(codes: &[u8; QK], sc: [i8; 2], a: &BlockQ8) -> i32 {
+    let half = |h: usize| {
+        let r = 16 * h..16 * h + 16;
+        let p: i32 = codes[r.clone()].iter().zip(&a.qs[r.clone()]).map(|(&c, &q)| c as i32 * q as i32).sum();
+        let s: i32 = a.qs[r].iter().map(|&q| q as i32).sum();
+        sc[h] as i32 * (p - 32 * s)
+    };
+    half(0) + half(1)
 }
 
 /// `Σ c·q` over one sub-block.
@@ -961,36 +1000,39 @@ impl AffineFit {
     }
 }
 
-/// A q6k super-block being fitted, as [`AffineFit`].
+/// Values per q6k scale.
+const HALF: usize = QK / 2;
+
+/// A q6k super-block being fitted, as [`AffineFit`], per 16 values.
 #[derive(Clone)]
 struct SymFit {
-    /// Sub-blocks present.
-    subs: usize,
+    /// Scales present (two per sub-block).
+    halves: usize,
     /// Scale of the scales (an f16 value).
     d: f32,
-    /// Sub-block scales.
-    sc: [i8; SUBS],
+    /// Scales.
+    sc: [i8; HALVES],
     /// Codes.
     q: [u8; QK_K],
-    /// Weighted squared error per sub-block.
-    err: [f32; SUBS],
+    /// Weighted squared error per 16 values.
+    err: [f32; HALVES],
 }
 
 /// Steps 1–3 of the module docs for one q6k super-block.
 fn fit_sym(x: &[f32], w: &[f32]) -> SymFit {
-    let subs = x.len() / QK;
-    let mut s = [0f32; SUBS];
-    for (j, (x, w)) in x.chunks_exact(QK).zip(w.chunks_exact(QK)).enumerate() {
-        s[j] = fit_sub_sym(x, w);
+    let halves = x.len() / HALF;
+    let mut s = [0f32; HALVES];
+    for (h, (x, w)) in x.chunks_exact(HALF).zip(w.chunks_exact(HALF)).enumerate() {
+        s[h] = fit_sub_sym(x, w);
     }
     let d = to_f16_away(s.iter().fold(0f32, |m, &v| m.max(v.abs())) / 127.0);
-    let sc = std::array::from_fn(|j| if d == 0.0 { 0 } else { round_i8(s[j] / d) });
-    let mut fit = SymFit { subs, d, sc, q: [0; QK_K], err: [0.0; SUBS] };
+    let sc = std::array::from_fn(|h| if d == 0.0 { 0 } else { round_i8(s[h] / d) });
+    let mut fit = SymFit { halves, d, sc, q: [0; QK_K], err: [0.0; HALVES] };
     fit.assign_all(x, w);
     for _ in 0..ROUNDS {
         let before = fit.total();
-        for j in 0..subs {
-            fit.try_neighbours(j, x, w);
+        for h in 0..halves {
+            fit.try_neighbours(h, x, w);
         }
         fit.refit_d(x, w);
         if fit.total() >= before {
@@ -1008,25 +1050,25 @@ impl SymFit {
 
     /// Re-assigns every code under the current fields.
     fn assign_all(&mut self, x: &[f32], w: &[f32]) {
-        for j in 0..self.subs {
-            let r = j * QK..(j + 1) * QK;
-            self.err[j] = assign_sym(&x[r.clone()], &w[r.clone()], self.d * self.sc[j] as f32, &mut self.q[r]);
+        for h in 0..self.halves {
+            let r = h * HALF..(h + 1) * HALF;
+            self.err[h] = assign_sym(&x[r.clone()], &w[r.clone()], self.d * self.sc[h] as f32, &mut self.q[r]);
         }
     }
 
-    /// Step 3a: tries sub-block `j`'s scales ±1, ±2, keeping the best.
-    fn try_neighbours(&mut self, j: usize, x: &[f32], w: &[f32]) {
-        let r = j * QK..(j + 1) * QK;
+    /// Step 3a: tries scale `h`'s neighbours ±1, ±2, keeping the best.
+    fn try_neighbours(&mut self, h: usize, x: &[f32], w: &[f32]) {
+        let r = h * HALF..(h + 1) * HALF;
         let (x, w) = (&x[r.clone()], &w[r.clone()]);
-        let sc0 = self.sc[j] as i32;
-        let mut q = [0u8; QK];
+        let sc0 = self.sc[h] as i32;
+        let mut q = [0u8; HALF];
         for sc in [sc0 - 2, sc0 - 1, sc0 + 1, sc0 + 2] {
             if !(-128..=127).contains(&sc) {
                 continue;
             }
             let e = assign_sym(x, w, self.d * sc as f32, &mut q);
-            if e < self.err[j] {
-                (self.sc[j], self.err[j]) = (sc as i8, e);
+            if e < self.err[h] {
+                (self.sc[h], self.err[h]) = (sc as i8, e);
                 self.q[r.clone()].copy_from_slice(&q);
             }
         }
@@ -1037,7 +1079,7 @@ impl SymFit {
     fn refit_d(&mut self, x: &[f32], w: &[f32]) {
         let (mut uu, mut ux) = (0f64, 0f64);
         for (i, (&x, &w)) in x.iter().zip(w).enumerate() {
-            let u = (self.sc[i / QK] as i32 * (self.q[i] as i32 - 32)) as f64;
+            let u = (self.sc[i / HALF] as i32 * (self.q[i] as i32 - 32)) as f64;
             (uu, ux) = (uu + w as f64 * u * u, ux + w as f64 * u * x as f64);
         }
         if uu <= 0.0 {
@@ -1058,7 +1100,7 @@ impl SymFit {
     fn pack(&self) -> BlockQ6K {
         let head = HeaderQ6K { d: f16::from_f32(self.d).to_bits(), scales: self.sc };
         let mut b = BlockQ6K { head, ..BlockQ6K::zeroed() };
-        for (j, sub) in b.subs.iter_mut().enumerate().take(self.subs) {
+        for (j, sub) in b.subs.iter_mut().enumerate().take(self.halves / 2) {
             *sub = pack_q6k_sub(&self.q[j * QK..(j + 1) * QK]);
         }
         b
@@ -1225,15 +1267,15 @@ mod tests {
 
     #[test]
     fn sizes_and_row_bytes() {
-        assert_eq!((size_of::<BlockQ4K>(), size_of::<BlockQ5K>(), size_of::<BlockQ6K>()), (144, 176, 202));
+        assert_eq!((size_of::<BlockQ4K>(), size_of::<BlockQ5K>(), size_of::<BlockQ6K>()), (144, 176, 210));
         // (n, [q4k, q5k, q6k]): 1408 = 5 full super-blocks and 4 sub-blocks.
         let want = [
-            (32, [32, 36, 34]),
-            (64, [48, 56, 58]),
-            (192, [112, 136, 154]),
-            (256, [144, 176, 202]),
-            (1408, [800, 976, 1116]),
-            (2048, [1152, 1408, 1616]),
+            (32, [32, 36, 42]),
+            (64, [48, 56, 66]),
+            (192, [112, 136, 162]),
+            (256, [144, 176, 210]),
+            (1408, [800, 976, 1164]),
+            (2048, [1152, 1408, 1680]),
         ];
         for (n, bytes) in want {
             for (kind, b) in KINDS.into_iter().zip(bytes) {
@@ -1249,7 +1291,7 @@ mod tests {
         }
         // Bits per weight of full super-blocks.
         let bpw = |k: Kind| k.block_bytes() as f32 * 8.0 / QK_K as f32;
-        assert_eq!((bpw(Kind::Q4K), bpw(Kind::Q5K), bpw(Kind::Q6K)), (4.5, 5.5, 6.3125));
+        assert_eq!((bpw(Kind::Q4K), bpw(Kind::Q5K), bpw(Kind::Q6K)), (4.5, 5.5, 6.5625));
     }
 
     #[test]
@@ -1383,7 +1425,7 @@ mod tests {
                 if s > 0 {
                     let head = &all[(n / QK_K) * kind.block_bytes()..];
                     let unused = match kind {
-                        Kind::Q6K => head[2 + s..10].to_vec(),
+                        Kind::Q6K => head[2 + 2 * s..18].to_vec(),
                         _ => {
                             let (sc, m) = unpack_scales(head[4..16].try_into().unwrap());
                             [&sc[s..], &m[s..]].concat()

@@ -28,7 +28,7 @@
 //! | --- | --- | --- | --- |
 //! | q4kx8 | 128 | 128 | 1152 |
 //! | q5kx8 | 128 | 160 | 1408 |
-//! | q6kx8 | 80 | 192 | 1616 |
+//! | q6kx8 | 144 | 192 | 1680 |
 //!
 //! Below, `l` (0..8) is the row in the group, `j` (0..8) the sub-block,
 //! `c[l][i]` the code of value `i` (0..32) of row `l` in the sub-block, and
@@ -47,16 +47,17 @@
 //! | `32 + 8j + l` | row `l`'s scale byte `j` (low four bits of `sc[j]` and, high nibble, of `m[j]`) |
 //! | `96 + 4l` – `99 + 4l` | row `l`'s u32 of the scales' top bits |
 //!
-//! q6kx8 (each row's 10-byte header):
+//! q6kx8 (each row's 18-byte header):
 //!
 //! | bytes | field |
 //! | --- | --- |
 //! | `2l`, `2l+1` | row `l`'s `d` (f16) |
-//! | `16 + 8j + l` | row `l`'s `sc[j]` (i8) |
+//! | `16 + 8h + l` | row `l`'s `sc[h]` (i8), `h` in 0..16 |
 //!
 //! So one 16-byte load is the eight `d` (and the next the eight `dmin`), and
-//! one 8-byte load the eight rows' scale bytes of sub-block `j`, each
-//! widening to one 32-bit lane per row.
+//! one 8-byte load the eight rows' scale bytes of sub-block `j` (q6k: of
+//! half-sub-block `h`, so sub-block `j` is the two loads at `16 + 16j` and
+//! `24 + 16j`), each widening to one 32-bit lane per row.
 //!
 //! # Codes of a sub-block
 //!
@@ -202,15 +203,16 @@ pub struct RowScales {
     pub d: u16,
     /// `dmin`, f16 bits (0 for q6k).
     pub dmin: u16,
-    /// Sub-block scales: 0..=63 (q4k, q5k) or −128..=127 (q6k).
-    pub sc: [i32; SUBS],
+    /// Sub-block scales, 0..=63 (q4k, q5k: the first eight), or the scales
+    /// of the sixteen half-sub-blocks, −128..=127 (q6k).
+    pub sc: [i32; kquant::HALVES],
     /// Sub-block minimums, 0..=63 (0 for q6k).
     pub m: [i32; SUBS],
 }
 
 /// Row `l`'s header fields in a column whose headers are `head`.
 pub fn scales(kind: Kind, head: &[u8], l: usize) -> RowScales {
-    let mut row = [0u8; 16];
+    let mut row = [0u8; Kind::Q6K.header_bytes()];
     for (b, v) in row.iter_mut().enumerate().take(kind.header_bytes()) {
         *v = head[head_pos(kind, l, b)];
     }
@@ -220,7 +222,8 @@ pub fn scales(kind: Kind, head: &[u8], l: usize) -> RowScales {
         return RowScales { d, dmin: 0, sc, m: [0; SUBS] };
     }
     let (sc, m) = kquant::unpack_scales(row[4..16].try_into().expect("12 bytes"));
-    RowScales { d, dmin: u16::from_le_bytes([row[2], row[3]]), sc: sc.map(i32::from), m: m.map(i32::from) }
+    let sc = std::array::from_fn(|j| sc.get(j).map_or(0, |&v| v as i32));
+    RowScales { d, dmin: u16::from_le_bytes([row[2], row[3]]), sc, m: m.map(i32::from) }
 }
 
 /// Writes row `l`'s super-block `row` (header and `subs` sub-blocks, row
@@ -317,9 +320,9 @@ mod tests {
 
     #[test]
     fn sizes_and_row_lengths() {
-        assert_eq!(KINDS.map(header_bytes), [128, 128, 80]);
+        assert_eq!(KINDS.map(header_bytes), [128, 128, 144]);
         assert_eq!(KINDS.map(sub_bytes), [128, 160, 192]);
-        assert_eq!(KINDS.map(column_bytes), [1152, 1408, 1616]);
+        assert_eq!(KINDS.map(column_bytes), [1152, 1408, 1680]);
         for kind in KINDS {
             for n in (32..=4096).step_by(32) {
                 let g = ROWS * kquant::row_bytes(kind, n).unwrap();
@@ -397,13 +400,16 @@ mod tests {
         codes[7] = 0b11_0011;
         let rb = kquant::row_bytes(Kind::Q6K, 64).unwrap();
         let mut rows = vec![0u8; ROWS * rb];
-        let sub = 2 * rb + 10 + 24;
+        let sub = 2 * rb + 18 + 24;
         kquant::put_sub_codes(Kind::Q6K, &codes, &mut rows[sub..sub + 24]);
+        // Row 4's scale 3 (sub-block 1, values 16..32).
+        rows[4 * rb + 2 + 3] = 0x81;
         let g = at(Kind::Q6K, &rows, 64);
-        let s = &g[80 + 192..80 + 384];
+        let s = &g[144 + 192..144 + 384];
         // 7 = 4·1 + 3: run 1, k = 3, low nibble; top bits at bits 2–3.
         assert_eq!((s[32 + 4 * 2 + 3], s[128 + 4 * 2 + 3]), (0x03, 0b11 << 2));
-        assert_eq!(g.iter().filter(|&&b| b != 0).count(), 2);
+        assert_eq!(g[16 + 8 * 3 + 4], 0x81);
+        assert_eq!(g.iter().filter(|&&b| b != 0).count(), 3);
         assert_eq!(codes_of(Kind::Q6K, &g, 64, 2, 1)[7], 0b11_0011);
     }
 
@@ -445,10 +451,12 @@ mod tests {
                     let row = &b[r * rb..];
                     assert_eq!(head.d, u16::from_le_bytes([row[0], row[1]]), "{dt} n={n} row {r}");
                     if kind == Kind::Q6K {
-                        assert_eq!(head.sc[1], row[3] as i8 as i32);
+                        let sc: Vec<i32> = row[2..18].iter().map(|&v| v as i8 as i32).collect();
+                        assert_eq!(head.sc[..], sc[..], "{dt} n={n} row {r}");
                     } else {
                         let (sc, m) = kquant::unpack_scales(row[4..16].try_into().unwrap());
-                        assert_eq!((head.sc, head.m), (sc.map(i32::from), m.map(i32::from)));
+                        assert_eq!((&head.sc[..8], head.m), (&sc.map(i32::from)[..], m.map(i32::from)));
+                        assert!(head.sc[8..].iter().all(|&v| v == 0));
                     }
                 }
             }

@@ -119,6 +119,22 @@ unsafe fn group_sums(ba: &BlockQ8, w: impl Fn(usize) -> (int8x16_t, int8x16_t)) 
     (vpaddq_s32(s[0], s[1]), vpaddq_s32(s[2], s[3]))
 }
 
+/// [`group_sums`] over column quads `4h..4h + 4` only (`h` 0 or 1: values
+/// 0..16 or 16..32 of the block).
+#[inline(always)]
+unsafe fn half_sums(ba: &BlockQ8, h: usize, w: impl Fn(usize) -> (int8x16_t, int8x16_t)) -> (int32x4_t, int32x4_t) {
+    let mut s = [vdupq_n_s32(0); 4];
+    for k in 4 * h..4 * h + 4 {
+        let a = vreinterpretq_s8_s32(vdupq_n_s32((ba.qs.as_ptr().add(4 * k) as *const i32).read_unaligned()));
+        let (w0, w1) = w(k);
+        s[0] = vpadalq_s16(s[0], vmull_s8(vget_low_s8(w0), vget_low_s8(a)));
+        s[1] = vpadalq_s16(s[1], vmull_high_s8(w0, a));
+        s[2] = vpadalq_s16(s[2], vmull_s8(vget_low_s8(w1), vget_low_s8(a)));
+        s[3] = vpadalq_s16(s[3], vmull_high_s8(w1, a));
+    }
+    (vpaddq_s32(s[0], s[1]), vpaddq_s32(s[2], s[3]))
+}
+
 #[inline(always)]
 unsafe fn store8(a: float32x4_t, b: float32x4_t) -> [f32; 8] {
     let mut out = [0f32; 8];
@@ -242,6 +258,20 @@ unsafe fn sub_dot(lo: uint8x16_t, hi: uint8x16_t, a: &BlockQ8) -> i32 {
     vaddvq_s32(acc)
 }
 
+/// `n = sc₀ · (p₀ − 32·Σ₀) + sc₁ · (p₁ − 32·Σ₁)` of one q6k sub-block with
+/// codes `lo` (values 0..16) and `hi` (16..32), exact (`quant::kquant`).
+#[inline(always)]
+unsafe fn q6k_sub_sum(lo: uint8x16_t, hi: uint8x16_t, sc: [i8; 2], a: &BlockQ8) -> i32 {
+    let half = |c: uint8x16_t, at: usize| {
+        let q = vld1q_s8(a.qs.as_ptr().add(at));
+        let c = vreinterpretq_s8_u8(c);
+        let p = vpaddlq_s16(vmull_s8(vget_low_s8(c), vget_low_s8(q)));
+        let p = vaddvq_s32(vpadalq_s16(p, vmull_high_s8(c, q)));
+        p - 32 * vaddlvq_s8(q) as i32
+    };
+    sc[0] as i32 * half(lo, 0) + sc[1] as i32 * half(hi, 16)
+}
+
 /// Codes 0..16 and 16..32 of a sub-block's 16 nibble bytes (as q4_0).
 #[inline(always)]
 unsafe fn nibble_codes(p: *const u8) -> (uint8x16_t, uint8x16_t) {
@@ -329,10 +359,8 @@ pub unsafe fn dot_q6k(row: &[u8], _x: &[f32], q: &[BlockQ8]) -> f32 {
             let t3 = vshr_n_u8::<6>(t);
             let lo = vorrq_u8(lo, vshlq_n_u8::<4>(vcombine_u8(t0, t1)));
             let hi = vorrq_u8(hi, vshlq_n_u8::<4>(vcombine_u8(t2, t3)));
-            // Σ (c − 32)·q = Σ c·q − 32·Σq, exactly.
-            let p = sub_dot(lo, hi, a) - 32 * a.sum;
-            let sc = *base.add(2 + j) as i8;
-            acc[j] += d * (sc as i32 * p) as f32 * a.d;
+            let sc = [*base.add(2 + 2 * j) as i8, *base.add(3 + 2 * j) as i8];
+            acc[j] += d * q6k_sub_sum(lo, hi, sc, a) as f32 * a.d;
         }
         base = base.add(bb);
     }
@@ -376,7 +404,8 @@ unsafe fn kx8_quad(
 /// bit [`crate::kernels::scalar::gemv8_kx8`]: the integer sums of a
 /// sub-block per row (exact), then per row the scalar kernel's operations
 /// in its order, each rounded on its own (`s = d · sc`, `u = d_a · p`,
-/// `s · u − (dmin · m) · (d_a · Σ)`, `acc + term`; no fused multiply-add).
+/// `s · u − (dmin · m) · (d_a · Σ)`, `acc + term`; q6k: the integer `n` of
+/// the two halves, `u = d_a · n`, `acc + d · u`; no fused multiply-add).
 #[inline(always)]
 unsafe fn gemv8_kx8(kind: crate::quant::kquant::Kind, g: &[u8], a: &[BlockQ8]) -> [f32; 8] {
     use crate::quant::kquant::{Kind, QK, SUBS};
@@ -391,7 +420,6 @@ unsafe fn gemv8_kx8(kind: crate::quant::kquant::Kind, g: &[u8], a: &[BlockQ8]) -
         let col = &g[start..start + hb + subs * sb];
         let heads: [kx8::RowScales; 8] = std::array::from_fn(|l| kx8::scales(kind, col, l));
         for j in 0..subs {
-            let s = pair(std::array::from_fn(|l| h(heads[l].d) * heads[l].sc[j] as f32));
             let sub = col.as_ptr().add(hb + j * sb);
             let words = |at: usize| (vld1q_u8(sub.add(at)), vld1q_u8(sub.add(at + 16)));
             let zero = (vdupq_n_u8(0), vdupq_n_u8(0));
@@ -401,16 +429,27 @@ unsafe fn gemv8_kx8(kind: crate::quant::kquant::Kind, g: &[u8], a: &[BlockQ8]) -
                 Kind::Q6K => (words(128), words(160)),
             };
             let ba = &a[b * SUBS + j];
-            let (mut p0, mut p1) = group_sums(ba, |k| kx8_quad(kind, sub, k, e0, e1));
-            if kind == Kind::Q6K {
-                // Σ (c − 32)·q = Σ c·q − 32·Σq, exactly.
-                let off = vdupq_n_s32(32 * ba.sum);
-                (p0, p1) = (vsubq_s32(p0, off), vsubq_s32(p1, off));
-            }
             let da = vdupq_n_f32(ba.d);
+            if kind == Kind::Q6K {
+                let w = |k| kx8_quad(kind, sub, k, e0, e1);
+                let (l, hh) = (half_sums(ba, 0, w), half_sums(ba, 1, w));
+                let low = vaddlvq_s8(vld1q_s8(ba.qs.as_ptr())) as i32;
+                let (c0, c1) = (vdupq_n_s32(32 * low), vdupq_n_s32(32 * (ba.sum - low)));
+                let sc = |x: usize, r: usize| vld1q_s32([0, 1, 2, 3].map(|i| heads[r + i].sc[2 * j + x]).as_ptr());
+                let n = |r: usize, l: int32x4_t, hh: int32x4_t| {
+                    vaddq_s32(vmulq_s32(sc(0, r), vsubq_s32(l, c0)), vmulq_s32(sc(1, r), vsubq_s32(hh, c1)))
+                };
+                let (n0, n1) = (n(0, l.0, hh.0), n(4, l.1, hh.1));
+                let d = pair(std::array::from_fn(|r| h(heads[r].d)));
+                let (u0, u1) = (vmulq_f32(da, vcvtq_f32_s32(n0)), vmulq_f32(da, vcvtq_f32_s32(n1)));
+                (acc0, acc1) = (vaddq_f32(acc0, vmulq_f32(d.0, u0)), vaddq_f32(acc1, vmulq_f32(d.1, u1)));
+                continue;
+            }
+            let s = pair(std::array::from_fn(|l| h(heads[l].d) * heads[l].sc[j] as f32));
+            let (p0, p1) = group_sums(ba, |k| kx8_quad(kind, sub, k, e0, e1));
             let (u0, u1) = (vmulq_f32(da, vcvtq_f32_s32(p0)), vmulq_f32(da, vcvtq_f32_s32(p1)));
             let (t0, t1) = match kind {
-                Kind::Q6K => (vmulq_f32(s.0, u0), vmulq_f32(s.1, u1)),
+                Kind::Q6K => unreachable!("handled above"),
                 _ => {
                     let o = pair(std::array::from_fn(|l| h(heads[l].dmin) * heads[l].m[j] as f32));
                     let ss = vdupq_n_f32(ba.scaled_sum());

@@ -126,6 +126,7 @@ pub unsafe fn dot_q6k(row: &[u8], _x: &[f32], q: &[BlockQ8]) -> f32 {
     // masked to 2 bits per byte and moved to bits 4-5: codes 8k..8k+8.
     let shifts = _mm256_setr_epi64x(0, 2, 4, 6);
     let three = _mm256_set1_epi8(3);
+    let ones = _mm256_set1_epi8(1);
     let mut acc = _mm256_setzero_ps();
     let mut first = 0;
     let mut base = row.as_ptr();
@@ -139,14 +140,17 @@ pub unsafe fn dot_q6k(row: &[u8], _x: &[f32], q: &[BlockQ8]) -> f32 {
             let top = _mm256_srlv_epi64(_mm256_set1_epi64x(std::ptr::read_unaligned(s.add(16) as *const i64)), shifts);
             let codes = _mm256_or_si256(unpack_nibbles(s), _mm256_slli_epi16(_mm256_and_si256(top, three), 4));
             let y = _mm256_loadu_si256(q.get_unchecked(j).qs.as_ptr() as *const __m256i);
-            *p = sum4_u8_i8(codes, y);
+            // Per pair of values Σ (c − 32)·q = Σ c·q − 32·Σq (at most
+            // 2 · 32 · 127 in magnitude: exact in i16), then each pair times
+            // its half's scale (16-bit lanes 0..8 are values 0..16), summed
+            // in pairs of pairs to i32: the lanes add up to the sub-block's n.
+            let centred =
+                _mm256_sub_epi16(_mm256_maddubs_epi16(codes, y), _mm256_slli_epi16(_mm256_maddubs_epi16(ones, y), 5));
+            let sc = |h: usize| _mm_set1_epi16(*base.add(2 + 2 * j + h) as i8 as i16);
+            *p = _mm256_madd_epi16(centred, _mm256_set_m128i(sc(1), sc(0)));
         }
-        let (da, asum, mask) = activations(q, subs);
-        // Σ (c − 32)·q = Σ c·q − 32·Σq, exactly.
-        let centred = _mm256_sub_epi32(totals(&p), _mm256_slli_epi32(asum, 5));
-        let scv = _mm256_cvtepi8_epi32(_mm_loadl_epi64(base.add(2) as *const __m128i));
-        let t =
-            _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_mullo_epi32(scv, centred))), da);
+        let (da, _, mask) = activations(q, subs);
+        let t = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(totals(&p))), da);
         acc = _mm256_add_ps(acc, _mm256_and_ps(t, mask));
         first += subs;
         base = base.add(bb);

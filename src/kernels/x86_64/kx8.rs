@@ -19,11 +19,15 @@
 //! q5k: the top bits from the rows' u32 words, shifted two bits per
 //! sub-block), and `s = d · f32(sc)`, `o = dmin · f32(m)` are made once for
 //! every token. Then per token, on the eight-row vector, the scalar order:
-//! `u = d_a · f32(p)`, `t = s · u − o · (d_a · f32(Σ))` (q6k: `p − 32·Σ`
-//! and `t = s · u`), `acc = acc + t`, each a separate `vmulps` / `vsubps` /
-//! `vaddps` (no fused multiply-add), so every lane is the scalar row's
-//! bits; one to four tokens share each weight load and run the same lane
-//! arithmetic, so prefill and decode agree.
+//! `u = d_a · f32(p)`, `t = s · u − o · (d_a · f32(Σ))`, `acc = acc + t`,
+//! each a separate `vmulps` / `vsubps` / `vaddps` (no fused multiply-add),
+//! so every lane is the scalar row's bits; one to four tokens share each
+//! weight load and run the same lane arithmetic, so prefill and decode
+//! agree. q6k keeps the two halves' sums apart (a run's low nibbles are
+//! codes 0..16, its high ones 16..32), takes each token's `Σ₀` from a `psadbw`
+//! of its first 16 bytes, and makes `n = sc₀ · (p₀ − 32·Σ₀) + sc₁ · (p₁ −
+//! 32·Σ₁)` with two `vpmulld` (the two 8-byte scale loads of the sub-block),
+//! then `u = d_a · f32(n)` and `t = d · u`.
 //!
 //! The whole body of each `unsafe fn` here is the unsafe operation (raw
 //! loads and AVX2 / F16C intrinsics), justified by its `# Safety` section;
@@ -123,7 +127,7 @@ unsafe fn extra_words<const K: u8>(sub: *const u8) -> (__m256i, __m256i) {
 }
 
 /// `Σ c · q` of one sub-block of eight rows against each token's activation
-/// block, per lane (row), exact.
+/// block, per lane (row), exact (q4k, q5k).
 #[inline(always)]
 unsafe fn code_sums<const T: usize, const VNNI: u8, const K: u8>(sub: *const u8, ba: [&BlockQ8; T]) -> [__m256i; T] {
     let (e0, e1) = extra_words::<K>(sub);
@@ -147,6 +151,51 @@ unsafe fn code_sums<const T: usize, const VNNI: u8, const K: u8>(sub: *const u8,
         }
     }
     s32
+}
+
+/// `Σ` of an activation block's first 16 codes (`psadbw` of the codes
+/// made unsigned, less 16 · 128), exact.
+#[inline(always)]
+unsafe fn low_half_sum(b: &BlockQ8) -> i32 {
+    let v = _mm_xor_si128(_mm_loadu_si128(b.qs.as_ptr() as *const __m128i), _mm_set1_epi8(-128));
+    let s = _mm_sad_epu8(v, _mm_setzero_si128());
+    _mm_cvtsi128_si32(s) + _mm_extract_epi16::<4>(s) - 16 * 128
+}
+
+/// One q6k sub-block of eight rows against each token's activation block:
+/// per lane (row) `n = sc₀ · (p₀ − 32·Σ₀) + sc₁ · (p₁ − 32·Σ₁)`, exact, with
+/// `sc0`, `sc1` the rows' two scales of the sub-block.
+#[inline(always)]
+unsafe fn q6k_sums<const T: usize, const VNNI: u8>(
+    sub: *const u8,
+    sc0: __m256i,
+    sc1: __m256i,
+    ba: [&BlockQ8; T],
+) -> [__m256i; T] {
+    let (e0, e1) = extra_words::<Q6K>(sub);
+    let ones = _mm256_set1_epi16(1);
+    let mut s0 = [_mm256_setzero_si256(); T];
+    let mut s1 = [_mm256_setzero_si256(); T];
+    for r in 0..4 {
+        let (lo, hi) = run_codes::<Q6K>(sub, r, e0, e1);
+        for t in 0..T {
+            let (alo, ahi) = (act4(ba[t], 4 * r), act4(ba[t], 16 + 4 * r));
+            if VNNI != MADD {
+                s0[t] = vpdpbusd::<VNNI>(s0[t], lo, alo);
+                s1[t] = vpdpbusd::<VNNI>(s1[t], hi, ahi);
+            } else {
+                // A pair is at most 2 · 63 · 127: widened every run.
+                s0[t] = _mm256_add_epi32(s0[t], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, alo), ones));
+                s1[t] = _mm256_add_epi32(s1[t], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, ahi), ones));
+            }
+        }
+    }
+    std::array::from_fn(|t| {
+        let low = low_half_sum(ba[t]);
+        let c0 = _mm256_sub_epi32(s0[t], _mm256_set1_epi32(32 * low));
+        let c1 = _mm256_sub_epi32(s1[t], _mm256_set1_epi32(32 * (ba[t].sum - low)));
+        _mm256_add_epi32(_mm256_mullo_epi32(sc0, c0), _mm256_mullo_epi32(sc1, c1))
+    })
 }
 
 /// A column's eight `d` (and `dmin`) as f32, and the rows' words of the
@@ -176,15 +225,19 @@ impl<const K: u8> Head<K> {
         }
     }
 
+    /// q6k: the eight rows' two scales of sub-block `j`, as i32 lanes.
+    #[inline(always)]
+    unsafe fn q6k_scales(col: *const u8, j: usize) -> (__m256i, __m256i) {
+        let sc = |at: usize| _mm256_cvtepi8_epi32(_mm_loadl_epi64(col.add(at) as *const __m128i));
+        (sc(16 + 16 * j), sc(24 + 16 * j))
+    }
+
     /// The eight rows' `s = d · sc` and `o = dmin · m` of sub-block `j`
-    /// (called for j = 0, 1, ... in order; q6k: `o` = 0).
+    /// (called for j = 0, 1, ... in order; q4k, q5k).
     #[inline(always)]
     unsafe fn next(&mut self, col: *const u8, j: usize) -> (__m256, __m256) {
         match K {
-            Q6K => {
-                let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(col.add(16 + 8 * j) as *const __m128i));
-                (_mm256_mul_ps(self.d, _mm256_cvtepi32_ps(sc)), _mm256_setzero_ps())
-            }
+            Q6K => unreachable!("q6k has two scales per sub-block: q6k_scales"),
             _ => {
                 let b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(col.add(32 + 8 * j) as *const __m128i));
                 let bits45 = _mm256_set1_epi32(0x30);
@@ -218,20 +271,21 @@ unsafe fn gemm8<const T: usize, const VNNI: u8, const K: u8>(
         for j in 0..subs {
             let sub = col.add(hb + j * sb);
             prefetch_ahead(sub, sb);
-            let (s, o) = head.next(col, j);
             let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q[t].add(first + j));
+            if K == Q6K {
+                let (sc0, sc1) = Head::<K>::q6k_scales(col, j);
+                let n = q6k_sums::<T, VNNI>(sub, sc0, sc1, ba);
+                for t in 0..T {
+                    let u = _mm256_mul_ps(_mm256_set1_ps(ba[t].d), _mm256_cvtepi32_ps(n[t]));
+                    acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(head.d, u));
+                }
+                continue;
+            }
+            let (s, o) = head.next(col, j);
             let sums = code_sums::<T, VNNI, K>(sub, ba);
             for t in 0..T {
-                let p = match K {
-                    // Σ (c − 32)·q = Σ c·q − 32·Σq, exactly.
-                    Q6K => _mm256_sub_epi32(sums[t], _mm256_set1_epi32(32 * ba[t].sum)),
-                    _ => sums[t],
-                };
-                let u = _mm256_mul_ps(_mm256_set1_ps(ba[t].d), _mm256_cvtepi32_ps(p));
-                let term = match K {
-                    Q6K => _mm256_mul_ps(s, u),
-                    _ => _mm256_sub_ps(_mm256_mul_ps(s, u), _mm256_mul_ps(o, _mm256_set1_ps(ba[t].scaled_sum()))),
-                };
+                let u = _mm256_mul_ps(_mm256_set1_ps(ba[t].d), _mm256_cvtepi32_ps(sums[t]));
+                let term = _mm256_sub_ps(_mm256_mul_ps(s, u), _mm256_mul_ps(o, _mm256_set1_ps(ba[t].scaled_sum())));
                 acc[t] = _mm256_add_ps(acc[t], term);
             }
         }
@@ -305,17 +359,16 @@ kx8_kernels!(evex_gemv8_q6k, evex_gemm8x4_q6k, Q6K, EVEX_VNNI, "avx2,fma,f16c,av
 // ------------------------------------------------------------------
 // The 16-row kernels' side (`pack.rs`, `avx512.rs`, `amx.rs`).
 
-/// The super-block types as the 16-row kernels take them: each sub-block
-/// one block column, its codes as signed bytes (q4k, q5k: `c`; q6k:
-/// `c − 32`, so the tile's `Σ w · a` is already `p − 32 · Σ`), its `s = d ·
-/// sc` and `o = dmin · m` as the column's scales and minimums.
+/// The super-block types q4k and q5k as the 16-row kernels take them: each
+/// sub-block one block column, its codes as signed bytes, its `s = d · sc`
+/// and `o = dmin · m` as the column's scales and minimums. (q6k has two
+/// scales per sub-block, which one scale per row and block column cannot
+/// hold: its prefill stays on the 8-row kernels.)
 pub struct KTile<const K: u8>;
 /// q4kx8 for the 16-row kernels.
 pub type Q4KTile = KTile<Q4K>;
 /// q5kx8 for the 16-row kernels.
 pub type Q5KTile = KTile<Q5K>;
-/// q6kx8 for the 16-row kernels.
-pub type Q6KTile = KTile<Q6K>;
 
 /// Bytes of one group of eight rows of `nb` sub-blocks.
 fn group_bytes<const K: u8>(nb: usize) -> usize {
@@ -323,7 +376,7 @@ fn group_bytes<const K: u8>(nb: usize) -> usize {
 }
 
 impl<const K: u8> TileBlock for KTile<K> {
-    const MINS: bool = K != Q6K;
+    const MINS: bool = true;
 
     fn check(groups: &[u8], q: &[BlockQ8], tokens: usize, out: &[f32]) -> usize {
         pack::check_groups(groups, q, tokens, out, group_bytes::<K>)
@@ -331,6 +384,7 @@ impl<const K: u8> TileBlock for KTile<K> {
 
     #[inline(always)]
     unsafe fn pack(p: &mut Packed, groups: &[u8], nb: usize) {
+        const { assert!(K != Q6K, "q6k has no 16-row form") };
         let kind = kind_of(K);
         let n = nb * QK;
         let gb = group_bytes::<K>(nb);
@@ -352,13 +406,12 @@ impl<const K: u8> TileBlock for KTile<K> {
                     _mm256_storeu_ps(p.mins.as_mut_ptr().add(at), o);
                     let (e0, e1) = extra_words::<K>(sub);
                     let w = p.w.as_mut_ptr().add(b * PACKED + 32 * h);
-                    let off = _mm256_set1_epi8(if K == Q6K { 32 } else { 0 });
                     for r in 0..4 {
                         // Run r is B rows r (codes 4r..4r+4) and 4 + r
                         // (codes 16+4r..): four weights of each row per lane.
                         let (lo, hi) = run_codes::<K>(sub, r, e0, e1);
-                        _mm256_storeu_si256(w.add(64 * r) as *mut __m256i, _mm256_sub_epi8(lo, off));
-                        _mm256_storeu_si256(w.add(64 * (4 + r)) as *mut __m256i, _mm256_sub_epi8(hi, off));
+                        _mm256_storeu_si256(w.add(64 * r) as *mut __m256i, lo);
+                        _mm256_storeu_si256(w.add(64 * (4 + r)) as *mut __m256i, hi);
                     }
                 }
             }
@@ -368,15 +421,12 @@ impl<const K: u8> TileBlock for KTile<K> {
         }
     }
 
-    /// `acc + (s · (da · f32(isum)) − o · (da · Σa))` (q6k: `acc + s · (da ·
-    /// f32(isum))`), each operation rounded on its own, as [`gemm8`].
+    /// `acc + (s · (da · f32(isum)) − o · (da · Σa))`, each operation rounded
+    /// on its own, as [`gemm8`].
     #[inline(always)]
     unsafe fn scale_token(acc: __m512, (s, o): (__m512, __m512), ba: &BlockQ8, isum: __m512i) -> __m512 {
         let u = _mm512_mul_ps(_mm512_set1_ps(ba.d), _mm512_cvtepi32_ps(isum));
-        let term = match K {
-            Q6K => _mm512_mul_ps(s, u),
-            _ => _mm512_sub_ps(_mm512_mul_ps(s, u), _mm512_mul_ps(o, _mm512_set1_ps(ba.scaled_sum()))),
-        };
+        let term = _mm512_sub_ps(_mm512_mul_ps(s, u), _mm512_mul_ps(o, _mm512_set1_ps(ba.scaled_sum())));
         _mm512_add_ps(acc, term)
     }
 }

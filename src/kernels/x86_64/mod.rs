@@ -191,7 +191,8 @@ impl Avx512 {
         // The 16-row VNNI kernel of each interleaved type, and its 8-row
         // kernels with the EVEX `vpdpbusd`: without AVX-VNNI the base's sum
         // by `maddubs`, and EVEX gives the same integers in one instruction.
-        let vnni: Option<(TileFn, Gemv8Fn, Gemm8Fn)> = match dtype {
+        // (q6k's two scales per sub-block have no 16-row form.)
+        let vnni: Option<(Option<TileFn>, Gemv8Fn, Gemm8Fn)> = match dtype {
             DType::F32
             | DType::Bf16
             | DType::F16
@@ -202,16 +203,16 @@ impl Avx512 {
             | DType::Q4K
             | DType::Q5K
             | DType::Q6K => None,
-            DType::Q8_0x8 => Some((z_q8_0x8, evex_q8_0x8_gemv, evex_q8_0x8_gemm4)),
-            DType::Q4_0x8 => Some((z_q4_0x8, evex_q4_0x8_gemv, evex_q4_0x8_gemm4)),
-            DType::Q4_1x8 => Some((z_q4_1x8, evex_q4_1x8_gemv, evex_q4_1x8_gemm4)),
-            DType::Mxfp4x8 => Some((z_mxfp4x8, evex_mxfp4x8_gemv, evex_mxfp4x8_gemm4)),
-            DType::Q4Kx8 => Some((z_q4kx8, evex_q4kx8_gemv, evex_q4kx8_gemm4)),
-            DType::Q5Kx8 => Some((z_q5kx8, evex_q5kx8_gemv, evex_q5kx8_gemm4)),
-            DType::Q6Kx8 => Some((z_q6kx8, evex_q6kx8_gemv, evex_q6kx8_gemm4)),
+            DType::Q8_0x8 => Some((Some(z_q8_0x8), evex_q8_0x8_gemv, evex_q8_0x8_gemm4)),
+            DType::Q4_0x8 => Some((Some(z_q4_0x8), evex_q4_0x8_gemv, evex_q4_0x8_gemm4)),
+            DType::Q4_1x8 => Some((Some(z_q4_1x8), evex_q4_1x8_gemv, evex_q4_1x8_gemm4)),
+            DType::Mxfp4x8 => Some((Some(z_mxfp4x8), evex_mxfp4x8_gemv, evex_mxfp4x8_gemm4)),
+            DType::Q4Kx8 => Some((Some(z_q4kx8), evex_q4kx8_gemv, evex_q4kx8_gemm4)),
+            DType::Q5Kx8 => Some((Some(z_q5kx8), evex_q5kx8_gemv, evex_q5kx8_gemm4)),
+            DType::Q6Kx8 => Some((None, evex_q6kx8_gemv, evex_q6kx8_gemm4)),
         };
         if let (Layout::Groups(g), Some((f, one, many)), true) = (&mut k.layout, vnni, self.vnni) {
-            g.tile = Some(Tiles { f, min: ROWS16_MIN_TOKENS });
+            g.tile = f.map(|f| Tiles { f, min: ROWS16_MIN_TOKENS });
             if let Base::Avx2(_) = self.base {
                 (g.one, g.many) = (one, Some(many));
             }
@@ -287,14 +288,14 @@ impl Amx {
             | DType::Mxfp4
             | DType::Q4K
             | DType::Q5K
-            | DType::Q6K => None,
+            | DType::Q6K
+            | DType::Q6Kx8 => None,
             DType::Q8_0x8 => Some(amx_q8_0x8),
             DType::Q4_0x8 => Some(amx_q4_0x8),
             DType::Q4_1x8 => Some(amx_q4_1x8),
             DType::Mxfp4x8 => Some(amx_mxfp4x8),
             DType::Q4Kx8 => Some(amx_q4kx8),
             DType::Q5Kx8 => Some(amx_q5kx8),
-            DType::Q6Kx8 => Some(amx_q6kx8),
         };
         if let (Layout::Groups(g), Some(f)) = (&mut k.layout, tile) {
             g.tile = Some(Tiles { f, min: AMX_MIN_TOKENS });
@@ -322,7 +323,6 @@ safe_tile!(amx_q4_1x8, crate::quant::x8::BlockQ4_1x8);
 safe_tile!(amx_mxfp4x8, crate::quant::x8::BlockMxfp4x8);
 safe_tile!(amx_q4kx8, kx8::Q4KTile);
 safe_tile!(amx_q5kx8, kx8::Q5KTile);
-safe_tile!(amx_q6kx8, kx8::Q6KTile);
 
 macro_rules! safe_rows16 {
     ($name:ident, $block:ty) => {
@@ -341,7 +341,6 @@ safe_rows16!(z_q4_1x8, crate::quant::x8::BlockQ4_1x8);
 safe_rows16!(z_mxfp4x8, crate::quant::x8::BlockMxfp4x8);
 safe_rows16!(z_q4kx8, kx8::Q4KTile);
 safe_rows16!(z_q5kx8, kx8::Q5KTile);
-safe_rows16!(z_q6kx8, kx8::Q6KTile);
 
 macro_rules! safe_wrapper {
     ($name:ident, $inner:path) => {
