@@ -26,8 +26,8 @@
 //! agree. q6k keeps the two halves' sums apart (a run's low nibbles are
 //! codes 0..16, its high ones 16..32), takes each token's `Σ₀` from a `psadbw`
 //! of its first 16 bytes, and makes `n = sc₀ · (p₀ − 32·Σ₀) + sc₁ · (p₁ −
-//! 32·Σ₁)` with two `vpmulld` (the two 8-byte scale loads of the sub-block),
-//! then `u = d_a · f32(n)` and `t = d · u`.
+//! 32·Σ₁)` exactly in f32 (the two 8-byte scale loads of the sub-block;
+//! see [`q6k_sums`]), then `u = d_a · f32(n)` and `t = d · u`.
 //!
 //! The whole body of each `unsafe fn` here is the unsafe operation (raw
 //! loads and AVX2 / F16C intrinsics), justified by its `# Safety` section;
@@ -153,25 +153,32 @@ unsafe fn code_sums<const T: usize, const VNNI: u8, const K: u8>(sub: *const u8,
     s32
 }
 
-/// `Σ` of an activation block's first 16 codes (`psadbw` of the codes
-/// made unsigned, less 16 · 128), exact.
+/// `32 · Σ₀` and `32 · Σ₁` of an activation block (`Σ₀` over its first 16
+/// codes, `Σ₁` over the rest), each in every lane: a `psadbw` of the codes
+/// made unsigned (each half's sum plus 16 · 128), kept in the vector unit.
 #[inline(always)]
-unsafe fn low_half_sum(b: &BlockQ8) -> i32 {
+unsafe fn half_sums32(b: &BlockQ8) -> (__m256i, __m256i) {
     let v = _mm_xor_si128(_mm_loadu_si128(b.qs.as_ptr() as *const __m128i), _mm_set1_epi8(-128));
     let s = _mm_sad_epu8(v, _mm_setzero_si128());
-    _mm_cvtsi128_si32(s) + _mm_extract_epi16::<4>(s) - 16 * 128
+    let low = _mm_sub_epi32(_mm_add_epi32(s, _mm_unpackhi_epi64(s, s)), _mm_set1_epi32(16 * 128));
+    let low = _mm256_broadcastd_epi32(_mm_slli_epi32::<5>(low));
+    (low, _mm256_sub_epi32(_mm256_set1_epi32(32 * b.sum), low))
 }
 
 /// One q6k sub-block of eight rows against each token's activation block:
-/// per lane (row) `n = sc₀ · (p₀ − 32·Σ₀) + sc₁ · (p₁ − 32·Σ₁)`, exact, with
-/// `sc0`, `sc1` the rows' two scales of the sub-block.
+/// per lane (row) `f32(n)`, `n = sc₀ · (p₀ − 32·Σ₀) + sc₁ · (p₁ − 32·Σ₁)`,
+/// with `sc0`, `sc1` the rows' two scales of the sub-block as f32. Taken in
+/// f32 (a multiply and a fused multiply-add, cheaper than two `vpmulld`)
+/// and still exact: `|p − 32·Σ| ≤ 16 · 32 · 127` and `|sc| ≤ 128`, so each
+/// product, and their sum, is an integer below 2²⁴, which f32 holds and
+/// neither operation rounds.
 #[inline(always)]
 unsafe fn q6k_sums<const T: usize, const VNNI: u8>(
     sub: *const u8,
-    sc0: __m256i,
-    sc1: __m256i,
+    sc0: __m256,
+    sc1: __m256,
     ba: [&BlockQ8; T],
-) -> [__m256i; T] {
+) -> [__m256; T] {
     let (e0, e1) = extra_words::<Q6K>(sub);
     let ones = _mm256_set1_epi16(1);
     let mut s0 = [_mm256_setzero_si256(); T];
@@ -191,10 +198,9 @@ unsafe fn q6k_sums<const T: usize, const VNNI: u8>(
         }
     }
     std::array::from_fn(|t| {
-        let low = low_half_sum(ba[t]);
-        let c0 = _mm256_sub_epi32(s0[t], _mm256_set1_epi32(32 * low));
-        let c1 = _mm256_sub_epi32(s1[t], _mm256_set1_epi32(32 * (ba[t].sum - low)));
-        _mm256_add_epi32(_mm256_mullo_epi32(sc0, c0), _mm256_mullo_epi32(sc1, c1))
+        let (h0, h1) = half_sums32(ba[t]);
+        let (c0, c1) = (_mm256_sub_epi32(s0[t], h0), _mm256_sub_epi32(s1[t], h1));
+        _mm256_fmadd_ps(sc1, _mm256_cvtepi32_ps(c1), _mm256_mul_ps(sc0, _mm256_cvtepi32_ps(c0)))
     })
 }
 
@@ -225,10 +231,10 @@ impl<const K: u8> Head<K> {
         }
     }
 
-    /// q6k: the eight rows' two scales of sub-block `j`, as i32 lanes.
+    /// q6k: the eight rows' two scales of sub-block `j`, as f32 lanes.
     #[inline(always)]
-    unsafe fn q6k_scales(col: *const u8, j: usize) -> (__m256i, __m256i) {
-        let sc = |at: usize| _mm256_cvtepi8_epi32(_mm_loadl_epi64(col.add(at) as *const __m128i));
+    unsafe fn q6k_scales(col: *const u8, j: usize) -> (__m256, __m256) {
+        let sc = |at: usize| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(col.add(at) as *const __m128i)));
         (sc(16 + 16 * j), sc(24 + 16 * j))
     }
 
@@ -276,7 +282,7 @@ unsafe fn gemm8<const T: usize, const VNNI: u8, const K: u8>(
                 let (sc0, sc1) = Head::<K>::q6k_scales(col, j);
                 let n = q6k_sums::<T, VNNI>(sub, sc0, sc1, ba);
                 for t in 0..T {
-                    let u = _mm256_mul_ps(_mm256_set1_ps(ba[t].d), _mm256_cvtepi32_ps(n[t]));
+                    let u = _mm256_mul_ps(_mm256_set1_ps(ba[t].d), n[t]);
                     acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(head.d, u));
                 }
                 continue;
