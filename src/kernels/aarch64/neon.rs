@@ -106,8 +106,18 @@ unsafe fn scales8(d: &[u16; 8], da: f32) -> (float32x4_t, float32x4_t) {
 /// 4..8 as signed bytes.
 #[inline(always)]
 unsafe fn group_sums(ba: &BlockQ8, w: impl Fn(usize) -> (int8x16_t, int8x16_t)) -> (int32x4_t, int32x4_t) {
+    quad_sums(ba, 0..8, w)
+}
+
+/// [`group_sums`] over column quads `quads` only.
+#[inline(always)]
+unsafe fn quad_sums(
+    ba: &BlockQ8,
+    quads: std::ops::Range<usize>,
+    w: impl Fn(usize) -> (int8x16_t, int8x16_t),
+) -> (int32x4_t, int32x4_t) {
     let mut s = [vdupq_n_s32(0); 4];
-    for k in 0..8 {
+    for k in quads {
         let a = vreinterpretq_s8_s32(vdupq_n_s32((ba.qs.as_ptr().add(4 * k) as *const i32).read_unaligned()));
         let (w0, w1) = w(k);
         s[0] = vpadalq_s16(s[0], vmull_s8(vget_low_s8(w0), vget_low_s8(a)));
@@ -123,16 +133,7 @@ unsafe fn group_sums(ba: &BlockQ8, w: impl Fn(usize) -> (int8x16_t, int8x16_t)) 
 /// 0..16 or 16..32 of the block).
 #[inline(always)]
 unsafe fn half_sums(ba: &BlockQ8, h: usize, w: impl Fn(usize) -> (int8x16_t, int8x16_t)) -> (int32x4_t, int32x4_t) {
-    let mut s = [vdupq_n_s32(0); 4];
-    for k in 4 * h..4 * h + 4 {
-        let a = vreinterpretq_s8_s32(vdupq_n_s32((ba.qs.as_ptr().add(4 * k) as *const i32).read_unaligned()));
-        let (w0, w1) = w(k);
-        s[0] = vpadalq_s16(s[0], vmull_s8(vget_low_s8(w0), vget_low_s8(a)));
-        s[1] = vpadalq_s16(s[1], vmull_high_s8(w0, a));
-        s[2] = vpadalq_s16(s[2], vmull_s8(vget_low_s8(w1), vget_low_s8(a)));
-        s[3] = vpadalq_s16(s[3], vmull_high_s8(w1, a));
-    }
-    (vpaddq_s32(s[0], s[1]), vpaddq_s32(s[2], s[3]))
+    quad_sums(ba, 4 * h..4 * h + 4, w)
 }
 
 #[inline(always)]

@@ -168,8 +168,9 @@ unsafe fn half_sums32(b: &BlockQ8) -> (__m256i, __m256i) {
 /// One q6k sub-block of eight rows against each token's activation block:
 /// per lane (row) `f32(n)`, `n = sc₀ · (p₀ − 32·Σ₀) + sc₁ · (p₁ − 32·Σ₁)`,
 /// with `sc0`, `sc1` the rows' two scales of the sub-block as f32. Taken in
-/// f32 (a multiply and a fused multiply-add, cheaper than two `vpmulld`)
-/// and still exact: `|p − 32·Σ| ≤ 16 · 32 · 127` and `|sc| ≤ 128`, so each
+/// f32 (a multiply and a fused multiply-add where two `vpmulld` would do:
+/// the same speed on Zen 5, and `vpmulld` is two uops on Intel cores) and
+/// still exact: `|p − 32·Σ| ≤ 16 · 32 · 127` and `|sc| ≤ 128`, so each
 /// product, and their sum, is an integer below 2²⁴, which f32 holds and
 /// neither operation rounds.
 #[inline(always)]
