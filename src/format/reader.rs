@@ -124,14 +124,15 @@ impl ColibriFile {
         let mut by_name = HashMap::with_capacity(meta.tensors.len());
         for (i, t) in meta.tensors.iter().enumerate() {
             let want = t.dtype.tensor_bytes(&t.shape).map(|n| n as u64);
-            if want != Some(t.nbytes) && first_q6k_layout(t.dtype, &t.shape) == Some(t.nbytes) {
-                return Err(bad(format!(
-                    "tensor {}: its {} bytes are the first q6k layout (one scale per 32 values), which this \
-                     build no longer reads; convert the checkpoint again (q6k now has a scale per 16 values)",
-                    t.name, t.nbytes
-                )));
-            }
             if want != Some(t.nbytes) {
+                if first_q6k_layout(t.dtype, &t.shape) == Some(t.nbytes) {
+                    return Err(bad(format!(
+                        "tensor {}: its {} bytes are the first q6k layout (one scale per 32 values), which \
+                         this build no longer reads; convert the checkpoint again (q6k now has a scale per 16 \
+                         values)",
+                        t.name, t.nbytes
+                    )));
+                }
                 return Err(bad(format!(
                     "tensor {}: {} bytes recorded, but a {} tensor of shape {:?} needs {:?}",
                     t.name, t.nbytes, t.dtype, t.shape, want

@@ -202,14 +202,21 @@ impl Kind {
 
 /// Bytes of a row of `n` values, `None` unless `n` is a multiple of 32.
 pub fn row_bytes(kind: Kind, n: usize) -> Option<usize> {
+    super_block_row_bytes(n, kind.header_bytes(), kind.sub_bytes())
+}
+
+/// Bytes of a row of `n` values in super-blocks of a `header` and eight
+/// `chunk`-byte sub-blocks, a partial last one a prefix (`None` unless `n`
+/// is a multiple of 32, or on overflow).
+fn super_block_row_bytes(n: usize, header: usize, chunk: usize) -> Option<usize> {
     if !n.is_multiple_of(QK) {
         return None;
     }
     let tail = match (n % QK_K) / QK {
         0 => 0,
-        s => kind.header_bytes() + s * kind.sub_bytes(),
+        s => header + s * chunk,
     };
-    (n / QK_K).checked_mul(kind.block_bytes())?.checked_add(tail)
+    (n / QK_K).checked_mul(header + SUBS * chunk)?.checked_add(tail)
 }
 
 /// The header of a q4k or q5k super-block.
@@ -296,11 +303,7 @@ const _: () = assert!(size_of::<BlockQ6K>() == 210 && size_of::<BlockQ6K>() == K
 /// header, one scale per 32 values), which no build reads since: the
 /// reader names it when a q6k tensor has that size.
 pub fn row_bytes_q6k_v1(n: usize) -> Option<usize> {
-    let tail = match (n % QK_K) / QK {
-        0 => 0,
-        s => 10 + s * 24,
-    };
-    (n.is_multiple_of(QK)).then(|| (n / QK_K) * 202 + tail)
+    super_block_row_bytes(n, 10, Kind::Q6K.sub_bytes())
 }
 
 // ------------------------------------------------------------------

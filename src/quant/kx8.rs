@@ -212,6 +212,7 @@ pub struct RowScales {
 
 /// Row `l`'s header fields in a column whose headers are `head`.
 pub fn scales(kind: Kind, head: &[u8], l: usize) -> RowScales {
+    const _: () = assert!(Kind::Q6K.header_bytes() >= Kind::Q4K.header_bytes(), "q6k's header is the longest");
     let mut row = [0u8; Kind::Q6K.header_bytes()];
     for (b, v) in row.iter_mut().enumerate().take(kind.header_bytes()) {
         *v = head[head_pos(kind, l, b)];

@@ -449,17 +449,10 @@ unsafe fn gemv8_kx8(kind: crate::quant::kquant::Kind, g: &[u8], a: &[BlockQ8]) -
             let s = pair(std::array::from_fn(|l| h(heads[l].d) * heads[l].sc[j] as f32));
             let (p0, p1) = group_sums(ba, |k| kx8_quad(kind, sub, k, e0, e1));
             let (u0, u1) = (vmulq_f32(da, vcvtq_f32_s32(p0)), vmulq_f32(da, vcvtq_f32_s32(p1)));
-            let (t0, t1) = match kind {
-                Kind::Q6K => unreachable!("handled above"),
-                _ => {
-                    let o = pair(std::array::from_fn(|l| h(heads[l].dmin) * heads[l].m[j] as f32));
-                    let ss = vdupq_n_f32(ba.scaled_sum());
-                    (
-                        vsubq_f32(vmulq_f32(s.0, u0), vmulq_f32(o.0, ss)),
-                        vsubq_f32(vmulq_f32(s.1, u1), vmulq_f32(o.1, ss)),
-                    )
-                }
-            };
+            let o = pair(std::array::from_fn(|l| h(heads[l].dmin) * heads[l].m[j] as f32));
+            let ss = vdupq_n_f32(ba.scaled_sum());
+            let t0 = vsubq_f32(vmulq_f32(s.0, u0), vmulq_f32(o.0, ss));
+            let t1 = vsubq_f32(vmulq_f32(s.1, u1), vmulq_f32(o.1, ss));
             (acc0, acc1) = (vaddq_f32(acc0, t0), vaddq_f32(acc1, t1));
         }
     }
