@@ -1,12 +1,14 @@
-//! Single-thread speed of each kernel on a matrix (L2-resident by default):
-//! `cargo run --release --example kernel_speed -- [TOKENS] [DTYPE] [ROWS]` (default 1:
-//! decode; prefill-like counts such as 64 exercise the tiles; ROWS default 256,
-//! e.g. 65536 for a matrix far past the caches, as decode reads it). Reports
-//! ns per 32 weights and token, and multiply-adds per second.
+//! Speed of each kernel on a matrix (L2-resident by default):
+//! `cargo run --release --example kernel_speed -- [TOKENS] [DTYPE] [ROWS] [THREADS]`
+//! (default 1: decode; prefill-like counts such as 64 exercise the tiles; ROWS
+//! default 256, e.g. 262144 for a matrix far past the caches, as decode reads
+//! an output head; THREADS default 1, the kernel alone on one core, else the
+//! engine's row split over a pool of that many threads). Reports ns per 32
+//! weights and token, multiply-adds per second and weight bytes per second.
 
 use std::time::Instant;
 
-use colibri::kernels::{BlockQ8, Input, Matrix, matmul_serial};
+use colibri::kernels::{BlockQ8, Input, Matrix, matmul, matmul_serial};
 use colibri::quant::{self, DType};
 
 fn main() {
@@ -21,6 +23,8 @@ fn main() {
     let vals: Vec<f32> = (0..tile_rows * cols).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.05).collect();
     let x: Vec<f32> = (0..n * cols).map(|i| (i * 31 % 100) as f32 / 50.0 - 1.0).collect();
     let only = std::env::args().nth(2);
+    let threads: usize = std::env::args().nth(4).and_then(|s| s.parse().ok()).unwrap_or(1);
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
     for dtype in
         DType::ALL.into_iter().chain(DType::INTERLEAVED).filter(|d| only.as_ref().is_none_or(|o| o == d.name()))
     {
@@ -41,7 +45,11 @@ fn main() {
         for _ in 0..5 {
             let t = Instant::now();
             for _ in 0..reps {
-                matmul_serial(&m, &inp, &mut y);
+                if threads == 1 {
+                    matmul_serial(&m, &inp, &mut y);
+                } else {
+                    pool.install(|| matmul(&m, &inp, &mut y));
+                }
             }
             best = best.min(t.elapsed().as_secs_f64());
         }

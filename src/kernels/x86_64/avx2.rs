@@ -22,6 +22,8 @@
 
 use std::arch::x86_64::*;
 
+use super::kx8;
+use super::pairs::{self, ZMM_VNNI};
 use crate::kernels::BlockQ8;
 use crate::quant::mxfp4::{BlockMxfp4, LUT2};
 use crate::quant::q4_0::BlockQ4_0;
@@ -56,9 +58,10 @@ pub(super) unsafe fn sum4_u8_i8(x: __m256i, y: __m256i) -> __m256i {
 }
 
 /// How the group kernels sum bytes: `maddubs` + `madd` (AVX2), or one
-/// `vpdpbusd` in its VEX form (AVX-VNNI) or its EVEX form (AVX-512 VNNI with
-/// VL, for CPUs that have that and not AVX-VNNI: Cascade Lake, Ice Lake,
-/// Zen 4). The three give the same integers.
+/// `vpdpbusd` in its VEX form (AVX-VNNI) or its 256-bit EVEX form (AVX-512
+/// VNNI with VL; mxfp4 only, on CPUs that have that and not AVX-VNNI:
+/// Cascade Lake, Ice Lake, Zen 4), or the 512-bit one over run pairs
+/// ([`pairs::ZMM_VNNI`]). All give the same integers.
 pub(super) const MADD: u8 = 0;
 /// See [`MADD`].
 pub(super) const AVX_VNNI: u8 = 1;
@@ -369,6 +372,14 @@ unsafe fn gemm8_q8_0<const T: usize, const VNNI: u8>(
         let bw = &*g.add(b);
         prefetch_ahead(bw as *const BlockQ8_0x8 as *const u8, std::mem::size_of::<BlockQ8_0x8>());
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(bw.d.as_ptr() as *const __m128i));
+        if VNNI == ZMM_VNNI {
+            let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q[t].add(b));
+            let isum = pairs::q8_pair_sums::<T>(bw.qs.as_ptr(), ba);
+            for t in 0..T {
+                acc[t] = scale_acc(acc[t], dw, ba[t], isum[t]);
+            }
+            continue;
+        }
         let mut isum = [_mm256_setzero_si256(); T];
         for k in 0..8 {
             let w = _mm256_loadu_si256(bw.qs.as_ptr().add(32 * k) as *const __m256i);
@@ -397,6 +408,10 @@ unsafe fn nibble_sums<const T: usize, const VNNI: u8, const LUT: bool>(
     qs: *const u8,
     ba: [&BlockQ8; T],
 ) -> [__m256i; T] {
+    if VNNI == ZMM_VNNI && !LUT {
+        // q4_0 and q4_1 lay their runs out as q4k's sub-blocks.
+        return pairs::pair_sums::<T, { kx8::Q4K }, false>(qs, ba).0;
+    }
     let mask = _mm256_set1_epi8(0x0F);
     let lut = lut2();
     let mut s = [_mm256_setzero_si256(); T];
@@ -549,31 +564,35 @@ group_kernels!(vnni_gemv8_q4_0, vnni_gemm8x4_q4_0, gemm8_q4_0, BlockQ4_0x8, AVX_
 group_kernels!(vnni_gemv8_q4_1, vnni_gemm8x4_q4_1, gemm8_q4_1, BlockQ4_1x8, AVX_VNNI, "avx2,fma,f16c,avxvnni");
 group_kernels!(vnni_gemv8_mxfp4, vnni_gemm8x4_mxfp4, gemm8_mxfp4, BlockMxfp4x8, AVX_VNNI, "avx2,fma,f16c,avxvnni");
 
-// And with the EVEX `vpdpbusd` of AVX-512 VNNI (256-bit, so AVX-512VL).
+// With 512-bit `vpdpbusd` over pairs of runs (`pairs.rs`): the same
+// integers again. (mxfp4's lookup and sign trick have no 512-bit form here.)
 group_kernels!(
-    evex_gemv8_q8_0,
-    evex_gemm8x4_q8_0,
+    zmm_gemv8_q8_0,
+    zmm_gemm8x4_q8_0,
     gemm8_q8_0,
     BlockQ8_0x8,
-    EVEX_VNNI,
-    "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
+    ZMM_VNNI,
+    "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
 );
 group_kernels!(
-    evex_gemv8_q4_0,
-    evex_gemm8x4_q4_0,
+    zmm_gemv8_q4_0,
+    zmm_gemm8x4_q4_0,
     gemm8_q4_0,
     BlockQ4_0x8,
-    EVEX_VNNI,
-    "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
+    ZMM_VNNI,
+    "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
 );
 group_kernels!(
-    evex_gemv8_q4_1,
-    evex_gemm8x4_q4_1,
+    zmm_gemv8_q4_1,
+    zmm_gemm8x4_q4_1,
     gemm8_q4_1,
     BlockQ4_1x8,
-    EVEX_VNNI,
-    "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
+    ZMM_VNNI,
+    "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
 );
+
+// mxfp4 with the EVEX `vpdpbusd` of AVX-512 VNNI (256-bit, so AVX-512VL),
+// for CPUs without AVX-VNNI.
 group_kernels!(
     evex_gemv8_mxfp4,
     evex_gemm8x4_mxfp4,

@@ -36,19 +36,20 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2::{AVX_VNNI, EVEX_VNNI, MADD, act4, prefetch_ahead, store8, vpdpbusd};
+use super::avx2::{AVX_VNNI, MADD, act4, prefetch_ahead, store8, vpdpbusd};
 use super::pack::{self, PACKED, Packed, ROWS, TileBlock};
+use super::pairs::{ZMM_VNNI, pair_sums};
 use crate::kernels::BlockQ8;
 use crate::quant::kquant::{self, Kind, QK, SUBS};
 use crate::quant::kx8;
 use crate::quant::x8::ROWS as GROUP;
 
 /// The kinds as const parameters.
-const Q4K: u8 = 0;
+pub(super) const Q4K: u8 = 0;
 /// See [`Q4K`].
-const Q5K: u8 = 1;
+pub(super) const Q5K: u8 = 1;
 /// See [`Q4K`].
-const Q6K: u8 = 2;
+pub(super) const Q6K: u8 = 2;
 
 const fn kind_of(k: u8) -> Kind {
     match k {
@@ -117,7 +118,7 @@ unsafe fn run_codes<const K: u8>(sub: *const u8, r: usize, e0: __m256i, e1: __m2
 /// The extra-bit words [`run_codes`] takes of the sub-block at `sub`: q5k's
 /// fifth bits; q6k's top bits of codes 0..16 and 16..32; zeros for q4k.
 #[inline(always)]
-unsafe fn extra_words<const K: u8>(sub: *const u8) -> (__m256i, __m256i) {
+pub(super) unsafe fn extra_words<const K: u8>(sub: *const u8) -> (__m256i, __m256i) {
     let word = |at: usize| _mm256_loadu_si256(sub.add(at) as *const __m256i);
     match K {
         Q5K => (word(128), _mm256_setzero_si256()),
@@ -130,6 +131,9 @@ unsafe fn extra_words<const K: u8>(sub: *const u8) -> (__m256i, __m256i) {
 /// block, per lane (row), exact (q4k, q5k).
 #[inline(always)]
 unsafe fn code_sums<const T: usize, const VNNI: u8, const K: u8>(sub: *const u8, ba: [&BlockQ8; T]) -> [__m256i; T] {
+    if VNNI == ZMM_VNNI {
+        return pair_sums::<T, K, false>(sub, ba).0;
+    }
     let (e0, e1) = extra_words::<K>(sub);
     let ones = _mm256_set1_epi16(1);
     let mut s32 = [_mm256_setzero_si256(); T];
@@ -180,6 +184,23 @@ unsafe fn q6k_sums<const T: usize, const VNNI: u8>(
     sc1: __m256,
     ba: [&BlockQ8; T],
 ) -> [__m256; T] {
+    let (s0, s1) = if VNNI == ZMM_VNNI { pair_sums::<T, Q6K, true>(sub, ba) } else { q6k_run_sums::<T, VNNI>(sub, ba) };
+    // A loop, not `array::from_fn` (see `pairs::pair_sums`).
+    let mut n = [_mm256_setzero_ps(); T];
+    for t in 0..T {
+        let (h0, h1) = half_sums32(ba[t]);
+        let (c0, c1) = (_mm256_sub_epi32(s0[t], h0), _mm256_sub_epi32(s1[t], h1));
+        n[t] = _mm256_fmadd_ps(sc1, _mm256_cvtepi32_ps(c1), _mm256_mul_ps(sc0, _mm256_cvtepi32_ps(c0)));
+    }
+    n
+}
+
+/// q6k's `p₀` and `p₁` of one sub-block of eight rows, per token, run by run.
+#[inline(always)]
+unsafe fn q6k_run_sums<const T: usize, const VNNI: u8>(
+    sub: *const u8,
+    ba: [&BlockQ8; T],
+) -> ([__m256i; T], [__m256i; T]) {
     let (e0, e1) = extra_words::<Q6K>(sub);
     let ones = _mm256_set1_epi16(1);
     let mut s0 = [_mm256_setzero_si256(); T];
@@ -198,11 +219,7 @@ unsafe fn q6k_sums<const T: usize, const VNNI: u8>(
             }
         }
     }
-    std::array::from_fn(|t| {
-        let (h0, h1) = half_sums32(ba[t]);
-        let (c0, c1) = (_mm256_sub_epi32(s0[t], h0), _mm256_sub_epi32(s1[t], h1));
-        _mm256_fmadd_ps(sc1, _mm256_cvtepi32_ps(c1), _mm256_mul_ps(sc0, _mm256_cvtepi32_ps(c0)))
-    })
+    (s0, s1)
 }
 
 /// A column's eight `d` (and `dmin`) as f32, and the rows' words of the
@@ -357,11 +374,11 @@ kx8_kernels!(vnni_gemv8_q4k, vnni_gemm8x4_q4k, Q4K, AVX_VNNI, "avx2,fma,f16c,avx
 kx8_kernels!(vnni_gemv8_q5k, vnni_gemm8x4_q5k, Q5K, AVX_VNNI, "avx2,fma,f16c,avxvnni");
 kx8_kernels!(vnni_gemv8_q6k, vnni_gemm8x4_q6k, Q6K, AVX_VNNI, "avx2,fma,f16c,avxvnni");
 
-// With AVX-512 VNNI's EVEX `vpdpbusd` (CPUs without AVX-VNNI): the same
-// integers again.
-kx8_kernels!(evex_gemv8_q4k, evex_gemm8x4_q4k, Q4K, EVEX_VNNI, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni");
-kx8_kernels!(evex_gemv8_q5k, evex_gemm8x4_q5k, Q5K, EVEX_VNNI, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni");
-kx8_kernels!(evex_gemv8_q6k, evex_gemm8x4_q6k, Q6K, EVEX_VNNI, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni");
+// With 512-bit `vpdpbusd` over pairs of runs ([`ZMM_VNNI`]): the same
+// integers once more.
+kx8_kernels!(zmm_gemv8_q4k, zmm_gemm8x4_q4k, Q4K, ZMM_VNNI, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni");
+kx8_kernels!(zmm_gemv8_q5k, zmm_gemm8x4_q5k, Q5K, ZMM_VNNI, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni");
+kx8_kernels!(zmm_gemv8_q6k, zmm_gemm8x4_q6k, Q6K, ZMM_VNNI, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni");
 
 // ------------------------------------------------------------------
 // The 16-row kernels' side (`pack.rs`, `avx512.rs`, `amx.rs`).

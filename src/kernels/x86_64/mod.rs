@@ -12,6 +12,7 @@ mod kquant;
 mod kv;
 mod kx8;
 mod pack;
+mod pairs;
 
 use super::{
     Activation, BlockQ8, Dot4Fn, DotFn, DotsFn, Gemm8Fn, Gemv8Fn, GroupKernels, KvKernels, Layout, QuantizeFn, TileFn,
@@ -180,18 +181,20 @@ impl Avx512 {
 
     /// The base table's kernels, with sixteen-lane attention kernels for the
     /// KV cache's types and, in the interleaved types, 16-row VNNI kernels
-    /// for prefill. Decode stays on the 256-bit 8-row kernels: one token per
-    /// weight load is bound by memory, and AVX-512 over the 8-row layout
-    /// measured slower (docs/ARCHITECTURE.md).
+    /// for prefill and 8-row kernels whose integer sums run two 32-byte runs
+    /// per 512-bit `vpdpbusd` (`pairs.rs`) for one to four tokens: decode
+    /// and small batches. The 8-row layout is kept, so decode reads the
+    /// same bytes in the same order.
     pub fn kernels(self, dtype: DType) -> TypeKernels {
         let mut k = match self.base {
             Base::Avx2(t) => t.kernels(dtype),
             Base::AvxVnni(t) => t.kernels(dtype),
         };
         // The 16-row VNNI kernel of each interleaved type, and its 8-row
-        // kernels with the EVEX `vpdpbusd`: without AVX-VNNI the base's sum
-        // by `maddubs`, and EVEX gives the same integers in one instruction.
-        // (q6k's two scales per sub-block have no 16-row form.)
+        // kernels on run pairs (mxfp4: with the 256-bit EVEX `vpdpbusd`,
+        // used only where the base has no AVX-VNNI). All give the integers
+        // the other tables sum. (q6k's two scales per sub-block have no
+        // 16-row form.)
         let vnni: Option<(Option<TileFn>, Gemv8Fn, Gemm8Fn)> = match dtype {
             DType::F32
             | DType::Bf16
@@ -203,17 +206,20 @@ impl Avx512 {
             | DType::Q4K
             | DType::Q5K
             | DType::Q6K => None,
-            DType::Q8_0x8 => Some((Some(z_q8_0x8), evex_q8_0x8_gemv, evex_q8_0x8_gemm4)),
-            DType::Q4_0x8 => Some((Some(z_q4_0x8), evex_q4_0x8_gemv, evex_q4_0x8_gemm4)),
-            DType::Q4_1x8 => Some((Some(z_q4_1x8), evex_q4_1x8_gemv, evex_q4_1x8_gemm4)),
+            DType::Q8_0x8 => Some((Some(z_q8_0x8), zmm_q8_0x8_gemv, zmm_q8_0x8_gemm4)),
+            DType::Q4_0x8 => Some((Some(z_q4_0x8), zmm_q4_0x8_gemv, zmm_q4_0x8_gemm4)),
+            DType::Q4_1x8 => Some((Some(z_q4_1x8), zmm_q4_1x8_gemv, zmm_q4_1x8_gemm4)),
             DType::Mxfp4x8 => Some((Some(z_mxfp4x8), evex_mxfp4x8_gemv, evex_mxfp4x8_gemm4)),
-            DType::Q4Kx8 => Some((Some(z_q4kx8), evex_q4kx8_gemv, evex_q4kx8_gemm4)),
-            DType::Q5Kx8 => Some((Some(z_q5kx8), evex_q5kx8_gemv, evex_q5kx8_gemm4)),
-            DType::Q6Kx8 => Some((None, evex_q6kx8_gemv, evex_q6kx8_gemm4)),
+            DType::Q4Kx8 => Some((Some(z_q4kx8), zmm_q4kx8_gemv, zmm_q4kx8_gemm4)),
+            DType::Q5Kx8 => Some((Some(z_q5kx8), zmm_q5kx8_gemv, zmm_q5kx8_gemm4)),
+            DType::Q6Kx8 => Some((None, zmm_q6kx8_gemv, zmm_q6kx8_gemm4)),
         };
+        // Run pairs take fewer instructions per weight than either 256-bit
+        // form (docs/ARCHITECTURE.md), so they replace AVX-VNNI's too.
+        let pairs = !matches!(dtype, DType::Mxfp4x8);
         if let (Layout::Groups(g), Some((f, one, many)), true) = (&mut k.layout, vnni, self.vnni) {
             g.tile = f.map(|f| Tiles { f, min: ROWS16_MIN_TOKENS });
-            if let Base::Avx2(_) = self.base {
+            if pairs || matches!(self.base, Base::Avx2(_)) {
                 (g.one, g.many) = (one, Some(many));
             }
         }
@@ -440,13 +446,13 @@ safe_group!(AvxVnni: vnni_q8_0x8_gemv, vnni_q8_0x8_gemm4, avx2::vnni_gemv8_q8_0,
 safe_group!(AvxVnni: vnni_q4_0x8_gemv, vnni_q4_0x8_gemm4, avx2::vnni_gemv8_q4_0, avx2::vnni_gemm8x4_q4_0);
 safe_group!(AvxVnni: vnni_q4_1x8_gemv, vnni_q4_1x8_gemm4, avx2::vnni_gemv8_q4_1, avx2::vnni_gemm8x4_q4_1);
 safe_group!(AvxVnni: vnni_mxfp4x8_gemv, vnni_mxfp4x8_gemm4, avx2::vnni_gemv8_mxfp4, avx2::vnni_gemm8x4_mxfp4);
-safe_group!(Avx512: evex_q8_0x8_gemv, evex_q8_0x8_gemm4, avx2::evex_gemv8_q8_0, avx2::evex_gemm8x4_q8_0);
-safe_group!(Avx512: evex_q4_0x8_gemv, evex_q4_0x8_gemm4, avx2::evex_gemv8_q4_0, avx2::evex_gemm8x4_q4_0);
-safe_group!(Avx512: evex_q4_1x8_gemv, evex_q4_1x8_gemm4, avx2::evex_gemv8_q4_1, avx2::evex_gemm8x4_q4_1);
 safe_group!(Avx512: evex_mxfp4x8_gemv, evex_mxfp4x8_gemm4, avx2::evex_gemv8_mxfp4, avx2::evex_gemm8x4_mxfp4);
-safe_group!(Avx512: evex_q4kx8_gemv, evex_q4kx8_gemm4, kx8::evex_gemv8_q4k, kx8::evex_gemm8x4_q4k);
-safe_group!(Avx512: evex_q5kx8_gemv, evex_q5kx8_gemm4, kx8::evex_gemv8_q5k, kx8::evex_gemm8x4_q5k);
-safe_group!(Avx512: evex_q6kx8_gemv, evex_q6kx8_gemm4, kx8::evex_gemv8_q6k, kx8::evex_gemm8x4_q6k);
+safe_group!(Avx512: zmm_q8_0x8_gemv, zmm_q8_0x8_gemm4, avx2::zmm_gemv8_q8_0, avx2::zmm_gemm8x4_q8_0);
+safe_group!(Avx512: zmm_q4_0x8_gemv, zmm_q4_0x8_gemm4, avx2::zmm_gemv8_q4_0, avx2::zmm_gemm8x4_q4_0);
+safe_group!(Avx512: zmm_q4_1x8_gemv, zmm_q4_1x8_gemm4, avx2::zmm_gemv8_q4_1, avx2::zmm_gemm8x4_q4_1);
+safe_group!(Avx512: zmm_q4kx8_gemv, zmm_q4kx8_gemm4, kx8::zmm_gemv8_q4k, kx8::zmm_gemm8x4_q4k);
+safe_group!(Avx512: zmm_q5kx8_gemv, zmm_q5kx8_gemm4, kx8::zmm_gemv8_q5k, kx8::zmm_gemm8x4_q5k);
+safe_group!(Avx512: zmm_q6kx8_gemv, zmm_q6kx8_gemm4, kx8::zmm_gemv8_q6k, kx8::zmm_gemm8x4_q6k);
 
 macro_rules! safe_kv {
     ($proof:ident: $dots:ident, $axpys:ident, $pv:ident, $inner_dots:path, $inner_axpys:path, $inner_pv:path) => {
@@ -476,24 +482,24 @@ safe_kv!(Avx512: z_f16_dots, z_f16_axpys, z_f16_pv, kv::zmm_dots_f16, kv::zmm_ax
 mod tests {
     use super::*;
 
-    /// The EVEX `vpdpbusd` group kernels (reached only on CPUs with
-    /// AVX-512 VNNI and no AVX-VNNI, so never through the tables of a CPU
-    /// with both) give the AVX2 kernels' bits, called directly here.
+    /// The AVX-512 VNNI group kernels (run pairs, and mxfp4's EVEX form,
+    /// which the tables of a CPU with AVX-VNNI never reach) give the AVX2
+    /// kernels' bits, called directly here.
     #[test]
-    fn evex_vnni_group_kernels_give_the_avx2_bits() {
+    fn avx512_vnni_group_kernels_give_the_avx2_bits() {
         if !Avx512::detect().is_some_and(|t| t.vnni) {
             eprintln!("this CPU has no AVX-512 VNNI: nothing to compare");
             return;
         }
         let avx2 = Avx2::detect().expect("AVX-512 implies the AVX2 table");
         let evex: [(DType, Gemv8Fn, Gemm8Fn); 7] = [
-            (DType::Q8_0x8, evex_q8_0x8_gemv, evex_q8_0x8_gemm4),
-            (DType::Q4_0x8, evex_q4_0x8_gemv, evex_q4_0x8_gemm4),
-            (DType::Q4_1x8, evex_q4_1x8_gemv, evex_q4_1x8_gemm4),
+            (DType::Q8_0x8, zmm_q8_0x8_gemv, zmm_q8_0x8_gemm4),
+            (DType::Q4_0x8, zmm_q4_0x8_gemv, zmm_q4_0x8_gemm4),
+            (DType::Q4_1x8, zmm_q4_1x8_gemv, zmm_q4_1x8_gemm4),
             (DType::Mxfp4x8, evex_mxfp4x8_gemv, evex_mxfp4x8_gemm4),
-            (DType::Q4Kx8, evex_q4kx8_gemv, evex_q4kx8_gemm4),
-            (DType::Q5Kx8, evex_q5kx8_gemv, evex_q5kx8_gemm4),
-            (DType::Q6Kx8, evex_q6kx8_gemv, evex_q6kx8_gemm4),
+            (DType::Q4Kx8, zmm_q4kx8_gemv, zmm_q4kx8_gemm4),
+            (DType::Q5Kx8, zmm_q5kx8_gemv, zmm_q5kx8_gemm4),
+            (DType::Q6Kx8, zmm_q6kx8_gemv, zmm_q6kx8_gemm4),
         ];
         for (dtype, one, many) in evex {
             let Layout::Groups(a) = avx2.kernels(dtype).layout else { panic!("{dtype} is interleaved") };
