@@ -49,6 +49,15 @@ def test_routing_stats_over_a_window():
         assert lw["residency"] == "R" * len(lw["heat"])
         check_health(lw)
         check_health(lb)
+    # The same window ended at the snapshot in hand, after more tokens ran.
+    e.generate("Her sister", max_new_tokens=5, temperature=0)
+    assert e.routing_stats(since=a, until=b) == w
+    assert e.routing_stats(until=b) == b
+    with pytest.raises(ValueError, match="earlier"):
+        e.routing_stats(since=b, until=a)
+    with pytest.raises(ValueError, match="until"):
+        e.routing_stats(since=a, until={"tokens": "many"})
+    b = e.routing_stats()
     # Nothing ran since b: an empty window, nobody called dead.
     assert all(lay["dead"] == [] and lay["tokens"] == 0 for lay in e.routing_stats(since=b)["layers"])
     with pytest.raises(ValueError, match="earlier"):

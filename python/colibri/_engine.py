@@ -594,11 +594,17 @@ class Engine:
     # ------------------------------------------------------------------
     # Forward passes
 
-    def routing_stats(self, since: RoutingStats | Mapping[str, Any] | None = None) -> RoutingStats:
+    def routing_stats(
+        self,
+        since: RoutingStats | Mapping[str, Any] | None = None,
+        until: RoutingStats | Mapping[str, Any] | None = None,
+    ) -> RoutingStats:
         """How the router has chosen experts since the file was opened, or
         over the tokens run since ``since`` (an earlier result of this call
         on the same engine: counts are subtracted and the figures computed
-        again over that window).
+        again over that window). ``until`` ends the window at a snapshot the
+        caller already holds instead of now (no new snapshot is taken), e.g.
+        ``routing_stats(since=a, until=b)`` for the tokens run between two.
 
         Per MoE layer: ``heat`` (times each expert was chosen), utilisation
         entropy (bits, and normalised to [0, 1]), the mean (``mean_margin``)
@@ -607,11 +613,13 @@ class Engine:
         ``overloaded``: chosen more than 3x their uniform share; ``max_load``:
         the busiest expert's count over its uniform share) and ``residency``,
         one character per expert: ``R`` resident, ``P`` pinned in the expert
-        cache, ``C`` cached, ``.`` on disk. A ``since`` that is not an earlier
-        snapshot of this model raises ValueError.
+        cache, ``C`` cached, ``.`` on disk (as of ``until`` when given). A
+        ``since`` that is not an earlier snapshot of this model (than
+        ``until``, or now) raises ValueError.
         """
         earlier = None if since is None else json.dumps(since)
-        result: RoutingStats = json.loads(self._native.routing_stats_json(earlier))
+        later = None if until is None else json.dumps(until)
+        result: RoutingStats = json.loads(self._native.routing_stats_json(earlier, later))
         return result
 
     def batch_stats(self) -> BatchStats:

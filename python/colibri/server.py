@@ -540,7 +540,8 @@ class _Monitor:
                 if snap["tokens"] <= r["tokens"] - ROUTING_WINDOW:
                     earlier = snap
             ttfts = sorted(self.ttfts)
-        window = r if earlier is None else engine.routing_stats(since=earlier)
+        # The window ends at the snapshot in hand: one snapshot per sample.
+        window = r if earlier is None else engine.routing_stats(since=earlier, until=r)
         return {
             "batch": b,
             "tokens_per_second_in": rate_in,

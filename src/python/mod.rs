@@ -143,17 +143,22 @@ impl NativeEngine {
     }
 
     /// Routing statistics as JSON text: counts since the file was opened, or
-    /// since `since` (the JSON of an earlier snapshot of this model).
-    #[pyo3(signature = (since=None))]
-    fn routing_stats_json(&self, since: Option<&str>) -> PyResult<String> {
-        let now = self.inner.model().routing_stats();
+    /// since `since` (the JSON of an earlier snapshot of this model), up to
+    /// now or to `until` (the JSON of a later snapshot).
+    #[pyo3(signature = (since=None, until=None))]
+    fn routing_stats_json(&self, since: Option<&str>, until: Option<&str>) -> PyResult<String> {
+        let parse = |what: &str, text: &str| -> PyResult<crate::model::store::RoutingStats> {
+            serde_json::from_str(text)
+                .map_err(|e| to_py(Error::InvalidInput(format!("{what}: not a routing_stats() snapshot: {e}"))))
+        };
+        // The window's end: a snapshot the caller holds, or now.
+        let end = match until {
+            None => self.inner.model().routing_stats(),
+            Some(text) => parse("until", text)?,
+        };
         let stats = match since {
-            None => now,
-            Some(text) => {
-                let earlier: crate::model::store::RoutingStats = serde_json::from_str(text)
-                    .map_err(|e| to_py(Error::InvalidInput(format!("since: not a routing_stats() snapshot: {e}"))))?;
-                now.since(&earlier).map_err(to_py)?
-            }
+            None => end,
+            Some(text) => end.since(&parse("since", text)?).map_err(to_py)?,
         };
         Ok(serde_json::to_string(&stats).unwrap_or_default())
     }
