@@ -6,8 +6,8 @@
 //! of the 256-bit forms, and the halves add up once per block. The
 //! activation bytes of the two runs reach their halves by one `vpermd` of
 //! the token's block. The integers are the ones every other table sums, so
-//! the kernels built on these give the same bits (tested beside the EVEX
-//! 256-bit forms in `x86_64::tests` and by the table sweeps).
+//! the kernels built on these give the same bits (tested against the AVX2
+//! kernels in `x86_64::tests` and against scalar by the table sweeps).
 //!
 //! The whole body of each `unsafe fn` here is the unsafe operation (raw
 //! loads and AVX-512 intrinsics); callers are `#[target_feature]` kernels
@@ -30,14 +30,22 @@ pub(super) const ZMM_VNNI: u8 = 3;
 #[inline(always)]
 unsafe fn shift_pair(v: __m512i, lo: i32, hi: i32) -> __m512i {
     debug_assert!(lo * hi >= 0, "one direction per pair");
-    let counts = |a: i32, b: i32| _mm512_inserti64x4::<1>(_mm512_set1_epi32(a), _mm256_set1_epi32(b));
     if lo > 0 || hi > 0 {
-        _mm512_sllv_epi32(v, counts(lo, hi))
+        _mm512_sllv_epi32(v, halves(lo, hi))
     } else if lo < 0 || hi < 0 {
-        _mm512_srlv_epi32(v, counts(-lo, -hi))
+        _mm512_srlv_epi32(v, halves(-lo, -hi))
     } else {
         v
     }
+}
+
+/// `a` in every 32-bit lane of the lower half, `b` in the upper half's.
+/// (A function, not a closure: a closure does not inherit the caller's
+/// target features, and one left out of line makes each intrinsic in it a
+/// call.)
+#[inline(always)]
+unsafe fn halves(a: i32, b: i32) -> __m512i {
+    _mm512_inserti64x4::<1>(_mm512_set1_epi32(a), _mm256_set1_epi32(b))
 }
 
 /// Runs `r` and `r + 1` of a sub-block (`r` even), as [`run_codes`] gives
@@ -86,8 +94,7 @@ unsafe fn extra_words_pair<const K: u8>(sub: *const u8) -> (__m512i, __m512i) {
 /// lanes and `b` in the upper half's.
 #[inline(always)]
 unsafe fn act_pair(qs: __m512i, a: i32, b: i32) -> __m512i {
-    let idx = _mm512_inserti64x4::<1>(_mm512_set1_epi32(a), _mm256_set1_epi32(b));
-    _mm512_permutexvar_epi32(idx, qs)
+    _mm512_permutexvar_epi32(halves(a, b), qs)
 }
 
 /// The 32 codes of an activation block in the lower half of a register.
@@ -113,9 +120,9 @@ pub(super) unsafe fn pair_sums<const T: usize, const K: u8, const SPLIT: bool>(
     ba: [&BlockQ8; T],
 ) -> ([__m256i; T], [__m256i; T]) {
     let (e0, e1) = extra_words_pair::<K>(sub);
-    // Loops, not `array::from_fn`: a closure does not inherit the caller's
-    // target features, and where it is not inlined (measured at four tokens)
-    // every intrinsic in it becomes a call.
+    // Loops, not `array::from_fn`: its closure was left out of line at four
+    // tokens, which made every intrinsic in it a call (15x slower; see
+    // `halves`).
     let mut qs = [_mm512_setzero_si512(); T];
     for t in 0..T {
         qs[t] = act_block(ba[t]);
