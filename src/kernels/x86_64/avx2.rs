@@ -372,28 +372,32 @@ unsafe fn gemm8_q8_0<const T: usize, const VNNI: u8>(
         let bw = &*g.add(b);
         prefetch_ahead(bw as *const BlockQ8_0x8 as *const u8, std::mem::size_of::<BlockQ8_0x8>());
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(bw.d.as_ptr() as *const __m128i));
-        if VNNI == ZMM_VNNI {
-            let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q[t].add(b));
-            let isum = pairs::q8_pair_sums::<T>(bw.qs.as_ptr(), ba);
-            for t in 0..T {
-                acc[t] = scale_acc(acc[t], dw, ba[t], isum[t]);
-            }
-            continue;
-        }
-        let mut isum = [_mm256_setzero_si256(); T];
-        for k in 0..8 {
-            let w = _mm256_loadu_si256(bw.qs.as_ptr().add(32 * k) as *const __m256i);
-            let wabs = _mm256_sign_epi8(w, w);
-            for (t, s) in isum.iter_mut().enumerate() {
-                let a = _mm256_sign_epi8(act4(&*q[t].add(b), 4 * k), w);
-                *s = dp4::<VNNI>(*s, wabs, a);
-            }
-        }
+        let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q[t].add(b));
+        let isum = q8_sums::<T, VNNI>(bw.qs.as_ptr(), ba);
         for t in 0..T {
-            acc[t] = scale_acc(acc[t], dw, &*q[t].add(b), isum[t]);
+            acc[t] = scale_acc(acc[t], dw, ba[t], isum[t]);
         }
     }
     acc
+}
+
+/// `Σ w · a` of one q8_0 group block per lane (row) and token, exact: by the
+/// sign trick, `|w|` against `sign(w)·a`, run by run (or by run pairs).
+#[inline(always)]
+unsafe fn q8_sums<const T: usize, const VNNI: u8>(qs: *const i8, ba: [&BlockQ8; T]) -> [__m256i; T] {
+    if VNNI == ZMM_VNNI {
+        return pairs::q8_pair_sums::<T>(qs, ba);
+    }
+    let mut isum = [_mm256_setzero_si256(); T];
+    for k in 0..8 {
+        let w = _mm256_loadu_si256(qs.add(32 * k) as *const __m256i);
+        let wabs = _mm256_sign_epi8(w, w);
+        for (t, s) in isum.iter_mut().enumerate() {
+            let a = _mm256_sign_epi8(act4(ba[t], 4 * k), w);
+            *s = dp4::<VNNI>(*s, wabs, a);
+        }
+    }
+    isum
 }
 
 /// 4-bit codes · activations of one group block, per lane (row). The codes

@@ -97,10 +97,17 @@ unsafe fn act_pair(qs: __m512i, a: i32, b: i32) -> __m512i {
     _mm512_permutexvar_epi32(halves(a, b), qs)
 }
 
-/// The 32 codes of an activation block in the lower half of a register.
+/// Each token's 32 activation codes in the lower half of a register. A
+/// loop, not `array::from_fn`: its closure was left out of line at four
+/// tokens, which made every intrinsic in it a call (15x slower; see
+/// `halves`).
 #[inline(always)]
-unsafe fn act_block(b: &BlockQ8) -> __m512i {
-    _mm512_castsi256_si512(_mm256_loadu_si256(b.qs.as_ptr() as *const __m256i))
+unsafe fn act_blocks<const T: usize>(ba: [&BlockQ8; T]) -> [__m512i; T] {
+    let mut qs = [_mm512_setzero_si512(); T];
+    for t in 0..T {
+        qs[t] = _mm512_castsi256_si512(_mm256_loadu_si256(ba[t].qs.as_ptr() as *const __m256i));
+    }
+    qs
 }
 
 /// The two halves of a pair-of-runs sum added: the eight rows' sums.
@@ -120,13 +127,7 @@ pub(super) unsafe fn pair_sums<const T: usize, const K: u8, const SPLIT: bool>(
     ba: [&BlockQ8; T],
 ) -> ([__m256i; T], [__m256i; T]) {
     let (e0, e1) = extra_words_pair::<K>(sub);
-    // Loops, not `array::from_fn`: its closure was left out of line at four
-    // tokens, which made every intrinsic in it a call (15x slower; see
-    // `halves`).
-    let mut qs = [_mm512_setzero_si512(); T];
-    for t in 0..T {
-        qs[t] = act_block(ba[t]);
-    }
+    let qs = act_blocks(ba);
     let mut s0 = [_mm512_setzero_si512(); T];
     let mut s1 = [_mm512_setzero_si512(); T];
     for r in [0, 2] {
@@ -142,6 +143,7 @@ pub(super) unsafe fn pair_sums<const T: usize, const K: u8, const SPLIT: bool>(
             }
         }
     }
+    // Loops for the results too (as `act_blocks`).
     let (mut f0, mut f1) = ([_mm256_setzero_si256(); T], [_mm256_setzero_si256(); T]);
     for t in 0..T {
         f0[t] = fold_pair(s0[t]);
@@ -158,10 +160,7 @@ pub(super) unsafe fn pair_sums<const T: usize, const K: u8, const SPLIT: bool>(
 /// tokens) and `128 · Σ a` comes off the sum: the exact integer.
 #[inline(always)]
 pub(super) unsafe fn q8_pair_sums<const T: usize>(qs: *const i8, ba: [&BlockQ8; T]) -> [__m256i; T] {
-    let mut act = [_mm512_setzero_si512(); T];
-    for t in 0..T {
-        act[t] = act_block(ba[t]);
-    }
+    let act = act_blocks(ba);
     let flip = _mm512_set1_epi8(-128);
     let mut s = [_mm512_setzero_si512(); T];
     for k in [0i32, 2, 4, 6] {
