@@ -52,7 +52,7 @@ def test_a_preset_gives_each_class_its_type(tmp_path, wide):
     c = classes_of(e)
     assert c["experts"]["dtypes"] == ["q4_1"]
     assert c["experts_down"]["dtypes"] == ["q8_0"]
-    for cls in ("attn", "shared", "embed", "lm_head"):
+    for cls in ("attn", "attn_kv", "shared", "embed", "lm_head"):
         assert c[cls]["dtypes"] == ["q8_0"], cls
     assert c["other"]["dtypes"] == ["f32"]
     # Bits per weight are the file's bytes over the parameters, per class and in all.
@@ -71,10 +71,24 @@ def test_a_class_spec_and_a_uniform_type(tmp_path, wide):
     assert c["experts"]["dtypes"] == ["q4_0"]
     assert c["experts_down"]["dtypes"] == ["bf16"], "experts names gate and up; down takes the default"
     assert c["attn"]["dtypes"] == ["bf16"] and c["lm_head"]["dtypes"] == ["bf16"]
+    assert c["attn_kv"]["dtypes"] == ["bf16"]
     assert e.recipe == "experts=q4_0, default=bf16"
     uni = tmp_path / "u.colibri"
     colibri.convert(wide("mixtral"), uni, dtype="q8_0", progress=False)
     assert colibri.Engine(uni).recipe is None  # a single type is not a recipe
+
+
+def test_attention_k_and_v_take_their_own_type_or_attentions(tmp_path, wide):
+    out = tmp_path / "m.colibri"
+    colibri.convert(wide("qwen2_moe"), out, dtype="attn=q4k,attn_kv=q8_0,default=q6k", progress=False)
+    c = classes_of(colibri.Engine(out))
+    assert c["attn"]["dtypes"] == ["q4k"] and c["attn_kv"]["dtypes"] == ["q8_0"]
+    names = dict(colibri.Engine(out)._native.tensor_classes())
+    assert names["layers.0.attn.wk"] == names["layers.0.attn.wv"] == "attn_kv"
+    assert names["layers.0.attn.wq"] == names["layers.0.attn.wo"] == "attn"
+    plain = tmp_path / "p.colibri"
+    colibri.convert(wide("qwen2_moe"), plain, dtype="attn=q4k,default=q6k", progress=False)
+    assert classes_of(colibri.Engine(plain))["attn_kv"]["dtypes"] == ["q4k"], "attn names k and v too"
 
 
 def test_classes_left_out_keep_the_source_type_and_recode_takes_recipes(tmp_path, wide):

@@ -384,13 +384,13 @@ class Engine:
     def weight_types(self) -> list[dict[str, Any]]:
         """How each class of weight matrix is stored: one dict per class
         present (``embed``, ``lm_head``, ``tied``: an embedding that is also
-        the output head, ``attn``, ``ffn``, ``shared``, ``experts``,
-        ``experts_down``) with ``dtypes`` (storage types, the
+        the output head, ``attn``: q and o, ``attn_kv``: k and v, ``ffn``,
+        ``shared``, ``experts``, ``experts_down``) with ``dtypes`` (storage types, the
         interleaved forms named by their row type), ``parameters``, ``bytes``
         and ``bits_per_weight``, then ``other`` (norms, biases, the router:
         f32) and ``all``."""
         classes = dict(self._native.tensor_classes())
-        order = ["embed", "lm_head", "tied", "attn", "ffn", "shared", "experts", "experts_down", "other"]
+        order = ["embed", "lm_head", "tied", "attn", "attn_kv", "ffn", "shared", "experts", "experts_down", "other"]
         rows: dict[str, dict[str, Any]] = {}
         for name, dtype, shape, nbytes in self.tensors():
             cls = classes.get(name, "other")

@@ -4,11 +4,12 @@
 //! preset name from [`PRESETS`], or a spec of `class=type` pairs separated by
 //! commas, with `default=type` for the classes not named
 //! (`experts=q4_1,experts_down=q8_0,default=q8_0`). The classes are those of
-//! [`TensorClass`]: `embed`, `lm_head`, `attn`, `ffn`, `shared`, `experts`
-//! (routed gate and up), `experts_down`, and `tied` (an embedding that is
-//! also the output head). Norms, biases and the router are f32 whatever the
-//! recipe. A class the recipe leaves out keeps the source's own type, but
-//! `tied`, which takes `lm_head`'s type (named or default) unless named.
+//! [`TensorClass`]: `embed`, `lm_head`, `attn` (q and o), `attn_kv` (k and
+//! v), `ffn`, `shared`, `experts` (routed gate and up), `experts_down`, and
+//! `tied` (an embedding that is also the output head). Norms, biases and the
+//! router are f32 whatever the recipe. A class the recipe leaves out keeps
+//! the source's own type, but `tied`, which takes `lm_head`'s type (named or
+//! default) unless named, and `attn_kv`, which takes `attn`'s the same way.
 //!
 //! Mixed recipes follow what quantisation studies of MoE models report: the
 //! routed experts hold nearly all the bytes and tolerate 4 bits; attention,
@@ -22,6 +23,11 @@
 //! (q5k). q5k-mix does not: with q6k's scale per 16 values their q6k cost
 //! 0.17 bits per weight on the Qwen3-30B-A3B-width bench model for 4% lower
 //! KL, and put the mix above llama.cpp Q5_K_M's size (docs/accuracy.md).
+//! Attention is a third of what a token of Qwen3-30B-A3B reads, so q4k-mix
+//! stores its q and o at q5k, and the small k and v, which every head of a
+//! group reads, at q6k: 5% fewer bytes per token than q6k throughout, for
+//! KL still below llama.cpp Q4_K_M's (q and o at q4k doubled the trained
+//! demo model's KL).
 
 use crate::error::{Error, Result};
 use crate::model::tensors::TensorClass;
@@ -31,10 +37,10 @@ use crate::quant::DType;
 pub const PRESETS: &[(&str, &str, &str)] = &[
     (
         "q4k-mix",
-        "experts=q4k,experts_down=q5k,embed=q4k,lm_head=q6k,tied=q8_0,default=q6k",
-        "routed experts q4k with their down projections q5k, attention, shared experts and the \
-         output head q6k, a tied embedding q8_0; 4.91 bits per weight on Qwen3-30B-A3B's \
-         shapes, about llama.cpp Q4_K_M's size",
+        "experts=q4k,experts_down=q5k,embed=q4k,lm_head=q6k,tied=q8_0,attn=q5k,attn_kv=q6k,default=q6k",
+        "routed experts q4k with their down projections q5k, attention's q and o q5k, its k and v, \
+         shared experts and the output head q6k, a tied embedding q8_0; 4.87 bits per weight on \
+         Qwen3-30B-A3B's shapes, about llama.cpp Q4_K_M's size",
     ),
     (
         "q5k-mix",
@@ -124,15 +130,17 @@ impl Recipe {
         if seen.is_empty() {
             return Err(Error::InvalidInput("empty recipe".into()));
         }
-        // A tied embedding not named is the output head: its type, the
-        // default included.
-        let (tied, head) = (class_index(TensorClass::Tied), class_index(TensorClass::LmHead));
-        let tied_named = types[tied].is_some();
+        // A tied embedding not named is the output head, and attention's k
+        // and v not named are attention: their types, the default included.
+        let follows = [(TensorClass::Tied, TensorClass::LmHead), (TensorClass::AttentionKv, TensorClass::Attention)];
+        let named = follows.map(|(c, _)| types[class_index(c)].is_some());
         for t in &mut types {
             *t = t.or(default);
         }
-        if !tied_named {
-            types[tied] = types[head];
+        for ((class, leader), named) in follows.into_iter().zip(named) {
+            if !named {
+                types[class_index(class)] = types[class_index(leader)];
+            }
         }
         Ok(Recipe { name: spec.to_string(), types })
     }
@@ -185,6 +193,13 @@ mod tests {
         assert_eq!(r.dtype(TensorClass::Tied), Some(DType::Q6K), "a tied embedding is the output head");
         let r = Recipe::parse("experts=q4k,default=q5k").unwrap();
         assert_eq!(r.dtype(TensorClass::Tied), Some(DType::Q5K), "the output head's default");
+        let r = Recipe::parse("experts=q4k,attn=q5k,default=q6k").unwrap();
+        assert_eq!(r.dtype(TensorClass::AttentionKv), Some(DType::Q5K), "k and v are attention unless named");
+        let r = Recipe::parse("attn=q4k,attn_kv=q8_0,default=q6k").unwrap();
+        assert_eq!(
+            (r.dtype(TensorClass::Attention), r.dtype(TensorClass::AttentionKv)),
+            (Some(DType::Q4K), Some(DType::Q8_0))
+        );
         let r = Recipe::parse("q4k-mix").unwrap();
         assert_eq!((r.dtype(TensorClass::LmHead), r.dtype(TensorClass::Tied)), (Some(DType::Q6K), Some(DType::Q8_0)));
         for (name, _, _) in PRESETS {

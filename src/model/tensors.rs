@@ -192,8 +192,12 @@ pub enum TensorClass {
     LmHead,
     /// An embedding tied to the output head: one matrix read as both.
     Tied,
-    /// Attention projections (q, k, v, o and MLA's factors).
+    /// Attention's query and output projections (MLA's query factors too).
     Attention,
+    /// Attention's key and value projections (MLA's compressed key-value
+    /// projection and its per-head key and value factors): the few matrices
+    /// every head reads, which take fewer bits worse than q and o do.
+    AttentionKv,
     /// Dense MLPs (layers without experts).
     Ffn,
     /// Shared experts.
@@ -206,11 +210,12 @@ pub enum TensorClass {
 
 impl TensorClass {
     /// Every class, in the order `colibri info` lists them.
-    pub const ALL: [TensorClass; 8] = [
+    pub const ALL: [TensorClass; 9] = [
         TensorClass::Embed,
         TensorClass::LmHead,
         TensorClass::Tied,
         TensorClass::Attention,
+        TensorClass::AttentionKv,
         TensorClass::Ffn,
         TensorClass::Shared,
         TensorClass::ExpertGateUp,
@@ -224,6 +229,7 @@ impl TensorClass {
             TensorClass::LmHead => "lm_head",
             TensorClass::Tied => "tied",
             TensorClass::Attention => "attn",
+            TensorClass::AttentionKv => "attn_kv",
             TensorClass::Ffn => "ffn",
             TensorClass::Shared => "shared",
             TensorClass::ExpertGateUp => "experts",
@@ -255,9 +261,8 @@ impl TensorId {
             TensorId::Embed => Some(TensorClass::Embed),
             TensorId::LmHead => Some(TensorClass::LmHead),
             TensorId::Layer(_, t) => match t {
-                L::Wq | L::Wk | L::Wv | L::Wo | L::WqA | L::WqB | L::WkvA | L::WkB | L::WvB => {
-                    Some(TensorClass::Attention)
-                }
+                L::Wq | L::Wo | L::WqA | L::WqB => Some(TensorClass::Attention),
+                L::Wk | L::Wv | L::WkvA | L::WkB | L::WvB => Some(TensorClass::AttentionKv),
                 L::Gate | L::Up | L::Down => Some(TensorClass::Ffn),
                 L::SharedGate | L::SharedUp | L::SharedDown => Some(TensorClass::Shared),
                 _ => None,
