@@ -152,14 +152,26 @@ enum Base {
     AvxVnni(AvxVnni),
 }
 
-/// Fewest tokens the AVX-512 16-row kernels take: with fewer, repacking the
-/// weights costs more than the wider `vpdpbusd` saves, and the 8-row
-/// kernels are faster. On the Xeon here (one thread, L2-resident 256 × 2048
-/// matrix, `examples/kernel_speed.rs N`) the 16-row kernels lose at 6
-/// tokens (0.36-0.41 ns per 32 weights and token against 0.26-0.37), are
-/// level or ahead from 10 (q4_0x8 from about 12), and reach about 1.2-2×
-/// at 64 tokens (0.16-0.19 ns against 0.23-0.35).
-const ROWS16_MIN_TOKENS: usize = 10;
+/// The AVX-512 16-row kernels of a type, and the fewest tokens they take
+/// (`Tiles::min`): with fewer, repacking the weights costs more than the
+/// wider tile saves, and the 8-row kernels are faster. The repack reads the
+/// weights before the tile computes on them, where the 8-row kernels
+/// overlap the two, so the crossing point is higher for a matrix streamed
+/// from memory, as decode and prefill read them, than for one in L2; these
+/// are the streamed ones. Measured on a Zen 5 EPYC (two threads, a
+/// 262144 × 2048 matrix, `examples/kernel_speed.rs N TYPE 262144 2`, ns per
+/// 32 weights and token, 8-row kernels against tiles): q4kx8 and q5kx8 are
+/// level at 16 tokens (0.127 / 0.132 against 0.125 / 0.129) and the tiles
+/// 1.1-1.2x ahead from 20; q4_0x8 and q4_1x8 level at 24 and 1.1x ahead at
+/// 32; q8_0x8 level at 32 (0.091 against 0.089), 1.4x behind at 12; mxfp4x8,
+/// whose 8-row kernels are the 256-bit ones, from 6 (0.175 against 0.126).
+/// In L2 the tiles cross earlier (5-9 tokens), and a threshold taken there
+/// made batched decode 6% slower. (Before the run pairs, on the Xeon and in
+/// L2, the 16-row kernels were level with the 256-bit AVX-VNNI ones from 10
+/// tokens, which was the threshold of every type until session 13.)
+const fn rows16(f: TileFn, min: usize) -> Option<Tiles> {
+    Some(Tiles { f, min })
+}
 
 impl Avx512 {
     /// `Some` when this CPU has AVX-512F besides the AVX2 table's features.
@@ -195,7 +207,7 @@ impl Avx512 {
         // used only where the base has no AVX-VNNI). All give the integers
         // the other tables sum. (q6k's two scales per sub-block have no
         // 16-row form.)
-        let vnni: Option<(Option<TileFn>, Gemv8Fn, Gemm8Fn)> = match dtype {
+        let vnni: Option<(Option<Tiles>, Gemv8Fn, Gemm8Fn)> = match dtype {
             DType::F32
             | DType::Bf16
             | DType::F16
@@ -206,19 +218,19 @@ impl Avx512 {
             | DType::Q4K
             | DType::Q5K
             | DType::Q6K => None,
-            DType::Q8_0x8 => Some((Some(z_q8_0x8), zmm_q8_0x8_gemv, zmm_q8_0x8_gemm4)),
-            DType::Q4_0x8 => Some((Some(z_q4_0x8), zmm_q4_0x8_gemv, zmm_q4_0x8_gemm4)),
-            DType::Q4_1x8 => Some((Some(z_q4_1x8), zmm_q4_1x8_gemv, zmm_q4_1x8_gemm4)),
-            DType::Mxfp4x8 => Some((Some(z_mxfp4x8), evex_mxfp4x8_gemv, evex_mxfp4x8_gemm4)),
-            DType::Q4Kx8 => Some((Some(z_q4kx8), zmm_q4kx8_gemv, zmm_q4kx8_gemm4)),
-            DType::Q5Kx8 => Some((Some(z_q5kx8), zmm_q5kx8_gemv, zmm_q5kx8_gemm4)),
+            DType::Q8_0x8 => Some((rows16(z_q8_0x8, 32), zmm_q8_0x8_gemv, zmm_q8_0x8_gemm4)),
+            DType::Q4_0x8 => Some((rows16(z_q4_0x8, 24), zmm_q4_0x8_gemv, zmm_q4_0x8_gemm4)),
+            DType::Q4_1x8 => Some((rows16(z_q4_1x8, 24), zmm_q4_1x8_gemv, zmm_q4_1x8_gemm4)),
+            DType::Mxfp4x8 => Some((rows16(z_mxfp4x8, 6), evex_mxfp4x8_gemv, evex_mxfp4x8_gemm4)),
+            DType::Q4Kx8 => Some((rows16(z_q4kx8, 16), zmm_q4kx8_gemv, zmm_q4kx8_gemm4)),
+            DType::Q5Kx8 => Some((rows16(z_q5kx8, 16), zmm_q5kx8_gemv, zmm_q5kx8_gemm4)),
             DType::Q6Kx8 => Some((None, zmm_q6kx8_gemv, zmm_q6kx8_gemm4)),
         };
         // Run pairs take fewer instructions per weight than either 256-bit
         // form (docs/ARCHITECTURE.md), so they replace AVX-VNNI's too.
         let pairs = !matches!(dtype, DType::Mxfp4x8);
-        if let (Layout::Groups(g), Some((f, one, many)), true) = (&mut k.layout, vnni, self.vnni) {
-            g.tile = f.map(|f| Tiles { f, min: ROWS16_MIN_TOKENS });
+        if let (Layout::Groups(g), Some((tiles, one, many)), true) = (&mut k.layout, vnni, self.vnni) {
+            g.tile = tiles;
             if pairs || matches!(self.base, Base::Avx2(_)) {
                 (g.one, g.many) = (one, Some(many));
             }
@@ -262,10 +274,12 @@ impl Avx512 {
 #[derive(Clone, Copy, Debug)]
 pub struct Amx(Avx512);
 
-/// Fewest tokens the AMX kernels take: as the AVX-512 16-row kernels, which
-/// compute the tokens short of a whole tile (fewer than `amx::PAD_MIN`)
-/// on the weights packed for the tiles.
-const AMX_MIN_TOKENS: usize = ROWS16_MIN_TOKENS;
+/// Fewest tokens the AMX kernels take. They compute the tokens short of a
+/// whole tile (fewer than `amx::PAD_MIN`) with AVX-512 on the weights
+/// packed for the tiles; on the Xeon those were level with the 8-row
+/// AVX-VNNI kernels from 10 tokens. (Not measured against the run pairs
+/// nor on streamed matrices: no AMX machine since.)
+const AMX_MIN_TOKENS: usize = 10;
 
 impl Amx {
     /// `Some` when this process can run the AMX tiles (see [`amx::usable`]).
