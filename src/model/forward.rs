@@ -188,14 +188,33 @@ fn forward_chunk(
     Ok(())
 }
 
-/// Each segment with its first row, in order (no allocation: the forward
-/// pass never allocates).
-fn rows_mut<'s, 'a>(segs: &'s mut [Segment<'a>]) -> impl Iterator<Item = (usize, &'s mut Segment<'a>)> {
-    segs.iter_mut().scan(0, |r0, g| {
-        let at = *r0;
-        *r0 += g.tokens.len();
-        Some((at, g))
-    })
+/// `f(first row, segment, its rows of out, its rows of scratch)` for every
+/// segment, the segments side by side: halves of the list under
+/// `rayon::join` (no allocation: the forward pass never allocates), so a
+/// batch of sequences is one parallel region per layer rather than one per
+/// sequence (batched decode of eight sequences, OLMoE width, timed inside
+/// the pass: attention over the cache 1.23 → 0.91 ms of a 20 ms step).
+/// `out` and `scratch` hold `width` values per row
+/// of the segments, in order. Each segment's work is what it would be
+/// alone, so its bits are too.
+fn each_segment<F>(segs: &mut [Segment], r0: usize, width: usize, out: &mut [f32], scratch: &mut [f32], f: &F)
+where
+    F: Fn(usize, &mut Segment, &mut [f32], &mut [f32]) + Sync,
+{
+    match segs {
+        [] => {}
+        [g] => f(r0, g, out, scratch),
+        _ => {
+            let (a, b) = segs.split_at_mut(segs.len() / 2);
+            let rows: usize = a.iter().map(|g| g.tokens.len()).sum();
+            let (out_a, out_b) = out.split_at_mut(rows * width);
+            let (scratch_a, scratch_b) = scratch.split_at_mut(rows * width);
+            rayon::join(
+                || each_segment(a, r0, width, out_a, scratch_a, f),
+                || each_segment(b, r0 + rows, width, out_b, scratch_b, f),
+            );
+        }
+    }
 }
 
 /// Each segment's first row and its row count, in order.
@@ -265,13 +284,14 @@ fn attention(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n
             let (qd, kvd) = (c.q_dim(), c.kv_dim());
             gqa_qkv(model, lw, [wq, wk, wv], s, n); // q: [T, H·Dh], k, v: [T, Hkv·Dh]
             let heads = Heads { h, hkv: c.num_kv_heads, dk: dh, dv: dh, window, scale, sinks };
-            for (r0, g) in rows_mut(segs) {
+            let (q, k, v) = (&s.q, &s.k, &s.v);
+            let (att, order) = (&mut s.att[..n * ad], &mut s.att_order[..n * ad]);
+            each_segment(segs, 0, ad, att, order, &|r0, g, att, order| {
                 let (m, pos0) = (g.tokens.len(), g.seq.pos);
                 let r = r0..r0 + m;
-                g.seq.kv.store(l, pos0, &s.k[r.start * kvd..r.end * kvd], &s.v[r.start * kvd..r.end * kvd]);
-                let (q, att) = (&s.q[r.start * qd..r.end * qd], &mut s.att[r.start * ad..r.end * ad]);
-                attend(q, g.seq.kv.view(l, pos0 + m), pos0, heads, &mut s.att_order, att); // [m, H·Dh]
-            }
+                g.seq.kv.store(l, pos0, &k[r.start * kvd..r.end * kvd], &v[r.start * kvd..r.end * kvd]);
+                attend(&q[r.start * qd..r.end * qd], g.seq.kv.view(l, pos0 + m), pos0, heads, order, att); // [m, H·Dh]
+            });
         }
         QkvRefs::Mla { q, wkv_a, kv_a_norm, wk_b, wv_b } => {
             let m = *c.mla().expect("MLA weights imply an MLA config");
@@ -295,13 +315,14 @@ fn attention(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n
             // One latent "kv head" shared by all heads; the values are the latent.
             let heads = Heads { h, hkv: 1, dk: r + dr, dv: r, window, scale, sinks };
             let (qw, ow) = (h * (r + dr), h * r);
-            for (r0, g) in rows_mut(segs) {
+            let (k, q_abs) = (&s.k, &s.mla.q_abs);
+            let (o_lat, order) = (&mut s.mla.o_lat[..n * ow], &mut s.att_order[..n * ow]);
+            each_segment(segs, 0, ow, o_lat, order, &|r0, g, o_lat, order| {
                 let (t, pos0) = (g.tokens.len(), g.seq.pos);
-                g.seq.kv.store(l, pos0, &s.k[r0 * (r + dr)..(r0 + t) * (r + dr)], &[]);
-                let qa = &s.mla.q_abs[r0 * qw..(r0 + t) * qw];
-                let o_lat = &mut s.mla.o_lat[r0 * ow..(r0 + t) * ow];
-                attend(qa, g.seq.kv.view(l, pos0 + t), pos0, heads, &mut s.att_order, o_lat); // [t, H·R]
-            }
+                g.seq.kv.store(l, pos0, &k[r0 * (r + dr)..(r0 + t) * (r + dr)], &[]);
+                let qa = &q_abs[r0 * qw..(r0 + t) * qw];
+                attend(qa, g.seq.kv.view(l, pos0 + t), pos0, heads, order, o_lat); // [t, H·R]
+            });
             // att[t, h] = W_UV_h · o_lat[t, h]   [T, H·Dv]
             let o_lat = &s.mla.o_lat[..n * h * r];
             per_head_matmul(&model.mat(wv_b), h, o_lat, r, &mut s.att, m.v_head_dim, quantize, &mut s.mla.heads);
