@@ -36,7 +36,12 @@ pub unsafe fn rows16<B: TileBlock>(groups: &[u8], q: &[BlockQ8], tokens: usize, 
     let nb = pack::check::<B>(groups, q, tokens, out);
     PACK.with_borrow_mut(|p| {
         pack::pack::<B>(p, groups, nb);
-        packed::<B>(p, q.as_ptr(), nb, tokens, out.as_mut_ptr());
+        // The next pair of groups follows these in the matrix: ask for it
+        // while the tile computes, a share per block column, so that its
+        // packing finds it in cache (past the matrix's end the addresses
+        // are never read: a prefetch does not fault).
+        let ahead = Ahead { at: groups.as_ptr().wrapping_add(groups.len()), per_col: groups.len().div_ceil(nb) };
+        packed_ahead::<B>(p, q.as_ptr(), nb, tokens, out.as_mut_ptr(), Some(ahead));
     });
 }
 
@@ -48,23 +53,45 @@ pub unsafe fn rows16<B: TileBlock>(groups: &[u8], q: &[BlockQ8], tokens: usize, 
 /// As [`rows16`]; `q` and `out` hold that many tokens.
 #[inline(always)]
 pub unsafe fn packed<B: TileBlock>(p: &Packed, q: *const BlockQ8, nb: usize, tokens: usize, out: *mut f32) {
+    packed_ahead::<B>(p, q, nb, tokens, out, None)
+}
+
+/// Bytes to ask for while a tile computes: `per_col` of them from `at` per
+/// block column.
+#[derive(Clone, Copy)]
+struct Ahead {
+    at: *const u8,
+    per_col: usize,
+}
+
+/// [`packed`], asking for `ahead`'s bytes during the first run of tokens.
+#[inline(always)]
+unsafe fn packed_ahead<B: TileBlock>(
+    p: &Packed,
+    q: *const BlockQ8,
+    nb: usize,
+    tokens: usize,
+    out: *mut f32,
+    mut ahead: Option<Ahead>,
+) {
     let mut t = 0;
     while t < tokens {
         let (qt, o) = (q.add(t * nb), out.add(t * ROWS));
         let m = (tokens - t).min(TOKENS);
+        let a = ahead.take();
         match m {
-            12 => run::<B, 12>(p, qt, nb, o),
-            11 => run::<B, 11>(p, qt, nb, o),
-            10 => run::<B, 10>(p, qt, nb, o),
-            9 => run::<B, 9>(p, qt, nb, o),
-            8 => run::<B, 8>(p, qt, nb, o),
-            7 => run::<B, 7>(p, qt, nb, o),
-            6 => run::<B, 6>(p, qt, nb, o),
-            5 => run::<B, 5>(p, qt, nb, o),
-            4 => run::<B, 4>(p, qt, nb, o),
-            3 => run::<B, 3>(p, qt, nb, o),
-            2 => run::<B, 2>(p, qt, nb, o),
-            _ => run::<B, 1>(p, qt, nb, o),
+            12 => run::<B, 12>(p, qt, nb, o, a),
+            11 => run::<B, 11>(p, qt, nb, o, a),
+            10 => run::<B, 10>(p, qt, nb, o, a),
+            9 => run::<B, 9>(p, qt, nb, o, a),
+            8 => run::<B, 8>(p, qt, nb, o, a),
+            7 => run::<B, 7>(p, qt, nb, o, a),
+            6 => run::<B, 6>(p, qt, nb, o, a),
+            5 => run::<B, 5>(p, qt, nb, o, a),
+            4 => run::<B, 4>(p, qt, nb, o, a),
+            3 => run::<B, 3>(p, qt, nb, o, a),
+            2 => run::<B, 2>(p, qt, nb, o, a),
+            _ => run::<B, 1>(p, qt, nb, o, a),
         }
         t += m;
     }
@@ -73,10 +100,24 @@ pub unsafe fn packed<B: TileBlock>(p: &Packed, q: *const BlockQ8, nb: usize, tok
 /// `T` tokens (`q`, `[T, nb]`) against the packed pair, into `out`
 /// (`[T, 16]`).
 #[inline(always)]
-unsafe fn run<B: TileBlock, const T: usize>(p: &Packed, q: *const BlockQ8, nb: usize, out: *mut f32) {
+unsafe fn run<B: TileBlock, const T: usize>(
+    p: &Packed,
+    q: *const BlockQ8,
+    nb: usize,
+    out: *mut f32,
+    ahead: Option<Ahead>,
+) {
     let flip = _mm512_set1_epi8(-128);
     let mut acc = [_mm512_setzero_ps(); T];
     for b in 0..nb {
+        if let Some(a) = ahead {
+            let from = a.at.wrapping_add(b * a.per_col);
+            let mut off = 0;
+            while off < a.per_col {
+                _mm_prefetch::<_MM_HINT_T0>(from.wrapping_add(off) as *const i8);
+                off += 64;
+            }
+        }
         let w = p.w.as_ptr().add(b * PACKED);
         let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q.add(t * nb + b));
         let mut isum = [_mm512_setzero_si512(); T];

@@ -154,21 +154,16 @@ enum Base {
 
 /// The AVX-512 16-row kernels of a type, and the fewest tokens they take
 /// (`Tiles::min`): with fewer, repacking the weights costs more than the
-/// wider tile saves, and the 8-row kernels are faster. The repack reads the
-/// weights before the tile computes on them, where the 8-row kernels
-/// overlap the two, so the crossing point is higher for a matrix streamed
-/// from memory, as decode and prefill read them, than for one in L2; these
-/// are the streamed ones. Measured on a Zen 5 EPYC (two threads, a
-/// 262144 × 2048 matrix, `examples/kernel_speed.rs N TYPE 262144 2`, ns per
-/// 32 weights and token, 8-row kernels against tiles): q4kx8 and q5kx8 are
-/// level at 16 tokens (0.127 / 0.132 against 0.125 / 0.129) and the tiles
-/// 1.1-1.2x ahead from 20; q4_0x8 and q4_1x8 level at 24 and 1.1x ahead at
-/// 32; q8_0x8 level at 32 (0.091 against 0.089), 1.4x behind at 12; mxfp4x8,
-/// whose 8-row kernels are the 256-bit ones, from 6 (0.175 against 0.126).
-/// In L2 the tiles cross earlier (5-9 tokens), and a threshold taken there
-/// made batched decode 6% slower. (Before the run pairs, on the Xeon and in
-/// L2, the 16-row kernels were level with the 256-bit AVX-VNNI ones from 10
-/// tokens, which was the threshold of every type until session 13.)
+/// wider tile saves, and the 8-row kernels are faster. Measured on matrices
+/// streamed from memory, as decode and prefill read them (Zen 5 EPYC, two
+/// threads, `examples/kernel_speed.rs N TYPE 262144 2`, ns per 32 weights
+/// and token, 8-row kernels on run pairs against tiles): q4_0x8, q8_0x8,
+/// q4kx8 and q5kx8 are level at 8-10 tokens and the tiles ahead from 12
+/// (q4_0x8 0.091 against 0.079), q4_1x8 level from 4 to 12; mxfp4x8, whose
+/// 8-row kernels are the 256-bit ones, takes tiles from 6 (0.175 against
+/// 0.126 without the tiles' prefetch of the next pair). Before that
+/// prefetch (`avx512::rows16`) a streamed tile was 1.2-1.5x slower and the
+/// run pairs won up to 16-32 tokens; in L2 the tiles cross at 5-9.
 const fn rows16(f: TileFn, min: usize) -> Option<Tiles> {
     Some(Tiles { f, min })
 }
@@ -218,12 +213,12 @@ impl Avx512 {
             | DType::Q4K
             | DType::Q5K
             | DType::Q6K => None,
-            DType::Q8_0x8 => Some((rows16(z_q8_0x8, 32), zmm_q8_0x8_gemv, zmm_q8_0x8_gemm4)),
-            DType::Q4_0x8 => Some((rows16(z_q4_0x8, 24), zmm_q4_0x8_gemv, zmm_q4_0x8_gemm4)),
-            DType::Q4_1x8 => Some((rows16(z_q4_1x8, 24), zmm_q4_1x8_gemv, zmm_q4_1x8_gemm4)),
+            DType::Q8_0x8 => Some((rows16(z_q8_0x8, 10), zmm_q8_0x8_gemv, zmm_q8_0x8_gemm4)),
+            DType::Q4_0x8 => Some((rows16(z_q4_0x8, 10), zmm_q4_0x8_gemv, zmm_q4_0x8_gemm4)),
+            DType::Q4_1x8 => Some((rows16(z_q4_1x8, 10), zmm_q4_1x8_gemv, zmm_q4_1x8_gemm4)),
             DType::Mxfp4x8 => Some((rows16(z_mxfp4x8, 6), evex_mxfp4x8_gemv, evex_mxfp4x8_gemm4)),
-            DType::Q4Kx8 => Some((rows16(z_q4kx8, 16), zmm_q4kx8_gemv, zmm_q4kx8_gemm4)),
-            DType::Q5Kx8 => Some((rows16(z_q5kx8, 16), zmm_q5kx8_gemv, zmm_q5kx8_gemm4)),
+            DType::Q4Kx8 => Some((rows16(z_q4kx8, 10), zmm_q4kx8_gemv, zmm_q4kx8_gemm4)),
+            DType::Q5Kx8 => Some((rows16(z_q5kx8, 10), zmm_q5kx8_gemv, zmm_q5kx8_gemm4)),
             DType::Q6Kx8 => Some((None, zmm_q6kx8_gemv, zmm_q6kx8_gemm4)),
         };
         // Run pairs take fewer instructions per weight than either 256-bit
