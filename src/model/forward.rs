@@ -194,9 +194,9 @@ fn forward_chunk(
 /// batch of sequences is one parallel region per layer rather than one per
 /// sequence (batched decode of eight sequences, OLMoE width, timed inside
 /// the pass: attention over the cache 1.23 → 0.91 ms of a 20 ms step).
-/// `out` and `scratch` hold `width` values per row
-/// of the segments, in order. Each segment's work is what it would be
-/// alone, so its bits are too.
+/// `out` and `scratch` hold `width` values per row of the segments, in
+/// order. Each segment's work is what it would be alone, so its bits are
+/// too.
 fn each_segment<F>(segs: &mut [Segment], r0: usize, width: usize, out: &mut [f32], scratch: &mut [f32], f: &F)
 where
     F: Fn(usize, &mut Segment, &mut [f32], &mut [f32]) + Sync,

@@ -195,8 +195,9 @@ pub enum TensorClass {
     /// Attention's query and output projections (MLA's query factors too).
     Attention,
     /// Attention's key and value projections (MLA's compressed key-value
-    /// projection and its per-head key and value factors): the few matrices
-    /// every head reads, which take fewer bits worse than q and o do.
+    /// projection and its per-head key and value factors): with grouped
+    /// queries a small share of attention's weights, read by every head of
+    /// a group, which a recipe may keep a step above q and o.
     AttentionKv,
     /// Dense MLPs (layers without experts).
     Ffn,
