@@ -390,7 +390,7 @@ class Engine:
         and ``bits_per_weight``, then ``other`` (norms, biases, the router:
         f32) and ``all``."""
         classes = dict(self._native.tensor_classes())
-        order = "embed lm_head tied attn attn_kv ffn shared experts experts_down other".split()
+        order = [*_colibri.weight_classes(), "other"]
         rows: dict[str, dict[str, Any]] = {}
         for name, dtype, shape, nbytes in self.tensors():
             cls = classes.get(name, "other")

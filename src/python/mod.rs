@@ -467,6 +467,13 @@ fn recipes() -> Vec<(&'static str, &'static str, &'static str)> {
     crate::convert::recipe::PRESETS.to_vec()
 }
 
+/// The recipe classes of weight matrices (`embed`, `attn`, ...), in the
+/// order `colibri info` lists them.
+#[pyfunction]
+fn weight_classes() -> Vec<&'static str> {
+    crate::model::tensors::TensorClass::ALL.iter().map(|c| c.name()).collect()
+}
+
 /// Weight types `convert` can write, by name.
 #[pyfunction]
 fn supported_dtypes() -> Vec<&'static str> {
@@ -509,6 +516,7 @@ fn _colibri(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(supported_architectures, m)?)?;
     m.add_function(wrap_pyfunction!(supported_dtypes, m)?)?;
     m.add_function(wrap_pyfunction!(recipes, m)?)?;
+    m.add_function(wrap_pyfunction!(weight_classes, m)?)?;
     m.add_function(wrap_pyfunction!(parse_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_tables, m)?)?;
     m.add_function(wrap_pyfunction!(plan_json, m)?)?;
