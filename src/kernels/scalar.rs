@@ -441,7 +441,7 @@ pub(super) fn kernels(dtype: DType) -> TypeKernels {
     };
     let group = |one: Gemv8Fn| TypeKernels {
         activation: Q8,
-        layout: Layout::Groups(GroupKernels { one, many: None, tile: None }),
+        layout: Layout::Groups(GroupKernels { one, many: None, tile: None, direct: None }),
         kv: None,
     };
     match dtype {

@@ -471,46 +471,53 @@ fn tiles_of_every_table_give_the_one_token_bits() {
         let mut s = 41u64;
         for dtype in DType::INTERLEAVED {
             let Layout::Groups(k) = table.kernels(dtype).layout else { panic!("{dtype} is interleaved") };
-            let Some(Tiles { f: tile, .. }) = k.tile else { continue };
-            ran += 1;
-            for (n, groups, tokens) in [
-                (32, 1, 16),
-                (96, 2, 32),
-                (2048 + 32, 2, 16),
-                (160, 1, 48),
-                (64, 2, 160),
-                (64, 2, 1),
-                (96, 1, 21),
-                (2048, 2, 37),
-                (96, 2, 29),
-                (32, 1, 12),
-                (160, 2, 9),
-            ] {
-                let what = format!("{} {dtype} n={n} groups={groups} tokens={tokens}", table.isa());
-                let w: Vec<f32> = (0..8 * groups * n).map(|_| lcg(&mut s)).collect();
-                let buf = encoded(dtype, &w, n);
-                let gb = 8 * dtype.row_bytes(n).unwrap();
-                let g = &bytemuck::cast_slice::<u64, u8>(&buf)[..groups * gb];
-                let x: Vec<f32> = (0..tokens * n).map(|i| if i % 5 == 0 { 1.0 } else { lcg(&mut s) * 3.0 }).collect();
-                let mut q = vec![BlockQ8::default(); tokens * n / 32];
-                let inp = Input::prepare(&x, n, true, &mut q);
-                let mut out = vec![f32::NAN; tokens * TILE_ROWS];
-                tile(g, inp.q, tokens, &mut out);
-                for t in 0..tokens {
-                    for h in 0..2 {
-                        let got = &out[t * TILE_ROWS + 8 * h..t * TILE_ROWS + 8 * h + 8];
-                        if h < groups {
-                            let want = (k.one)(&g[h * gb..(h + 1) * gb], inp.row(t).1);
-                            assert_eq!(got, want, "{what}: token {t} group {h}");
-                        } else {
-                            assert!(got.iter().all(|&v| v == 0.0), "{what}: token {t}: rows past the group");
+            // The tiles and the direct sixteen-row kernels keep one contract.
+            for (kind, tile) in [("tile", k.tile.map(|t| t.f)), ("direct", k.direct)] {
+                let Some(tile) = tile else { continue };
+                ran += 1;
+                for (n, groups, tokens) in [
+                    (32, 1, 16),
+                    (96, 2, 32),
+                    (2048 + 32, 2, 16),
+                    (160, 1, 48),
+                    (64, 2, 160),
+                    (64, 2, 1),
+                    (96, 1, 21),
+                    (2048, 2, 37),
+                    (96, 2, 29),
+                    (32, 1, 12),
+                    (160, 2, 9),
+                    (64, 2, 4),
+                    (2048, 2, 8),
+                    (96, 1, 7),
+                ] {
+                    let what = format!("{} {dtype} {kind} n={n} groups={groups} tokens={tokens}", table.isa());
+                    let w: Vec<f32> = (0..8 * groups * n).map(|_| lcg(&mut s)).collect();
+                    let buf = encoded(dtype, &w, n);
+                    let gb = 8 * dtype.row_bytes(n).unwrap();
+                    let g = &bytemuck::cast_slice::<u64, u8>(&buf)[..groups * gb];
+                    let x: Vec<f32> =
+                        (0..tokens * n).map(|i| if i % 5 == 0 { 1.0 } else { lcg(&mut s) * 3.0 }).collect();
+                    let mut q = vec![BlockQ8::default(); tokens * n / 32];
+                    let inp = Input::prepare(&x, n, true, &mut q);
+                    let mut out = vec![f32::NAN; tokens * TILE_ROWS];
+                    tile(g, inp.q, tokens, &mut out);
+                    for t in 0..tokens {
+                        for h in 0..2 {
+                            let got = &out[t * TILE_ROWS + 8 * h..t * TILE_ROWS + 8 * h + 8];
+                            if h < groups {
+                                let want = (k.one)(&g[h * gb..(h + 1) * gb], inp.row(t).1);
+                                assert_eq!(got, want, "{what}: token {t} group {h}");
+                            } else {
+                                assert!(got.iter().all(|&v| v == 0.0), "{what}: token {t}: rows past the group");
+                            }
                         }
                     }
                 }
             }
         }
     }
-    eprintln!("{ran} tile kernels tested");
+    eprintln!("{ran} tile and direct kernels tested");
 }
 
 /// `a` and `b`, group kernels of `dtype` that sum the same integers

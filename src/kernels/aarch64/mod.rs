@@ -26,7 +26,7 @@ impl Neon {
         let dot =
             |dot: DotFn| TypeKernels { layout: Layout::Rows { dot, tile: None, dots: None }, ..scalar::kernels(dtype) };
         let group = |one: Gemv8Fn| TypeKernels {
-            layout: Layout::Groups(GroupKernels { one, many: None, tile: None }),
+            layout: Layout::Groups(GroupKernels { one, many: None, tile: None, direct: None }),
             ..scalar::kernels(dtype)
         };
         match dtype {

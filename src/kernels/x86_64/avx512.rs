@@ -139,3 +139,100 @@ unsafe fn run<B: TileBlock, const T: usize>(
         _mm512_storeu_ps(out.add(t * ROWS), *a);
     }
 }
+
+/// Tokens whose sums one [`direct_run`] keeps in registers: 2 · 8
+/// accumulators, the two code vectors and the scales leave room to spare.
+const DIRECT_TOKENS: usize = 8;
+
+/// Sixteen rows of q4_0x8 straight from the matrix, for the few tokens of a
+/// batched decode step (below the tiles' `min`, where packing a pair of
+/// groups costs more than it saves): the 32-byte runs of the two groups'
+/// same block column are the halves of one register, so after the nibble
+/// split every `vpdpbusd` takes sixteen rows against one broadcast
+/// activation word, with no repack and no per-token shuffle. One or two
+/// groups (`groups`), `tokens` tokens (`q`, `[tokens, nb]`), `out[t · 16 +
+/// r]` (rows past the groups come out zero). The integer sums and the
+/// scaling (`fma(dw · da, isum, acc)` per block, in block order) are the
+/// 8-row kernels', so the bits are too.
+///
+/// # Safety
+/// The CPU must have AVX-512F, AVX-512BW, AVX-512VNNI, AVX2, FMA and F16C.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn direct16_q4_0(groups: &[u8], q: &[BlockQ8], tokens: usize, out: &mut [f32]) {
+    use crate::quant::x8::BlockQ4_0x8;
+    let nb = pack::check_groups(groups, q, tokens, out, |nb| nb * std::mem::size_of::<BlockQ4_0x8>());
+    let g0 = groups.as_ptr() as *const BlockQ4_0x8;
+    let two = groups.len() == 2 * nb * std::mem::size_of::<BlockQ4_0x8>();
+    // With one group the upper half repeats it and is cleared below.
+    let g1 = if two { g0.add(nb) } else { g0 };
+    let mut t = 0;
+    while t < tokens {
+        let (qt, o) = (q.as_ptr().add(t * nb), out.as_mut_ptr().add(t * ROWS));
+        let m = (tokens - t).min(DIRECT_TOKENS);
+        match m {
+            8 => direct_run::<8>(g0, g1, qt, nb, o),
+            7 => direct_run::<7>(g0, g1, qt, nb, o),
+            6 => direct_run::<6>(g0, g1, qt, nb, o),
+            5 => direct_run::<5>(g0, g1, qt, nb, o),
+            4 => direct_run::<4>(g0, g1, qt, nb, o),
+            3 => direct_run::<3>(g0, g1, qt, nb, o),
+            2 => direct_run::<2>(g0, g1, qt, nb, o),
+            _ => direct_run::<1>(g0, g1, qt, nb, o),
+        }
+        t += m;
+    }
+    if !two {
+        for row in out.chunks_exact_mut(ROWS) {
+            row[ROWS / 2..].fill(0.0);
+        }
+    }
+}
+
+/// `T` tokens (`q`, `[T, nb]`) against groups `g0` (lanes 0..8) and `g1`
+/// (lanes 8..16), into `out` (`[T, 16]`).
+#[inline(always)]
+unsafe fn direct_run<const T: usize>(
+    g0: *const crate::quant::x8::BlockQ4_0x8,
+    g1: *const crate::quant::x8::BlockQ4_0x8,
+    q: *const BlockQ8,
+    nb: usize,
+    out: *mut f32,
+) {
+    let nib = _mm512_set1_epi8(0x0F);
+    let mut acc = [_mm512_setzero_ps(); T];
+    for b in 0..nb {
+        let (b0, b1) = (&*g0.add(b), &*g1.add(b));
+        super::avx2::prefetch_ahead(b0 as *const _ as *const u8, std::mem::size_of_val(b0));
+        super::avx2::prefetch_ahead(b1 as *const _ as *const u8, std::mem::size_of_val(b1));
+        let d = _mm256_inserti128_si256::<1>(
+            _mm256_castsi128_si256(_mm_loadu_si128(b0.d.as_ptr() as *const __m128i)),
+            _mm_loadu_si128(b1.d.as_ptr() as *const __m128i),
+        );
+        let dw = _mm512_cvtph_ps(d);
+        let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q.add(t * nb + b));
+        let mut isum = [_mm512_setzero_si512(); T];
+        for j in 0..4 {
+            let raw = _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_loadu_si256(b0.qs.as_ptr().add(32 * j) as *const __m256i)),
+                _mm256_loadu_si256(b1.qs.as_ptr().add(32 * j) as *const __m256i),
+            );
+            // Low nibbles: columns 4j..4j+4 of each row; high: 16+4j.. .
+            let lo = _mm512_and_si512(raw, nib);
+            let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), nib);
+            for t in 0..T {
+                let a = ba[t].qs.as_ptr();
+                let alo = _mm512_set1_epi32((a.add(4 * j) as *const i32).read_unaligned());
+                let ahi = _mm512_set1_epi32((a.add(16 + 4 * j) as *const i32).read_unaligned());
+                isum[t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[t], lo, alo), hi, ahi);
+            }
+        }
+        for t in 0..T {
+            // Codes are stored +8: Σ (c − 8)·a = Σ c·a − 8·Σa.
+            let s = _mm512_sub_epi32(isum[t], _mm512_set1_epi32(8 * ba[t].sum));
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(ba[t].d)), _mm512_cvtepi32_ps(s), acc[t]);
+        }
+    }
+    for (t, a) in acc.iter().enumerate() {
+        _mm512_storeu_ps(out.add(t * ROWS), *a);
+    }
+}
