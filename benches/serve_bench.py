@@ -12,8 +12,11 @@ The roofline of a step: the bytes it must read, the dense part (every
 tensor but the routed experts and the embedding table) once plus the
 experts its B tokens choose (with uniform routing, which these random-weight
 models have, E·(1 - (1 - k/E)^B) distinct experts per layer), against the
-read bandwidth given by --bandwidth. B concurrent decoders can then run at
-most B · bandwidth / bytes(B) tokens/s.
+read bandwidth: by default measured in the same run, before the cells, by
+`bench.py`'s probe with the server's thread count (15 passes over 1 GiB; the
+median is used, the best is printed beside it), or given by --bandwidth.
+B concurrent decoders can then run at most B · bandwidth / bytes(B)
+tokens/s.
 
     python benches/serve_bench.py benches/.cache/olmoe-l4/q4_0.colibri --clients 1,2,4,8,16
 
@@ -131,7 +134,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3, help="runs per cell (the median is reported)")
     ap.add_argument(
-        "--bandwidth", type=float, default=23.5e9, help="read bandwidth, bytes/s, for the roofline"
+        "--bandwidth",
+        type=float,
+        help="read bandwidth, bytes/s, for the roofline (default: measured now with bench.py's probe)",
     )
     ap.add_argument("--json", type=Path)
     ap.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server binary, to compare against")
@@ -141,6 +146,17 @@ def main() -> int:
         ap.error("--llama-server and --gguf go together")
 
     dense, expert, n_exp, top_k, layers = step_bytes(args.model)
+    if args.bandwidth is None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import bench  # the same probe bench.py reports
+
+        bw = bench.bandwidth(args.threads)
+        args.bandwidth = bw["median"] * 1e9
+        print(
+            f"read bandwidth, {args.threads} threads ({bw['method']}): median {bw['median']:.1f} GB/s, "
+            f"best {bw['best']:.1f} GB/s; the roofline uses the median",
+            flush=True,
+        )
     servers = {}
     port = free_port()
     cmd = [sys.executable, "-m", "colibri", "serve", str(args.model), "--threads", str(args.threads)]
@@ -190,7 +206,7 @@ def main() -> int:
             print(f"{'':>12} {b:3d} clients: colibri / llama-server = {ours['tok_s'] / theirs['tok_s']:.2f}x")
         rows.append(row)
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        args.json.write_text(json.dumps({"bandwidth": args.bandwidth, "rows": rows}, indent=1))
     return 0
 
 
