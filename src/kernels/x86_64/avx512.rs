@@ -19,6 +19,7 @@ use std::arch::x86_64::*;
 
 use super::pack::{self, PACK, PACKED, Packed, ROWS, TileBlock};
 use crate::kernels::BlockQ8;
+use crate::quant::x8::{BlockQ4_0x8, BlockQ4_1x8, BlockQ8_0x8};
 
 /// Tokens whose sums live in registers at once: 2 · 12 accumulators plus
 /// the weights leave a few of the 32 registers spare.
@@ -141,28 +142,160 @@ unsafe fn run<B: TileBlock, const T: usize>(
 }
 
 /// Tokens whose sums one [`direct_run`] keeps in registers: 2 · 8
-/// accumulators, the two code vectors and the scales leave room to spare.
+/// accumulators, the code vectors and the scales leave room to spare.
 const DIRECT_TOKENS: usize = 8;
 
-/// Sixteen rows of q4_0x8 straight from the matrix, for the few tokens of a
-/// batched decode step (below the tiles' `min`, where packing a pair of
-/// groups costs more than it saves): the 32-byte runs of the two groups'
-/// same block column are the halves of one register, so after the nibble
-/// split every `vpdpbusd` takes sixteen rows against one broadcast
-/// activation word, with no repack and no per-token shuffle. One or two
-/// groups (`groups`), `tokens` tokens (`q`, `[tokens, nb]`), `out[t · 16 +
-/// r]` (rows past the groups come out zero). The integer sums and the
-/// scaling (`fma(dw · da, isum, acc)` per block, in block order) are the
-/// 8-row kernels', so the bits are too.
+/// An interleaved type the direct 16-row kernel reads: the same block
+/// column of two groups side by side, the first group's rows in lanes 0..8
+/// and the second's in 8..16.
+pub trait DirectBlock: bytemuck::Pod {
+    /// The sixteen rows' scales, and their minimums where the type has them.
+    ///
+    /// # Safety
+    /// AVX-512F and F16C.
+    unsafe fn head(b0: &Self, b1: &Self) -> (__m512, __m512);
+
+    /// Each token's exact integer `Σ w · a` over the block column, per row.
+    ///
+    /// # Safety
+    /// AVX-512F/BW/VNNI.
+    unsafe fn sums<const T: usize>(b0: &Self, b1: &Self, ba: [&BlockQ8; T]) -> [__m512i; T];
+
+    /// `acc` plus the block's share: `fma(dw · da, isum, acc)`, then the
+    /// minimums' `fma(m, da · Σa, ·)` (the 8-row kernels' order).
+    ///
+    /// # Safety
+    /// AVX-512F.
+    #[inline(always)]
+    unsafe fn scale(acc: __m512, (dw, m): (__m512, __m512), ba: &BlockQ8, isum: __m512i) -> __m512 {
+        let s = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(ba.d)), _mm512_cvtepi32_ps(isum), acc);
+        if Self::MINS { _mm512_fmadd_ps(m, _mm512_set1_ps(ba.scaled_sum()), s) } else { s }
+    }
+
+    /// Whether the type adds `min · Σa` per block (q4_1).
+    const MINS: bool;
+}
+
+/// The f16 words at `a` and `b` (eight each) as sixteen f32 lanes.
+#[inline(always)]
+unsafe fn halves_f16(a: *const u16, b: *const u16) -> __m512 {
+    let d = _mm256_inserti128_si256::<1>(
+        _mm256_castsi128_si256(_mm_loadu_si128(a as *const __m128i)),
+        _mm_loadu_si128(b as *const __m128i),
+    );
+    _mm512_cvtph_ps(d)
+}
+
+/// The 32-byte runs at `a` and `b` as the halves of one register.
+#[inline(always)]
+unsafe fn halves_run(a: *const u8, b: *const u8) -> __m512i {
+    _mm512_inserti64x4::<1>(
+        _mm512_castsi256_si512(_mm256_loadu_si256(a as *const __m256i)),
+        _mm256_loadu_si256(b as *const __m256i),
+    )
+}
+
+/// Activation word `k` (bytes `4k..4k+4`) of a token's block in every lane.
+#[inline(always)]
+unsafe fn act_word(ba: &BlockQ8, k: usize) -> __m512i {
+    _mm512_set1_epi32((ba.qs.as_ptr().add(4 * k) as *const i32).read_unaligned())
+}
+
+/// `Σ c · a` of the two groups' nibble codes (q4_0x8, q4_1x8: run `j`'s
+/// low nibbles are columns `4j..4j+4` of each row, its high ones `16+4j..`).
+#[inline(always)]
+unsafe fn nibble_sums16<const T: usize>(q0: *const u8, q1: *const u8, ba: [&BlockQ8; T]) -> [__m512i; T] {
+    let nib = _mm512_set1_epi8(0x0F);
+    let mut isum = [_mm512_setzero_si512(); T];
+    for j in 0..4 {
+        let raw = halves_run(q0.add(32 * j), q1.add(32 * j));
+        let lo = _mm512_and_si512(raw, nib);
+        let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), nib);
+        for t in 0..T {
+            isum[t] =
+                _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[t], lo, act_word(ba[t], j)), hi, act_word(ba[t], 4 + j));
+        }
+    }
+    isum
+}
+
+impl DirectBlock for BlockQ4_0x8 {
+    const MINS: bool = false;
+
+    #[inline(always)]
+    unsafe fn head(b0: &Self, b1: &Self) -> (__m512, __m512) {
+        (halves_f16(b0.d.as_ptr(), b1.d.as_ptr()), _mm512_setzero_ps())
+    }
+
+    #[inline(always)]
+    unsafe fn sums<const T: usize>(b0: &Self, b1: &Self, ba: [&BlockQ8; T]) -> [__m512i; T] {
+        let mut s = nibble_sums16(b0.qs.as_ptr(), b1.qs.as_ptr(), ba);
+        for t in 0..T {
+            // Codes are stored +8: Σ (c − 8)·a = Σ c·a − 8·Σa.
+            s[t] = _mm512_sub_epi32(s[t], _mm512_set1_epi32(8 * ba[t].sum));
+        }
+        s
+    }
+}
+
+impl DirectBlock for BlockQ4_1x8 {
+    const MINS: bool = true;
+
+    #[inline(always)]
+    unsafe fn head(b0: &Self, b1: &Self) -> (__m512, __m512) {
+        (halves_f16(b0.d.as_ptr(), b1.d.as_ptr()), halves_f16(b0.m.as_ptr(), b1.m.as_ptr()))
+    }
+
+    #[inline(always)]
+    unsafe fn sums<const T: usize>(b0: &Self, b1: &Self, ba: [&BlockQ8; T]) -> [__m512i; T] {
+        nibble_sums16(b0.qs.as_ptr(), b1.qs.as_ptr(), ba)
+    }
+}
+
+impl DirectBlock for BlockQ8_0x8 {
+    const MINS: bool = false;
+
+    #[inline(always)]
+    unsafe fn head(b0: &Self, b1: &Self) -> (__m512, __m512) {
+        (halves_f16(b0.d.as_ptr(), b1.d.as_ptr()), _mm512_setzero_ps())
+    }
+
+    #[inline(always)]
+    unsafe fn sums<const T: usize>(b0: &Self, b1: &Self, ba: [&BlockQ8; T]) -> [__m512i; T] {
+        // Run `k` is weights `4k..4k+4` of each row, signed: they enter as
+        // `w + 128` and `128 · Σa` comes off.
+        let flip = _mm512_set1_epi8(-128);
+        let (q0, q1) = (b0.qs.as_ptr() as *const u8, b1.qs.as_ptr() as *const u8);
+        let mut isum = [_mm512_setzero_si512(); T];
+        for k in 0..8 {
+            let w = _mm512_xor_si512(halves_run(q0.add(32 * k), q1.add(32 * k)), flip);
+            for t in 0..T {
+                isum[t] = _mm512_dpbusd_epi32(isum[t], w, act_word(ba[t], k));
+            }
+        }
+        for t in 0..T {
+            isum[t] = _mm512_sub_epi32(isum[t], _mm512_set1_epi32(128 * ba[t].sum));
+        }
+        isum
+    }
+}
+
+/// Sixteen rows of an interleaved type straight from the matrix, for the
+/// few tokens of a batched decode step and for prefill: the 32-byte runs of
+/// the two groups' same block column are the halves of one register, so
+/// every `vpdpbusd` takes sixteen rows against one broadcast activation
+/// word, with no repack and no per-token shuffle. One or two groups
+/// (`groups`), `tokens` tokens (`q`, `[tokens, nb]`), `out[t · 16 + r]`
+/// (rows past the groups come out zero). The integer sums and the scaling
+/// (per block, in block order) are the 8-row kernels', so the bits are too.
 ///
 /// # Safety
 /// The CPU must have AVX-512F, AVX-512BW, AVX-512VNNI, AVX2, FMA and F16C.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn direct16_q4_0(groups: &[u8], q: &[BlockQ8], tokens: usize, out: &mut [f32]) {
-    use crate::quant::x8::BlockQ4_0x8;
-    let nb = pack::check_groups(groups, q, tokens, out, |nb| nb * std::mem::size_of::<BlockQ4_0x8>());
-    let g0 = groups.as_ptr() as *const BlockQ4_0x8;
-    let two = groups.len() == 2 * nb * std::mem::size_of::<BlockQ4_0x8>();
+pub unsafe fn direct16<B: DirectBlock>(groups: &[u8], q: &[BlockQ8], tokens: usize, out: &mut [f32]) {
+    let nb = pack::check_groups(groups, q, tokens, out, |nb| nb * std::mem::size_of::<B>());
+    let g0 = groups.as_ptr() as *const B;
+    let two = groups.len() == 2 * nb * std::mem::size_of::<B>();
     // With one group the upper half repeats it and is cleared below.
     let g1 = if two { g0.add(nb) } else { g0 };
     let mut t = 0;
@@ -170,14 +303,14 @@ pub unsafe fn direct16_q4_0(groups: &[u8], q: &[BlockQ8], tokens: usize, out: &m
         let (qt, o) = (q.as_ptr().add(t * nb), out.as_mut_ptr().add(t * ROWS));
         let m = (tokens - t).min(DIRECT_TOKENS);
         match m {
-            8 => direct_run::<8>(g0, g1, qt, nb, o),
-            7 => direct_run::<7>(g0, g1, qt, nb, o),
-            6 => direct_run::<6>(g0, g1, qt, nb, o),
-            5 => direct_run::<5>(g0, g1, qt, nb, o),
-            4 => direct_run::<4>(g0, g1, qt, nb, o),
-            3 => direct_run::<3>(g0, g1, qt, nb, o),
-            2 => direct_run::<2>(g0, g1, qt, nb, o),
-            _ => direct_run::<1>(g0, g1, qt, nb, o),
+            8 => direct_run::<B, 8>(g0, g1, qt, nb, o),
+            7 => direct_run::<B, 7>(g0, g1, qt, nb, o),
+            6 => direct_run::<B, 6>(g0, g1, qt, nb, o),
+            5 => direct_run::<B, 5>(g0, g1, qt, nb, o),
+            4 => direct_run::<B, 4>(g0, g1, qt, nb, o),
+            3 => direct_run::<B, 3>(g0, g1, qt, nb, o),
+            2 => direct_run::<B, 2>(g0, g1, qt, nb, o),
+            _ => direct_run::<B, 1>(g0, g1, qt, nb, o),
         }
         t += m;
     }
@@ -191,45 +324,23 @@ pub unsafe fn direct16_q4_0(groups: &[u8], q: &[BlockQ8], tokens: usize, out: &m
 /// `T` tokens (`q`, `[T, nb]`) against groups `g0` (lanes 0..8) and `g1`
 /// (lanes 8..16), into `out` (`[T, 16]`).
 #[inline(always)]
-unsafe fn direct_run<const T: usize>(
-    g0: *const crate::quant::x8::BlockQ4_0x8,
-    g1: *const crate::quant::x8::BlockQ4_0x8,
+unsafe fn direct_run<B: DirectBlock, const T: usize>(
+    g0: *const B,
+    g1: *const B,
     q: *const BlockQ8,
     nb: usize,
     out: *mut f32,
 ) {
-    let nib = _mm512_set1_epi8(0x0F);
     let mut acc = [_mm512_setzero_ps(); T];
     for b in 0..nb {
         let (b0, b1) = (&*g0.add(b), &*g1.add(b));
-        super::avx2::prefetch_ahead(b0 as *const _ as *const u8, std::mem::size_of_val(b0));
-        super::avx2::prefetch_ahead(b1 as *const _ as *const u8, std::mem::size_of_val(b1));
-        let d = _mm256_inserti128_si256::<1>(
-            _mm256_castsi128_si256(_mm_loadu_si128(b0.d.as_ptr() as *const __m128i)),
-            _mm_loadu_si128(b1.d.as_ptr() as *const __m128i),
-        );
-        let dw = _mm512_cvtph_ps(d);
+        super::avx2::prefetch_ahead(b0 as *const B as *const u8, std::mem::size_of::<B>());
+        super::avx2::prefetch_ahead(b1 as *const B as *const u8, std::mem::size_of::<B>());
+        let head = B::head(b0, b1);
         let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q.add(t * nb + b));
-        let mut isum = [_mm512_setzero_si512(); T];
-        for j in 0..4 {
-            let raw = _mm512_inserti64x4::<1>(
-                _mm512_castsi256_si512(_mm256_loadu_si256(b0.qs.as_ptr().add(32 * j) as *const __m256i)),
-                _mm256_loadu_si256(b1.qs.as_ptr().add(32 * j) as *const __m256i),
-            );
-            // Low nibbles: columns 4j..4j+4 of each row; high: 16+4j.. .
-            let lo = _mm512_and_si512(raw, nib);
-            let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), nib);
-            for t in 0..T {
-                let a = ba[t].qs.as_ptr();
-                let alo = _mm512_set1_epi32((a.add(4 * j) as *const i32).read_unaligned());
-                let ahi = _mm512_set1_epi32((a.add(16 + 4 * j) as *const i32).read_unaligned());
-                isum[t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[t], lo, alo), hi, ahi);
-            }
-        }
+        let isum = B::sums(b0, b1, ba);
         for t in 0..T {
-            // Codes are stored +8: Σ (c − 8)·a = Σ c·a − 8·Σa.
-            let s = _mm512_sub_epi32(isum[t], _mm512_set1_epi32(8 * ba[t].sum));
-            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(ba[t].d)), _mm512_cvtepi32_ps(s), acc[t]);
+            acc[t] = B::scale(acc[t], head, ba[t], isum[t]);
         }
     }
     for (t, a) in acc.iter().enumerate() {

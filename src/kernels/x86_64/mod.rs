@@ -163,7 +163,9 @@ enum Base {
 /// 8-row kernels are the 256-bit ones, takes tiles from 6 (0.175 against
 /// 0.126 without the tiles' prefetch of the next pair). Before that
 /// prefetch (`avx512::rows16`) a streamed tile was 1.2-1.5x slower and the
-/// run pairs won up to 16-32 tokens; in L2 the tiles cross at 5-9.
+/// run pairs won up to 16-32 tokens; in L2 the tiles cross at 5-9. Since
+/// session 14 q4_0x8, q4_1x8 and q8_0x8 have no tiles here: their direct
+/// kernel (`avx512::direct16`) takes every count from four tokens on.
 const fn rows16(f: TileFn, min: usize) -> Option<Tiles> {
     Some(Tiles { f, min })
 }
@@ -213,10 +215,10 @@ impl Avx512 {
             | DType::Q4K
             | DType::Q5K
             | DType::Q6K => None,
-            DType::Q8_0x8 => Some((rows16(z_q8_0x8, 10), zmm_q8_0x8_gemv, zmm_q8_0x8_gemm4)),
-            // Its direct kernel (below) instead of tiles.
+            // The 32-value types' direct kernel (below) instead of tiles.
+            DType::Q8_0x8 => Some((None, zmm_q8_0x8_gemv, zmm_q8_0x8_gemm4)),
             DType::Q4_0x8 => Some((None, zmm_q4_0x8_gemv, zmm_q4_0x8_gemm4)),
-            DType::Q4_1x8 => Some((rows16(z_q4_1x8, 10), zmm_q4_1x8_gemv, zmm_q4_1x8_gemm4)),
+            DType::Q4_1x8 => Some((None, zmm_q4_1x8_gemv, zmm_q4_1x8_gemm4)),
             DType::Mxfp4x8 => Some((rows16(z_mxfp4x8, 6), evex_mxfp4x8_gemv, evex_mxfp4x8_gemm4)),
             DType::Q4Kx8 => Some((rows16(z_q4kx8, 10), zmm_q4kx8_gemv, zmm_q4kx8_gemm4)),
             DType::Q5Kx8 => Some((rows16(z_q5kx8, 10), zmm_q5kx8_gemv, zmm_q5kx8_gemm4)),
@@ -227,12 +229,15 @@ impl Avx512 {
         let pairs = !matches!(dtype, DType::Mxfp4x8);
         if let (Layout::Groups(g), Some((tiles, one, many)), true) = (&mut k.layout, vnni, self.vnni) {
             g.tile = tiles;
-            // q4_0x8 from four tokens on reads sixteen rows straight from
-            // the matrix (`avx512::direct16_q4_0`); against the tiles'
-            // repack it was 1.4x faster at 16 tokens and 1.05-1.13x at
-            // 64-128 (two threads, streamed; Zen 5 EPYC).
+            // q4_0x8, q4_1x8 and q8_0x8 from four tokens on read sixteen
+            // rows straight from the matrix (`avx512::direct16`): level
+            // with or faster than the run pairs and the tiles at every
+            // count from 4 to 128 tokens, in L2 and streamed (Zen 5 EPYC,
+            // docs/ARCHITECTURE.md).
             g.direct = match dtype {
                 DType::Q4_0x8 => Some(z_direct_q4_0x8 as TileFn),
+                DType::Q4_1x8 => Some(z_direct_q4_1x8 as TileFn),
+                DType::Q8_0x8 => Some(z_direct_q8_0x8 as TileFn),
                 _ => None,
             };
             if pairs || matches!(self.base, Base::Avx2(_)) {
@@ -359,15 +364,21 @@ macro_rules! safe_rows16 {
     };
 }
 
-fn z_direct_q4_0x8(group: &[u8], q: &[BlockQ8], tokens: usize, out: &mut [f32]) {
-    // SAFETY: as `safe_rows16`'s wrappers: reachable only through
-    // `Avx512::kernels` with `vnni` set, after `Avx512::detect` saw AVX2,
-    // FMA, F16C, AVX-512F, AVX-512BW and AVX-512VNNI on this CPU.
-    unsafe { avx512::direct16_q4_0(group, q, tokens, out) }
+macro_rules! safe_direct16 {
+    ($name:ident, $block:ty) => {
+        fn $name(group: &[u8], q: &[BlockQ8], tokens: usize, out: &mut [f32]) {
+            // SAFETY: as `safe_rows16`'s wrappers: reachable only through
+            // `Avx512::kernels` with `vnni` set, after `Avx512::detect` saw
+            // AVX2, FMA, F16C, AVX-512F, AVX-512BW and AVX-512VNNI on this CPU.
+            unsafe { avx512::direct16::<$block>(group, q, tokens, out) }
+        }
+    };
 }
 
-safe_rows16!(z_q8_0x8, crate::quant::x8::BlockQ8_0x8);
-safe_rows16!(z_q4_1x8, crate::quant::x8::BlockQ4_1x8);
+safe_direct16!(z_direct_q4_0x8, crate::quant::x8::BlockQ4_0x8);
+safe_direct16!(z_direct_q4_1x8, crate::quant::x8::BlockQ4_1x8);
+safe_direct16!(z_direct_q8_0x8, crate::quant::x8::BlockQ8_0x8);
+
 safe_rows16!(z_mxfp4x8, crate::quant::x8::BlockMxfp4x8);
 safe_rows16!(z_q4kx8, kx8::Q4KTile);
 safe_rows16!(z_q5kx8, kx8::Q5KTile);
