@@ -17,7 +17,7 @@
 
 use std::arch::x86_64::*;
 
-use super::pack::{self, PACK, PACKED, Packed, ROWS, TileBlock};
+use super::pack::{self, GroupBlock, PACK, PACKED, Packed, ROWS, TileBlock};
 use crate::kernels::BlockQ8;
 use crate::quant::x8::{BlockQ4_0x8, BlockQ4_1x8, BlockQ8_0x8};
 
@@ -147,8 +147,9 @@ const DIRECT_TOKENS: usize = 8;
 
 /// An interleaved type the direct 16-row kernel reads: the same block
 /// column of two groups side by side, the first group's rows in lanes 0..8
-/// and the second's in 8..16.
-pub trait DirectBlock: bytemuck::Pod {
+/// and the second's in 8..16. Its checks and its scaling are the tiles'
+/// (`TileBlock`, through `GroupBlock`), so the two give the same bits.
+pub trait DirectBlock: GroupBlock {
     /// The sixteen rows' scales, and their minimums where the type has them.
     ///
     /// # Safety
@@ -160,20 +161,6 @@ pub trait DirectBlock: bytemuck::Pod {
     /// # Safety
     /// AVX-512F/BW/VNNI.
     unsafe fn sums<const T: usize>(b0: &Self, b1: &Self, ba: [&BlockQ8; T]) -> [__m512i; T];
-
-    /// `acc` plus the block's share: `fma(dw · da, isum, acc)`, then the
-    /// minimums' `fma(m, da · Σa, ·)` (the 8-row kernels' order).
-    ///
-    /// # Safety
-    /// AVX-512F.
-    #[inline(always)]
-    unsafe fn scale(acc: __m512, (dw, m): (__m512, __m512), ba: &BlockQ8, isum: __m512i) -> __m512 {
-        let s = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(ba.d)), _mm512_cvtepi32_ps(isum), acc);
-        if Self::MINS { _mm512_fmadd_ps(m, _mm512_set1_ps(ba.scaled_sum()), s) } else { s }
-    }
-
-    /// Whether the type adds `min · Σa` per block (q4_1).
-    const MINS: bool;
 }
 
 /// The f16 words at `a` and `b` (eight each) as sixteen f32 lanes.
@@ -220,8 +207,6 @@ unsafe fn nibble_sums16<const T: usize>(q0: *const u8, q1: *const u8, ba: [&Bloc
 }
 
 impl DirectBlock for BlockQ4_0x8 {
-    const MINS: bool = false;
-
     #[inline(always)]
     unsafe fn head(b0: &Self, b1: &Self) -> (__m512, __m512) {
         (halves_f16(b0.d.as_ptr(), b1.d.as_ptr()), _mm512_setzero_ps())
@@ -239,8 +224,6 @@ impl DirectBlock for BlockQ4_0x8 {
 }
 
 impl DirectBlock for BlockQ4_1x8 {
-    const MINS: bool = true;
-
     #[inline(always)]
     unsafe fn head(b0: &Self, b1: &Self) -> (__m512, __m512) {
         (halves_f16(b0.d.as_ptr(), b1.d.as_ptr()), halves_f16(b0.m.as_ptr(), b1.m.as_ptr()))
@@ -253,8 +236,6 @@ impl DirectBlock for BlockQ4_1x8 {
 }
 
 impl DirectBlock for BlockQ8_0x8 {
-    const MINS: bool = false;
-
     #[inline(always)]
     unsafe fn head(b0: &Self, b1: &Self) -> (__m512, __m512) {
         (halves_f16(b0.d.as_ptr(), b1.d.as_ptr()), _mm512_setzero_ps())
@@ -293,7 +274,7 @@ impl DirectBlock for BlockQ8_0x8 {
 /// The CPU must have AVX-512F, AVX-512BW, AVX-512VNNI, AVX2, FMA and F16C.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 pub unsafe fn direct16<B: DirectBlock>(groups: &[u8], q: &[BlockQ8], tokens: usize, out: &mut [f32]) {
-    let nb = pack::check_groups(groups, q, tokens, out, |nb| nb * std::mem::size_of::<B>());
+    let nb = pack::check::<B>(groups, q, tokens, out);
     let g0 = groups.as_ptr() as *const B;
     let two = groups.len() == 2 * nb * std::mem::size_of::<B>();
     // With one group the upper half repeats it and is cleared below.
@@ -340,7 +321,7 @@ unsafe fn direct_run<B: DirectBlock, const T: usize>(
         let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q.add(t * nb + b));
         let isum = B::sums(b0, b1, ba);
         for t in 0..T {
-            acc[t] = B::scale(acc[t], head, ba[t], isum[t]);
+            acc[t] = pack::scale_token::<B>(acc[t], head, ba[t], isum[t]);
         }
     }
     for (t, a) in acc.iter().enumerate() {
