@@ -482,7 +482,7 @@ fn groups_into(w: &Matrix, inp: &Input, k: GroupKernels, r0: usize, r1: usize, y
 /// kernels read one group at a time, which streams better: an expert
 /// multiplied for two or three tokens of a batched step is read from
 /// memory, and a step of eight sequences ran 5-8% slower with the direct
-/// kernel taking those (Zen 5 EPYC, two threads).
+/// kernel taking those (Zen 4 EPYC, two threads).
 const DIRECT_MIN: usize = 4;
 
 /// Most tokens one [`TileFn`] call of [`tiles_into`] takes (its output

@@ -17,8 +17,12 @@
 
 use std::arch::x86_64::*;
 
+use super::avx2::prefetch_ahead;
+use super::kx8::{self, KTile, Q4K, Q5K};
 use super::pack::{self, GroupBlock, PACK, PACKED, Packed, ROWS, TileBlock};
 use crate::kernels::BlockQ8;
+use crate::quant::kquant::{QK, SUBS};
+use crate::quant::kx8 as qkx8;
 use crate::quant::x8::{BlockQ4_0x8, BlockQ4_1x8, BlockQ8_0x8};
 
 /// Tokens whose sums live in registers at once: 2 · 12 accumulators plus
@@ -188,16 +192,33 @@ unsafe fn act_word(ba: &BlockQ8, k: usize) -> __m512i {
     _mm512_set1_epi32((ba.qs.as_ptr().add(4 * k) as *const i32).read_unaligned())
 }
 
-/// `Σ c · a` of the two groups' nibble codes (q4_0x8, q4_1x8: run `j`'s
-/// low nibbles are columns `4j..4j+4` of each row, its high ones `16+4j..`).
+/// `Σ c · a` of the two groups' nibble codes (q4_0x8, q4_1x8, a q4kx8
+/// sub-block: run `j`'s low nibbles are columns `4j..4j+4` of each row, its
+/// high ones `16+4j..`), with `K = Q5K` each code's fifth bit merged in from
+/// `e0`, the two groups' fifth-bit words of the sub-block (bit `j` of each
+/// byte completes the low nibble, bit `4 + j` the high one, as in `kx8`).
 #[inline(always)]
-unsafe fn nibble_sums16<const T: usize>(q0: *const u8, q1: *const u8, ba: [&BlockQ8; T]) -> [__m512i; T] {
+unsafe fn nibble_sums16<const T: usize, const K: u8>(
+    q0: *const u8,
+    q1: *const u8,
+    e0: __m512i,
+    ba: [&BlockQ8; T],
+) -> [__m512i; T] {
+    // `a | (b & c)`: the fifth bits (`b`, masked by `c`) into the codes.
+    const OR_MASKED: i32 = 0xF8;
     let nib = _mm512_set1_epi8(0x0F);
+    let bit4 = _mm512_set1_epi8(0x10);
     let mut isum = [_mm512_setzero_si512(); T];
     for j in 0..4 {
         let raw = halves_run(q0.add(32 * j), q1.add(32 * j));
-        let lo = _mm512_and_si512(raw, nib);
-        let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), nib);
+        let mut lo = _mm512_and_si512(raw, nib);
+        let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), nib);
+        if K == Q5K {
+            let up = _mm512_sllv_epi32(e0, _mm512_set1_epi32(4 - j as i32));
+            let down = _mm512_srlv_epi32(e0, _mm512_set1_epi32(j as i32));
+            lo = _mm512_ternarylogic_epi32::<OR_MASKED>(lo, up, bit4);
+            hi = _mm512_ternarylogic_epi32::<OR_MASKED>(hi, down, bit4);
+        }
         for t in 0..T {
             isum[t] =
                 _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[t], lo, act_word(ba[t], j)), hi, act_word(ba[t], 4 + j));
@@ -214,7 +235,7 @@ impl DirectBlock for BlockQ4_0x8 {
 
     #[inline(always)]
     unsafe fn sums<const T: usize>(b0: &Self, b1: &Self, ba: [&BlockQ8; T]) -> [__m512i; T] {
-        let mut s = nibble_sums16(b0.qs.as_ptr(), b1.qs.as_ptr(), ba);
+        let mut s = nibble_sums16::<T, Q4K>(b0.qs.as_ptr(), b1.qs.as_ptr(), _mm512_setzero_si512(), ba);
         for t in 0..T {
             // Codes are stored +8: Σ (c − 8)·a = Σ c·a − 8·Σa.
             s[t] = _mm512_sub_epi32(s[t], _mm512_set1_epi32(8 * ba[t].sum));
@@ -231,7 +252,7 @@ impl DirectBlock for BlockQ4_1x8 {
 
     #[inline(always)]
     unsafe fn sums<const T: usize>(b0: &Self, b1: &Self, ba: [&BlockQ8; T]) -> [__m512i; T] {
-        nibble_sums16(b0.qs.as_ptr(), b1.qs.as_ptr(), ba)
+        nibble_sums16::<T, Q4K>(b0.qs.as_ptr(), b1.qs.as_ptr(), _mm512_setzero_si512(), ba)
     }
 }
 
@@ -261,6 +282,135 @@ impl DirectBlock for BlockQ8_0x8 {
     }
 }
 
+/// A type the direct 16-row kernel takes: how long a group of its rows is,
+/// and one run of tokens against two groups side by side (the first
+/// group's rows in lanes 0..8, the second's in 8..16).
+pub trait DirectKernel: TileBlock {
+    /// Bytes of a group of eight rows of `nb` block columns.
+    fn group_bytes(nb: usize) -> usize;
+
+    /// `T` tokens (`q`, `[T, nb]`) against groups `g0` and `g1`, into
+    /// `out` (`[T, 16]`).
+    ///
+    /// # Safety
+    /// AVX-512F/BW/VNNI, AVX2, FMA and F16C; the groups and `q` passed
+    /// [`TileBlock::check`] with this `nb`, and `out` holds `T` tokens.
+    unsafe fn run<const T: usize>(g0: *const u8, g1: *const u8, q: *const BlockQ8, nb: usize, out: *mut f32);
+}
+
+impl<B: DirectBlock> DirectKernel for B {
+    fn group_bytes(nb: usize) -> usize {
+        nb * std::mem::size_of::<B>()
+    }
+
+    #[inline(always)]
+    unsafe fn run<const T: usize>(g0: *const u8, g1: *const u8, q: *const BlockQ8, nb: usize, out: *mut f32) {
+        let (g0, g1) = (g0 as *const B, g1 as *const B);
+        let mut acc = [_mm512_setzero_ps(); T];
+        for b in 0..nb {
+            let (b0, b1) = (&*g0.add(b), &*g1.add(b));
+            prefetch_ahead(b0 as *const B as *const u8, std::mem::size_of::<B>());
+            prefetch_ahead(b1 as *const B as *const u8, std::mem::size_of::<B>());
+            let head = B::head(b0, b1);
+            let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q.add(t * nb + b));
+            let isum = B::sums(b0, b1, ba);
+            for t in 0..T {
+                acc[t] = pack::scale_token::<B>(acc[t], head, ba[t], isum[t]);
+            }
+        }
+        store_tokens(&acc, out);
+    }
+}
+
+/// A column's sixteen `d` and `dmin` (two groups' q4kx8 or q5kx8 headers)
+/// and the rows' words of the scales' top bits, walked sub-block by
+/// sub-block: `kx8`'s 8-row header walk on both groups at once, the same
+/// operations per lane.
+struct KHead16 {
+    d: __m512,
+    dmin: __m512,
+    /// Bits 2j, 2j+1 of each row's word (the scale's top bits) at bits 4-5
+    /// for the next sub-block j.
+    tsc: __m512i,
+    /// Bits 16+2j, 17+2j (the minimum's) at bits 4-5.
+    tm: __m512i,
+}
+
+impl KHead16 {
+    /// The headers of the columns at `c0` and `c1`.
+    #[inline(always)]
+    unsafe fn load(c0: *const u8, c1: *const u8) -> KHead16 {
+        let d = halves_f16(c0 as *const u16, c1 as *const u16);
+        let dmin = halves_f16(c0.add(16) as *const u16, c1.add(16) as *const u16);
+        let top = halves_run(c0.add(96), c1.add(96));
+        KHead16 { d, dmin, tsc: _mm512_slli_epi32::<4>(top), tm: _mm512_srli_epi32::<12>(top) }
+    }
+
+    /// The sixteen rows' `s = d · sc` and `o = dmin · m` of sub-block `j`
+    /// (called for j = 0, 1, ... in order).
+    #[inline(always)]
+    unsafe fn next(&mut self, c0: *const u8, c1: *const u8, j: usize) -> (__m512, __m512) {
+        let bytes = _mm_unpacklo_epi64(
+            _mm_loadl_epi64(c0.add(32 + 8 * j) as *const __m128i),
+            _mm_loadl_epi64(c1.add(32 + 8 * j) as *const __m128i),
+        );
+        let b = _mm512_cvtepu8_epi32(bytes);
+        let bits45 = _mm512_set1_epi32(0x30);
+        let sc = _mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi32(0x0F)), _mm512_and_si512(self.tsc, bits45));
+        let m = _mm512_or_si512(_mm512_srli_epi32::<4>(b), _mm512_and_si512(self.tm, bits45));
+        (self.tsc, self.tm) = (_mm512_srli_epi32::<2>(self.tsc), _mm512_srli_epi32::<2>(self.tm));
+        (_mm512_mul_ps(self.d, _mm512_cvtepi32_ps(sc)), _mm512_mul_ps(self.dmin, _mm512_cvtepi32_ps(m)))
+    }
+}
+
+/// q4kx8 and q5kx8: each sub-block is a block column whose runs have the
+/// 32-value types' layout (plus q5k's fifth-bit words), so the two groups'
+/// same runs share registers as theirs do; the scales come from the walk
+/// of both groups' headers, and the scaling is the tiles' (`KTile`), so the
+/// bits are the 8-row kernels'. (q6k's two scales per sub-block have no
+/// 16-row form.)
+impl<const K: u8> DirectKernel for KTile<K> {
+    fn group_bytes(nb: usize) -> usize {
+        kx8::group_bytes::<K>(nb)
+    }
+
+    #[inline(always)]
+    unsafe fn run<const T: usize>(g0: *const u8, g1: *const u8, q: *const BlockQ8, nb: usize, out: *mut f32) {
+        const { assert!(K == Q4K || K == Q5K, "q4k and q5k only") };
+        let kind = kx8::kind_of(K);
+        let (hb, sb) = (qkx8::header_bytes(kind), qkx8::sub_bytes(kind));
+        let mut acc = [_mm512_setzero_ps(); T];
+        for (c, (start, subs)) in qkx8::columns(kind, nb * QK).enumerate() {
+            let (c0, c1) = (g0.add(start), g1.add(start));
+            prefetch_ahead(c0, hb);
+            prefetch_ahead(c1, hb);
+            let mut head = KHead16::load(c0, c1);
+            for j in 0..subs {
+                let b = c * SUBS + j;
+                let (s0, s1) = (c0.add(hb + j * sb), c1.add(hb + j * sb));
+                prefetch_ahead(s0, sb);
+                prefetch_ahead(s1, sb);
+                let scales = head.next(c0, c1, j);
+                let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q.add(t * nb + b));
+                let e0 = if K == Q5K { halves_run(s0.add(128), s1.add(128)) } else { _mm512_setzero_si512() };
+                let isum = nibble_sums16::<T, K>(s0, s1, e0, ba);
+                for t in 0..T {
+                    acc[t] = KTile::<K>::scale_token(acc[t], scales, ba[t], isum[t]);
+                }
+            }
+        }
+        store_tokens(&acc, out);
+    }
+}
+
+/// Each token's sixteen sums to `out` (`[T, 16]`).
+#[inline(always)]
+unsafe fn store_tokens<const T: usize>(acc: &[__m512; T], out: *mut f32) {
+    for (t, a) in acc.iter().enumerate() {
+        _mm512_storeu_ps(out.add(t * ROWS), *a);
+    }
+}
+
 /// Sixteen rows of an interleaved type straight from the matrix, for the
 /// few tokens of a batched decode step and for prefill: the 32-byte runs of
 /// the two groups' same block column are the halves of one register, so
@@ -273,25 +423,25 @@ impl DirectBlock for BlockQ8_0x8 {
 /// # Safety
 /// The CPU must have AVX-512F, AVX-512BW, AVX-512VNNI, AVX2, FMA and F16C.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn direct16<B: DirectBlock>(groups: &[u8], q: &[BlockQ8], tokens: usize, out: &mut [f32]) {
-    let nb = pack::check::<B>(groups, q, tokens, out);
-    let g0 = groups.as_ptr() as *const B;
-    let two = groups.len() == 2 * nb * std::mem::size_of::<B>();
+pub unsafe fn direct16<D: DirectKernel>(groups: &[u8], q: &[BlockQ8], tokens: usize, out: &mut [f32]) {
+    let nb = D::check(groups, q, tokens, out);
+    let g0 = groups.as_ptr();
+    let two = groups.len() == 2 * D::group_bytes(nb);
     // With one group the upper half repeats it and is cleared below.
-    let g1 = if two { g0.add(nb) } else { g0 };
+    let g1 = if two { g0.add(D::group_bytes(nb)) } else { g0 };
     let mut t = 0;
     while t < tokens {
         let (qt, o) = (q.as_ptr().add(t * nb), out.as_mut_ptr().add(t * ROWS));
         let m = (tokens - t).min(DIRECT_TOKENS);
         match m {
-            8 => direct_run::<B, 8>(g0, g1, qt, nb, o),
-            7 => direct_run::<B, 7>(g0, g1, qt, nb, o),
-            6 => direct_run::<B, 6>(g0, g1, qt, nb, o),
-            5 => direct_run::<B, 5>(g0, g1, qt, nb, o),
-            4 => direct_run::<B, 4>(g0, g1, qt, nb, o),
-            3 => direct_run::<B, 3>(g0, g1, qt, nb, o),
-            2 => direct_run::<B, 2>(g0, g1, qt, nb, o),
-            _ => direct_run::<B, 1>(g0, g1, qt, nb, o),
+            8 => D::run::<8>(g0, g1, qt, nb, o),
+            7 => D::run::<7>(g0, g1, qt, nb, o),
+            6 => D::run::<6>(g0, g1, qt, nb, o),
+            5 => D::run::<5>(g0, g1, qt, nb, o),
+            4 => D::run::<4>(g0, g1, qt, nb, o),
+            3 => D::run::<3>(g0, g1, qt, nb, o),
+            2 => D::run::<2>(g0, g1, qt, nb, o),
+            _ => D::run::<1>(g0, g1, qt, nb, o),
         }
         t += m;
     }
@@ -299,32 +449,5 @@ pub unsafe fn direct16<B: DirectBlock>(groups: &[u8], q: &[BlockQ8], tokens: usi
         for row in out.chunks_exact_mut(ROWS) {
             row[ROWS / 2..].fill(0.0);
         }
-    }
-}
-
-/// `T` tokens (`q`, `[T, nb]`) against groups `g0` (lanes 0..8) and `g1`
-/// (lanes 8..16), into `out` (`[T, 16]`).
-#[inline(always)]
-unsafe fn direct_run<B: DirectBlock, const T: usize>(
-    g0: *const B,
-    g1: *const B,
-    q: *const BlockQ8,
-    nb: usize,
-    out: *mut f32,
-) {
-    let mut acc = [_mm512_setzero_ps(); T];
-    for b in 0..nb {
-        let (b0, b1) = (&*g0.add(b), &*g1.add(b));
-        super::avx2::prefetch_ahead(b0 as *const B as *const u8, std::mem::size_of::<B>());
-        super::avx2::prefetch_ahead(b1 as *const B as *const u8, std::mem::size_of::<B>());
-        let head = B::head(b0, b1);
-        let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q.add(t * nb + b));
-        let isum = B::sums(b0, b1, ba);
-        for t in 0..T {
-            acc[t] = pack::scale_token::<B>(acc[t], head, ba[t], isum[t]);
-        }
-    }
-    for (t, a) in acc.iter().enumerate() {
-        _mm512_storeu_ps(out.add(t * ROWS), *a);
     }
 }

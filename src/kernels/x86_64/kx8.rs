@@ -51,7 +51,7 @@ pub(super) const Q5K: u8 = 1;
 /// See [`Q4K`].
 pub(super) const Q6K: u8 = 2;
 
-const fn kind_of(k: u8) -> Kind {
+pub(super) const fn kind_of(k: u8) -> Kind {
     match k {
         Q4K => Kind::Q4K,
         Q5K => Kind::Q5K,
@@ -395,7 +395,7 @@ pub type Q4KTile = KTile<Q4K>;
 pub type Q5KTile = KTile<Q5K>;
 
 /// Bytes of one group of eight rows of `nb` sub-blocks.
-fn group_bytes<const K: u8>(nb: usize) -> usize {
+pub(super) fn group_bytes<const K: u8>(nb: usize) -> usize {
     GROUP * kquant::row_bytes(kind_of(K), nb * QK).expect("whole sub-blocks")
 }
 

@@ -164,8 +164,9 @@ enum Base {
 /// 0.126 without the tiles' prefetch of the next pair). Before that
 /// prefetch (`avx512::rows16`) a streamed tile was 1.2-1.5x slower and the
 /// run pairs won up to 16-32 tokens; in L2 the tiles cross at 5-9. Since
-/// session 14 q4_0x8, q4_1x8 and q8_0x8 have no tiles here: their direct
-/// kernel (`avx512::direct16`) takes every count from four tokens on.
+/// sessions 14-15 only mxfp4x8 has tiles here: q4_0x8, q4_1x8, q8_0x8,
+/// q4kx8 and q5kx8 take every count from four tokens on with their direct
+/// kernel (`avx512::direct16`).
 const fn rows16(f: TileFn, min: usize) -> Option<Tiles> {
     Some(Tiles { f, min })
 }
@@ -203,7 +204,8 @@ impl Avx512 {
         // kernels on run pairs (mxfp4: with the 256-bit EVEX `vpdpbusd`,
         // used only where the base has no AVX-VNNI). All give the integers
         // the other tables sum. (q6k's two scales per sub-block have no
-        // 16-row form.)
+        // 16-row form; the direct kernels, below, replace the tiles of the
+        // other types.)
         let vnni: Option<(Option<Tiles>, Gemv8Fn, Gemm8Fn)> = match dtype {
             DType::F32
             | DType::Bf16
@@ -215,13 +217,12 @@ impl Avx512 {
             | DType::Q4K
             | DType::Q5K
             | DType::Q6K => None,
-            // The 32-value types' direct kernel (below) instead of tiles.
             DType::Q8_0x8 => Some((None, zmm_q8_0x8_gemv, zmm_q8_0x8_gemm4)),
             DType::Q4_0x8 => Some((None, zmm_q4_0x8_gemv, zmm_q4_0x8_gemm4)),
             DType::Q4_1x8 => Some((None, zmm_q4_1x8_gemv, zmm_q4_1x8_gemm4)),
             DType::Mxfp4x8 => Some((rows16(z_mxfp4x8, 6), evex_mxfp4x8_gemv, evex_mxfp4x8_gemm4)),
-            DType::Q4Kx8 => Some((rows16(z_q4kx8, 10), zmm_q4kx8_gemv, zmm_q4kx8_gemm4)),
-            DType::Q5Kx8 => Some((rows16(z_q5kx8, 10), zmm_q5kx8_gemv, zmm_q5kx8_gemm4)),
+            DType::Q4Kx8 => Some((None, zmm_q4kx8_gemv, zmm_q4kx8_gemm4)),
+            DType::Q5Kx8 => Some((None, zmm_q5kx8_gemv, zmm_q5kx8_gemm4)),
             DType::Q6Kx8 => Some((None, zmm_q6kx8_gemv, zmm_q6kx8_gemm4)),
         };
         // Run pairs take fewer instructions per weight than either 256-bit
@@ -229,15 +230,16 @@ impl Avx512 {
         let pairs = !matches!(dtype, DType::Mxfp4x8);
         if let (Layout::Groups(g), Some((tiles, one, many)), true) = (&mut k.layout, vnni, self.vnni) {
             g.tile = tiles;
-            // q4_0x8, q4_1x8 and q8_0x8 from four tokens on read sixteen
-            // rows straight from the matrix (`avx512::direct16`): level
-            // with or faster than the run pairs and the tiles at every
-            // count from 4 to 128 tokens, in L2 and streamed (Zen 5 EPYC,
-            // docs/ARCHITECTURE.md).
+            // From four tokens on these read sixteen rows straight from the
+            // matrix (`avx512::direct16`): level with or faster than the run
+            // pairs and the tiles at every count from 4 to 128 tokens, in L2
+            // and streamed (Zen 4 EPYC, docs/ARCHITECTURE.md).
             g.direct = match dtype {
                 DType::Q4_0x8 => Some(z_direct_q4_0x8 as TileFn),
                 DType::Q4_1x8 => Some(z_direct_q4_1x8 as TileFn),
                 DType::Q8_0x8 => Some(z_direct_q8_0x8 as TileFn),
+                DType::Q4Kx8 => Some(z_direct_q4kx8 as TileFn),
+                DType::Q5Kx8 => Some(z_direct_q5kx8 as TileFn),
                 _ => None,
             };
             if pairs || matches!(self.base, Base::Avx2(_)) {
@@ -378,10 +380,10 @@ macro_rules! safe_direct16 {
 safe_direct16!(z_direct_q4_0x8, crate::quant::x8::BlockQ4_0x8);
 safe_direct16!(z_direct_q4_1x8, crate::quant::x8::BlockQ4_1x8);
 safe_direct16!(z_direct_q8_0x8, crate::quant::x8::BlockQ8_0x8);
+safe_direct16!(z_direct_q4kx8, kx8::Q4KTile);
+safe_direct16!(z_direct_q5kx8, kx8::Q5KTile);
 
 safe_rows16!(z_mxfp4x8, crate::quant::x8::BlockMxfp4x8);
-safe_rows16!(z_q4kx8, kx8::Q4KTile);
-safe_rows16!(z_q5kx8, kx8::Q5KTile);
 
 macro_rules! safe_wrapper {
     ($name:ident, $inner:path) => {
