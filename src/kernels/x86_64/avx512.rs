@@ -18,7 +18,7 @@
 use std::arch::x86_64::*;
 
 use super::avx2::prefetch_ahead;
-use super::kx8::{self, KTile, Q4K, Q5K};
+use super::kx8::{self, KTile, Q4K, Q5K, Q6K};
 use super::pack::{self, GroupBlock, PACK, PACKED, Packed, ROWS, TileBlock};
 use crate::kernels::BlockQ8;
 use crate::quant::kquant::{QK, SUBS};
@@ -363,12 +363,13 @@ impl KHead16 {
     }
 }
 
-/// q4kx8 and q5kx8: each sub-block is a block column whose runs have the
-/// 32-value types' layout (plus q5k's fifth-bit words), so the two groups'
-/// same runs share registers as theirs do; the scales come from the walk
-/// of both groups' headers, and the scaling is the tiles' (`KTile`), so the
-/// bits are the 8-row kernels'. (q6k's two scales per sub-block have no
-/// 16-row form.)
+/// The super-block types: each sub-block is a block column whose runs have
+/// the 32-value types' layout (plus q5k's fifth-bit and q6k's top-bit
+/// words), so the two groups' same runs share registers as theirs do. q4k
+/// and q5k take their scales from the walk of both groups' headers and the
+/// scaling of the tiles (`KTile`); q6k, which has no tiles (two scales per
+/// sub-block), keeps its 8-row kernels' two half sums and operation order
+/// ([`q6k_run`]). Either way the bits are the 8-row kernels'.
 impl<const K: u8> DirectKernel for KTile<K> {
     fn group_bytes(nb: usize) -> usize {
         kx8::group_bytes::<K>(nb)
@@ -376,7 +377,9 @@ impl<const K: u8> DirectKernel for KTile<K> {
 
     #[inline(always)]
     unsafe fn run<const T: usize>(g0: *const u8, g1: *const u8, q: *const BlockQ8, nb: usize, out: *mut f32) {
-        const { assert!(K == Q4K || K == Q5K, "q4k and q5k only") };
+        if K == Q6K {
+            return q6k_run::<T>(g0, g1, q, nb, out);
+        }
         let kind = kx8::kind_of(K);
         let (hb, sb) = (qkx8::header_bytes(kind), qkx8::sub_bytes(kind));
         let mut acc = [_mm512_setzero_ps(); T];
@@ -401,6 +404,87 @@ impl<const K: u8> DirectKernel for KTile<K> {
         }
         store_tokens(&acc, out);
     }
+}
+
+/// q6kx8's direct run: per sub-block and token, `p₀` and `p₁` (the sums
+/// over codes 0..16 and 16..32, the top bits merged in from the rows'
+/// words), `n = sc₁ · f32(p₁ − 32·Σ₁) + sc₀ · f32(p₀ − 32·Σ₀)` (a multiply
+/// and a fused multiply-add), `u = d_a · n`, `acc = acc + d · u`: `kx8`'s
+/// `q6k_sums` and `gemm8` on sixteen lanes.
+#[inline(always)]
+unsafe fn q6k_run<const T: usize>(g0: *const u8, g1: *const u8, q: *const BlockQ8, nb: usize, out: *mut f32) {
+    // `a | (b & c)`: the top bits (`b`, masked by `c`) into the codes.
+    const OR_MASKED: i32 = 0xF8;
+    let kind = kx8::kind_of(Q6K);
+    let (hb, sb) = (qkx8::header_bytes(kind), qkx8::sub_bytes(kind));
+    let nib = _mm512_set1_epi8(0x0F);
+    let bits45 = _mm512_set1_epi8(0x30);
+    // The sixteen rows' scales at byte `at` of both headers, as f32.
+    let scales = |c0: *const u8, c1: *const u8, at: usize| {
+        let b = _mm_unpacklo_epi64(
+            _mm_loadl_epi64(c0.add(at) as *const __m128i),
+            _mm_loadl_epi64(c1.add(at) as *const __m128i),
+        );
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))
+    };
+    let mut acc = [_mm512_setzero_ps(); T];
+    for (c, (start, subs)) in qkx8::columns(kind, nb * QK).enumerate() {
+        let (c0, c1) = (g0.add(start), g1.add(start));
+        prefetch_ahead(c0, hb);
+        prefetch_ahead(c1, hb);
+        let d = halves_f16(c0 as *const u16, c1 as *const u16);
+        for j in 0..subs {
+            let b = c * SUBS + j;
+            let (s0, s1) = (c0.add(hb + j * sb), c1.add(hb + j * sb));
+            prefetch_ahead(s0, sb);
+            prefetch_ahead(s1, sb);
+            let (sc0, sc1) = (scales(c0, c1, 16 + 16 * j), scales(c0, c1, 24 + 16 * j));
+            let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q.add(t * nb + b));
+            let (e0, e1) = (halves_run(s0.add(128), s1.add(128)), halves_run(s0.add(160), s1.add(160)));
+            let mut p0 = [_mm512_setzero_si512(); T];
+            let mut p1 = [_mm512_setzero_si512(); T];
+            for r in 0..4 {
+                // Bits 2r, 2r+1 of each byte are bits 4-5 of run r's codes.
+                let top = |e: __m512i| match r {
+                    0 => _mm512_slli_epi32::<4>(e),
+                    1 => _mm512_slli_epi32::<2>(e),
+                    2 => e,
+                    _ => _mm512_srli_epi32::<2>(e),
+                };
+                let raw = halves_run(s0.add(32 * r), s1.add(32 * r));
+                let lo = _mm512_ternarylogic_epi32::<OR_MASKED>(_mm512_and_si512(raw, nib), top(e0), bits45);
+                let hi = _mm512_ternarylogic_epi32::<OR_MASKED>(
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(raw), nib),
+                    top(e1),
+                    bits45,
+                );
+                for t in 0..T {
+                    p0[t] = _mm512_dpbusd_epi32(p0[t], lo, act_word(ba[t], r));
+                    p1[t] = _mm512_dpbusd_epi32(p1[t], hi, act_word(ba[t], 4 + r));
+                }
+            }
+            for t in 0..T {
+                let (h0, h1) = half_sums32(ba[t]);
+                let (n0, n1) = (_mm512_sub_epi32(p0[t], h0), _mm512_sub_epi32(p1[t], h1));
+                let n = _mm512_fmadd_ps(sc1, _mm512_cvtepi32_ps(n1), _mm512_mul_ps(sc0, _mm512_cvtepi32_ps(n0)));
+                let u = _mm512_mul_ps(_mm512_set1_ps(ba[t].d), n);
+                acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(d, u));
+            }
+        }
+    }
+    store_tokens(&acc, out);
+}
+
+/// `32 · Σ₀` and `32 · Σ₁` of an activation block (`Σ₀` over its first 16
+/// codes, `Σ₁` over the rest), each in every lane: a `psadbw` of the codes
+/// made unsigned (each half's sum plus 16 · 128), as `kx8`'s.
+#[inline(always)]
+unsafe fn half_sums32(b: &BlockQ8) -> (__m512i, __m512i) {
+    let v = _mm_xor_si128(_mm_loadu_si128(b.qs.as_ptr() as *const __m128i), _mm_set1_epi8(-128));
+    let s = _mm_sad_epu8(v, _mm_setzero_si128());
+    let low = _mm_sub_epi32(_mm_add_epi32(s, _mm_unpackhi_epi64(s, s)), _mm_set1_epi32(16 * 128));
+    let low = _mm512_broadcastd_epi32(_mm_slli_epi32::<5>(low));
+    (low, _mm512_sub_epi32(_mm512_set1_epi32(32 * b.sum), low))
 }
 
 /// Each token's sixteen sums to `out` (`[T, 16]`).

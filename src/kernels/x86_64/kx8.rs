@@ -383,16 +383,19 @@ kx8_kernels!(zmm_gemv8_q6k, zmm_gemm8x4_q6k, Q6K, ZMM_VNNI, "avx2,fma,f16c,avx51
 // ------------------------------------------------------------------
 // The 16-row kernels' side (`pack.rs`, `avx512.rs`, `amx.rs`).
 
-/// The super-block types q4k and q5k as the 16-row kernels take them: each
-/// sub-block one block column, its codes as signed bytes, its `s = d · sc`
-/// and `o = dmin · m` as the column's scales and minimums. (q6k has two
-/// scales per sub-block, which one scale per row and block column cannot
-/// hold: its prefill stays on the 8-row kernels.)
+/// The super-block types as the 16-row kernels take them: for the tiles
+/// (q4k, q5k) each sub-block one block column, its codes as signed bytes,
+/// its `s = d · sc` and `o = dmin · m` as the column's scales and minimums.
+/// q6k has two scales per sub-block, which one scale per row and block
+/// column cannot hold: it has no tiles, and only the direct kernel
+/// (`avx512::direct16`, which reads the groups as they are) takes it.
 pub struct KTile<const K: u8>;
 /// q4kx8 for the 16-row kernels.
 pub type Q4KTile = KTile<Q4K>;
 /// q5kx8 for the 16-row kernels.
 pub type Q5KTile = KTile<Q5K>;
+/// q6kx8 for the direct 16-row kernel (no tiles: see [`KTile`]).
+pub type Q6KTile = KTile<Q6K>;
 
 /// Bytes of one group of eight rows of `nb` sub-blocks.
 pub(super) fn group_bytes<const K: u8>(nb: usize) -> usize {

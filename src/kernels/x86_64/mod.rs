@@ -240,6 +240,7 @@ impl Avx512 {
                 DType::Q8_0x8 => Some(z_direct_q8_0x8 as TileFn),
                 DType::Q4Kx8 => Some(z_direct_q4kx8 as TileFn),
                 DType::Q5Kx8 => Some(z_direct_q5kx8 as TileFn),
+                DType::Q6Kx8 => Some(z_direct_q6kx8 as TileFn),
                 _ => None,
             };
             if pairs || matches!(self.base, Base::Avx2(_)) {
@@ -382,6 +383,7 @@ safe_direct16!(z_direct_q4_1x8, crate::quant::x8::BlockQ4_1x8);
 safe_direct16!(z_direct_q8_0x8, crate::quant::x8::BlockQ8_0x8);
 safe_direct16!(z_direct_q4kx8, kx8::Q4KTile);
 safe_direct16!(z_direct_q5kx8, kx8::Q5KTile);
+safe_direct16!(z_direct_q6kx8, kx8::Q6KTile);
 
 safe_rows16!(z_mxfp4x8, crate::quant::x8::BlockMxfp4x8);
 
