@@ -438,11 +438,7 @@ fn groups_into(w: &Matrix, inp: &Input, k: GroupKernels, r0: usize, r1: usize, y
     debug_assert!(r0.is_multiple_of(G) && r1.is_multiple_of(G));
     let gb = G * w.row_bytes();
     let n = inp.rows();
-    let put = |t: usize, g: usize, v: [f32; G]| {
-        for (l, v) in v.into_iter().enumerate() {
-            y.set(t * w.rows + g * G + l, v);
-        }
-    };
+    let put = |t: usize, g: usize, v: [f32; G]| y.set_run(t * w.rows + g * G, &v);
     let tiled = match (k.tile, k.direct) {
         (Some(tiles), _) if n >= tiles.min => {
             tiles_into(w, inp, tiles.f, n, r0, r1, y);
@@ -504,9 +500,7 @@ fn tiles_into(w: &Matrix, inp: &Input, tile: TileFn, n: usize, r0: usize, r1: us
             let m = (n - t).min(TILE_BATCH);
             tile(groups, &inp.q[t * nb..(t + m) * nb], m, &mut out[..m * TILE_ROWS]);
             for i in 0..m {
-                for l in 0..pair * G {
-                    y.set((t + i) * w.rows + g * G + l, out[i * TILE_ROWS + l]);
-                }
+                y.set_run((t + i) * w.rows + g * G, &out[i * TILE_ROWS..][..pair * G]);
             }
             t += m;
         }
@@ -536,6 +530,15 @@ impl YOut {
         // borrowed for the whole matmul call, and each element is written by
         // exactly one task because tasks own disjoint weight rows.
         unsafe { *self.0.add(i) = v };
+    }
+
+    /// `v` to elements `i..i + v.len()`, one bounds check for the run.
+    #[inline(always)]
+    fn set_run(self, i: usize, v: &[f32]) {
+        assert!(i <= self.1 && v.len() <= self.1 - i);
+        // SAFETY: the run is in bounds (checked above) and cannot overlap
+        // `v`, a task's own buffer; exclusivity as in `set`.
+        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), self.0.add(i), v.len()) };
     }
 }
 
