@@ -411,7 +411,7 @@ impl<const K: u8> TileBlock for KTile<K> {
 
     #[inline(always)]
     unsafe fn pack(p: &mut Packed, groups: &[u8], nb: usize) {
-        const { assert!(K != Q6K, "q6k has no 16-row form") };
+        const { assert!(K != Q6K, "q6k has no tiles (two scales per sub-block)") };
         let kind = kind_of(K);
         let n = nb * QK;
         let gb = group_bytes::<K>(nb);

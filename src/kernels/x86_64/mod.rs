@@ -200,12 +200,11 @@ impl Avx512 {
             Base::Avx2(t) => t.kernels(dtype),
             Base::AvxVnni(t) => t.kernels(dtype),
         };
-        // The 16-row VNNI kernel of each interleaved type, and its 8-row
-        // kernels on run pairs (mxfp4: with the 256-bit EVEX `vpdpbusd`,
-        // used only where the base has no AVX-VNNI). All give the integers
-        // the other tables sum. (q6k's two scales per sub-block have no
-        // 16-row form; the direct kernels, below, replace the tiles of the
-        // other types.)
+        // The 16-row VNNI tiles (now only mxfp4's: the direct kernels,
+        // below, took the other types' place) and the 8-row kernels on run
+        // pairs (mxfp4: with the 256-bit EVEX `vpdpbusd`, used only where
+        // the base has no AVX-VNNI). All give the integers the other
+        // tables sum.
         let vnni: Option<(Option<Tiles>, Gemv8Fn, Gemm8Fn)> = match dtype {
             DType::F32
             | DType::Bf16
