@@ -499,8 +499,12 @@ fn tiles_into(w: &Matrix, inp: &Input, tile: TileFn, n: usize, r0: usize, r1: us
         while t < n {
             let m = (n - t).min(TILE_BATCH);
             tile(groups, &inp.q[t * nb..(t + m) * nb], m, &mut out[..m * TILE_ROWS]);
-            for i in 0..m {
-                y.set_run((t + i) * w.rows + g * G, &out[i * TILE_ROWS..][..pair * G]);
+            for (i, o) in out[..m * TILE_ROWS].as_chunks::<TILE_ROWS>().0.iter().enumerate() {
+                let at = (t + i) * w.rows + g * G;
+                match o.first_chunk::<G>() {
+                    Some(one) if pair == 1 => y.set_run(at, one),
+                    _ => y.set_run(at, o),
+                }
             }
             t += m;
         }
@@ -532,13 +536,14 @@ impl YOut {
         unsafe { *self.0.add(i) = v };
     }
 
-    /// `v` to elements `i..i + v.len()`, one bounds check for the run.
+    /// `v` to elements `i..i + N`, one bounds check for the run (a copy of
+    /// a length known when compiled, so no call to `memcpy`).
     #[inline(always)]
-    fn set_run(self, i: usize, v: &[f32]) {
-        assert!(i <= self.1 && v.len() <= self.1 - i);
+    fn set_run<const N: usize>(self, i: usize, v: &[f32; N]) {
+        assert!(i <= self.1 && N <= self.1 - i);
         // SAFETY: the run is in bounds (checked above) and cannot overlap
         // `v`, a task's own buffer; exclusivity as in `set`.
-        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), self.0.add(i), v.len()) };
+        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), self.0.add(i), N) };
     }
 }
 
