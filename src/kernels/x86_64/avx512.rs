@@ -476,14 +476,10 @@ unsafe fn q6k_run<const T: usize>(g0: *const u8, g1: *const u8, q: *const BlockQ
 }
 
 /// `32 · Σ₀` and `32 · Σ₁` of an activation block (`Σ₀` over its first 16
-/// codes, `Σ₁` over the rest), each in every lane: a `psadbw` of the codes
-/// made unsigned (each half's sum plus 16 · 128), as `kx8`'s.
+/// codes, `Σ₁` over the rest), each in every lane (`kx8::half_sum32`).
 #[inline(always)]
 unsafe fn half_sums32(b: &BlockQ8) -> (__m512i, __m512i) {
-    let v = _mm_xor_si128(_mm_loadu_si128(b.qs.as_ptr() as *const __m128i), _mm_set1_epi8(-128));
-    let s = _mm_sad_epu8(v, _mm_setzero_si128());
-    let low = _mm_sub_epi32(_mm_add_epi32(s, _mm_unpackhi_epi64(s, s)), _mm_set1_epi32(16 * 128));
-    let low = _mm512_broadcastd_epi32(_mm_slli_epi32::<5>(low));
+    let low = _mm512_broadcastd_epi32(kx8::half_sum32(b));
     (low, _mm512_sub_epi32(_mm512_set1_epi32(32 * b.sum), low))
 }
 

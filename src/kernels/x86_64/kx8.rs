@@ -158,15 +158,22 @@ unsafe fn code_sums<const T: usize, const VNNI: u8, const K: u8>(sub: *const u8,
 }
 
 /// `32 · Σ₀` and `32 · Σ₁` of an activation block (`Σ₀` over its first 16
-/// codes, `Σ₁` over the rest), each in every lane: a `psadbw` of the codes
-/// made unsigned (each half's sum plus 16 · 128), kept in the vector unit.
+/// codes, `Σ₁` over the rest), each in every lane: from [`half_sum32`].
 #[inline(always)]
 unsafe fn half_sums32(b: &BlockQ8) -> (__m256i, __m256i) {
+    let low = _mm256_broadcastd_epi32(half_sum32(b));
+    (low, _mm256_sub_epi32(_mm256_set1_epi32(32 * b.sum), low))
+}
+
+/// `32 · Σ₀` of an activation block (over its first 16 codes) in the low
+/// lane: a `psadbw` of the codes made unsigned (each half's sum plus
+/// 16 · 128), kept in the vector unit.
+#[inline(always)]
+pub(super) unsafe fn half_sum32(b: &BlockQ8) -> __m128i {
     let v = _mm_xor_si128(_mm_loadu_si128(b.qs.as_ptr() as *const __m128i), _mm_set1_epi8(-128));
     let s = _mm_sad_epu8(v, _mm_setzero_si128());
     let low = _mm_sub_epi32(_mm_add_epi32(s, _mm_unpackhi_epi64(s, s)), _mm_set1_epi32(16 * 128));
-    let low = _mm256_broadcastd_epi32(_mm_slli_epi32::<5>(low));
-    (low, _mm256_sub_epi32(_mm256_set1_epi32(32 * b.sum), low))
+    _mm_slli_epi32::<5>(low)
 }
 
 /// One q6k sub-block of eight rows against each token's activation block:
