@@ -13,6 +13,12 @@
 //! acc)`, q4_1's `fma(m, da · Σa, ·)` after it, in that order), so these
 //! kernels give the AVX2 and AVX-VNNI tables' bits, and prefill here agrees
 //! with decode on the 256-bit kernels.
+//!
+//! The direct kernels ([`direct16`]) take the same sixteen rows without the
+//! repack, straight from the two groups as the matrix stores them, for
+//! every interleaved type but mxfp4x8 (whose tiles stay): the batched
+//! decode steps' few tokens and prefill. Their integer sums and scaling are
+//! the 8-row kernels' as well.
 #![allow(unsafe_op_in_unsafe_fn)]
 
 use std::arch::x86_64::*;
