@@ -151,8 +151,9 @@ unsafe fn run<B: TileBlock, const T: usize>(
     }
 }
 
-/// Tokens whose sums one [`direct_run`] keeps in registers: 2 · 8
-/// accumulators, the code vectors and the scales leave room to spare.
+/// Tokens whose sums one [`DirectKernel::run`] keeps in registers: 2 · 8
+/// accumulators, the code vectors and the scales leave room to spare (q6k's
+/// 3 · 8, two half sums and the accumulator per token, fill most of the 32).
 const DIRECT_TOKENS: usize = 8;
 
 /// An interleaved type the direct 16-row kernel reads: the same block
