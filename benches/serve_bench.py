@@ -12,9 +12,11 @@ The roofline of a step: the bytes it must read, the dense part (every
 tensor but the routed experts and the embedding table) once plus the
 experts its B tokens choose (with uniform routing, which these random-weight
 models have, E·(1 - (1 - k/E)^B) distinct experts per layer), against the
-read bandwidth: by default measured in the same run, before the cells, by
-`bench.py`'s probe with the server's thread count (15 passes over 1 GiB; the
-median is used, the best is printed beside it), or given by --bandwidth.
+read bandwidth: by default measured by `bench.py`'s probe with the
+server's thread count just before each run of each cell (the median of 7
+passes over 1 GiB: on a shared machine the bandwidth moves by half within
+minutes), or given by --bandwidth. Each run's tokens/s is divided by its own
+roofline and the median of those fractions is reported.
 B concurrent decoders can then run at most B · bandwidth / bytes(B)
 tokens/s.
 
@@ -146,15 +148,22 @@ def main() -> int:
         ap.error("--llama-server and --gguf go together")
 
     dense, expert, n_exp, top_k, layers = step_bytes(args.model)
-    if args.bandwidth is None:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import bench  # the same probe bench.py reports
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench  # the same probe bench.py reports
 
+    def bandwidth() -> float:
+        """Read bandwidth in bytes/s now: --bandwidth, or the probe's median
+        of 7 passes (a shared machine's bandwidth moves by half within
+        minutes, so each run gets its own)."""
+        if args.bandwidth is not None:
+            return args.bandwidth
+        return bench.bandwidth(args.threads, reps=7)["median"] * 1e9
+
+    if args.bandwidth is None:
         bw = bench.bandwidth(args.threads)
-        args.bandwidth = bw["median"] * 1e9
         print(
             f"read bandwidth, {args.threads} threads ({bw['method']}): median {bw['median']:.1f} GB/s, "
-            f"best {bw['best']:.1f} GB/s; the roofline uses the median",
+            f"best {bw['best']:.1f} GB/s; each run's roofline uses a probe taken just before it",
             flush=True,
         )
     servers = {}
@@ -185,20 +194,28 @@ def main() -> int:
     for b in clients:
         distinct = n_exp * (1 - (1 - top_k / n_exp) ** b)
         step = dense + layers * distinct * expert
-        roof = b * args.bandwidth / step
-        row: dict[str, Any] = {"clients": b, "step_bytes": step, "roofline_tok_s": roof}
+        row: dict[str, Any] = {"clients": b, "step_bytes": step}
         for name, (cmd, url) in servers.items():
             with running(cmd, url):
                 run(url, 1, 1, 8)  # warm-up: page the weights in
-                reps = [run(url, b, args.requests, args.max_tokens) for _ in range(args.reps)]
+                reps = []
+                for _ in range(args.reps):
+                    bw = bandwidth()
+                    r = run(url, b, args.requests, args.max_tokens)
+                    r["bandwidth"] = bw
+                    r["roofline_tok_s"] = b * bw / step
+                    r["of_roofline"] = r["tok_s"] / r["roofline_tok_s"]
+                    reps.append(r)
             med = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
             base.setdefault(name, med["tok_s"])
             row[name] = med
+            runs = ", ".join(f"{r['of_roofline']:.0%}" for r in reps)
             print(
                 f"{name:>12} {b:3d} clients: {med['tok_s']:7.1f} tok/s "
                 f"({med['tok_s'] / base[name]:4.2f}x one), "
                 f"p50 {med['p50']:.2f} s, p99 {med['p99']:.2f} s; step {step / 1e6:.0f} MB, "
-                f"roofline {roof:.0f} tok/s ({med['tok_s'] / roof:.0%})",
+                f"roofline {med['roofline_tok_s']:.0f} tok/s at {med['bandwidth'] / 1e9:.1f} GB/s "
+                f"({med['of_roofline']:.0%}; runs {runs})",
                 flush=True,
             )
         if "llama-server" in row:
@@ -206,7 +223,7 @@ def main() -> int:
             print(f"{'':>12} {b:3d} clients: colibri / llama-server = {ours['tok_s'] / theirs['tok_s']:.2f}x")
         rows.append(row)
     if args.json:
-        args.json.write_text(json.dumps({"bandwidth": args.bandwidth, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"rows": rows}, indent=1))
     return 0
 
 
