@@ -289,27 +289,20 @@ impl DirectBlock for BlockQ8_0x8 {
     }
 }
 
-/// A type the direct 16-row kernel takes: how long a group of its rows is,
-/// and one run of tokens against two groups side by side (the first
-/// group's rows in lanes 0..8, the second's in 8..16).
+/// A type the direct 16-row kernel takes: one run of tokens against two
+/// groups side by side (the first group's rows in lanes 0..8, the second's
+/// in 8..16).
 pub trait DirectKernel: TileBlock {
-    /// Bytes of a group of eight rows of `nb` block columns.
-    fn group_bytes(nb: usize) -> usize;
-
     /// `T` tokens (`q`, `[T, nb]`) against groups `g0` and `g1`, into
     /// `out` (`[T, 16]`).
     ///
     /// # Safety
     /// AVX-512F/BW/VNNI, AVX2, FMA and F16C; the groups and `q` passed
-    /// [`TileBlock::check`] with this `nb`, and `out` holds `T` tokens.
+    /// [`pack::check`] with this `nb`, and `out` holds `T` tokens.
     unsafe fn run<const T: usize>(g0: *const u8, g1: *const u8, q: *const BlockQ8, nb: usize, out: *mut f32);
 }
 
 impl<B: DirectBlock> DirectKernel for B {
-    fn group_bytes(nb: usize) -> usize {
-        nb * std::mem::size_of::<B>()
-    }
-
     #[inline(always)]
     unsafe fn run<const T: usize>(g0: *const u8, g1: *const u8, q: *const BlockQ8, nb: usize, out: *mut f32) {
         let (g0, g1) = (g0 as *const B, g1 as *const B);
@@ -378,10 +371,6 @@ impl KHead16 {
 /// sub-block), keeps its 8-row kernels' two half sums and operation order
 /// ([`q6k_run`]). Either way the bits are the 8-row kernels'.
 impl<const K: u8> DirectKernel for KTile<K> {
-    fn group_bytes(nb: usize) -> usize {
-        kx8::group_bytes::<K>(nb)
-    }
-
     #[inline(always)]
     unsafe fn run<const T: usize>(g0: *const u8, g1: *const u8, q: *const BlockQ8, nb: usize, out: *mut f32) {
         if K == Q6K {
@@ -426,14 +415,6 @@ unsafe fn q6k_run<const T: usize>(g0: *const u8, g1: *const u8, q: *const BlockQ
     let (hb, sb) = (qkx8::header_bytes(kind), qkx8::sub_bytes(kind));
     let nib = _mm512_set1_epi8(0x0F);
     let bits45 = _mm512_set1_epi8(0x30);
-    // The sixteen rows' scales at byte `at` of both headers, as f32.
-    let scales = |c0: *const u8, c1: *const u8, at: usize| {
-        let b = _mm_unpacklo_epi64(
-            _mm_loadl_epi64(c0.add(at) as *const __m128i),
-            _mm_loadl_epi64(c1.add(at) as *const __m128i),
-        );
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))
-    };
     let mut acc = [_mm512_setzero_ps(); T];
     for (c, (start, subs)) in qkx8::columns(kind, nb * QK).enumerate() {
         let (c0, c1) = (g0.add(start), g1.add(start));
@@ -445,24 +426,17 @@ unsafe fn q6k_run<const T: usize>(g0: *const u8, g1: *const u8, q: *const BlockQ
             let (s0, s1) = (c0.add(hb + j * sb), c1.add(hb + j * sb));
             prefetch_ahead(s0, sb);
             prefetch_ahead(s1, sb);
-            let (sc0, sc1) = (scales(c0, c1, 16 + 16 * j), scales(c0, c1, 24 + 16 * j));
+            let (sc0, sc1) = (q6k_scales(c0, c1, 16 + 16 * j), q6k_scales(c0, c1, 24 + 16 * j));
             let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q.add(t * nb + b));
             let (e0, e1) = (halves_run(s0.add(128), s1.add(128)), halves_run(s0.add(160), s1.add(160)));
             let mut p0 = [_mm512_setzero_si512(); T];
             let mut p1 = [_mm512_setzero_si512(); T];
             for r in 0..4 {
-                // Bits 2r, 2r+1 of each byte are bits 4-5 of run r's codes.
-                let top = |e: __m512i| match r {
-                    0 => _mm512_slli_epi32::<4>(e),
-                    1 => _mm512_slli_epi32::<2>(e),
-                    2 => e,
-                    _ => _mm512_srli_epi32::<2>(e),
-                };
                 let raw = halves_run(s0.add(32 * r), s1.add(32 * r));
-                let lo = _mm512_ternarylogic_epi32::<OR_MASKED>(_mm512_and_si512(raw, nib), top(e0), bits45);
+                let lo = _mm512_ternarylogic_epi32::<OR_MASKED>(_mm512_and_si512(raw, nib), q6k_top(e0, r), bits45);
                 let hi = _mm512_ternarylogic_epi32::<OR_MASKED>(
                     _mm512_and_si512(_mm512_srli_epi16::<4>(raw), nib),
-                    top(e1),
+                    q6k_top(e1, r),
                     bits45,
                 );
                 for t in 0..T {
@@ -480,6 +454,31 @@ unsafe fn q6k_run<const T: usize>(g0: *const u8, g1: *const u8, q: *const BlockQ
         }
     }
     store_tokens(&acc, out);
+}
+
+/// The sixteen rows' q6k scales at byte `at` of both groups' headers, as
+/// f32. (This and [`q6k_top`] are functions, not closures: a closure does
+/// not inherit the caller's target features, and one left out of line makes
+/// each intrinsic in it a call.)
+#[inline(always)]
+unsafe fn q6k_scales(c0: *const u8, c1: *const u8, at: usize) -> __m512 {
+    let b = _mm_unpacklo_epi64(
+        _mm_loadl_epi64(c0.add(at) as *const __m128i),
+        _mm_loadl_epi64(c1.add(at) as *const __m128i),
+    );
+    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))
+}
+
+/// Run `r`'s top code bits at bits 4-5 of each byte: they are bits 2r,
+/// 2r+1 of the rows' words `e`.
+#[inline(always)]
+unsafe fn q6k_top(e: __m512i, r: usize) -> __m512i {
+    match r {
+        0 => _mm512_slli_epi32::<4>(e),
+        1 => _mm512_slli_epi32::<2>(e),
+        2 => e,
+        _ => _mm512_srli_epi32::<2>(e),
+    }
 }
 
 /// `32 · Σ₀` and `32 · Σ₁` of an activation block (`Σ₀` over its first 16
@@ -511,7 +510,7 @@ unsafe fn store_tokens<const T: usize>(acc: &[__m512; T], out: *mut f32) {
 /// The CPU must have AVX-512F, AVX-512BW, AVX-512VNNI, AVX2, FMA and F16C.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 pub unsafe fn direct16<D: DirectKernel>(groups: &[u8], q: &[BlockQ8], tokens: usize, out: &mut [f32]) {
-    let nb = D::check(groups, q, tokens, out);
+    let nb = pack::check::<D>(groups, q, tokens, out);
     let g0 = groups.as_ptr();
     let two = groups.len() == 2 * D::group_bytes(nb);
     // With one group the upper half repeats it and is cleared below.

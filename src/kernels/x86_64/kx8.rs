@@ -37,7 +37,7 @@
 use std::arch::x86_64::*;
 
 use super::avx2::{AVX_VNNI, MADD, act4, prefetch_ahead, store8, vpdpbusd};
-use super::pack::{self, PACKED, Packed, ROWS, TileBlock};
+use super::pack::{PACKED, Packed, ROWS, TileBlock};
 use super::pairs::{ZMM_VNNI, pair_sums};
 use crate::kernels::BlockQ8;
 use crate::quant::kquant::{self, Kind, QK, SUBS};
@@ -404,16 +404,11 @@ pub type Q5KTile = KTile<Q5K>;
 /// q6kx8 for the direct 16-row kernel (no tiles: see [`KTile`]).
 pub type Q6KTile = KTile<Q6K>;
 
-/// Bytes of one group of eight rows of `nb` sub-blocks.
-pub(super) fn group_bytes<const K: u8>(nb: usize) -> usize {
-    GROUP * kquant::row_bytes(kind_of(K), nb * QK).expect("whole sub-blocks")
-}
-
 impl<const K: u8> TileBlock for KTile<K> {
     const MINS: bool = true;
 
-    fn check(groups: &[u8], q: &[BlockQ8], tokens: usize, out: &[f32]) -> usize {
-        pack::check_groups(groups, q, tokens, out, group_bytes::<K>)
+    fn group_bytes(nb: usize) -> usize {
+        GROUP * kquant::row_bytes(kind_of(K), nb * QK).expect("whole sub-blocks")
     }
 
     #[inline(always)]
@@ -421,7 +416,7 @@ impl<const K: u8> TileBlock for KTile<K> {
         const { assert!(K != Q6K, "q6k has no tiles (two scales per sub-block)") };
         let kind = kind_of(K);
         let n = nb * QK;
-        let gb = group_bytes::<K>(nb);
+        let gb = Self::group_bytes(nb);
         let ng = groups.len() / gb;
         let (hb, sb) = (kx8::header_bytes(kind), kx8::sub_bytes(kind));
         p.reserve(nb);

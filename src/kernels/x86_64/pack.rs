@@ -99,16 +99,14 @@ pub trait TileBlock {
     /// Whether a block column has minimums (`mins` is read).
     const MINS: bool;
 
-    /// Checks a 16-row kernel's arguments (one or two whole groups, `q` as
-    /// `[tokens, nb]`, `out` as `[tokens, 16]`) and returns `nb`, the block
-    /// columns (32 values) of a row.
-    fn check(groups: &[u8], q: &[BlockQ8], tokens: usize, out: &[f32]) -> usize;
+    /// Bytes of a group of eight rows of `nb` block columns (32 values).
+    fn group_bytes(nb: usize) -> usize;
 
     /// Packs one or two whole groups (`groups`, rows of `nb` block columns)
     /// into `p`; a missing second group packs as zeros.
     ///
     /// # Safety
-    /// AVX2 and F16C; `groups` passed [`TileBlock::check`] with this `nb`.
+    /// AVX2 and F16C; `groups` passed [`check`] with this `nb`.
     unsafe fn pack(p: &mut Packed, groups: &[u8], nb: usize);
 
     /// One token's block column into its accumulator, in the operation
@@ -135,8 +133,8 @@ pub trait GroupBlock: bytemuck::Pod {
 impl<B: GroupBlock> TileBlock for B {
     const MINS: bool = <B as GroupBlock>::MINS;
 
-    fn check(groups: &[u8], q: &[BlockQ8], tokens: usize, out: &[f32]) -> usize {
-        check_groups(groups, q, tokens, out, |nb| nb * std::mem::size_of::<B>())
+    fn group_bytes(nb: usize) -> usize {
+        nb * std::mem::size_of::<B>()
     }
 
     #[inline(always)]
@@ -257,28 +255,16 @@ pub unsafe fn scale_token<B: TileBlock>(acc: __m512, scales: (__m512, __m512), b
     B::scale_token(acc, scales, ba, isum)
 }
 
-/// [`TileBlock::check`] for a type whose group of eight rows of `nb` block
-/// columns takes `group_bytes(nb)` bytes: `q` is `[tokens, nb]` with `nb >
-/// 0`, `groups` one or two whole groups, `out` `[tokens, 16]`.
-pub fn check_groups(
-    groups: &[u8],
-    q: &[BlockQ8],
-    tokens: usize,
-    out: &[f32],
-    group_bytes: impl FnOnce(usize) -> usize,
-) -> usize {
+/// Checks a 16-row kernel's arguments (`q` as `[tokens, nb]` with `nb > 0`,
+/// `groups` one or two whole groups of `B`, `out` as `[tokens, 16]`) and
+/// returns `nb`, the block columns (32 values) of a row.
+pub fn check<B: TileBlock>(groups: &[u8], q: &[BlockQ8], tokens: usize, out: &[f32]) -> usize {
     assert!(tokens > 0, "16-row kernels need at least one token");
     let nb = q.len() / tokens;
     assert_eq!(q.len(), tokens * nb, "q is not [tokens, nb]");
-    let gb = if nb > 0 { group_bytes(nb) } else { 0 };
+    let gb = if nb > 0 { B::group_bytes(nb) } else { 0 };
     let ng = groups.len().checked_div(gb).unwrap_or(0);
     assert!((ng == 1 || ng == 2) && groups.len() == ng * gb, "16-row kernels take one or two whole groups");
     assert_eq!(out.len(), tokens * ROWS, "out is not [tokens, 16]");
     nb
-}
-
-/// Checks a 16-row kernel's arguments ([`TileBlock::check`]) and returns
-/// the block columns of a row.
-pub fn check<B: TileBlock>(groups: &[u8], q: &[BlockQ8], tokens: usize, out: &[f32]) -> usize {
-    B::check(groups, q, tokens, out)
 }
