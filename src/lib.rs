@@ -7,7 +7,7 @@
 //! ```
 //!
 //! Modules, in the order data flows: [`arch`] (Hugging Face adapters) and
-//! [`convert`] write the [`format`]; [`model`] loads it and runs the forward
+//! [`convert`] write the [`format`](mod@format); [`model`] loads it and runs the forward
 //! pass from [`model::config::ModelConfig`] alone, with matrix work in
 //! [`kernels`] and weight types in [`quant`]; [`engine`] holds sessions,
 //! sampling and generation; [`imatrix`] records the importance matrices the

@@ -208,7 +208,7 @@ impl Sampler {
         }
     }
 
-    /// Chooses the next token from `logits` ([V]). Call [`Sampler::accept`]
+    /// Chooses the next token from `logits` (`[V]`). Call [`Sampler::accept`]
     /// with the token actually used.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         debug_assert_eq!(logits.len(), self.scores.len());

@@ -144,7 +144,7 @@ pub struct GroupKernels {
     /// the 8-row kernels do all tokens).
     pub tile: Option<Tiles>,
     /// Sixteen rows read straight from two groups, without the tiles'
-    /// repack, from [`DIRECT_MIN`] tokens on (up to the tiles' `min` where
+    /// repack, from four tokens on (`DIRECT_MIN`) (up to the tiles' `min` where
     /// there are tiles); `None`: the 8-row kernels or the tiles take them.
     pub direct: Option<TileFn>,
 }

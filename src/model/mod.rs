@@ -54,9 +54,9 @@ pub enum FfnRefs {
     Moe {
         /// [E, D] router (f32).
         router: TensorRef,
-        /// [E] router bias.
+        /// `[E]` router bias.
         router_bias: Option<TensorRef>,
-        /// [E] selection-only score bias.
+        /// `[E]` selection-only score bias.
         correction: Option<TensorRef>,
         /// Shared expert, if the model has one.
         shared: Option<MlpRefs>,
@@ -68,9 +68,9 @@ pub enum FfnRefs {
 /// A norm's scale and, for LayerNorm, its bias.
 #[derive(Clone, Copy, Debug)]
 pub struct NormRefs {
-    /// [D]
+    /// `[D]`
     pub w: TensorRef,
-    /// [D]
+    /// `[D]`
     pub b: Option<TensorRef>,
 }
 
@@ -92,7 +92,7 @@ pub enum QkvRefs {
         q: MlaQuery,
         /// [R + Dr, D] latent and shared rotated key.
         wkv_a: TensorRef,
-        /// [R] RMSNorm of the latent.
+        /// `[R]` RMSNorm of the latent.
         kv_a_norm: TensorRef,
         /// [H·R, Dn] per-head key up-projections, transposed.
         wk_b: TensorRef,
@@ -106,7 +106,7 @@ pub enum QkvRefs {
 pub enum MlaQuery {
     /// [H·Dh, D]
     Direct(TensorRef),
-    /// Low rank: [Rq, D], its [Rq] norm, [H·Dh, Rq].
+    /// Low rank: `[Rq, D]`, its `[Rq]` norm, `[H·Dh, Rq]`.
     LowRank(TensorRef, TensorRef, TensorRef),
 }
 
@@ -125,7 +125,7 @@ pub struct LayerRefs {
     pub o_bias: Option<TensorRef>,
     /// q and k norm scales.
     pub qk_norm: Option<[TensorRef; 2]>,
-    /// [H] attention sink logits.
+    /// `[H]` attention sink logits.
     pub sinks: Option<TensorRef>,
     /// Norm before the FFN.
     pub ffn_norm: NormRefs,
@@ -144,7 +144,7 @@ pub struct Model {
     pub final_norm: NormRefs,
     /// [V, D]; the embedding when tied.
     pub lm_head: TensorRef,
-    /// [V] lm_head bias.
+    /// `[V]` lm_head bias.
     pub lm_head_bias: Option<TensorRef>,
     /// One per decoder layer.
     pub layers: Vec<LayerRefs>,

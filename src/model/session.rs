@@ -63,7 +63,7 @@ pub struct Sequence {
     pub pos: usize,
     /// Keys and values of every layer and position.
     pub kv: KvCache,
-    /// [V] logits of the last token processed.
+    /// `[V]` logits of the last token processed.
     pub logits: Vec<f32>,
 }
 
@@ -218,7 +218,7 @@ impl Session {
         self.seq.max_seq
     }
 
-    /// [V] logits of the last token processed.
+    /// `[V]` logits of the last token processed.
     pub fn logits(&self) -> &[f32] {
         &self.seq.logits
     }

@@ -11,9 +11,9 @@ use super::config::{FfnSpec, ModelConfig, NormKind, QkNorm};
 /// Which tensor of a layer's attention or FFN.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum LayerTensor {
-    /// [D] norm scale before attention.
+    /// `[D]` norm scale before attention.
     AttnNorm,
-    /// [D] LayerNorm bias before attention.
+    /// `[D]` LayerNorm bias before attention.
     AttnNormBias,
     /// [H·Dh, D]
     Wq,
@@ -29,27 +29,27 @@ pub enum LayerTensor {
     Bk,
     /// [Hkv·Dh]
     Bv,
-    /// [D]
+    /// `[D]`
     Bo,
-    /// [Dh] (per head) or [H·Dh] (full)
+    /// `[Dh]` (per head) or `[H·Dh]` (full)
     QNorm,
-    /// [Dh] (per head) or [Hkv·Dh] (full)
+    /// `[Dh]` (per head) or `[Hkv·Dh]` (full)
     KNorm,
-    /// [D] norm scale before the FFN.
+    /// `[D]` norm scale before the FFN.
     FfnNorm,
-    /// [D] LayerNorm bias before the FFN.
+    /// `[D]` LayerNorm bias before the FFN.
     FfnNormBias,
-    /// [H] attention sink logits.
+    /// `[H]` attention sink logits.
     Sinks,
     /// MLA [Rq, D]: the low-rank query projection (with `q_lora_rank`).
     WqA,
-    /// MLA [Rq]: RMSNorm scale of the query latent.
+    /// MLA `[Rq]`: RMSNorm scale of the query latent.
     QANorm,
     /// MLA [H·Dh, Rq]: query up-projection (with `q_lora_rank`; else `Wq` is [H·Dh, D]).
     WqB,
     /// MLA [R + Dr, D]: the latent and the shared rotated key.
     WkvA,
-    /// MLA [R]: RMSNorm scale of the latent.
+    /// MLA `[R]`: RMSNorm scale of the latent.
     KvANorm,
     /// MLA [H, R, Dn]: each head's key up-projection, transposed
     /// (`q_nope · W_UK` is then an ordinary matmul; the absorbed form).
@@ -64,9 +64,9 @@ pub enum LayerTensor {
     Down,
     /// [E, D] router
     Router,
-    /// [E] router bias
+    /// `[E]` router bias
     RouterBias,
-    /// [E] selection-only score bias (e_score_correction_bias)
+    /// `[E]` selection-only score bias (e_score_correction_bias)
     RouterCorrection,
     /// Shared expert [Fs, D]
     SharedGate,
@@ -87,11 +87,11 @@ pub enum ExpertTensor {
     Up,
     /// [D, F]
     Down,
-    /// [F]
+    /// `[F]`
     GateBias,
-    /// [F]
+    /// `[F]`
     UpBias,
-    /// [D]
+    /// `[D]`
     DownBias,
 }
 
@@ -107,13 +107,13 @@ impl ExpertTensor {
 pub enum TensorId {
     /// [V, D]
     Embed,
-    /// [D] final norm
+    /// `[D]` final norm
     FinalNorm,
-    /// [D] final LayerNorm bias
+    /// `[D]` final LayerNorm bias
     FinalNormBias,
     /// [V, D] (absent when tied)
     LmHead,
-    /// [V] lm_head bias
+    /// `[V]` lm_head bias
     LmHeadBias,
     /// A per-layer tensor.
     Layer(usize, LayerTensor),

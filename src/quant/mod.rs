@@ -285,10 +285,11 @@ pub fn encode_weighted(dtype: DType, src: &[f32], cols: usize, importance: Optio
     encode_rows(dtype, src, cols, weights, dst);
 }
 
-/// How far [`column_weights`] pulls an importance towards uniform: each
-/// column's weight is its importance plus this share of the mean. A
-/// calibration text is a small sample, so a column it barely lit up is not
-/// free to take any error; on the demo model (held-out prose, mean KL) a
+/// How far the column weights of the importance-weighted quantisers pull
+/// an importance towards uniform: each column's weight is its importance
+/// plus this share of the mean. A calibration text is a small sample, so a
+/// column it barely lit up is not free to take any error; on the demo
+/// model (held-out prose, mean KL) a
 /// share of 0.1 helped every type tried (q4_1 4.36e-3 → 3.55e-3, q4k
 /// 3.95e-3 → 3.51e-3, q6k 3.86e-4 → 3.09e-4), where a bare floor at 1e-3
 /// of the mean helped the 4-bit types less and made q6k worse.

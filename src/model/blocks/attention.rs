@@ -36,7 +36,7 @@ pub struct Heads<'a> {
     pub window: Option<usize>,
     /// Score scale (1/√Dk unless the model says otherwise).
     pub scale: f32,
-    /// [H] sink logits.
+    /// `[H]` sink logits.
     pub sinks: Option<&'a [f32]>,
 }
 

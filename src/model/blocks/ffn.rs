@@ -29,7 +29,7 @@ pub struct Mlp<'a> {
     pub up: Matrix<'a>,
     /// [D, F]
     pub down: Matrix<'a>,
-    /// [F], [F], [D]: gate, up and down biases.
+    /// `[F]`, `[F]`, `[D]`: gate, up and down biases.
     pub bias: Option<[&'a [f32]; 3]>,
 }
 

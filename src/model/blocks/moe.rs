@@ -194,9 +194,9 @@ pub const MAX_GROUPS: usize = 64;
 pub struct MoeScratch {
     /// [C, E] router logits.
     pub logits: Vec<f32>,
-    /// [E] score scratch.
+    /// `[E]` score scratch.
     pub probs: Vec<f32>,
-    /// [E] selection score scratch.
+    /// `[E]` selection score scratch.
     pub sel: Vec<f32>,
     /// [C, K] chosen experts.
     pub ids: Vec<u32>,
@@ -222,17 +222,17 @@ pub struct MoeScratch {
     pub hq: Vec<BlockQ8>,
     /// [C·K, D] every (t, r) pair's expert output, in `order`.
     pub outs: Vec<f32>,
-    /// [E] experts with tokens in this chunk, ascending.
+    /// `[E]` experts with tokens in this chunk, ascending.
     pub active: Vec<u32>,
-    /// Up to [E] leases of the wave being run.
+    /// Up to `[E]` leases of the wave being run.
     pub leases: Vec<Lease>,
-    /// [E] index into `leases` of each expert of the wave.
+    /// `[E]` index into `leases` of each expert of the wave.
     pub lease_of: Vec<u32>,
     /// [C, D] the input of the next layer's router for prefetch prediction.
     pub pred_x: Vec<f32>,
-    /// [E] experts predicted for the next layer, ascending.
+    /// `[E]` experts predicted for the next layer, ascending.
     pub pred: Vec<u32>,
-    /// [E] membership marks for building `pred`.
+    /// `[E]` membership marks for building `pred`.
     pub mark: Vec<bool>,
 }
 
@@ -272,9 +272,9 @@ pub struct MoeLayer<'a> {
     pub layer: usize,
     /// [E, D] router weights.
     pub router: Matrix<'a>,
-    /// [E] router bias.
+    /// `[E]` router bias.
     pub router_bias: Option<&'a [f32]>,
-    /// [E] selection-only score bias.
+    /// `[E]` selection-only score bias.
     pub correction: Option<&'a [f32]>,
     /// Routing rule.
     pub spec: &'a RouterSpec,
@@ -496,7 +496,7 @@ pub struct MoeBlock<'a> {
     pub routed: MoeLayer<'a>,
     /// The shared expert.
     pub shared: Option<Mlp<'a>>,
-    /// [D] its sigmoid gate.
+    /// `[D]` its sigmoid gate.
     pub shared_gate: Option<&'a [f32]>,
 }
 
