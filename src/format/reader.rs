@@ -77,6 +77,21 @@ impl ColibriFile {
         Self::from_map(path, map)
     }
 
+    /// Asks the OS to back the mapping with 2 MiB pages where it can (Linux;
+    /// elsewhere nothing): pages the kernel reads in from now on come as
+    /// 2 MiB folios where the file system allows, and the kernels stream
+    /// those faster than 4 KiB ones (the bench probe, one thread: about 18
+    /// against 28 GB/s on a Zen 4 EPYC). Pages already cached keep their
+    /// size. For a model whose weights are all read through the map; a
+    /// streamed one reads its experts with positioned reads instead.
+    pub fn advise_huge_pages(&self) {
+        #[cfg(target_os = "linux")]
+        {
+            // Advice only: refused or ignored, the map works the same.
+            let _ = self.map.advise(memmap2::Advice::HugePage);
+        }
+    }
+
     /// Validates `bytes` as the contents of a `.colibri` file named `path`
     /// (copied into an anonymous mapping): what [`ColibriFile::open`] does
     /// after mapping the file, for inputs already in memory (the fuzz targets).

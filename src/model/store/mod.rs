@@ -380,6 +380,7 @@ pub(crate) fn place(file: &Arc<ColibriFile>, opts: &StoreOptions) -> Result<Plac
     };
     let cfg = &file.meta().config;
     let Some(slots) = slots else {
+        file.advise_huge_pages();
         return Ok(Placement {
             experts: Box::new(ResidentStore::new(file.clone(), cfg)?),
             dense: None,
