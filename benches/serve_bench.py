@@ -24,8 +24,10 @@ tokens/s.
 
 With --llama-server BIN --gguf FILE the same load also runs against
 llama.cpp's own server on the same weights (`BIN -m FILE -t T -np 16 -cb`,
-each of its 16 slots with room for a prompt and max_tokens), interleaved
-with colibri's runs cell by cell, and the ratio is printed.
+each of its 16 slots with room for a prompt and max_tokens). Both servers
+stay up for the whole bench and their runs alternate (colibri, llama-server,
+colibri, ... within each cell), so a drifting machine drifts under both; the
+ratio of the medians is printed with the ratios run by run.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -187,41 +189,52 @@ def main() -> int:
         cmd += ["-np", str(slots), "-cb", "-c", str(ctx), "--host", "127.0.0.1", "--port", str(port)]
         servers["llama-server"] = (cmd, f"http://127.0.0.1:{port}")
     rows = []
-    # One server at a time (they would share the two cores): each cell is
-    # run on every server in turn, starting each server once per cell.
+    # Every server runs for the whole bench (an idle one waits without using
+    # the cores) and the runs alternate between them, server by server within
+    # each repetition of a cell: a shared machine's speed drifts within
+    # minutes, and alternating puts both engines in the same drift.
     clients = [int(x) for x in args.clients.split(",")]
     base: dict[str, float] = {}
-    for b in clients:
-        distinct = n_exp * (1 - (1 - top_k / n_exp) ** b)
-        step = dense + layers * distinct * expert
-        row: dict[str, Any] = {"clients": b, "step_bytes": step}
-        for name, (cmd, url) in servers.items():
-            with running(cmd, url):
-                run(url, 1, 1, 8)  # warm-up: page the weights in
-                reps = []
-                for _ in range(args.reps):
+    with ExitStack() as stack:
+        for cmd, url in servers.values():
+            stack.enter_context(running(cmd, url))
+            run(url, 1, 1, 8)  # warm-up: page the weights in
+        for b in clients:
+            distinct = n_exp * (1 - (1 - top_k / n_exp) ** b)
+            step = dense + layers * distinct * expert
+            row: dict[str, Any] = {"clients": b, "step_bytes": step}
+            reps: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
+            for _ in range(args.reps):
+                for name, (_cmd, url) in servers.items():
                     bw = bandwidth()
                     r = run(url, b, args.requests, args.max_tokens)
                     r["bandwidth"] = bw
                     r["roofline_tok_s"] = b * bw / step
                     r["of_roofline"] = r["tok_s"] / r["roofline_tok_s"]
-                    reps.append(r)
-            med = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
-            base.setdefault(name, med["tok_s"])
-            row[name] = med
-            runs = ", ".join(f"{r['of_roofline']:.0%}" for r in reps)
-            print(
-                f"{name:>12} {b:3d} clients: {med['tok_s']:7.1f} tok/s "
-                f"({med['tok_s'] / base[name]:4.2f}x one), "
-                f"p50 {med['p50']:.2f} s, p99 {med['p99']:.2f} s; step {step / 1e6:.0f} MB, "
-                f"roofline {med['roofline_tok_s']:.0f} tok/s at {med['bandwidth'] / 1e9:.1f} GB/s "
-                f"({med['of_roofline']:.0%}; runs {runs})",
-                flush=True,
-            )
-        if "llama-server" in row:
-            ours, theirs = row["colibri"], row["llama-server"]
-            print(f"{'':>12} {b:3d} clients: colibri / llama-server = {ours['tok_s'] / theirs['tok_s']:.2f}x")
-        rows.append(row)
+                    reps[name].append(r)
+            for name, rs in reps.items():
+                med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+                base.setdefault(name, med["tok_s"])
+                row[name] = med
+                runs = ", ".join(f"{r['of_roofline']:.0%}" for r in rs)
+                print(
+                    f"{name:>12} {b:3d} clients: {med['tok_s']:7.1f} tok/s "
+                    f"({med['tok_s'] / base[name]:4.2f}x one), "
+                    f"p50 {med['p50']:.2f} s, p99 {med['p99']:.2f} s; step {step / 1e6:.0f} MB, "
+                    f"roofline {med['roofline_tok_s']:.0f} tok/s at {med['bandwidth'] / 1e9:.1f} GB/s "
+                    f"({med['of_roofline']:.0%}; runs {runs})",
+                    flush=True,
+                )
+            if "llama-server" in row:
+                pairs = [x["tok_s"] / y["tok_s"] for x, y in zip(reps["colibri"], reps["llama-server"])]
+                row["ratio_pairs"] = pairs
+                print(
+                    f"{'':>12} {b:3d} clients: colibri / llama-server = "
+                    f"{row['colibri']['tok_s'] / row['llama-server']['tok_s']:.2f}x "
+                    f"(run by run: {', '.join(f'{x:.2f}' for x in pairs)})",
+                    flush=True,
+                )
+            rows.append(row)
     if args.json:
         args.json.write_text(json.dumps({"rows": rows}, indent=1))
     return 0
