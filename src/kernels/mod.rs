@@ -122,14 +122,14 @@ pub type TileFn = fn(group: &[u8], q: &[BlockQ8], tokens: usize, out: &mut [f32]
 /// The weight rows of one [`TileFn`] call at most: two groups.
 pub const TILE_ROWS: usize = 16;
 
-/// A prefill kernel over 16 rows ([`TileFn`]) and the fewest tokens it
-/// takes.
+/// A kernel over 16 rows ([`TileFn`]) and the fewest tokens it takes.
 #[derive(Clone, Copy)]
 pub struct Tiles {
     /// The kernel (any number of tokens).
     pub f: TileFn,
-    /// Fewest tokens worth a call (it repacks the weights first); fewer go
-    /// to the 8-row kernels.
+    /// Fewest tokens worth a call (the tiles repack the weights first; the
+    /// direct kernels do not, but a call for one token streams worse than
+    /// the 8-row kernel); fewer go to the 8-row kernels.
     pub min: usize,
 }
 
@@ -144,9 +144,9 @@ pub struct GroupKernels {
     /// the 8-row kernels do all tokens).
     pub tile: Option<Tiles>,
     /// Sixteen rows read straight from two groups, without the tiles'
-    /// repack, from four tokens on (`DIRECT_MIN`) (up to the tiles' `min` where
-    /// there are tiles); `None`: the 8-row kernels or the tiles take them.
-    pub direct: Option<TileFn>,
+    /// repack, from its `min` tokens on (up to the tiles' `min` where there
+    /// are tiles); `None`: the 8-row kernels or the tiles take them.
+    pub direct: Option<Tiles>,
 }
 
 /// What a weight type's kernels multiply against.
@@ -444,8 +444,8 @@ fn groups_into(w: &Matrix, inp: &Input, k: GroupKernels, r0: usize, r1: usize, y
             tiles_into(w, inp, tiles.f, n, r0, r1, y);
             n
         }
-        (_, Some(direct)) if n >= DIRECT_MIN => {
-            tiles_into(w, inp, direct, n, r0, r1, y);
+        (_, Some(direct)) if n >= direct.min => {
+            tiles_into(w, inp, direct.f, n, r0, r1, y);
             n
         }
         _ => 0,
@@ -473,13 +473,6 @@ fn groups_into(w: &Matrix, inp: &Input, k: GroupKernels, r0: usize, r1: usize, y
         }
     }
 }
-
-/// Fewest tokens [`GroupKernels::direct`] takes. Below it the 8-row
-/// kernels read one group at a time, which streams better: an expert
-/// multiplied for two or three tokens of a batched step is read from
-/// memory, and a step of eight sequences ran 5-8% slower with the direct
-/// kernel taking those (Zen 4 EPYC, two threads).
-const DIRECT_MIN: usize = 4;
 
 /// Most tokens one [`TileFn`] call of [`tiles_into`] takes (its output
 /// lives on the stack: 8 KiB).

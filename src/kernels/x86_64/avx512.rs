@@ -23,7 +23,7 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2::prefetch_ahead;
+use super::avx2::prefetch_ahead_l2;
 use super::kx8::{self, KTile, Q4K, Q5K, Q6K};
 use super::pack::{self, GroupBlock, PACK, PACKED, Packed, ROWS, TileBlock};
 use crate::kernels::BlockQ8;
@@ -309,8 +309,8 @@ impl<B: DirectBlock> DirectKernel for B {
         let mut acc = [_mm512_setzero_ps(); T];
         for b in 0..nb {
             let (b0, b1) = (&*g0.add(b), &*g1.add(b));
-            prefetch_ahead(b0 as *const B as *const u8, std::mem::size_of::<B>());
-            prefetch_ahead(b1 as *const B as *const u8, std::mem::size_of::<B>());
+            prefetch_ahead_l2(b0 as *const B as *const u8, std::mem::size_of::<B>());
+            prefetch_ahead_l2(b1 as *const B as *const u8, std::mem::size_of::<B>());
             let head = B::head(b0, b1);
             let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q.add(t * nb + b));
             let isum = B::sums(b0, b1, ba);
@@ -381,14 +381,14 @@ impl<const K: u8> DirectKernel for KTile<K> {
         let mut acc = [_mm512_setzero_ps(); T];
         for (c, (start, subs)) in qkx8::columns(kind, nb * QK).enumerate() {
             let (c0, c1) = (g0.add(start), g1.add(start));
-            prefetch_ahead(c0, hb);
-            prefetch_ahead(c1, hb);
+            prefetch_ahead_l2(c0, hb);
+            prefetch_ahead_l2(c1, hb);
             let mut head = KHead16::load(c0, c1);
             for j in 0..subs {
                 let b = c * SUBS + j;
                 let (s0, s1) = (c0.add(hb + j * sb), c1.add(hb + j * sb));
-                prefetch_ahead(s0, sb);
-                prefetch_ahead(s1, sb);
+                prefetch_ahead_l2(s0, sb);
+                prefetch_ahead_l2(s1, sb);
                 let scales = head.next(c0, c1, j);
                 let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q.add(t * nb + b));
                 let e0 = if K == Q5K { halves_run(s0.add(128), s1.add(128)) } else { _mm512_setzero_si512() };
@@ -418,14 +418,14 @@ unsafe fn q6k_run<const T: usize>(g0: *const u8, g1: *const u8, q: *const BlockQ
     let mut acc = [_mm512_setzero_ps(); T];
     for (c, (start, subs)) in qkx8::columns(kind, nb * QK).enumerate() {
         let (c0, c1) = (g0.add(start), g1.add(start));
-        prefetch_ahead(c0, hb);
-        prefetch_ahead(c1, hb);
+        prefetch_ahead_l2(c0, hb);
+        prefetch_ahead_l2(c1, hb);
         let d = halves_f16(c0 as *const u16, c1 as *const u16);
         for j in 0..subs {
             let b = c * SUBS + j;
             let (s0, s1) = (c0.add(hb + j * sb), c1.add(hb + j * sb));
-            prefetch_ahead(s0, sb);
-            prefetch_ahead(s1, sb);
+            prefetch_ahead_l2(s0, sb);
+            prefetch_ahead_l2(s1, sb);
             let (sc0, sc1) = (q6k_scales(c0, c1, 16 + 16 * j), q6k_scales(c0, c1, 24 + 16 * j));
             let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q.add(t * nb + b));
             let (e0, e1) = (halves_run(s0.add(128), s1.add(128)), halves_run(s0.add(160), s1.add(160)));

@@ -164,9 +164,9 @@ enum Base {
 /// 0.126 without the tiles' prefetch of the next pair). Before that
 /// prefetch (`avx512::rows16`) a streamed tile was 1.2-1.5x slower and the
 /// run pairs won up to 16-32 tokens; in L2 the tiles cross at 5-9. Since
-/// sessions 14-15 only mxfp4x8 has tiles here: q4_0x8, q4_1x8, q8_0x8,
-/// q4kx8 and q5kx8 take every count from four tokens on with their direct
-/// kernel (`avx512::direct16`).
+/// sessions 14-15 only mxfp4x8 has tiles here: the other interleaved
+/// types take every count from two tokens on (q8_0x8 from four) with their
+/// direct kernel (`avx512::direct16`).
 const fn rows16(f: TileFn, min: usize) -> Option<Tiles> {
     Some(Tiles { f, min })
 }
@@ -229,17 +229,24 @@ impl Avx512 {
         let pairs = !matches!(dtype, DType::Mxfp4x8);
         if let (Layout::Groups(g), Some((tiles, one, many)), true) = (&mut k.layout, vnni, self.vnni) {
             g.tile = tiles;
-            // From four tokens on these read sixteen rows straight from the
-            // matrix (`avx512::direct16`): level with or faster than the run
-            // pairs and the tiles at every count from 4 to 128 tokens, in L2
-            // and streamed (Zen 4 EPYC, docs/ARCHITECTURE.md).
+            // These read sixteen rows straight from the matrix
+            // (`avx512::direct16`): level with or faster than the run pairs
+            // and the tiles at every count from 4 to 128 tokens, in L2 and
+            // streamed, and, since their prefetch goes to L2 only
+            // (`avx2::prefetch_ahead_l2`), at two and three tokens too, over
+            // a streamed matrix 1.3-1.65x the run pairs' GB/s (Zen 4 EPYC,
+            // one and two threads; docs/ARCHITECTURE.md), except q8_0x8,
+            // whose pairs stay ahead at two tokens (48 against 40 GB/s, two
+            // threads) and level at three: it keeps them below four. One
+            // token stays on the 8-row kernels (level or ahead there).
+            let direct = |f: TileFn, min: usize| Some(Tiles { f, min });
             g.direct = match dtype {
-                DType::Q4_0x8 => Some(z_direct_q4_0x8 as TileFn),
-                DType::Q4_1x8 => Some(z_direct_q4_1x8 as TileFn),
-                DType::Q8_0x8 => Some(z_direct_q8_0x8 as TileFn),
-                DType::Q4Kx8 => Some(z_direct_q4kx8 as TileFn),
-                DType::Q5Kx8 => Some(z_direct_q5kx8 as TileFn),
-                DType::Q6Kx8 => Some(z_direct_q6kx8 as TileFn),
+                DType::Q4_0x8 => direct(z_direct_q4_0x8, 2),
+                DType::Q4_1x8 => direct(z_direct_q4_1x8, 2),
+                DType::Q8_0x8 => direct(z_direct_q8_0x8, 4),
+                DType::Q4Kx8 => direct(z_direct_q4kx8, 2),
+                DType::Q5Kx8 => direct(z_direct_q5kx8, 2),
+                DType::Q6Kx8 => direct(z_direct_q6kx8, 2),
                 _ => None,
             };
             if pairs || matches!(self.base, Base::Avx2(_)) {
