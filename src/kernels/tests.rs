@@ -490,6 +490,12 @@ fn tiles_of_every_table_give_the_one_token_bits() {
                     (64, 2, 4),
                     (2048, 2, 8),
                     (96, 1, 7),
+                    // Two and three tokens (routed experts of a batched
+                    // step take the direct kernels from two on), and a run
+                    // of six after eight.
+                    (2048, 2, 2),
+                    (96, 1, 3),
+                    (160, 2, 14),
                 ] {
                     let what = format!("{} {dtype} {kind} n={n} groups={groups} tokens={tokens}", table.isa());
                     let w: Vec<f32> = (0..8 * groups * n).map(|_| lcg(&mut s)).collect();
