@@ -239,14 +239,13 @@ impl Avx512 {
             // whose pairs stay ahead at two tokens (48 against 40 GB/s, two
             // threads) and level at three: it keeps them below four. One
             // token stays on the 8-row kernels (level or ahead there).
-            let direct = |f: TileFn, min: usize| Some(Tiles { f, min });
             g.direct = match dtype {
-                DType::Q4_0x8 => direct(z_direct_q4_0x8, 2),
-                DType::Q4_1x8 => direct(z_direct_q4_1x8, 2),
-                DType::Q8_0x8 => direct(z_direct_q8_0x8, 4),
-                DType::Q4Kx8 => direct(z_direct_q4kx8, 2),
-                DType::Q5Kx8 => direct(z_direct_q5kx8, 2),
-                DType::Q6Kx8 => direct(z_direct_q6kx8, 2),
+                DType::Q4_0x8 => rows16(z_direct_q4_0x8, 2),
+                DType::Q4_1x8 => rows16(z_direct_q4_1x8, 2),
+                DType::Q8_0x8 => rows16(z_direct_q8_0x8, 4),
+                DType::Q4Kx8 => rows16(z_direct_q4kx8, 2),
+                DType::Q5Kx8 => rows16(z_direct_q5kx8, 2),
+                DType::Q6Kx8 => rows16(z_direct_q6kx8, 2),
                 _ => None,
             };
             if pairs || matches!(self.base, Base::Avx2(_)) {
