@@ -20,7 +20,7 @@
 //! Interleaved types (`q8_0x8`, ..., see [`crate::quant::x8`]; the
 //! super-block types' `q4kx8`, ..., [`crate::quant::kx8`]) are multiplied
 //! eight rows at a time by group kernels ([`GroupKernels`]), for one token or
-//! up to four sharing each weight load; row-major types go one row at a time
+//! up to eight sharing each weight load; row-major types go one row at a time
 //! (four tokens per weight load for the block types).
 //!
 //! Work is split by output rows only (never one dot product across threads;
@@ -105,13 +105,15 @@ pub struct KvKernels {
 /// activation row: the eight outputs.
 pub type Gemv8Fn = fn(group: &[u8], q: &[BlockQ8]) -> [f32; 8];
 
-/// Eight interleaved rows against 1 to 4 activation rows (`q.len()`, the
-/// same as `out.len()`), reading the weights once; per (row, token) the same
+/// Eight interleaved rows against 1 to [`GEMM8_TOKENS`] activation rows
+/// (`q.len()`, the same as `out.len()`), reading the weights once per run of
+/// as many tokens as the type's kernel holds in registers (eight for the
+/// 4-bit types on x86_64, four for q8_0 and q6k); per (row, token) the same
 /// bits as [`Gemv8Fn`].
 pub type Gemm8Fn = fn(group: &[u8], q: &[&[BlockQ8]], out: &mut [[f32; 8]]);
 
 /// Most tokens one [`Gemm8Fn`] call takes.
-pub const GEMM8_TOKENS: usize = 4;
+pub const GEMM8_TOKENS: usize = 8;
 
 /// One or two interleaved groups (8 or 16 rows, `group` holding whole
 /// groups) against `tokens` activation rows (`q` is `[tokens, cols / 32]`),
@@ -431,7 +433,7 @@ fn elems_into(w: &Matrix, inp: &Input, dots: DotsFn, r0: usize, r1: usize, y: YO
 /// With 16-row kernels and at least [`Tiles::min`] tokens, pairs of groups
 /// take every token on them (up to [`TILE_BATCH`] tokens per call, which
 /// repacks the pair once); else each group of eight rows takes the tokens
-/// four at a time (and the last one to three singly). Every path gives the
+/// [`GEMM8_TOKENS`] at a time (a last single one by the one-token kernel). Every path gives the
 /// same bits per (row, token).
 fn groups_into(w: &Matrix, inp: &Input, k: GroupKernels, r0: usize, r1: usize, y: YOut) {
     const G: usize = crate::quant::x8::ROWS;

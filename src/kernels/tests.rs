@@ -344,7 +344,8 @@ fn element_row_tiles_give_the_single_dot_bits() {
 }
 
 /// Each interleaved kernel of every table against its scalar twin, the
-/// four-token kernel against the one-token kernel (bit for bit), and both
+/// several-token kernel (every run of 1 to [`GEMM8_TOKENS`]) against the
+/// one-token kernel (bit for bit), and both
 /// against the row-major kernels of the same values.
 #[test]
 fn group_kernels_of_every_table_match_scalar_and_row_kernels() {
@@ -365,16 +366,17 @@ fn group_kernels_of_every_table_match_scalar_and_row_kernels() {
                 let rb = dtype.row_bytes(n).unwrap();
                 // Large activations make the 16-bit partial sums of the 4-bit
                 // kernels approach their bound.
-                let x: Vec<f32> = (0..4 * n).map(|i| if i % 7 == 0 { 1.0 } else { lcg(&mut s) * 3.0 }).collect();
-                let mut q = vec![BlockQ8::default(); 4 * n / 32];
+                const T: usize = GEMM8_TOKENS;
+                let x: Vec<f32> = (0..T * n).map(|i| if i % 7 == 0 { 1.0 } else { lcg(&mut s) * 3.0 }).collect();
+                let mut q = vec![BlockQ8::default(); T * n / 32];
                 let inp = Input::prepare(&x, n, true, &mut q);
-                let qs = [inp.row(0).1, inp.row(1).1, inp.row(2).1, inp.row(3).1];
-                for t in 0..4 {
+                let qs: [&[BlockQ8]; T] = std::array::from_fn(|t| inp.row(t).1);
+                for t in 0..T {
                     let what = format!("{} {dtype} n={n} t={t}", table.isa());
                     let got = (k.one)(g, qs[t]);
                     if let Some(many) = k.many {
-                        // Every tile width that includes token t, t first or last.
-                        for (lo, hi) in [(t, 4), (0, t + 1)] {
+                        // Every run length that includes token t, t first or last.
+                        for (lo, hi) in [(t, T), (0, t + 1)] {
                             let mut out = vec![[0f32; 8]; hi - lo];
                             many(g, &qs[lo..hi], &mut out);
                             let at = if lo == t { 0 } else { t };
@@ -398,7 +400,8 @@ fn group_kernels_of_every_table_match_scalar_and_row_kernels() {
 }
 
 /// The super-block types' group kernels give their scalar reference's bits
-/// in every table, one token at a time and in every run of 1 to 4 tokens
+/// in every table, one token at a time and in every run of 1 to
+/// [`GEMM8_TOKENS`] tokens
 /// (so prefill and decode agree), at lengths with and without a partial
 /// last super-block, on activations of very different magnitudes per
 /// block; then with every code at its largest and activations of ±127, the
@@ -419,8 +422,9 @@ fn super_block_group_kernels_of_every_table_are_the_scalar_bits() {
                 let w: Vec<f32> = (0..8 * n).map(|i| lcg(&mut s) * if i % 97 == 5 { 9.0 } else { 1.0 }).collect();
                 let mut buf = encoded(dtype, &w, n);
                 let gb = 8 * dtype.row_bytes(n).unwrap();
-                let x: Vec<f32> = (0..4 * n).map(|i| lcg(&mut s) * (1.0 + (i / 32 % 5) as f32 * 40.0)).collect();
-                let mut q = vec![BlockQ8::default(); 4 * n / 32];
+                let x: Vec<f32> =
+                    (0..GEMM8_TOKENS * n).map(|i| lcg(&mut s) * (1.0 + (i / 32 % 5) as f32 * 40.0)).collect();
+                let mut q = vec![BlockQ8::default(); GEMM8_TOKENS * n / 32];
                 Input::prepare(&x, n, true, &mut q);
                 let mut extreme = q.clone();
                 for (i, b) in extreme.iter_mut().enumerate() {
@@ -444,8 +448,8 @@ fn super_block_group_kernels_of_every_table_are_the_scalar_bits() {
                         assert_eq!(bits((k.one)(g, q)), bits(want[t]), "{what}: one token");
                     }
                     let Some(many) = k.many else { continue };
-                    for lo in 0..4 {
-                        for hi in lo + 1..=4 {
+                    for lo in 0..GEMM8_TOKENS {
+                        for hi in lo + 1..=GEMM8_TOKENS {
                             let mut out = vec![[f32::NAN; 8]; hi - lo];
                             many(g, &qs[lo..hi], &mut out);
                             for (i, o) in out.iter().enumerate() {
@@ -528,9 +532,9 @@ fn tiles_of_every_table_give_the_one_token_bits() {
 
 /// `a` and `b`, group kernels of `dtype` that sum the same integers
 /// (`vpdpbusd` against `maddubs` + `madd`, which never saturates here), give
-/// the same bits for one token and for four; the large activations reach
-/// the 16-bit bound of the AVX2 nibble sums. (Only x86_64 has two tables
-/// that sum the same integers.)
+/// the same bits for one token and for runs of 2 to [`GEMM8_TOKENS`]; the
+/// large activations reach the 16-bit bound of the AVX2 nibble sums. (Only
+/// x86_64 has two tables that sum the same integers.)
 #[cfg(target_arch = "x86_64")]
 pub(super) fn assert_group_kernels_agree(dtype: DType, a: GroupKernels, b: GroupKernels) {
     let mut s = 7u64;
@@ -538,20 +542,23 @@ pub(super) fn assert_group_kernels_agree(dtype: DType, a: GroupKernels, b: Group
         let w: Vec<f32> = (0..8 * n).map(|_| lcg(&mut s)).collect();
         let buf = encoded(dtype, &w, n);
         let g = &bytemuck::cast_slice::<u64, u8>(&buf)[..8 * dtype.row_bytes(n).unwrap()];
-        let x: Vec<f32> = (0..4 * n).map(|i| if i % 5 == 0 { 1.0 } else { lcg(&mut s) * 3.0 }).collect();
-        let mut q = vec![BlockQ8::default(); 4 * n / 32];
+        const T: usize = GEMM8_TOKENS;
+        let x: Vec<f32> = (0..T * n).map(|i| if i % 5 == 0 { 1.0 } else { lcg(&mut s) * 3.0 }).collect();
+        let mut q = vec![BlockQ8::default(); T * n / 32];
         let inp = Input::prepare(&x, n, true, &mut q);
-        let qs = [inp.row(0).1, inp.row(1).1, inp.row(2).1, inp.row(3).1];
+        let qs: [&[BlockQ8]; T] = std::array::from_fn(|t| inp.row(t).1);
         assert_eq!((a.one)(g, qs[0]), (b.one)(g, qs[0]), "{dtype} n={n}: one token");
         let (ma, mb) = match (a.many, b.many) {
             (Some(ma), Some(mb)) => (ma, mb),
             (None, None) => continue,
             _ => panic!("{dtype}: one table has a several-token kernel, the other not"),
         };
-        let (mut oa, mut ob) = (vec![[0f32; 8]; 4], vec![[0f32; 8]; 4]);
-        ma(g, &qs, &mut oa);
-        mb(g, &qs, &mut ob);
-        assert_eq!(oa, ob, "{dtype} n={n}: four tokens");
+        for m in 2..=T {
+            let (mut oa, mut ob) = (vec![[0f32; 8]; m], vec![[0f32; 8]; m]);
+            ma(g, &qs[..m], &mut oa);
+            mb(g, &qs[..m], &mut ob);
+            assert_eq!(oa, ob, "{dtype} n={n}: {m} tokens");
+        }
     }
 }
 

@@ -24,7 +24,7 @@ use std::arch::x86_64::*;
 
 use super::kx8;
 use super::pairs::{self, ZMM_VNNI};
-use crate::kernels::BlockQ8;
+use crate::kernels::{BlockQ8, GEMM8_TOKENS};
 use crate::quant::mxfp4::{BlockMxfp4, LUT2};
 use crate::quant::q4_0::BlockQ4_0;
 use crate::quant::q4_1::BlockQ4_1;
@@ -535,7 +535,7 @@ pub(super) unsafe fn store8(v: __m256) -> [f32; 8] {
 }
 
 macro_rules! group_kernels {
-    ($one:ident, $four:ident, $inner:ident, $block:ty, $vnni:ident, $features:literal) => {
+    ($one:ident, $many:ident, $inner:ident, $block:ty, $vnni:ident, $features:literal, [$($t:literal)+]) => {
         /// # Safety
         /// The CPU must have the target features this function enables;
         /// `group` holds whole group blocks of this type and `q` at least as
@@ -549,79 +549,90 @@ macro_rules! group_kernels {
         }
 
         /// # Safety
-        /// As the one-token kernel, with 1 to 4 tokens, every `q[t]` long
-        /// enough and `out` as long as `q`.
+        /// As the one-token kernel, with 1 to [`GEMM8_TOKENS`] tokens, every
+        /// `q[t]` long enough and `out` as long as `q`.
         #[target_feature(enable = $features)]
-        pub unsafe fn $four(group: &[u8], q: &[&[BlockQ8]], out: &mut [[f32; 8]]) {
+        pub unsafe fn $many(group: &[u8], q: &[&[BlockQ8]], out: &mut [[f32; 8]]) {
             let nb = group.len() / std::mem::size_of::<$block>();
             debug_assert!(q.iter().all(|r| r.len() >= nb));
             assert_eq!(q.len(), out.len(), "one output per token");
+            assert!(q.len() <= GEMM8_TOKENS, "group kernels take 1 to {GEMM8_TOKENS} tokens, got {}", q.len());
             let g = group.as_ptr() as *const $block;
-            let p = |t: usize| q[t].as_ptr();
-            let mut put = |acc: &[__m256]| {
-                for (o, a) in out.iter_mut().zip(acc) {
-                    *o = store8(*a);
+            // One pass over the weights per run of up to the largest count
+            // listed (the counts this type's registers hold).
+            const PASS: usize = [$($t),+].len();
+            for (q, out) in q.chunks(PASS).zip(out.chunks_mut(PASS)) {
+                let p = |t: usize| q[t].as_ptr();
+                let mut put = |acc: &[__m256]| {
+                    for (o, a) in out.iter_mut().zip(acc) {
+                        *o = store8(*a);
+                    }
+                };
+                match q.len() {
+                    $($t => put(&$inner::<$t, $vnni>(g, nb, std::array::from_fn(p))),)+
+                    _ => unreachable!("runs of 1 to {PASS} tokens"),
                 }
-            };
-            match q.len() {
-                1 => put(&$inner::<1, $vnni>(g, nb, [p(0)])),
-                2 => put(&$inner::<2, $vnni>(g, nb, [p(0), p(1)])),
-                3 => put(&$inner::<3, $vnni>(g, nb, [p(0), p(1), p(2)])),
-                4 => put(&$inner::<4, $vnni>(g, nb, [p(0), p(1), p(2), p(3)])),
-                n => panic!("group kernels take 1 to 4 tokens, got {n}"),
             }
         }
     };
 }
 
-group_kernels!(gemv8_q8_0, gemm8x4_q8_0, gemm8_q8_0, BlockQ8_0x8, MADD, "avx2,fma,f16c");
-group_kernels!(gemv8_q4_0, gemm8x4_q4_0, gemm8_q4_0, BlockQ4_0x8, MADD, "avx2,fma,f16c");
-group_kernels!(gemv8_q4_1, gemm8x4_q4_1, gemm8_q4_1, BlockQ4_1x8, MADD, "avx2,fma,f16c");
-group_kernels!(gemv8_mxfp4, gemm8x4_mxfp4, gemm8_mxfp4, BlockMxfp4x8, MADD, "avx2,fma,f16c");
+// The last argument lists the token counts of one pass over the weights:
+// eight for the 4-bit types, four for q8_0, whose eight tokens' sums spill
+// out of the 16 registers and ran slower in one pass than in two
+// (docs/ARCHITECTURE.md, "For several tokens").
+group_kernels!(gemv8_q8_0, gemm8xn_q8_0, gemm8_q8_0, BlockQ8_0x8, MADD, "avx2,fma,f16c", [1 2 3 4]);
+group_kernels!(gemv8_q4_0, gemm8xn_q4_0, gemm8_q4_0, BlockQ4_0x8, MADD, "avx2,fma,f16c", [1 2 3 4 5 6 7 8]);
+group_kernels!(gemv8_q4_1, gemm8xn_q4_1, gemm8_q4_1, BlockQ4_1x8, MADD, "avx2,fma,f16c", [1 2 3 4 5 6 7 8]);
+group_kernels!(gemv8_mxfp4, gemm8xn_mxfp4, gemm8_mxfp4, BlockMxfp4x8, MADD, "avx2,fma,f16c", [1 2 3 4 5 6 7 8]);
 
 // The same kernels with AVX-VNNI's `vpdpbusd` for the integer sums (the
 // same integers, so the same bits as the AVX2 ones).
-group_kernels!(vnni_gemv8_q8_0, vnni_gemm8x4_q8_0, gemm8_q8_0, BlockQ8_0x8, AVX_VNNI, "avx2,fma,f16c,avxvnni");
-group_kernels!(vnni_gemv8_q4_0, vnni_gemm8x4_q4_0, gemm8_q4_0, BlockQ4_0x8, AVX_VNNI, "avx2,fma,f16c,avxvnni");
-group_kernels!(vnni_gemv8_q4_1, vnni_gemm8x4_q4_1, gemm8_q4_1, BlockQ4_1x8, AVX_VNNI, "avx2,fma,f16c,avxvnni");
-group_kernels!(vnni_gemv8_mxfp4, vnni_gemm8x4_mxfp4, gemm8_mxfp4, BlockMxfp4x8, AVX_VNNI, "avx2,fma,f16c,avxvnni");
+group_kernels!(vnni_gemv8_q8_0, vnni_gemm8xn_q8_0, gemm8_q8_0, BlockQ8_0x8, AVX_VNNI, "avx2,fma,f16c,avxvnni", [1 2 3 4]);
+group_kernels!(vnni_gemv8_q4_0, vnni_gemm8xn_q4_0, gemm8_q4_0, BlockQ4_0x8, AVX_VNNI, "avx2,fma,f16c,avxvnni", [1 2 3 4 5 6 7 8]);
+group_kernels!(vnni_gemv8_q4_1, vnni_gemm8xn_q4_1, gemm8_q4_1, BlockQ4_1x8, AVX_VNNI, "avx2,fma,f16c,avxvnni", [1 2 3 4 5 6 7 8]);
+group_kernels!(vnni_gemv8_mxfp4, vnni_gemm8xn_mxfp4, gemm8_mxfp4, BlockMxfp4x8, AVX_VNNI, "avx2,fma,f16c,avxvnni", [1 2 3 4 5 6 7 8]);
 
 // With 512-bit `vpdpbusd` over pairs of runs (`pairs.rs`): the same
 // integers again. (mxfp4's lookup and sign trick have no 512-bit form here.)
 group_kernels!(
     zmm_gemv8_q8_0,
-    zmm_gemm8x4_q8_0,
+    zmm_gemm8xn_q8_0,
     gemm8_q8_0,
     BlockQ8_0x8,
     ZMM_VNNI,
-    "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
+    "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni",
+    [1 2 3 4]
 );
 group_kernels!(
     zmm_gemv8_q4_0,
-    zmm_gemm8x4_q4_0,
+    zmm_gemm8xn_q4_0,
     gemm8_q4_0,
     BlockQ4_0x8,
     ZMM_VNNI,
-    "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
+    "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni",
+    [1 2 3 4]
 );
 group_kernels!(
     zmm_gemv8_q4_1,
-    zmm_gemm8x4_q4_1,
+    zmm_gemm8xn_q4_1,
     gemm8_q4_1,
     BlockQ4_1x8,
     ZMM_VNNI,
-    "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
+    "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni",
+    [1 2 3 4]
 );
 
 // mxfp4 with the EVEX `vpdpbusd` of AVX-512 VNNI (256-bit, so AVX-512VL),
 // for CPUs without AVX-VNNI.
 group_kernels!(
     evex_gemv8_mxfp4,
-    evex_gemm8x4_mxfp4,
+    evex_gemm8xn_mxfp4,
     gemm8_mxfp4,
     BlockMxfp4x8,
     EVEX_VNNI,
-    "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
+    "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
+    [1 2 3 4]
 );
 
 /// [`crate::kernels::scalar::quantize_act`] eight lanes at a time, with the

@@ -39,7 +39,7 @@ use std::arch::x86_64::*;
 use super::avx2::{AVX_VNNI, MADD, act4, prefetch_ahead, store8, vpdpbusd};
 use super::pack::{PACKED, Packed, ROWS, TileBlock};
 use super::pairs::{ZMM_VNNI, pair_sums};
-use crate::kernels::BlockQ8;
+use crate::kernels::{BlockQ8, GEMM8_TOKENS};
 use crate::quant::kquant::{self, Kind, QK, SUBS};
 use crate::quant::kx8;
 use crate::quant::x8::ROWS as GROUP;
@@ -335,7 +335,7 @@ fn sub_blocks<const K: u8>(len: usize, qlen: usize) -> usize {
 }
 
 macro_rules! kx8_kernels {
-    ($one:ident, $four:ident, $k:ident, $vnni:ident, $features:literal) => {
+    ($one:ident, $many:ident, $k:ident, $vnni:ident, $features:literal, [$($t:literal)+]) => {
         /// # Safety
         /// The CPU must have the target features this function enables
         /// (the lengths are checked here).
@@ -347,45 +347,51 @@ macro_rules! kx8_kernels {
         }
 
         /// # Safety
-        /// As the one-token kernel, with 1 to 4 tokens (`out` as long as `q`).
+        /// As the one-token kernel, with 1 to [`GEMM8_TOKENS`] tokens (`out`
+        /// as long as `q`).
         #[target_feature(enable = $features)]
-        pub unsafe fn $four(group: &[u8], q: &[&[BlockQ8]], out: &mut [[f32; 8]]) {
+        pub unsafe fn $many(group: &[u8], q: &[&[BlockQ8]], out: &mut [[f32; 8]]) {
             assert_eq!(q.len(), out.len(), "one output per token");
+            assert!(q.len() <= GEMM8_TOKENS, "group kernels take 1 to {GEMM8_TOKENS} tokens, got {}", q.len());
             let shortest = q.iter().map(|r| r.len()).min().unwrap_or(0);
             let nsub = sub_blocks::<$k>(group.len(), shortest);
             let g = group.as_ptr();
-            let p = |t: usize| q[t].as_ptr();
-            let mut put = |acc: &[__m256]| {
-                for (o, a) in out.iter_mut().zip(acc) {
-                    *o = store8(*a);
+            // One pass over the weights per run of up to the largest count
+            // listed, as in `avx2::group_kernels`.
+            const PASS: usize = [$($t),+].len();
+            for (q, out) in q.chunks(PASS).zip(out.chunks_mut(PASS)) {
+                let p = |t: usize| q[t].as_ptr();
+                let mut put = |acc: &[__m256]| {
+                    for (o, a) in out.iter_mut().zip(acc) {
+                        *o = store8(*a);
+                    }
+                };
+                match q.len() {
+                    $($t => put(&gemm8::<$t, $vnni, $k>(g, nsub, std::array::from_fn(p))),)+
+                    _ => unreachable!("runs of 1 to {PASS} tokens"),
                 }
-            };
-            match q.len() {
-                1 => put(&gemm8::<1, $vnni, $k>(g, nsub, [p(0)])),
-                2 => put(&gemm8::<2, $vnni, $k>(g, nsub, [p(0), p(1)])),
-                3 => put(&gemm8::<3, $vnni, $k>(g, nsub, [p(0), p(1), p(2)])),
-                4 => put(&gemm8::<4, $vnni, $k>(g, nsub, [p(0), p(1), p(2), p(3)])),
-                n => panic!("group kernels take 1 to 4 tokens, got {n}"),
             }
         }
     };
 }
 
-kx8_kernels!(gemv8_q4k, gemm8x4_q4k, Q4K, MADD, "avx2,fma,f16c");
-kx8_kernels!(gemv8_q5k, gemm8x4_q5k, Q5K, MADD, "avx2,fma,f16c");
-kx8_kernels!(gemv8_q6k, gemm8x4_q6k, Q6K, MADD, "avx2,fma,f16c");
+// Four tokens per pass over the weights: at eight the per-token state
+// spills, and one pass ran slower than two (docs/ARCHITECTURE.md).
+kx8_kernels!(gemv8_q4k, gemm8xn_q4k, Q4K, MADD, "avx2,fma,f16c", [1 2 3 4]);
+kx8_kernels!(gemv8_q5k, gemm8xn_q5k, Q5K, MADD, "avx2,fma,f16c", [1 2 3 4]);
+kx8_kernels!(gemv8_q6k, gemm8xn_q6k, Q6K, MADD, "avx2,fma,f16c", [1 2 3 4]);
 
 // With AVX-VNNI's `vpdpbusd` for the integer sums: the same integers, so
 // the same bits.
-kx8_kernels!(vnni_gemv8_q4k, vnni_gemm8x4_q4k, Q4K, AVX_VNNI, "avx2,fma,f16c,avxvnni");
-kx8_kernels!(vnni_gemv8_q5k, vnni_gemm8x4_q5k, Q5K, AVX_VNNI, "avx2,fma,f16c,avxvnni");
-kx8_kernels!(vnni_gemv8_q6k, vnni_gemm8x4_q6k, Q6K, AVX_VNNI, "avx2,fma,f16c,avxvnni");
+kx8_kernels!(vnni_gemv8_q4k, vnni_gemm8xn_q4k, Q4K, AVX_VNNI, "avx2,fma,f16c,avxvnni", [1 2 3 4]);
+kx8_kernels!(vnni_gemv8_q5k, vnni_gemm8xn_q5k, Q5K, AVX_VNNI, "avx2,fma,f16c,avxvnni", [1 2 3 4]);
+kx8_kernels!(vnni_gemv8_q6k, vnni_gemm8xn_q6k, Q6K, AVX_VNNI, "avx2,fma,f16c,avxvnni", [1 2 3 4]);
 
 // With 512-bit `vpdpbusd` over pairs of runs ([`ZMM_VNNI`]): the same
 // integers once more.
-kx8_kernels!(zmm_gemv8_q4k, zmm_gemm8x4_q4k, Q4K, ZMM_VNNI, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni");
-kx8_kernels!(zmm_gemv8_q5k, zmm_gemm8x4_q5k, Q5K, ZMM_VNNI, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni");
-kx8_kernels!(zmm_gemv8_q6k, zmm_gemm8x4_q6k, Q6K, ZMM_VNNI, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni");
+kx8_kernels!(zmm_gemv8_q4k, zmm_gemm8xn_q4k, Q4K, ZMM_VNNI, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", [1 2 3 4]);
+kx8_kernels!(zmm_gemv8_q5k, zmm_gemm8xn_q5k, Q5K, ZMM_VNNI, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", [1 2 3 4]);
+kx8_kernels!(zmm_gemv8_q6k, zmm_gemm8xn_q6k, Q6K, ZMM_VNNI, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", [1 2 3 4]);
 
 // ------------------------------------------------------------------
 // The 16-row kernels' side (`pack.rs`, `avx512.rs`, `amx.rs`).

@@ -68,17 +68,17 @@ impl Avx2 {
             DType::Q8_0 => rows(Q8, q8_0_dot, Some(q8_0_dot4)),
             DType::Q4_0 => rows(Q8, q4_0_dot, Some(q4_0_dot4)),
             DType::Q4_1 => rows(Q8, q4_1_dot, Some(q4_1_dot4)),
-            DType::Q8_0x8 => group(q8_0x8_gemv, q8_0x8_gemm4),
-            DType::Q4_0x8 => group(q4_0x8_gemv, q4_0x8_gemm4),
-            DType::Q4_1x8 => group(q4_1x8_gemv, q4_1x8_gemm4),
+            DType::Q8_0x8 => group(q8_0x8_gemv, q8_0x8_gemmn),
+            DType::Q4_0x8 => group(q4_0x8_gemv, q4_0x8_gemmn),
+            DType::Q4_1x8 => group(q4_1x8_gemv, q4_1x8_gemmn),
             DType::Mxfp4 => rows(Q8, mxfp4_dot, None),
-            DType::Mxfp4x8 => group(mxfp4x8_gemv, mxfp4x8_gemm4),
+            DType::Mxfp4x8 => group(mxfp4x8_gemv, mxfp4x8_gemmn),
             DType::Q4K => rows(Q8, q4k_dot, None),
             DType::Q5K => rows(Q8, q5k_dot, None),
             DType::Q6K => rows(Q8, q6k_dot, None),
-            DType::Q4Kx8 => group(q4kx8_gemv, q4kx8_gemm4),
-            DType::Q5Kx8 => group(q5kx8_gemv, q5kx8_gemm4),
-            DType::Q6Kx8 => group(q6kx8_gemv, q6kx8_gemm4),
+            DType::Q4Kx8 => group(q4kx8_gemv, q4kx8_gemmn),
+            DType::Q5Kx8 => group(q5kx8_gemv, q5kx8_gemmn),
+            DType::Q6Kx8 => group(q6kx8_gemv, q6kx8_gemmn),
         }
     }
 }
@@ -120,13 +120,13 @@ impl AvxVnni {
             | DType::Q4K
             | DType::Q5K
             | DType::Q6K => self.0.kernels(dtype),
-            DType::Q8_0x8 => group(vnni_q8_0x8_gemv, vnni_q8_0x8_gemm4),
-            DType::Q4_0x8 => group(vnni_q4_0x8_gemv, vnni_q4_0x8_gemm4),
-            DType::Q4_1x8 => group(vnni_q4_1x8_gemv, vnni_q4_1x8_gemm4),
-            DType::Mxfp4x8 => group(vnni_mxfp4x8_gemv, vnni_mxfp4x8_gemm4),
-            DType::Q4Kx8 => group(vnni_q4kx8_gemv, vnni_q4kx8_gemm4),
-            DType::Q5Kx8 => group(vnni_q5kx8_gemv, vnni_q5kx8_gemm4),
-            DType::Q6Kx8 => group(vnni_q6kx8_gemv, vnni_q6kx8_gemm4),
+            DType::Q8_0x8 => group(vnni_q8_0x8_gemv, vnni_q8_0x8_gemmn),
+            DType::Q4_0x8 => group(vnni_q4_0x8_gemv, vnni_q4_0x8_gemmn),
+            DType::Q4_1x8 => group(vnni_q4_1x8_gemv, vnni_q4_1x8_gemmn),
+            DType::Mxfp4x8 => group(vnni_mxfp4x8_gemv, vnni_mxfp4x8_gemmn),
+            DType::Q4Kx8 => group(vnni_q4kx8_gemv, vnni_q4kx8_gemmn),
+            DType::Q5Kx8 => group(vnni_q5kx8_gemv, vnni_q5kx8_gemmn),
+            DType::Q6Kx8 => group(vnni_q6kx8_gemv, vnni_q6kx8_gemmn),
         }
     }
 }
@@ -216,13 +216,13 @@ impl Avx512 {
             | DType::Q4K
             | DType::Q5K
             | DType::Q6K => None,
-            DType::Q8_0x8 => Some((None, zmm_q8_0x8_gemv, zmm_q8_0x8_gemm4)),
-            DType::Q4_0x8 => Some((None, zmm_q4_0x8_gemv, zmm_q4_0x8_gemm4)),
-            DType::Q4_1x8 => Some((None, zmm_q4_1x8_gemv, zmm_q4_1x8_gemm4)),
-            DType::Mxfp4x8 => Some((rows16(z_mxfp4x8, 6), evex_mxfp4x8_gemv, evex_mxfp4x8_gemm4)),
-            DType::Q4Kx8 => Some((None, zmm_q4kx8_gemv, zmm_q4kx8_gemm4)),
-            DType::Q5Kx8 => Some((None, zmm_q5kx8_gemv, zmm_q5kx8_gemm4)),
-            DType::Q6Kx8 => Some((None, zmm_q6kx8_gemv, zmm_q6kx8_gemm4)),
+            DType::Q8_0x8 => Some((None, zmm_q8_0x8_gemv, zmm_q8_0x8_gemmn)),
+            DType::Q4_0x8 => Some((None, zmm_q4_0x8_gemv, zmm_q4_0x8_gemmn)),
+            DType::Q4_1x8 => Some((None, zmm_q4_1x8_gemv, zmm_q4_1x8_gemmn)),
+            DType::Mxfp4x8 => Some((rows16(z_mxfp4x8, 6), evex_mxfp4x8_gemv, evex_mxfp4x8_gemmn)),
+            DType::Q4Kx8 => Some((None, zmm_q4kx8_gemv, zmm_q4kx8_gemmn)),
+            DType::Q5Kx8 => Some((None, zmm_q5kx8_gemv, zmm_q5kx8_gemmn)),
+            DType::Q6Kx8 => Some((None, zmm_q6kx8_gemv, zmm_q6kx8_gemmn)),
         };
         // Run pairs take fewer instructions per weight than either 256-bit
         // form (docs/ARCHITECTURE.md), so they replace AVX-VNNI's too.
@@ -476,27 +476,27 @@ macro_rules! safe_group {
     };
 }
 
-safe_group!(Avx2: q8_0x8_gemv, q8_0x8_gemm4, avx2::gemv8_q8_0, avx2::gemm8x4_q8_0);
-safe_group!(Avx2: q4_0x8_gemv, q4_0x8_gemm4, avx2::gemv8_q4_0, avx2::gemm8x4_q4_0);
-safe_group!(Avx2: q4_1x8_gemv, q4_1x8_gemm4, avx2::gemv8_q4_1, avx2::gemm8x4_q4_1);
-safe_group!(Avx2: mxfp4x8_gemv, mxfp4x8_gemm4, avx2::gemv8_mxfp4, avx2::gemm8x4_mxfp4);
-safe_group!(Avx2: q4kx8_gemv, q4kx8_gemm4, kx8::gemv8_q4k, kx8::gemm8x4_q4k);
-safe_group!(Avx2: q5kx8_gemv, q5kx8_gemm4, kx8::gemv8_q5k, kx8::gemm8x4_q5k);
-safe_group!(Avx2: q6kx8_gemv, q6kx8_gemm4, kx8::gemv8_q6k, kx8::gemm8x4_q6k);
-safe_group!(AvxVnni: vnni_q4kx8_gemv, vnni_q4kx8_gemm4, kx8::vnni_gemv8_q4k, kx8::vnni_gemm8x4_q4k);
-safe_group!(AvxVnni: vnni_q5kx8_gemv, vnni_q5kx8_gemm4, kx8::vnni_gemv8_q5k, kx8::vnni_gemm8x4_q5k);
-safe_group!(AvxVnni: vnni_q6kx8_gemv, vnni_q6kx8_gemm4, kx8::vnni_gemv8_q6k, kx8::vnni_gemm8x4_q6k);
-safe_group!(AvxVnni: vnni_q8_0x8_gemv, vnni_q8_0x8_gemm4, avx2::vnni_gemv8_q8_0, avx2::vnni_gemm8x4_q8_0);
-safe_group!(AvxVnni: vnni_q4_0x8_gemv, vnni_q4_0x8_gemm4, avx2::vnni_gemv8_q4_0, avx2::vnni_gemm8x4_q4_0);
-safe_group!(AvxVnni: vnni_q4_1x8_gemv, vnni_q4_1x8_gemm4, avx2::vnni_gemv8_q4_1, avx2::vnni_gemm8x4_q4_1);
-safe_group!(AvxVnni: vnni_mxfp4x8_gemv, vnni_mxfp4x8_gemm4, avx2::vnni_gemv8_mxfp4, avx2::vnni_gemm8x4_mxfp4);
-safe_group!(Avx512: evex_mxfp4x8_gemv, evex_mxfp4x8_gemm4, avx2::evex_gemv8_mxfp4, avx2::evex_gemm8x4_mxfp4);
-safe_group!(Avx512: zmm_q8_0x8_gemv, zmm_q8_0x8_gemm4, avx2::zmm_gemv8_q8_0, avx2::zmm_gemm8x4_q8_0);
-safe_group!(Avx512: zmm_q4_0x8_gemv, zmm_q4_0x8_gemm4, avx2::zmm_gemv8_q4_0, avx2::zmm_gemm8x4_q4_0);
-safe_group!(Avx512: zmm_q4_1x8_gemv, zmm_q4_1x8_gemm4, avx2::zmm_gemv8_q4_1, avx2::zmm_gemm8x4_q4_1);
-safe_group!(Avx512: zmm_q4kx8_gemv, zmm_q4kx8_gemm4, kx8::zmm_gemv8_q4k, kx8::zmm_gemm8x4_q4k);
-safe_group!(Avx512: zmm_q5kx8_gemv, zmm_q5kx8_gemm4, kx8::zmm_gemv8_q5k, kx8::zmm_gemm8x4_q5k);
-safe_group!(Avx512: zmm_q6kx8_gemv, zmm_q6kx8_gemm4, kx8::zmm_gemv8_q6k, kx8::zmm_gemm8x4_q6k);
+safe_group!(Avx2: q8_0x8_gemv, q8_0x8_gemmn, avx2::gemv8_q8_0, avx2::gemm8xn_q8_0);
+safe_group!(Avx2: q4_0x8_gemv, q4_0x8_gemmn, avx2::gemv8_q4_0, avx2::gemm8xn_q4_0);
+safe_group!(Avx2: q4_1x8_gemv, q4_1x8_gemmn, avx2::gemv8_q4_1, avx2::gemm8xn_q4_1);
+safe_group!(Avx2: mxfp4x8_gemv, mxfp4x8_gemmn, avx2::gemv8_mxfp4, avx2::gemm8xn_mxfp4);
+safe_group!(Avx2: q4kx8_gemv, q4kx8_gemmn, kx8::gemv8_q4k, kx8::gemm8xn_q4k);
+safe_group!(Avx2: q5kx8_gemv, q5kx8_gemmn, kx8::gemv8_q5k, kx8::gemm8xn_q5k);
+safe_group!(Avx2: q6kx8_gemv, q6kx8_gemmn, kx8::gemv8_q6k, kx8::gemm8xn_q6k);
+safe_group!(AvxVnni: vnni_q4kx8_gemv, vnni_q4kx8_gemmn, kx8::vnni_gemv8_q4k, kx8::vnni_gemm8xn_q4k);
+safe_group!(AvxVnni: vnni_q5kx8_gemv, vnni_q5kx8_gemmn, kx8::vnni_gemv8_q5k, kx8::vnni_gemm8xn_q5k);
+safe_group!(AvxVnni: vnni_q6kx8_gemv, vnni_q6kx8_gemmn, kx8::vnni_gemv8_q6k, kx8::vnni_gemm8xn_q6k);
+safe_group!(AvxVnni: vnni_q8_0x8_gemv, vnni_q8_0x8_gemmn, avx2::vnni_gemv8_q8_0, avx2::vnni_gemm8xn_q8_0);
+safe_group!(AvxVnni: vnni_q4_0x8_gemv, vnni_q4_0x8_gemmn, avx2::vnni_gemv8_q4_0, avx2::vnni_gemm8xn_q4_0);
+safe_group!(AvxVnni: vnni_q4_1x8_gemv, vnni_q4_1x8_gemmn, avx2::vnni_gemv8_q4_1, avx2::vnni_gemm8xn_q4_1);
+safe_group!(AvxVnni: vnni_mxfp4x8_gemv, vnni_mxfp4x8_gemmn, avx2::vnni_gemv8_mxfp4, avx2::vnni_gemm8xn_mxfp4);
+safe_group!(Avx512: evex_mxfp4x8_gemv, evex_mxfp4x8_gemmn, avx2::evex_gemv8_mxfp4, avx2::evex_gemm8xn_mxfp4);
+safe_group!(Avx512: zmm_q8_0x8_gemv, zmm_q8_0x8_gemmn, avx2::zmm_gemv8_q8_0, avx2::zmm_gemm8xn_q8_0);
+safe_group!(Avx512: zmm_q4_0x8_gemv, zmm_q4_0x8_gemmn, avx2::zmm_gemv8_q4_0, avx2::zmm_gemm8xn_q4_0);
+safe_group!(Avx512: zmm_q4_1x8_gemv, zmm_q4_1x8_gemmn, avx2::zmm_gemv8_q4_1, avx2::zmm_gemm8xn_q4_1);
+safe_group!(Avx512: zmm_q4kx8_gemv, zmm_q4kx8_gemmn, kx8::zmm_gemv8_q4k, kx8::zmm_gemm8xn_q4k);
+safe_group!(Avx512: zmm_q5kx8_gemv, zmm_q5kx8_gemmn, kx8::zmm_gemv8_q5k, kx8::zmm_gemm8xn_q5k);
+safe_group!(Avx512: zmm_q6kx8_gemv, zmm_q6kx8_gemmn, kx8::zmm_gemv8_q6k, kx8::zmm_gemm8xn_q6k);
 
 macro_rules! safe_kv {
     ($proof:ident: $dots:ident, $axpys:ident, $pv:ident, $inner_dots:path, $inner_axpys:path, $inner_pv:path) => {
@@ -537,13 +537,13 @@ mod tests {
         }
         let avx2 = Avx2::detect().expect("AVX-512 implies the AVX2 table");
         let evex: [(DType, Gemv8Fn, Gemm8Fn); 7] = [
-            (DType::Q8_0x8, zmm_q8_0x8_gemv, zmm_q8_0x8_gemm4),
-            (DType::Q4_0x8, zmm_q4_0x8_gemv, zmm_q4_0x8_gemm4),
-            (DType::Q4_1x8, zmm_q4_1x8_gemv, zmm_q4_1x8_gemm4),
-            (DType::Mxfp4x8, evex_mxfp4x8_gemv, evex_mxfp4x8_gemm4),
-            (DType::Q4Kx8, zmm_q4kx8_gemv, zmm_q4kx8_gemm4),
-            (DType::Q5Kx8, zmm_q5kx8_gemv, zmm_q5kx8_gemm4),
-            (DType::Q6Kx8, zmm_q6kx8_gemv, zmm_q6kx8_gemm4),
+            (DType::Q8_0x8, zmm_q8_0x8_gemv, zmm_q8_0x8_gemmn),
+            (DType::Q4_0x8, zmm_q4_0x8_gemv, zmm_q4_0x8_gemmn),
+            (DType::Q4_1x8, zmm_q4_1x8_gemv, zmm_q4_1x8_gemmn),
+            (DType::Mxfp4x8, evex_mxfp4x8_gemv, evex_mxfp4x8_gemmn),
+            (DType::Q4Kx8, zmm_q4kx8_gemv, zmm_q4kx8_gemmn),
+            (DType::Q5Kx8, zmm_q5kx8_gemv, zmm_q5kx8_gemmn),
+            (DType::Q6Kx8, zmm_q6kx8_gemv, zmm_q6kx8_gemmn),
         ];
         for (dtype, one, many) in evex {
             let Layout::Groups(a) = avx2.kernels(dtype).layout else { panic!("{dtype} is interleaved") };
