@@ -20,8 +20,9 @@
 //! Interleaved types (`q8_0x8`, ..., see [`crate::quant::x8`]; the
 //! super-block types' `q4kx8`, ..., [`crate::quant::kx8`]) are multiplied
 //! eight rows at a time by group kernels ([`GroupKernels`]), for one token or
-//! up to eight sharing each weight load; row-major types go one row at a time
-//! (four tokens per weight load for the block types).
+//! up to eight per call (eight or four per weight load, by type and table);
+//! row-major types go one row at a time (four tokens per weight load for the
+//! block types).
 //!
 //! Work is split by output rows only (never one dot product across threads;
 //! whole 8-row groups for interleaved types), so results do not depend on the
@@ -107,9 +108,10 @@ pub type Gemv8Fn = fn(group: &[u8], q: &[BlockQ8]) -> [f32; 8];
 
 /// Eight interleaved rows against 1 to [`GEMM8_TOKENS`] activation rows
 /// (`q.len()`, the same as `out.len()`), reading the weights once per run of
-/// as many tokens as the type's kernel holds in registers (eight for the
-/// 4-bit types on x86_64, four for q8_0 and q6k); per (row, token) the same
-/// bits as [`Gemv8Fn`].
+/// as many tokens as the kernel holds in registers (eight for the 4-bit
+/// types in the AVX2 and AVX-VNNI tables; four for q8_0, the super-block
+/// types and the AVX-512 kernels); per (row, token) the same bits as
+/// [`Gemv8Fn`].
 pub type Gemm8Fn = fn(group: &[u8], q: &[&[BlockQ8]], out: &mut [[f32; 8]]);
 
 /// Most tokens one [`Gemm8Fn`] call takes.

@@ -375,12 +375,16 @@ fn group_kernels_of_every_table_match_scalar_and_row_kernels() {
                     let what = format!("{} {dtype} n={n} t={t}", table.isa());
                     let got = (k.one)(g, qs[t]);
                     if let Some(many) = k.many {
-                        // Every run length that includes token t, t first or last.
+                        // Every run length that includes token t, t first or
+                        // last; every token of the run against its own
+                        // one-token result.
                         for (lo, hi) in [(t, T), (0, t + 1)] {
-                            let mut out = vec![[0f32; 8]; hi - lo];
+                            let mut out = vec![[f32::NAN; 8]; hi - lo];
                             many(g, &qs[lo..hi], &mut out);
-                            let at = if lo == t { 0 } else { t };
-                            assert_eq!(out[at], got, "{what}: {}-token tile and one-token kernel differ", hi - lo);
+                            for (i, o) in out.iter().enumerate() {
+                                let one = (k.one)(g, qs[lo + i]);
+                                assert_eq!(*o, one, "{what}: token {} of a {}-token run", lo + i, hi - lo);
+                            }
                         }
                     }
                     let want = (group(Table::SCALAR, dtype).one)(g, qs[t]);

@@ -534,6 +534,35 @@ pub(super) unsafe fn store8(v: __m256) -> [f32; 8] {
     out
 }
 
+/// One pass of `$f::<T, $g...>($a..., tokens)` over a group's weights per
+/// run of up to N tokens, where `[$t]` lists 1 to N (the counts the
+/// kernel's registers hold), each run's eight sums per token into `$out`:
+/// the body of every several-token group kernel here and in `kx8`.
+macro_rules! in_passes {
+    ($q:ident, $out:ident, [$($t:literal)+], $f:ident::<_ $(, $g:ident)*>($($a:expr),*)) => {
+        in_passes!(@runs $q, $out, [$($t)+], $f, [$($g),*], [$($a),*])
+    };
+    (@runs $q:ident, $out:ident, [$($t:literal)+], $f:ident, $gs:tt, $args:tt) => {{
+        const PASS: usize = [$($t),+].len();
+        for (q, out) in $q.chunks(PASS).zip($out.chunks_mut(PASS)) {
+            let p = |t: usize| q[t].as_ptr();
+            let mut put = |acc: &[__m256]| {
+                for (o, a) in out.iter_mut().zip(acc) {
+                    *o = store8(*a);
+                }
+            };
+            match q.len() {
+                $($t => put(&in_passes!(@call $f, $t, $gs, $args, p)),)+
+                _ => unreachable!("runs of 1 to {PASS} tokens"),
+            }
+        }
+    }};
+    (@call $f:ident, $t:literal, [$($g:ident),*], [$($a:expr),*], $p:ident) => {
+        $f::<$t $(, $g)*>($($a,)* std::array::from_fn($p))
+    };
+}
+pub(super) use in_passes;
+
 macro_rules! group_kernels {
     ($one:ident, $many:ident, $inner:ident, $block:ty, $vnni:ident, $features:literal, [$($t:literal)+]) => {
         /// # Safety
@@ -558,21 +587,7 @@ macro_rules! group_kernels {
             assert_eq!(q.len(), out.len(), "one output per token");
             assert!(q.len() <= GEMM8_TOKENS, "group kernels take 1 to {GEMM8_TOKENS} tokens, got {}", q.len());
             let g = group.as_ptr() as *const $block;
-            // One pass over the weights per run of up to the largest count
-            // listed (the counts this type's registers hold).
-            const PASS: usize = [$($t),+].len();
-            for (q, out) in q.chunks(PASS).zip(out.chunks_mut(PASS)) {
-                let p = |t: usize| q[t].as_ptr();
-                let mut put = |acc: &[__m256]| {
-                    for (o, a) in out.iter_mut().zip(acc) {
-                        *o = store8(*a);
-                    }
-                };
-                match q.len() {
-                    $($t => put(&$inner::<$t, $vnni>(g, nb, std::array::from_fn(p))),)+
-                    _ => unreachable!("runs of 1 to {PASS} tokens"),
-                }
-            }
+            in_passes!(q, out, [$($t)+], $inner::<_, $vnni>(g, nb));
         }
     };
 }

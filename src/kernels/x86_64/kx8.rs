@@ -36,7 +36,7 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2::{AVX_VNNI, MADD, act4, prefetch_ahead, store8, vpdpbusd};
+use super::avx2::{AVX_VNNI, MADD, act4, in_passes, prefetch_ahead, store8, vpdpbusd};
 use super::pack::{PACKED, Packed, ROWS, TileBlock};
 use super::pairs::{ZMM_VNNI, pair_sums};
 use crate::kernels::{BlockQ8, GEMM8_TOKENS};
@@ -356,21 +356,7 @@ macro_rules! kx8_kernels {
             let shortest = q.iter().map(|r| r.len()).min().unwrap_or(0);
             let nsub = sub_blocks::<$k>(group.len(), shortest);
             let g = group.as_ptr();
-            // One pass over the weights per run of up to the largest count
-            // listed, as in `avx2::group_kernels`.
-            const PASS: usize = [$($t),+].len();
-            for (q, out) in q.chunks(PASS).zip(out.chunks_mut(PASS)) {
-                let p = |t: usize| q[t].as_ptr();
-                let mut put = |acc: &[__m256]| {
-                    for (o, a) in out.iter_mut().zip(acc) {
-                        *o = store8(*a);
-                    }
-                };
-                match q.len() {
-                    $($t => put(&gemm8::<$t, $vnni, $k>(g, nsub, std::array::from_fn(p))),)+
-                    _ => unreachable!("runs of 1 to {PASS} tokens"),
-                }
-            }
+            in_passes!(q, out, [$($t)+], gemm8::<_, $vnni, $k>(g, nsub));
         }
     };
 }
