@@ -435,8 +435,8 @@ fn elems_into(w: &Matrix, inp: &Input, dots: DotsFn, r0: usize, r1: usize, y: YO
 /// With 16-row kernels and at least [`Tiles::min`] tokens, pairs of groups
 /// take every token on them (up to [`TILE_BATCH`] tokens per call, which
 /// repacks the pair once); else each group of eight rows takes the tokens
-/// [`GEMM8_TOKENS`] at a time (a last single one by the one-token kernel). Every path gives the
-/// same bits per (row, token).
+/// [`GEMM8_TOKENS`] at a time (a last single one by the one-token kernel).
+/// Every path gives the same bits per (row, token).
 fn groups_into(w: &Matrix, inp: &Input, k: GroupKernels, r0: usize, r1: usize, y: YOut) {
     const G: usize = crate::quant::x8::ROWS;
     debug_assert!(r0.is_multiple_of(G) && r1.is_multiple_of(G));

@@ -345,8 +345,8 @@ fn element_row_tiles_give_the_single_dot_bits() {
 
 /// Each interleaved kernel of every table against its scalar twin, the
 /// several-token kernel (every run of 1 to [`GEMM8_TOKENS`]) against the
-/// one-token kernel (bit for bit), and both
-/// against the row-major kernels of the same values.
+/// one-token kernel (bit for bit), and both against the row-major kernels of
+/// the same values.
 #[test]
 fn group_kernels_of_every_table_match_scalar_and_row_kernels() {
     let group = |table: Table, dtype: DType| match table.kernels(dtype).layout {
@@ -371,9 +371,10 @@ fn group_kernels_of_every_table_match_scalar_and_row_kernels() {
                 let mut q = vec![BlockQ8::default(); T * n / 32];
                 let inp = Input::prepare(&x, n, true, &mut q);
                 let qs: [&[BlockQ8]; T] = std::array::from_fn(|t| inp.row(t).1);
+                let ones = qs.map(|q| (k.one)(g, q));
                 for t in 0..T {
                     let what = format!("{} {dtype} n={n} t={t}", table.isa());
-                    let got = (k.one)(g, qs[t]);
+                    let got = ones[t];
                     if let Some(many) = k.many {
                         // Every run length that includes token t, t first or
                         // last; every token of the run against its own
@@ -382,8 +383,7 @@ fn group_kernels_of_every_table_match_scalar_and_row_kernels() {
                             let mut out = vec![[f32::NAN; 8]; hi - lo];
                             many(g, &qs[lo..hi], &mut out);
                             for (i, o) in out.iter().enumerate() {
-                                let one = (k.one)(g, qs[lo + i]);
-                                assert_eq!(*o, one, "{what}: token {} of a {}-token run", lo + i, hi - lo);
+                                assert_eq!(*o, ones[lo + i], "{what}: token {} of a {}-token run", lo + i, hi - lo);
                             }
                         }
                     }
@@ -405,11 +405,10 @@ fn group_kernels_of_every_table_match_scalar_and_row_kernels() {
 
 /// The super-block types' group kernels give their scalar reference's bits
 /// in every table, one token at a time and in every run of 1 to
-/// [`GEMM8_TOKENS`] tokens
-/// (so prefill and decode agree), at lengths with and without a partial
-/// last super-block, on activations of very different magnitudes per
-/// block; then with every code at its largest and activations of ±127, the
-/// bound of the kernels' 16-bit partial sums.
+/// [`GEMM8_TOKENS`] tokens (so prefill and decode agree), at lengths with
+/// and without a partial last super-block, on activations of very different
+/// magnitudes per block; then with every code at its largest and
+/// activations of ±127, the bound of the kernels' 16-bit partial sums.
 #[test]
 fn super_block_group_kernels_of_every_table_are_the_scalar_bits() {
     let groups = |table: Table, dtype: DType| match table.kernels(dtype).layout {

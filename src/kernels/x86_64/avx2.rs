@@ -537,12 +537,15 @@ pub(super) unsafe fn store8(v: __m256) -> [f32; 8] {
 /// One pass of `$f::<T, $g...>($a..., tokens)` over a group's weights per
 /// run of up to N tokens, where `[$t]` lists 1 to N (the counts the
 /// kernel's registers hold), each run's eight sums per token into `$out`:
-/// the body of every several-token group kernel here and in `kx8`.
+/// the body of every several-token group kernel here and in `kx8`, with
+/// the length checks they share.
 macro_rules! in_passes {
     ($q:ident, $out:ident, [$($t:literal)+], $f:ident::<_ $(, $g:ident)*>($($a:expr),*)) => {
         in_passes!(@runs $q, $out, [$($t)+], $f, [$($g),*], [$($a),*])
     };
     (@runs $q:ident, $out:ident, [$($t:literal)+], $f:ident, $gs:tt, $args:tt) => {{
+        assert_eq!($q.len(), $out.len(), "one output per token");
+        assert!($q.len() <= GEMM8_TOKENS, "group kernels take 1 to {GEMM8_TOKENS} tokens, got {}", $q.len());
         const PASS: usize = [$($t),+].len();
         for (q, out) in $q.chunks(PASS).zip($out.chunks_mut(PASS)) {
             let p = |t: usize| q[t].as_ptr();
@@ -584,8 +587,6 @@ macro_rules! group_kernels {
         pub unsafe fn $many(group: &[u8], q: &[&[BlockQ8]], out: &mut [[f32; 8]]) {
             let nb = group.len() / std::mem::size_of::<$block>();
             debug_assert!(q.iter().all(|r| r.len() >= nb));
-            assert_eq!(q.len(), out.len(), "one output per token");
-            assert!(q.len() <= GEMM8_TOKENS, "group kernels take 1 to {GEMM8_TOKENS} tokens, got {}", q.len());
             let g = group.as_ptr() as *const $block;
             in_passes!(q, out, [$($t)+], $inner::<_, $vnni>(g, nb));
         }
