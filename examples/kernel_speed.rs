@@ -1,10 +1,13 @@
 //! Speed of each kernel on a matrix (L2-resident by default):
-//! `cargo run --release --example kernel_speed -- [TOKENS] [DTYPE] [ROWS] [THREADS]`
+//! `cargo run --release --example kernel_speed -- [TOKENS] [DTYPE] [ROWS] [THREADS] [COLS]`
 //! (default 1: decode; prefill-like counts such as 64 exercise the tiles; ROWS
 //! default 256, e.g. 262144 for a matrix far past the caches, as decode reads
 //! an output head; THREADS default 1, the kernel alone on one core, else the
-//! engine's row split over a pool of that many threads). Reports ns per 32
-//! weights and token, multiply-adds per second and weight bytes per second.
+//! engine's row split over a pool of that many threads; COLS default 2048,
+//! the hidden width of the OLMoE and Qwen3-30B-A3B bench models, 4096 for
+//! Mixtral's or Qwen3's attention output; a multiple of 32; each type skips
+//! a shape it cannot hold). Reports ns per 32 weights and token,
+//! multiply-adds per second and weight bytes per second.
 //! The matrix lies on 2 MiB pages where the OS gives them (Linux), as the
 //! engine's weights do; a stream over 4 KiB pages is slower.
 
@@ -15,7 +18,8 @@ use colibri::quant::{self, DType};
 
 fn main() {
     let rows: usize = std::env::args().nth(3).and_then(|s| s.parse().ok()).unwrap_or(256);
-    let cols = 2048;
+    let cols: usize = std::env::args().nth(5).and_then(|s| s.parse().ok()).unwrap_or(2048);
+    assert!(cols > 0 && cols.is_multiple_of(32), "COLS must be a positive multiple of 32, got {cols}");
     let n: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(1);
     eprintln!("kernels: {}, {n} token(s)", colibri::kernels::isa());
     // A tall matrix repeats one encoded tile of up to 256 rows (the speed
@@ -30,7 +34,10 @@ fn main() {
     for dtype in
         DType::ALL.into_iter().chain(DType::INTERLEAVED).filter(|d| only.as_ref().is_none_or(|o| o == d.name()))
     {
-        let nbytes = dtype.row_bytes(cols).unwrap() * rows;
+        let Some(nbytes) = dtype.tensor_bytes(&[rows, cols]) else {
+            eprintln!("{dtype:>7}: skipped ({rows} rows of {cols} columns do not fit its blocks or groups)");
+            continue;
+        };
         // On 2 MiB pages where the OS gives them, as the engine's weights
         // are (a file mapped from the page cache, or its expert slots).
         let mut buf = memmap2::MmapMut::map_anon(nbytes.max(1)).expect("map the matrix");

@@ -346,7 +346,7 @@ unsafe fn scale_acc(acc: __m256, dw: __m256, ba: &BlockQ8, isum: __m256i) -> __m
 /// four pages ahead keeps the stream going (measured on the OLMoE-width
 /// q4_0 decode, one thread: 61 tok/s without, about 80 with 16 KiB; 1 and
 /// 4 KiB helped less, 32 KiB no more).
-const PREFETCH_AHEAD: usize = 16 * 1024;
+pub(super) const PREFETCH_AHEAD: usize = 16 * 1024;
 
 /// Asks for the cache lines of the `len`-byte block at `p`, [`PREFETCH_AHEAD`]
 /// bytes on. The address may lie past the data: a prefetch never faults, and
@@ -356,17 +356,18 @@ pub(super) unsafe fn prefetch_ahead(p: *const u8, len: usize) {
     prefetch_lines::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_AHEAD), len);
 }
 
-/// [`prefetch_ahead`] into L2 only, for kernels that read two groups side
-/// by side (the direct 16-row kernels): two streams each [`PREFETCH_AHEAD`]
-/// bytes ahead into L1 would fill its 32 KiB and evict lines before their
-/// use. On a Zen 4 EPYC, one thread over a q4_0 matrix far past the caches,
-/// the direct kernel read 19.3 GB/s at two tokens and 17.5 at three with
-/// the L1 hint, 36.6 and 28.5 with this one (in L2 it computes 37.6 and
-/// 29.6: the stream no longer holds it back). The 8-row kernels' one
-/// stream streamed no faster with it (Zen 3, AVX2, one and two tokens).
+/// Asks for the `len` bytes at `p + ahead` into L2 only, for kernels that
+/// read two groups side by side (the direct 16-row kernels): two streams
+/// each [`PREFETCH_AHEAD`] bytes ahead into L1 would fill its 32 KiB and
+/// evict lines before their use. On a Zen 4 EPYC, one thread over a q4_0
+/// matrix far past the caches, the direct kernel read 19.3 GB/s at two
+/// tokens and 17.5 at three with the L1 hint, 36.6 and 28.5 with this one
+/// (in L2 it computes 37.6 and 29.6: the stream no longer holds it back).
+/// The 8-row kernels' one stream streamed no faster with it (Zen 3, AVX2,
+/// one and two tokens). The caller chooses `ahead` (`avx512::pair_ahead`).
 #[inline(always)]
-pub(super) unsafe fn prefetch_ahead_l2(p: *const u8, len: usize) {
-    prefetch_lines::<_MM_HINT_T1>(p.wrapping_add(PREFETCH_AHEAD), len);
+pub(super) unsafe fn prefetch_ahead_l2(p: *const u8, ahead: usize, len: usize) {
+    prefetch_lines::<_MM_HINT_T1>(p.wrapping_add(ahead), len);
 }
 
 /// One prefetch with hint `H` per 64-byte line of the `len` bytes at `p`.
