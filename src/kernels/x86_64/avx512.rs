@@ -530,12 +530,13 @@ unsafe fn store_tokens<const T: usize>(acc: &[__m512; T], out: *mut f32) {
 /// `group_bytes`: the fewest whole pairs of groups (the calls walk the
 /// matrix a pair at a time) that reach [`PREFETCH_AHEAD`] bytes, so that
 /// each group's stream asks for its counterpart in a later pair and both
-/// of that pair's groups arrive. A fixed 16 KiB reached past a group wider
-/// than 8 KiB into the other group of the same pair, already being read,
-/// and left the next pair's second group to the hardware: on a Zen 5 EPYC,
-/// one thread over a streamed q4_0 matrix of 4096 columns (18 KiB groups),
-/// the kernel read 20, 15 and 10 GB/s at two, four and eight tokens (39,
-/// 36 and 23 at 2048 columns); a pair ahead, 40, 25 and 23.
+/// of that pair's groups arrive. A fixed 16 KiB reaches both groups of the
+/// next pair only for groups of about 8-16 KiB; at 18 KiB (4096 columns of
+/// q4_0) each stream's requests stayed in its own group and the next
+/// pair's second group was never asked for. On a Zen 5 EPYC, one thread
+/// over such a streamed matrix, the kernel read 20, 15 and 10 GB/s at two,
+/// four and eight tokens (39, 36 and 23 at 2048 columns); a pair ahead,
+/// 40, 25 and 23.
 #[inline(always)]
 fn pair_ahead(group_bytes: usize) -> usize {
     let pair = 2 * group_bytes;
