@@ -293,39 +293,47 @@ impl DirectBlock for BlockQ8_0x8 {
 /// groups side by side (the first group's rows in lanes 0..8, the second's
 /// in 8..16).
 pub trait DirectKernel: TileBlock {
-    /// `T` tokens (`q`, `[T, nb]`) against groups `g0` and `g1`, into
-    /// `out` (`[T, 16]`), asking for the weights `ahead` bytes on in both
-    /// groups ([`pair_ahead`]).
+    /// `T` tokens (`q`, `[T, nb]`) against the groups of `pair`, into `out`
+    /// (`[T, 16]`).
     ///
     /// # Safety
     /// AVX-512F/BW/VNNI, AVX2, FMA and F16C; the groups and `q` passed
     /// [`pack::check`] with this `nb`, and `out` holds `T` tokens.
-    unsafe fn run<const T: usize>(
-        g0: *const u8,
-        g1: *const u8,
-        q: *const BlockQ8,
-        nb: usize,
-        ahead: usize,
-        out: *mut f32,
-    );
+    unsafe fn run<const T: usize>(pair: Pair, q: *const BlockQ8, nb: usize, out: *mut f32);
+}
+
+/// The two groups a direct kernel reads side by side (`g1` is `g0` again
+/// when there is one), and how far ahead in each it asks for weights
+/// ([`pair_ahead`]).
+#[derive(Clone, Copy)]
+pub struct Pair {
+    g0: *const u8,
+    g1: *const u8,
+    ahead: usize,
+}
+
+impl Pair {
+    /// Asks for the `len` bytes at offset `at` of both groups, `ahead`
+    /// bytes on, into L2.
+    ///
+    /// # Safety
+    /// SSE (every x86_64); the addresses are never dereferenced.
+    #[inline(always)]
+    unsafe fn prefetch(self, at: usize, len: usize) {
+        prefetch_ahead_l2(self.g0.wrapping_add(at), self.ahead, len);
+        prefetch_ahead_l2(self.g1.wrapping_add(at), self.ahead, len);
+    }
 }
 
 impl<B: DirectBlock> DirectKernel for B {
     #[inline(always)]
-    unsafe fn run<const T: usize>(
-        g0: *const u8,
-        g1: *const u8,
-        q: *const BlockQ8,
-        nb: usize,
-        ahead: usize,
-        out: *mut f32,
-    ) {
-        let (g0, g1) = (g0 as *const B, g1 as *const B);
+    unsafe fn run<const T: usize>(pair: Pair, q: *const BlockQ8, nb: usize, out: *mut f32) {
+        let (g0, g1) = (pair.g0 as *const B, pair.g1 as *const B);
+        let size = std::mem::size_of::<B>();
         let mut acc = [_mm512_setzero_ps(); T];
         for b in 0..nb {
             let (b0, b1) = (&*g0.add(b), &*g1.add(b));
-            prefetch_ahead_l2(b0 as *const B as *const u8, ahead, std::mem::size_of::<B>());
-            prefetch_ahead_l2(b1 as *const B as *const u8, ahead, std::mem::size_of::<B>());
+            pair.prefetch(b * size, size);
             let head = B::head(b0, b1);
             let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q.add(t * nb + b));
             let isum = B::sums(b0, b1, ba);
@@ -387,30 +395,21 @@ impl KHead16 {
 /// ([`q6k_run`]). Either way the bits are the 8-row kernels'.
 impl<const K: u8> DirectKernel for KTile<K> {
     #[inline(always)]
-    unsafe fn run<const T: usize>(
-        g0: *const u8,
-        g1: *const u8,
-        q: *const BlockQ8,
-        nb: usize,
-        ahead: usize,
-        out: *mut f32,
-    ) {
+    unsafe fn run<const T: usize>(pair: Pair, q: *const BlockQ8, nb: usize, out: *mut f32) {
         if K == Q6K {
-            return q6k_run::<T>(g0, g1, q, nb, ahead, out);
+            return q6k_run::<T>(pair, q, nb, out);
         }
         let kind = kx8::kind_of(K);
         let (hb, sb) = (qkx8::header_bytes(kind), qkx8::sub_bytes(kind));
         let mut acc = [_mm512_setzero_ps(); T];
         for (c, (start, subs)) in qkx8::columns(kind, nb * QK).enumerate() {
-            let (c0, c1) = (g0.add(start), g1.add(start));
-            prefetch_ahead_l2(c0, ahead, hb);
-            prefetch_ahead_l2(c1, ahead, hb);
+            let (c0, c1) = (pair.g0.add(start), pair.g1.add(start));
+            pair.prefetch(start, hb);
             let mut head = KHead16::load(c0, c1);
             for j in 0..subs {
                 let b = c * SUBS + j;
                 let (s0, s1) = (c0.add(hb + j * sb), c1.add(hb + j * sb));
-                prefetch_ahead_l2(s0, ahead, sb);
-                prefetch_ahead_l2(s1, ahead, sb);
+                pair.prefetch(start + hb + j * sb, sb);
                 let scales = head.next(c0, c1, j);
                 let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q.add(t * nb + b));
                 let e0 = if K == Q5K { halves_run(s0.add(128), s1.add(128)) } else { _mm512_setzero_si512() };
@@ -430,14 +429,7 @@ impl<const K: u8> DirectKernel for KTile<K> {
 /// and a fused multiply-add), `u = d_a · n`, `acc = acc + d · u`: `kx8`'s
 /// `q6k_sums` and `gemm8` on sixteen lanes.
 #[inline(always)]
-unsafe fn q6k_run<const T: usize>(
-    g0: *const u8,
-    g1: *const u8,
-    q: *const BlockQ8,
-    nb: usize,
-    ahead: usize,
-    out: *mut f32,
-) {
+unsafe fn q6k_run<const T: usize>(pair: Pair, q: *const BlockQ8, nb: usize, out: *mut f32) {
     // `a | (b & c)`: the top bits (`b`, masked by `c`) into the codes.
     const OR_MASKED: i32 = 0xF8;
     let kind = kx8::kind_of(Q6K);
@@ -446,15 +438,13 @@ unsafe fn q6k_run<const T: usize>(
     let bits45 = _mm512_set1_epi8(0x30);
     let mut acc = [_mm512_setzero_ps(); T];
     for (c, (start, subs)) in qkx8::columns(kind, nb * QK).enumerate() {
-        let (c0, c1) = (g0.add(start), g1.add(start));
-        prefetch_ahead_l2(c0, ahead, hb);
-        prefetch_ahead_l2(c1, ahead, hb);
+        let (c0, c1) = (pair.g0.add(start), pair.g1.add(start));
+        pair.prefetch(start, hb);
         let d = halves_f16(c0 as *const u16, c1 as *const u16);
         for j in 0..subs {
             let b = c * SUBS + j;
             let (s0, s1) = (c0.add(hb + j * sb), c1.add(hb + j * sb));
-            prefetch_ahead_l2(s0, ahead, sb);
-            prefetch_ahead_l2(s1, ahead, sb);
+            pair.prefetch(start + hb + j * sb, sb);
             let (sc0, sc1) = (q6k_scales(c0, c1, 16 + 16 * j), q6k_scales(c0, c1, 24 + 16 * j));
             let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q.add(t * nb + b));
             let (e0, e1) = (halves_run(s0.add(128), s1.add(128)), halves_run(s0.add(160), s1.add(160)));
@@ -540,7 +530,7 @@ unsafe fn store_tokens<const T: usize>(acc: &[__m512; T], out: *mut f32) {
 #[inline(always)]
 fn pair_ahead(group_bytes: usize) -> usize {
     let pair = 2 * group_bytes;
-    PREFETCH_AHEAD.div_ceil(pair).max(1) * pair
+    PREFETCH_AHEAD.div_ceil(pair) * pair
 }
 
 /// Sixteen rows of an interleaved type straight from the matrix, for the
@@ -561,20 +551,20 @@ pub unsafe fn direct16<D: DirectKernel>(groups: &[u8], q: &[BlockQ8], tokens: us
     let two = groups.len() == 2 * D::group_bytes(nb);
     // With one group the upper half repeats it and is cleared below.
     let g1 = if two { g0.add(D::group_bytes(nb)) } else { g0 };
-    let ahead = pair_ahead(D::group_bytes(nb));
+    let pair = Pair { g0, g1, ahead: pair_ahead(D::group_bytes(nb)) };
     let mut t = 0;
     while t < tokens {
         let (qt, o) = (q.as_ptr().add(t * nb), out.as_mut_ptr().add(t * ROWS));
         let m = (tokens - t).min(DIRECT_TOKENS);
         match m {
-            8 => D::run::<8>(g0, g1, qt, nb, ahead, o),
-            7 => D::run::<7>(g0, g1, qt, nb, ahead, o),
-            6 => D::run::<6>(g0, g1, qt, nb, ahead, o),
-            5 => D::run::<5>(g0, g1, qt, nb, ahead, o),
-            4 => D::run::<4>(g0, g1, qt, nb, ahead, o),
-            3 => D::run::<3>(g0, g1, qt, nb, ahead, o),
-            2 => D::run::<2>(g0, g1, qt, nb, ahead, o),
-            _ => D::run::<1>(g0, g1, qt, nb, ahead, o),
+            8 => D::run::<8>(pair, qt, nb, o),
+            7 => D::run::<7>(pair, qt, nb, o),
+            6 => D::run::<6>(pair, qt, nb, o),
+            5 => D::run::<5>(pair, qt, nb, o),
+            4 => D::run::<4>(pair, qt, nb, o),
+            3 => D::run::<3>(pair, qt, nb, o),
+            2 => D::run::<2>(pair, qt, nb, o),
+            _ => D::run::<1>(pair, qt, nb, o),
         }
         t += m;
     }
