@@ -22,6 +22,8 @@ pub trait Lanes: Copy {
     const LANES: usize;
     /// Most queries one pass keeps in registers.
     const QUERIES: usize;
+    /// Registers a run of value sums may keep its sums in.
+    const SUMS: usize;
     unsafe fn zero() -> Self;
     unsafe fn load(p: *const f32) -> Self;
     unsafe fn load_f16(p: *const u16) -> Self;
@@ -42,6 +44,7 @@ pub struct Ymm(__m256);
 impl Lanes for Ymm {
     const LANES: usize = 8;
     const QUERIES: usize = 4;
+    const SUMS: usize = 8;
     #[inline(always)]
     unsafe fn zero() -> Self {
         Ymm(_mm256_setzero_ps())
@@ -84,6 +87,7 @@ pub struct Zmm(__m512);
 impl Lanes for Zmm {
     const LANES: usize = 16;
     const QUERIES: usize = 8;
+    const SUMS: usize = 16;
     #[inline(always)]
     unsafe fn zero() -> Self {
         Zmm(_mm512_setzero_ps())
@@ -254,6 +258,11 @@ unsafe fn dots_pass<V: Lanes, E: Elem>(k: &[u8], ks: usize, nk: usize, x: &[&[f3
 }
 
 /// `o[q] += Σ_j p[q·ps + j] · v_j` over `nk` value rows (`v_j` at `v + j·vs`).
+/// The columns go `U` registers at a time while the rows' sums fit in
+/// [`Lanes::SUMS`] registers (each sum's chain of `nk` dependent FMAs is
+/// what bounds a short run, so one query wants many of them side by side),
+/// then two, one and the scalar tail; every output element is the same
+/// `fma(p, v, o)` key after key whichever width took it.
 #[inline(always)]
 unsafe fn pv_rows<V: Lanes, E: Elem, const N: usize>(
     o: *mut f32,
@@ -264,38 +273,15 @@ unsafe fn pv_rows<V: Lanes, E: Elem, const N: usize>(
     vs: usize,
     nk: usize,
 ) {
-    let w = V::LANES;
     let mut i = 0;
-    while i + 2 * w <= len {
-        let mut a0: [V; N] = std::array::from_fn(|q| V::load(o.add(q * len + i)));
-        let mut a1: [V; N] = std::array::from_fn(|q| V::load(o.add(q * len + i + w)));
-        for j in 0..nk {
-            let (x0, x1) = (E::load::<V>(v.add(j * vs + i)), E::load::<V>(v.add(j * vs + i + w)));
-            for q in 0..N {
-                let pj = V::splat(*p.add(q * ps + j));
-                a0[q] = V::fma(pj, x0, a0[q]);
-                a1[q] = V::fma(pj, x1, a1[q]);
-            }
-        }
-        for q in 0..N {
-            a0[q].store(o.add(q * len + i));
-            a1[q].store(o.add(q * len + i + w));
-        }
-        i += 2 * w;
+    if N * 8 <= V::SUMS {
+        i = pv_cols::<V, E, N, 8>(o, len, p, ps, v, vs, nk, i);
     }
-    while i + w <= len {
-        let mut a0: [V; N] = std::array::from_fn(|q| V::load(o.add(q * len + i)));
-        for j in 0..nk {
-            let x0 = E::load::<V>(v.add(j * vs + i));
-            for (q, a) in a0.iter_mut().enumerate() {
-                *a = V::fma(V::splat(*p.add(q * ps + j)), x0, *a);
-            }
-        }
-        for (q, a) in a0.iter().enumerate() {
-            a.store(o.add(q * len + i));
-        }
-        i += w;
+    if N * 4 <= V::SUMS {
+        i = pv_cols::<V, E, N, 4>(o, len, p, ps, v, vs, nk, i);
     }
+    i = pv_cols::<V, E, N, 2>(o, len, p, ps, v, vs, nk, i);
+    i = pv_cols::<V, E, N, 1>(o, len, p, ps, v, vs, nk, i);
     while i < len {
         for j in 0..nk {
             let x = v.add(j * vs + i).read_unaligned().to_f32();
@@ -305,6 +291,42 @@ unsafe fn pv_rows<V: Lanes, E: Elem, const N: usize>(
         }
         i += 1;
     }
+}
+
+/// [`pv_rows`]'s columns from `i` on, `U` registers of each row at a time,
+/// while `U` whole registers remain; returns where it stopped.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn pv_cols<V: Lanes, E: Elem, const N: usize, const U: usize>(
+    o: *mut f32,
+    len: usize,
+    p: *const f32,
+    ps: usize,
+    v: *const E,
+    vs: usize,
+    nk: usize,
+    mut i: usize,
+) -> usize {
+    let w = V::LANES;
+    while i + U * w <= len {
+        let mut a: [[V; U]; N] = std::array::from_fn(|q| std::array::from_fn(|u| V::load(o.add(q * len + i + u * w))));
+        for j in 0..nk {
+            let x: [V; U] = std::array::from_fn(|u| E::load::<V>(v.add(j * vs + i + u * w)));
+            for (q, a) in a.iter_mut().enumerate() {
+                let pj = V::splat(*p.add(q * ps + j));
+                for (a, x) in a.iter_mut().zip(&x) {
+                    *a = V::fma(pj, *x, *a);
+                }
+            }
+        }
+        for (q, a) in a.iter().enumerate() {
+            for (u, a) in a.iter().enumerate() {
+                a.store(o.add(q * len + i + u * w));
+            }
+        }
+        i += U * w;
+    }
+    i
 }
 
 /// Value sums of a run of `nk` keys into `⌈p.len() / ps⌉` rows of `o`,
