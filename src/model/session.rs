@@ -74,10 +74,12 @@ impl Sequence {
         let c = &model.config;
         let max_seq = max_seq.clamp(1, c.max_seq_len);
         let (k_width, v_width) = c.kv_widths();
+        // MLA's latent is one "head" shared by all.
+        let heads = if v_width == 0 { 1 } else { c.num_kv_heads };
         Sequence {
             max_seq,
             pos: 0,
-            kv: KvCache::new(kv_dtype, c.num_layers(), max_seq, k_width, v_width),
+            kv: KvCache::new(kv_dtype, c.num_layers(), max_seq, heads, k_width, v_width),
             logits: vec![0.0; c.vocab_size],
         }
     }
@@ -272,15 +274,23 @@ impl MlaScratch {
     }
 }
 
-/// `[L, S, Wk]` keys and `[L, S, Wv]` values in f32 or f16: per position
-/// Wk = Wv = Hkv·Dh for GQA; for MLA the keys are the latent and the rotated
-/// key (R + Dr) and there are no separate values (Wv = 0: they are the latent).
+/// Keys and values in f32 or f16, head by head: `[L, Hkv, S, Dk]` keys and
+/// `[L, Hkv, S, Dv]` values for GQA (Wk = Hkv·Dk values per position); for
+/// MLA one "head" of the latent and the rotated key, `[L, S, R + Dr]`, and
+/// no separate values (Wv = 0: they are the latent). A head's rows follow
+/// one another, so attention reads each head's keys and values as one
+/// stream, which the hardware prefetcher follows; rows position-major (all
+/// heads of a position side by side) put one head's consecutive rows a
+/// whole position apart, 4 KiB at the OLMoE width, and a decode step over
+/// caches out of the CPU's caches waited on each row in turn.
 pub struct KvCache {
     /// Element type (f32 or f16).
     pub dtype: DType,
     /// S: positions per layer.
     max_seq: usize,
-    /// Values per position of one layer, keys and values.
+    /// Hkv: heads (1 for MLA).
+    heads: usize,
+    /// Values per position of one layer, all heads, keys and values.
     k_width: usize,
     v_width: usize,
     /// Keys (after norm and RoPE) as `dtype` values; f32 storage only for
@@ -291,41 +301,108 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    fn new(dtype: DType, layers: usize, max_seq: usize, k_width: usize, v_width: usize) -> KvCache {
+    fn new(dtype: DType, layers: usize, max_seq: usize, heads: usize, k_width: usize, v_width: usize) -> KvCache {
         assert!(matches!(dtype, DType::F32 | DType::F16), "the KV cache holds f32 or f16, not {dtype}");
+        assert!(heads >= 1 && k_width.is_multiple_of(heads) && v_width.is_multiple_of(heads), "whole heads");
         let es = dtype.row_bytes(1).expect("an element type");
         // Zeroed allocations: pages are only committed as positions fill.
         let words = |w: usize| (layers * max_seq * w * es).div_ceil(4);
-        KvCache { dtype, max_seq, k_width, v_width, k: vec![0.0; words(k_width)], v: vec![0.0; words(v_width)] }
+        let (k, v) = (vec![0.0; words(k_width)], vec![0.0; words(v_width)]);
+        KvCache { dtype, max_seq, heads, k_width, v_width, k, v }
     }
 
     /// Stores the keys (`[n, Wk]` f32) and values (`[n, Wv]`; empty for MLA)
     /// of positions `pos0..pos0+n` of layer `l`, converted to the cache's type.
     pub fn store(&mut self, l: usize, pos0: usize, k: &[f32], v: &[f32]) {
         let es = self.dtype.row_bytes(1).expect("an element type");
+        let (s, hs) = (self.max_seq, self.heads);
         for (buf, w, x) in [(&mut self.k, self.k_width, k), (&mut self.v, self.v_width, v)] {
             if w == 0 {
                 continue;
             }
-            let at = (l * self.max_seq + pos0) * w * es;
-            let len = x.len() * es;
+            let dh = w / hs;
             let b: &mut [u8] = bytemuck::cast_slice_mut(buf);
-            crate::quant::encode(self.dtype, x, w, &mut b[at..at + len]);
+            for (t, row) in x.chunks_exact(w).enumerate() {
+                for (g, part) in row.chunks_exact(dh).enumerate() {
+                    let at = (((l * hs + g) * s) + pos0 + t) * dh * es;
+                    crate::quant::encode(self.dtype, part, dh, &mut b[at..at + dh * es]);
+                }
+            }
         }
     }
 
     /// Layer `l`'s keys and values of positions `0..len`.
     pub fn view(&self, l: usize, len: usize) -> KvView<'_> {
         let es = self.dtype.row_bytes(1).expect("an element type");
+        let (s, hs) = (self.max_seq, self.heads);
         let (kb, vb): (&[u8], &[u8]) = (bytemuck::cast_slice(&self.k), bytemuck::cast_slice(&self.v));
-        let ka = l * self.max_seq * self.k_width * es;
-        let k = &kb[ka..ka + len * self.k_width * es];
+        // Head g's rows start g·S rows in; the last head's end after `len`.
+        let layer = |w: usize| {
+            let dh = w / hs;
+            let at = l * hs * s * dh * es;
+            at..at + (((hs - 1) * s) + len) * dh * es
+        };
+        let k = &kb[layer(self.k_width)];
+        let dk = self.k_width / hs;
         if self.v_width == 0 {
             // MLA: the values are the first R values of each key row.
-            return KvView { dtype: self.dtype, k, v: k, k_row: self.k_width, v_row: self.k_width };
+            return KvView { dtype: self.dtype, k, v: k, k_row: dk, v_row: dk, k_head: s * dk, v_head: s * dk };
         }
-        let va = l * self.max_seq * self.v_width * es;
-        let v = &vb[va..va + len * self.v_width * es];
-        KvView { dtype: self.dtype, k, v, k_row: self.k_width, v_row: self.v_width }
+        let dv = self.v_width / hs;
+        let v = &vb[layer(self.v_width)];
+        KvView { dtype: self.dtype, k, v, k_row: dk, v_row: dv, k_head: s * dk, v_head: s * dv }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::blocks::attention::{Heads, attend};
+
+    /// The head-by-head cache, filled in two stores, gives attention the
+    /// bits of the same keys and values laid out position by position, in
+    /// every layer, for grouped-query heads and for MLA's one shared head.
+    #[test]
+    fn the_cache_gives_attention_the_bits_of_a_position_major_layout() {
+        let mut s = 7u32;
+        let mut rnd = || {
+            s = s.wrapping_mul(1664525).wrapping_add(1013904223);
+            (s >> 8) as f32 / (1 << 24) as f32 * 2.0 - 1.0
+        };
+        let (layers, max_seq, n, split) = (3, 40, 29, 11);
+        for (h, hkv, dh, mla) in [(6, 3, 8, false), (4, 4, 5, false), (3, 1, 7, true)] {
+            let (kw, vw) = (hkv * dh, if mla { 0 } else { hkv * dh });
+            for dtype in [DType::F32, DType::F16] {
+                let mut cache = KvCache::new(dtype, layers, max_seq, hkv, kw, vw);
+                let per_layer: Vec<(Vec<f32>, Vec<f32>)> = (0..layers)
+                    .map(|_| ((0..n * kw).map(|_| rnd()).collect(), (0..n * vw).map(|_| rnd()).collect()))
+                    .collect();
+                for (l, (k, v)) in per_layer.iter().enumerate() {
+                    let v_at = |t: usize| if mla { &v[..0] } else { &v[t * vw..] };
+                    cache.store(l, 0, &k[..split * kw], &v_at(0)[..if mla { 0 } else { split * vw }]);
+                    cache.store(l, split, &k[split * kw..], v_at(split));
+                }
+                let dv = if mla { dh - 2 } else { dh };
+                let hd = Heads { h, hkv, dk: dh, dv, window: None, scale: 0.4, sinks: None };
+                let q: Vec<f32> = (0..h * dh).map(|_| rnd()).collect();
+                for (l, (k, v)) in per_layer.iter().enumerate() {
+                    let enc = |x: &[f32], w: usize| {
+                        let mut b = vec![0u8; dtype.row_bytes(w.max(1)).unwrap() * n];
+                        if w > 0 {
+                            crate::quant::encode(dtype, x, w, &mut b);
+                        }
+                        b
+                    };
+                    let (kb, vb) = (enc(k, kw), enc(v, vw));
+                    let vb: &[u8] = if mla { &kb } else { &vb };
+                    let vr = if mla { kw } else { vw };
+                    let flat = KvView { dtype, k: &kb, v: vb, k_row: kw, v_row: vr, k_head: dh, v_head: dh };
+                    let (mut want, mut got) = (vec![0f32; h * dv], vec![0f32; h * dv]);
+                    attend(&q, flat, n - 1, hd, &mut vec![0.0; h * dv], &mut want);
+                    attend(&q, cache.view(l, n), n - 1, hd, &mut vec![0.0; h * dv], &mut got);
+                    assert_eq!(got, want, "{dtype} layer {l}, {h}/{hkv} heads of {dh}, mla {mla}");
+                }
+            }
+        }
     }
 }

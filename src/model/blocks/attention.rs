@@ -41,9 +41,9 @@ pub struct Heads<'a> {
 }
 
 /// One layer's cached keys and values as raw bytes of `dtype` (f32 or f16):
-/// position j's keys start at `j · k_row` values, its values at `j · v_row`
-/// in `v`; kv head g's part at `g · Dk` (keys) and `g · Dv` (values). For MLA
-/// `v` is the key buffer itself: the values are the first Dv of each key row.
+/// kv head g's keys of position j start at `j · k_row + g · k_head` values
+/// in `k`, its values at `j · v_row + g · v_head` in `v`. For MLA `v` is the
+/// key buffer itself: the values are the first Dv of each key row.
 #[derive(Clone, Copy, Debug)]
 pub struct KvView<'a> {
     /// Element type (f32 or f16).
@@ -52,10 +52,14 @@ pub struct KvView<'a> {
     pub k: &'a [u8],
     /// Values.
     pub v: &'a [u8],
-    /// Values per cached position in `k`.
+    /// Values from one position's keys to the next's, in `k`.
     pub k_row: usize,
-    /// Values per cached position in `v`.
+    /// Values from one position's values to the next's, in `v`.
     pub v_row: usize,
+    /// Values from one kv head's keys to the next's (at one position).
+    pub k_head: usize,
+    /// Values from one kv head's values to the next's.
+    pub v_head: usize,
 }
 
 /// Keys scored together before their values are accumulated; blocks start
@@ -79,7 +83,7 @@ pub fn attend(q: &[f32], kv: KvView, pos0: usize, hd: Heads, scratch: &mut [f32]
     let t_n = q.len() / (h * dk);
     debug_assert_eq!(q.len() / dk, out.len() / dv);
     let es = kv.dtype.row_bytes(1).expect("an element type");
-    debug_assert!(kv.k.len() >= (pos0 + t_n) * kv.k_row * es);
+    debug_assert!(kv.k.len() >= ((hkv - 1) * kv.k_head + (pos0 + t_n - 1) * kv.k_row + dk) * es);
     // The SIMD kernels of the table (chosen once).
     let kk = crate::kernels::kv_fns(kv.dtype).expect("the KV cache is f32 or f16");
     // Query i of kv head g is token i / group, head g·group + i % group:
@@ -174,7 +178,7 @@ impl<'a> Batch<'a> {
     /// then the values, in key order.
     fn block(&mut self, at: &Ctx, blk: usize, scores: &mut [[f32; KEY_BLOCK]; KV_QUERIES]) {
         let (kv, kk, es) = (at.kv, at.kk, at.es);
-        let Heads { dk, dv, scale, .. } = at.hd;
+        let Heads { dv, scale, .. } = at.hd;
         let (n, kvh) = (self.n, self.kvh);
         let (b0, b1) = (blk * KEY_BLOCK, (blk + 1) * KEY_BLOCK);
         // Query i's keys in this block: lo[i]..hi[i] (both nondecreasing in
@@ -185,7 +189,7 @@ impl<'a> Batch<'a> {
         let Some(a) = (0..n).find(|&i| live(i)) else { return };
         let z = (0..n).rev().find(|&i| live(i)).expect("one is live") + 1;
         let (jlo, jhi) = (lo[a], hi[z - 1]);
-        let k0 = (jlo * kv.k_row + kvh * dk) * es;
+        let k0 = (jlo * kv.k_row + kvh * kv.k_head) * es;
         let flat = &mut scores.as_flattened_mut()[a * KEY_BLOCK + jlo - b0..];
         (kk.dots)(&kv.k[k0..], kv.k_row, jhi - jlo, &self.qs[a..z], flat, KEY_BLOCK);
         for i in a..z {
@@ -210,7 +214,7 @@ impl<'a> Batch<'a> {
         let mut j = jlo;
         while j < jhi {
             if j == ilo && ilo < ihi {
-                let v0 = (ilo * kv.v_row + kvh * dv) * es;
+                let v0 = (ilo * kv.v_row + kvh * kv.v_head) * es;
                 let p = &scores.as_flattened()[a * KEY_BLOCK + ilo - b0..(z - 1) * KEY_BLOCK + ihi - b0];
                 (kk.pv)(&mut self.o[a * dv..z * dv], p, KEY_BLOCK, &kv.v[v0..], kv.v_row, ihi - ilo);
                 j = ihi;
@@ -223,7 +227,7 @@ impl<'a> Batch<'a> {
                 for i in qa..qb {
                     p[i] = scores[i][j - b0];
                 }
-                let at = (j * kv.v_row + kvh * dv) * es;
+                let at = (j * kv.v_row + kvh * kv.v_head) * es;
                 (kk.axpys)(&mut self.o[qa * dv..qb * dv], &p[qa..qb], &kv.v[at..at + dv * es]);
             }
             j += 1;
@@ -335,6 +339,8 @@ mod tests {
                 v: bytemuck::cast_slice(&v),
                 k_row: kr,
                 v_row: vr,
+                k_head: dh,
+                v_head: dh,
             };
             attend(&q, kv, pos0, hd, &mut vec![0.0; out.len()], &mut out);
             let want = naive(&q, &k, &v, pos0, hd);
@@ -351,6 +357,8 @@ mod tests {
                 v: bytemuck::cast_slice(&v16),
                 k_row: kr,
                 v_row: vr,
+                k_head: dh,
+                v_head: dh,
             };
             attend(&q, kv, pos0, hd, &mut vec![0.0; out.len()], &mut out);
             let want = naive(&q, &back(&k16), &back(&v16), pos0, hd);
@@ -388,7 +396,7 @@ mod tests {
                 (DType::F32, bytemuck::cast_slice::<f32, u8>(&k), bytemuck::cast_slice::<f32, u8>(&v)),
                 (DType::F16, bytemuck::cast_slice::<u16, u8>(&k16), bytemuck::cast_slice::<u16, u8>(&v16)),
             ] {
-                let kv = KvView { dtype, k: kb, v: vb, k_row: hkv * dh, v_row: hkv * dh };
+                let kv = KvView { dtype, k: kb, v: vb, k_row: hkv * dh, v_row: hkv * dh, k_head: dh, v_head: dh };
                 let mut all = vec![0.0; q.len()];
                 attend(&q, kv, pos0, hd, &mut vec![0.0; q.len()], &mut all);
                 for ti in 0..t {
@@ -417,7 +425,7 @@ mod tests {
         let scale = 0.37;
         let mut out = vec![0.0; t * h * dv];
         let kb: &[u8] = bytemuck::cast_slice(&k);
-        let kv = KvView { dtype: DType::F32, k: kb, v: kb, k_row: dk, v_row: dk };
+        let kv = KvView { dtype: DType::F32, k: kb, v: kb, k_row: dk, v_row: dk, k_head: 0, v_head: 0 };
         let heads = Heads { h, hkv: 1, dk, dv, window: Some(4), scale, sinks: Some(&sinks) };
         attend(&q, kv, 0, heads, &mut vec![0.0; out.len()], &mut out);
         for ti in 0..t {
