@@ -257,14 +257,10 @@ unsafe fn dots_pass<V: Lanes, E: Elem>(k: &[u8], ks: usize, nk: usize, x: &[&[f3
     }
 }
 
-/// `o[q] += Σ_j p[q·ps + j] · v_j` over `nk` value rows (`v_j` at `v + j·vs`).
-/// The columns go `U` registers at a time while the rows' sums fit in
-/// [`Lanes::SUMS`] registers (each sum's chain of `nk` dependent FMAs is
-/// what bounds a short run, so one query wants many of them side by side),
-/// then two, one and the scalar tail; every output element is the same
-/// `fma(p, v, o)` key after key whichever width took it.
-#[inline(always)]
-unsafe fn pv_rows<V: Lanes, E: Elem, const N: usize>(
+/// A run of `nk` value rows (`v_j` at `v + j·vs`) to add into `N` output
+/// rows of `len` (row `q` at `o + q·len`) with weights `p[q·ps + j]`.
+#[derive(Clone, Copy)]
+struct ValueRun<E> {
     o: *mut f32,
     len: usize,
     p: *const f32,
@@ -272,16 +268,26 @@ unsafe fn pv_rows<V: Lanes, E: Elem, const N: usize>(
     v: *const E,
     vs: usize,
     nk: usize,
-) {
+}
+
+/// `o[q] += Σ_j p[q·ps + j] · v_j` over the run. The columns go `U`
+/// registers at a time while the rows' sums fit in [`Lanes::SUMS`]
+/// registers (each sum's chain of `nk` dependent FMAs is what bounds a
+/// short run, so one query wants many of them side by side), then two, one
+/// and the scalar tail; every output element is the same `fma(p, v, o)`
+/// key after key whichever width took it.
+#[inline(always)]
+unsafe fn pv_rows<V: Lanes, E: Elem, const N: usize>(r: ValueRun<E>) {
     let mut i = 0;
     if N * 8 <= V::SUMS {
-        i = pv_cols::<V, E, N, 8>(o, len, p, ps, v, vs, nk, i);
+        i = pv_cols::<V, E, N, 8>(r, i);
     }
     if N * 4 <= V::SUMS {
-        i = pv_cols::<V, E, N, 4>(o, len, p, ps, v, vs, nk, i);
+        i = pv_cols::<V, E, N, 4>(r, i);
     }
-    i = pv_cols::<V, E, N, 2>(o, len, p, ps, v, vs, nk, i);
-    i = pv_cols::<V, E, N, 1>(o, len, p, ps, v, vs, nk, i);
+    i = pv_cols::<V, E, N, 2>(r, i);
+    i = pv_cols::<V, E, N, 1>(r, i);
+    let ValueRun { o, len, p, ps, v, vs, nk } = r;
     while i < len {
         for j in 0..nk {
             let x = v.add(j * vs + i).read_unaligned().to_f32();
@@ -296,17 +302,8 @@ unsafe fn pv_rows<V: Lanes, E: Elem, const N: usize>(
 /// [`pv_rows`]'s columns from `i` on, `U` registers of each row at a time,
 /// while `U` whole registers remain; returns where it stopped.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn pv_cols<V: Lanes, E: Elem, const N: usize, const U: usize>(
-    o: *mut f32,
-    len: usize,
-    p: *const f32,
-    ps: usize,
-    v: *const E,
-    vs: usize,
-    nk: usize,
-    mut i: usize,
-) -> usize {
+unsafe fn pv_cols<V: Lanes, E: Elem, const N: usize, const U: usize>(r: ValueRun<E>, mut i: usize) -> usize {
+    let ValueRun { o, len, p, ps, v, vs, nk } = r;
     let w = V::LANES;
     while i + U * w <= len {
         let mut a: [[V; U]; N] = std::array::from_fn(|q| std::array::from_fn(|u| V::load(o.add(q * len + i + u * w))));
@@ -352,16 +349,16 @@ unsafe fn pv_pass<V: Lanes, E: Elem>(o: &mut [f32], p: &[f32], ps: usize, v: &[u
     let es = std::mem::size_of::<E>();
     assert!(n >= 1 && o.len() == n * len && nk <= ps && p.len() >= (n - 1) * ps + nk, "pv: shapes");
     assert!(nk == 0 || v.len() >= ((nk - 1) * vs + len) * es, "pv: value rows");
-    let (op, pp, vp) = (o.as_mut_ptr(), p.as_ptr(), v.as_ptr() as *const E);
+    let r = ValueRun { o: o.as_mut_ptr(), len, p: p.as_ptr(), ps, v: v.as_ptr() as *const E, vs, nk };
     match n {
-        1 => pv_rows::<V, E, 1>(op, len, pp, ps, vp, vs, nk),
-        2 => pv_rows::<V, E, 2>(op, len, pp, ps, vp, vs, nk),
-        3 => pv_rows::<V, E, 3>(op, len, pp, ps, vp, vs, nk),
-        4 => pv_rows::<V, E, 4>(op, len, pp, ps, vp, vs, nk),
-        5 => pv_rows::<V, E, 5>(op, len, pp, ps, vp, vs, nk),
-        6 => pv_rows::<V, E, 6>(op, len, pp, ps, vp, vs, nk),
-        7 => pv_rows::<V, E, 7>(op, len, pp, ps, vp, vs, nk),
-        _ => pv_rows::<V, E, 8>(op, len, pp, ps, vp, vs, nk),
+        1 => pv_rows::<V, E, 1>(r),
+        2 => pv_rows::<V, E, 2>(r),
+        3 => pv_rows::<V, E, 3>(r),
+        4 => pv_rows::<V, E, 4>(r),
+        5 => pv_rows::<V, E, 5>(r),
+        6 => pv_rows::<V, E, 6>(r),
+        7 => pv_rows::<V, E, 7>(r),
+        _ => pv_rows::<V, E, 8>(r),
     }
 }
 
