@@ -377,26 +377,24 @@ mod tests {
                 let per_layer: Vec<(Vec<f32>, Vec<f32>)> = (0..layers)
                     .map(|_| ((0..n * kw).map(|_| rnd()).collect(), (0..n * vw).map(|_| rnd()).collect()))
                     .collect();
+                // (MLA's values are empty: vw is 0.)
                 for (l, (k, v)) in per_layer.iter().enumerate() {
-                    let v_at = |t: usize| if mla { &v[..0] } else { &v[t * vw..] };
-                    cache.store(l, 0, &k[..split * kw], &v_at(0)[..if mla { 0 } else { split * vw }]);
-                    cache.store(l, split, &k[split * kw..], v_at(split));
+                    cache.store(l, 0, &k[..split * kw], &v[..split * vw]);
+                    cache.store(l, split, &k[split * kw..], &v[split * vw..]);
                 }
                 let dv = if mla { dh - 2 } else { dh };
                 let hd = Heads { h, hkv, dk: dh, dv, window: None, scale: 0.4, sinks: None };
                 let q: Vec<f32> = (0..h * dh).map(|_| rnd()).collect();
                 for (l, (k, v)) in per_layer.iter().enumerate() {
                     let enc = |x: &[f32], w: usize| {
-                        let mut b = vec![0u8; dtype.row_bytes(w.max(1)).unwrap() * n];
-                        if w > 0 {
-                            crate::quant::encode(dtype, x, w, &mut b);
-                        }
+                        let mut b = vec![0u8; dtype.row_bytes(w).unwrap() * n];
+                        crate::quant::encode(dtype, x, w, &mut b);
                         b
                     };
-                    let (kb, vb) = (enc(k, kw), enc(v, vw));
-                    let vb: &[u8] = if mla { &kb } else { &vb };
-                    let vr = if mla { kw } else { vw };
-                    let flat = KvView { dtype, k: &kb, v: vb, k_row: kw, v_row: vr, k_head: dh, v_head: dh };
+                    let kb = enc(k, kw);
+                    // MLA's values are the key rows' first dv.
+                    let (vb, vr) = if mla { (kb.clone(), kw) } else { (enc(v, vw), vw) };
+                    let flat = KvView { dtype, k: &kb, v: &vb, k_row: kw, v_row: vr, k_head: dh, v_head: dh };
                     let (mut want, mut got) = (vec![0f32; h * dv], vec![0f32; h * dv]);
                     attend(&q, flat, n - 1, hd, &mut vec![0.0; h * dv], &mut want);
                     attend(&q, cache.view(l, n), n - 1, hd, &mut vec![0.0; h * dv], &mut got);

@@ -83,7 +83,7 @@ pub fn attend(q: &[f32], kv: KvView, pos0: usize, hd: Heads, scratch: &mut [f32]
     let t_n = q.len() / (h * dk);
     debug_assert_eq!(q.len() / dk, out.len() / dv);
     let es = kv.dtype.row_bytes(1).expect("an element type");
-    debug_assert!(kv.k.len() >= ((hkv - 1) * kv.k_head + (pos0 + t_n - 1) * kv.k_row + dk) * es);
+    debug_assert!(t_n == 0 || kv.k.len() >= ((hkv - 1) * kv.k_head + (pos0 + t_n - 1) * kv.k_row + dk) * es);
     // The SIMD kernels of the table (chosen once).
     let kk = crate::kernels::kv_fns(kv.dtype).expect("the KV cache is f32 or f16");
     // Query i of kv head g is token i / group, head g·group + i % group:
