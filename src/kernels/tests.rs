@@ -403,6 +403,86 @@ fn group_kernels_of_every_table_match_scalar_and_row_kernels() {
     }
 }
 
+/// The 4-bit group kernels at the bound of their 16-bit partial sums: every
+/// code at 0 or 15 (a q4_0 code of 0 is the weight −8), activations of ±127
+/// in whole blocks and in alternating halves of each run of four (the two
+/// 16-bit lanes a row's sums are split into), one token and every run of
+/// tokens. The integer sums are exact in every table, so a table agrees
+/// with the scalar reference up to its last rounding; a sum that wrapped in
+/// 16 bits would be off by 65536 steps.
+#[test]
+fn four_bit_group_kernels_hold_their_extreme_sums() {
+    use crate::quant::x8::{BlockMxfp4x8, BlockQ4_0x8, BlockQ4_1x8};
+    let codes_at = |dtype: DType| match dtype {
+        DType::Q4_0x8 => (std::mem::offset_of!(BlockQ4_0x8, qs), std::mem::size_of::<BlockQ4_0x8>()),
+        DType::Q4_1x8 => (std::mem::offset_of!(BlockQ4_1x8, qs), std::mem::size_of::<BlockQ4_1x8>()),
+        DType::Mxfp4x8 => (std::mem::offset_of!(BlockMxfp4x8, qs), std::mem::size_of::<BlockMxfp4x8>()),
+        _ => unreachable!(),
+    };
+    let n = 96;
+    let mut s = 3u64;
+    let w: Vec<f32> = (0..8 * n).map(|_| lcg(&mut s)).collect();
+    // Activation patterns, one token each: a whole block of one sign, or
+    // offsets 0-1 and 2-3 (mod 4) of opposite signs.
+    let patterns: [fn(usize) -> i8; 6] = [
+        |_| 127,
+        |_| -127,
+        |i| if i % 4 < 2 { -127 } else { 127 },
+        |i| if i % 4 < 2 { 127 } else { -127 },
+        |i| if i < 16 { -127 } else { 127 },
+        |i| (i as i8 % 7 - 3) * 42,
+    ];
+    let q: Vec<BlockQ8> = patterns
+        .iter()
+        .flat_map(|f| {
+            (0..n / 32).map(move |b| {
+                let qs: [i8; 32] = std::array::from_fn(|i| f((i + b) % 32));
+                BlockQ8 { d: 0.5 + b as f32, sum: qs.iter().map(|&v| v as i32).sum(), qs }
+            })
+        })
+        .collect();
+    let qs: Vec<&[BlockQ8]> = q.chunks_exact(n / 32).collect();
+    for dtype in [DType::Q4_0x8, DType::Q4_1x8, DType::Mxfp4x8] {
+        let (at, size) = codes_at(dtype);
+        for fill in [0x00u8, 0xFF, 0x0F, 0xF0] {
+            let mut buf = encoded(dtype, &w, n);
+            let g = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut buf)[..8 * dtype.row_bytes(n).unwrap()];
+            for block in g.chunks_exact_mut(size) {
+                block[at..].fill(fill);
+            }
+            let g = &*g;
+            let Layout::Groups(k0) = Table::SCALAR.kernels(dtype).layout else { panic!("{dtype} is interleaved") };
+            let want: Vec<[f32; 8]> = qs.iter().map(|q| (k0.one)(g, q)).collect();
+            for table in tables() {
+                let Layout::Groups(k) = table.kernels(dtype).layout else { panic!("{dtype} is interleaved") };
+                let what = |t: usize| format!("{} {dtype} codes {fill:#04x} pattern {t}", table.isa());
+                let close = |got: [f32; 8], want: [f32; 8], t: usize| {
+                    // Roundings apart (the sums are exact), against the size
+                    // of the terms: weights are within ±2 and activations
+                    // at most 127 steps of d.
+                    let size: f32 = qs[t].iter().map(|b| b.d * 127.0 * 32.0 * 2.0).sum();
+                    for (a, b) in got.iter().zip(want) {
+                        assert!((a - b).abs() <= 2e-7 * size, "{}: {got:?} vs {want:?}", what(t));
+                    }
+                };
+                for (t, q) in qs.iter().enumerate() {
+                    close((k.one)(g, q), want[t], t);
+                }
+                let Some(many) = k.many else { continue };
+                for lo in 0..qs.len() {
+                    for hi in lo + 1..=qs.len() {
+                        let mut out = vec![[f32::NAN; 8]; hi - lo];
+                        many(g, &qs[lo..hi], &mut out);
+                        for (i, o) in out.iter().enumerate() {
+                            assert_eq!(*o, (k.one)(g, qs[lo + i]), "{}: tokens {lo}..{hi}", what(lo + i));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// The super-block types' group kernels give their scalar reference's bits
 /// in every table, one token at a time and in every run of 1 to
 /// [`GEMM8_TOKENS`] tokens (so prefill and decode agree), at lengths with
