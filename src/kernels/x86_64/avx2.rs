@@ -420,13 +420,14 @@ unsafe fn q8_sums<const T: usize, const VNNI: u8>(qs: *const i8, ba: [&BlockQ8; 
 }
 
 /// 4-bit codes · activations of one group block, per lane (row), plus
-/// `seed` (a start value per token, [`q4_0_seed`] or zero). The codes multiply as they are (q4_0, q4_1: unsigned 0..15), or
-/// with `LUT` as the doubled E2M1 values (mxfp4: −12..12, by the sign trick,
-/// `|v|` against the activation negated where `v < 0`). Without VNNI the
-/// sums run in 16-bit lanes, two per row, widened once at the end (each
-/// product pair is at most 2 · 15 · 127, eight pairs 30480; with a seed,
-/// see [`q4_0_seed`]); with it, `vpdpbusd` sums straight into 32
-/// bits. The integers are the same.
+/// `seed` (a start value per token: [`q4_0_seed`], or zero). The codes
+/// multiply as they are (q4_0, q4_1: unsigned 0..15), or with `LUT` as the
+/// doubled E2M1 values (mxfp4: −12..12, by the sign trick, `|v|` against the
+/// activation negated where `v < 0`). Without VNNI the sums run in 16-bit
+/// lanes, two per row, widened once at the end (a lane adds eight products
+/// of pairs, at most 8 · 2 · 15 · 127 = 30480; with a seed see
+/// [`q4_0_seed`]); with it, `vpdpbusd` sums straight into 32 bits. The
+/// integers are the same.
 #[inline(always)]
 unsafe fn nibble_sums<const T: usize, const VNNI: u8, const LUT: bool>(
     qs: *const u8,
