@@ -435,7 +435,8 @@ unsafe fn nibble_sums<const T: usize, const VNNI: u8, const LUT: bool>(
     seed: [__m256i; T],
 ) -> [__m256i; T] {
     if VNNI == ZMM_VNNI && !LUT {
-        // q4_0 and q4_1 lay their runs out as q4k's sub-blocks.
+        // q4_0 and q4_1 lay their runs out as q4k's sub-blocks (no seed:
+        // callers pass zero here).
         return pairs::pair_sums::<T, { kx8::Q4K }, false>(qs, ba).0;
     }
     let mask = _mm256_set1_epi8(0x0F);
@@ -493,18 +494,12 @@ unsafe fn gemm8_q4_0<const T: usize, const VNNI: u8>(
         prefetch_ahead(bw as *const BlockQ4_0x8 as *const u8, std::mem::size_of::<BlockQ4_0x8>());
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(bw.d.as_ptr() as *const __m128i));
         let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q[t].add(b));
-        if VNNI == MADD {
-            let seed: [__m256i; T] = std::array::from_fn(|t| _mm256_set1_epi32(q4_0_seed(ba[t].sum)));
-            let sums = nibble_sums::<T, VNNI, false>(bw.qs.as_ptr(), ba, seed);
-            for t in 0..T {
-                acc[t] = scale_acc(acc[t], dw, ba[t], sums[t]);
-            }
-            continue;
-        }
-        let sums = nibble_sums::<T, VNNI, false>(bw.qs.as_ptr(), ba, [_mm256_setzero_si256(); T]);
+        // Codes are stored +8: Σ (c - 8)·q = Σ c·q - 8·Σq, the 8·Σq seeded
+        // into the 16-bit sums without VNNI, taken off after them with it.
+        let seed = std::array::from_fn(|t| _mm256_set1_epi32(if VNNI == MADD { q4_0_seed(ba[t].sum) } else { 0 }));
+        let sums = nibble_sums::<T, VNNI, false>(bw.qs.as_ptr(), ba, seed);
         for t in 0..T {
-            // Codes are stored +8: Σ (c - 8)·q = Σ c·q - 8·Σq.
-            let isum = _mm256_sub_epi32(sums[t], _mm256_set1_epi32(8 * ba[t].sum));
+            let isum = if VNNI == MADD { sums[t] } else { _mm256_sub_epi32(sums[t], _mm256_set1_epi32(8 * ba[t].sum)) };
             acc[t] = scale_acc(acc[t], dw, ba[t], isum);
         }
     }
