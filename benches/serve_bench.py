@@ -3,10 +3,14 @@
 several numbers of concurrent clients, beside the batched roofline.
 
 The server runs in its own process (`colibri serve MODEL --threads T`);
-each client is a thread sending non-streamed /v1/completions requests one
+each client is a thread sending streamed /v1/completions requests one
 after another (short distinct prompts, `max_tokens` tokens each, ignore_eos
 so every request makes exactly that many). Aggregate tokens/s = all
-completion tokens / wall time of the run; latency = each request's wall time.
+completion tokens / wall time of the run, prompts and HTTP included;
+latency = each request's wall time. Decoding tokens/s leaves the prompts
+out: each request's time per output token after its first (TPOT: from its
+first token's chunk to its last, over tokens - 1), and B clients decode at
+B / the median TPOT, the rate the roofline below bounds.
 
 The roofline of a step: the bytes it must read, the dense part (every
 tensor but the routed experts and the embedding table) once plus the
@@ -77,21 +81,40 @@ def run(url: str, clients: int, requests: int, max_tokens: int) -> dict[str, flo
     # Token-id prompts (the bench models have no tokenizer): 16 distinct ids each.
     prompts = [[(i * 97 + j * 13 + 5) % 50000 for j in range(16)] for i in range(clients * requests)]
 
-    def one(k: int) -> list[tuple[float, int]]:
+    def one(k: int) -> list[tuple[float, int, float]]:
+        """(latency, completion tokens, time per token after the first) of
+        each of client k's requests, streamed so the tokens can be timed."""
         out = []
-        with httpx.Client(timeout=600) as c:
-            for r in range(requests):
-                body = {
-                    "prompt": prompts[k * requests + r],
-                    "max_tokens": max_tokens,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                    "return_token_ids": True,
-                }
-                t = time.perf_counter()
-                resp = c.post(url + "/v1/completions", json=body)
+        for r in range(requests):
+            body = {
+                "prompt": prompts[k * requests + r],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            t = time.perf_counter()
+            first = last = None
+            tokens = 0
+            # A connection per request: llama-server may close a kept-alive
+            # one after a stream just as the next request goes out on it.
+            with httpx.Client(timeout=600) as c, c.stream("POST", url + "/v1/completions", json=body) as resp:
                 resp.raise_for_status()
-                out.append((time.perf_counter() - t, resp.json()["usage"]["completion_tokens"]))
+                for line in resp.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    now, chunk = time.perf_counter(), json.loads(line[6:])
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+                    if any(ch.get("finish_reason") is None for ch in chunk.get("choices", ())):
+                        first = first or now  # a chunk that carries tokens
+                        last = now
+            done = time.perf_counter()
+            if first is None or last is None or tokens < 2:
+                raise RuntimeError(f"{url}: a stream of {tokens} tokens cannot be timed")
+            out.append((done - t, tokens, (last - first) / (tokens - 1)))
         return out
 
     t0 = time.perf_counter()
@@ -100,8 +123,16 @@ def run(url: str, clients: int, requests: int, max_tokens: int) -> dict[str, flo
     wall = time.perf_counter() - t0
     lat = sorted(x[0] for x in results)
     tokens = sum(x[1] for x in results)
+    tpot = statistics.median(x[2] for x in results)
     p99 = lat[min(len(lat) - 1, int(round(0.99 * (len(lat) - 1))))]
-    return {"tok_s": tokens / wall, "p50": statistics.median(lat), "p99": p99, "tokens": tokens}
+    return {
+        "tok_s": tokens / wall,
+        "p50": statistics.median(lat),
+        "p99": p99,
+        "tokens": tokens,
+        "tpot": tpot,
+        "decode_tok_s": clients / tpot,
+    }
 
 
 @contextmanager
@@ -195,6 +226,7 @@ def main() -> int:
     # minutes, and alternating puts both engines in the same drift.
     clients = [int(x) for x in args.clients.split(",")]
     base: dict[str, float] = {}
+    base_decode: dict[str, float] = {}
     with ExitStack() as stack:
         for cmd, url in servers.values():
             stack.enter_context(running(cmd, url))
@@ -211,6 +243,7 @@ def main() -> int:
                     r["bandwidth"] = bw
                     r["roofline_tok_s"] = b * bw / step
                     r["of_roofline"] = r["tok_s"] / r["roofline_tok_s"]
+                    r["decode_of_roofline"] = r["decode_tok_s"] / r["roofline_tok_s"]
                     reps[name].append(r)
             for name, rs in reps.items():
                 med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
@@ -223,6 +256,14 @@ def main() -> int:
                     f"p50 {med['p50']:.2f} s, p99 {med['p99']:.2f} s; step {step / 1e6:.0f} MB, "
                     f"roofline {med['roofline_tok_s']:.0f} tok/s at {med['bandwidth'] / 1e9:.1f} GB/s "
                     f"({med['of_roofline']:.0%}; runs {runs})",
+                    flush=True,
+                )
+                druns = ", ".join(f"{r['decode_of_roofline']:.0%}" for r in rs)
+                print(
+                    f"{'':>12} {b:3d} clients: decoding {med['decode_tok_s']:7.1f} tok/s "
+                    f"({med['decode_tok_s'] / base_decode.setdefault(name, med['decode_tok_s']):4.2f}x one), "
+                    f"{med['tpot'] * 1e3:.1f} ms per token after the first "
+                    f"({med['decode_of_roofline']:.0%} of the roofline; runs {druns})",
                     flush=True,
                 )
             if "llama-server" in row:
