@@ -95,6 +95,19 @@ def test_the_openai_client_gets_what_generate_gives(url, demo):
         if ch.choices
     ]
     assert "".join(deltas) == str(want)
+    # Content as text parts: joined by newlines, as vLLM joins them.
+    texts = [{"type": "text", "text": "Tell me"}, {"type": "text", "text": "of Emma."}]
+    r = c.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": texts}], max_tokens=16, temperature=0
+    )
+    joined = [{"role": "user", "content": "Tell me\nof Emma."}]
+    assert r.choices[0].message.content == str(demo.chat(joined, max_new_tokens=16, temperature=0))
+
+    def prompt_tokens(msgs: list) -> int:
+        return len(demo.tokenize(demo.apply_chat_template(msgs), add_special_tokens=False))
+
+    glued = [{"role": "user", "content": "Tell meof Emma."}]
+    assert r.usage.prompt_tokens == prompt_tokens(joined) != prompt_tokens(glued)
     # Stop strings, seeds, n and vLLM's extra fields.
     r = c.completions.create(model="demo", prompt=PROMPTS[1], max_tokens=30, temperature=0, stop=[" the"])
     assert r.choices[0].text == str(
@@ -127,7 +140,8 @@ def test_sixteen_concurrent_clients_get_their_serial_outputs(url, demo):
 
 
 def test_a_client_that_disconnects_mid_stream_cancels_its_generation(url, demo):
-    body = {"prompt": PROMPTS[3], "max_tokens": 100_000, "temperature": 0, "ignore_eos": True, "stream": True}
+    room = demo.context_length - len(demo.tokenize(PROMPTS[3]))
+    body = {"prompt": PROMPTS[3], "max_tokens": room, "temperature": 0, "ignore_eos": True, "stream": True}
     before = demo.batch_stats()["generated_tokens"]
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
         assert r.status_code == 200
@@ -155,6 +169,9 @@ def error_of(r: httpx.Response) -> dict:
     ("body", "param", "status"),
     [
         ({"prompt": "x", "max_tokens": -1}, "max_tokens", 400),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens", 400),
+        ({"prompt": "x", "top_p": 0}, "top_p", 400),
+        ({"prompt": "x", "top_p": 1e-50}, "top_p", 400),
         ({"prompt": "x", "temperature": "hot"}, "temperature", 400),
         ({"prompt": "x", "n": 1000}, "n", 400),
         ({"prompt": "x", "frobnicate": 1}, "frobnicate", 400),
@@ -224,10 +241,26 @@ def test_malformed_bodies_long_prompts_and_unknown_routes(url, demo):
     assert r.status_code == 400 and error_of(r)["param"] == "messages"
     r = httpx.post(url + "/v1/chat/completions", json=[1, 2], timeout=30)
     assert r.status_code == 400
+    r = httpx.post(url + "/v1/completions", content=b"[" * 100_000, timeout=30)
+    assert r.status_code == 400 and "deeply" in error_of(r)["message"]
     # A prompt longer than the context: a 400 naming the limit.
     long = [5] * (demo.context_length + 1)
     r = httpx.post(url + "/v1/completions", json={"prompt": long}, timeout=30)
     assert r.status_code == 400 and error_of(r)["code"] == "context_length_exceeded"
+    # A prompt that fits, with more tokens asked than the context has left:
+    # a 400 naming the field that asked (OpenAI's answer), on both endpoints;
+    # the lengths' defaults stop at the context instead.
+    fits = [5] * (demo.context_length - 4)
+    body = {"prompt": fits, "max_tokens": 5, "return_token_ids": True}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400 and error_of(r)["code"] == "context_length_exceeded"
+    assert error_of(r)["param"] == "max_tokens"
+    body = {"prompt": fits, "max_tokens": 4, "ignore_eos": True, "return_token_ids": True}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert r.json()["usage"]["completion_tokens"] == 4
+    chat = {"messages": [{"role": "user", "content": "Emma"}], "max_completion_tokens": demo.context_length}
+    r = httpx.post(url + "/v1/chat/completions", json=chat, timeout=30)
+    assert r.status_code == 400 and error_of(r)["param"] == "max_completion_tokens"
     # A million-token prompt, as ids and as text: the same 400.
     for prompt in ([5] * 1_000_000, "Emma " * 1_000_000):
         r = httpx.post(url + "/v1/completions", json={"prompt": prompt}, timeout=60)

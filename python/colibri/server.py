@@ -182,6 +182,8 @@ class Job:
     options: dict[str, Any] = field(default_factory=dict)
     #: vLLM's extra: each choice also carries its generated token ids.
     return_token_ids: bool = False
+    #: The field that set the number of tokens, None when it is the default.
+    length_field: str | None = None
 
 
 def _parse(body: Any, allowed: set[str], chat: bool, engine: Any, model_name: str) -> Job:
@@ -214,10 +216,15 @@ def _parse(body: Any, allowed: set[str], chat: bool, engine: Any, model_name: st
             raise _bad("stream_options", "is only allowed with stream: true")
     include_usage = bool(isinstance(so, dict) and so.get("include_usage"))
     # Tokens to generate: absent means up to the context (chat) or 16
-    # (completions), as OpenAI's endpoints default.
-    max_tokens = _int(body, "max_completion_tokens", 0) if chat else None
-    if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 0)
+    # (completions), as OpenAI's endpoints default; a number given must
+    # leave room for itself after the prompt (checked once it is tokenised).
+    length_field = None
+    max_tokens = _int(body, "max_completion_tokens", 1) if chat else None
+    if max_tokens is not None:
+        length_field = "max_completion_tokens"
+    else:
+        max_tokens = _int(body, "max_tokens", 1)
+        length_field = "max_tokens" if max_tokens is not None else None
     if max_tokens is None:
         max_tokens = engine.context_length if chat else 16
     opts: dict[str, Any] = {
@@ -262,6 +269,7 @@ def _parse(body: Any, allowed: set[str], chat: bool, engine: Any, model_name: st
         raise _bad("n", f"{len(prompts)} prompts x n={n} asks {len(prompts) * n} choices; at most {MAX_N}")
     job = Job(prompts, n, stream, include_usage, logprobs, "messages" if chat else "prompt", opts)
     job.return_token_ids = bool(_bool(body, "return_token_ids"))
+    job.length_field = length_field
     if not engine.has_tokenizer and not (job.return_token_ids and all(_token_ids(p) for p in prompts)):
         raise APIError(
             400,
@@ -290,7 +298,7 @@ def _render(body: Mapping[str, Any], engine: Any) -> list[int]:
                 ):
                     raise _bad(f"messages[{i}].content", "only text parts are supported")
                 texts.append(part["text"])
-            messages[i] = {**m, "content": "".join(texts)}
+            messages[i] = {**m, "content": "\n".join(texts)}
         elif content is not None and not isinstance(content, str):
             raise _bad(f"messages[{i}].content", "must be a string or a list of text parts")
     kwargs = body.get("chat_template_kwargs")
@@ -337,9 +345,17 @@ class _Run:
     """The generations of one request, fed to the event loop as
     ``(choice, piece)`` events (``piece`` None when a choice ends)."""
 
-    def __init__(self, engine: Any, job: Job, loop: asyncio.AbstractEventLoop, metrics: _Metrics) -> None:
-        self.job, self.loop, self.metrics, self.engine = job, loop, metrics, engine
-        self.queue: asyncio.Queue[tuple[int, Any, Any]] = asyncio.Queue()
+    def __init__(
+        self,
+        engine: Any,
+        job: Job,
+        loop: asyncio.AbstractEventLoop,
+        queue: asyncio.Queue[tuple[int, Any, Any]],
+        metrics: _Metrics,
+    ) -> None:
+        # The queue is made on the event loop's thread: this runs in a worker
+        # thread, where Python 3.9's Queue() finds no loop to bind to.
+        self.job, self.loop, self.queue, self.metrics, self.engine = job, loop, queue, metrics, engine
         self.choices: list[_Choice] = []
         self.streams: list[Any] = []
         self.started = time.perf_counter()
@@ -356,6 +372,15 @@ class _Run:
                     400,
                     f"This model's maximum context length is {ctx} tokens; the prompt has {len(p)}",
                     param=job.prompt_field,
+                    code="context_length_exceeded",
+                )
+            want = job.options["max_new_tokens"]
+            if job.length_field is not None and len(p) + want > ctx:
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {ctx} tokens; the prompt has {len(p)} "
+                    f"and {job.length_field} asks {want} more",
+                    param=job.length_field,
                     code="context_length_exceeded",
                 )
             bad = next((t for t in p if not 0 <= t < engine.vocab_size), None)
@@ -389,7 +414,9 @@ class _Run:
             raise APIError(400, str(e), param=job.prompt_field, code="context_length_exceeded") from e
         except InvalidInputError as e:
             self.cancel()
-            raise APIError(400, str(e)) from e
+            # The engine's checks start their messages with the option's name.
+            name = str(e).split(" ", 1)[0]
+            raise APIError(400, str(e), param=name if name in _COMMON else None) from e
         for c, s in zip(self.choices, self.streams):
             threading.Thread(target=self._pump, args=(c, s), daemon=True, name="colibri-pump").start()
 
@@ -717,6 +744,8 @@ def create_app(
             return json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON: {e}") from e
+        except RecursionError as e:
+            raise APIError(400, "the request body nests too deeply") from e
 
     def endpoint(kind: str) -> Callable[[Request], Any]:
         async def handle(request: Request) -> Response:
@@ -729,8 +758,8 @@ def create_app(
                 job = await asyncio.to_thread(
                     _parse, body, _CHAT if chat else _COMPLETION, chat, e, served_name()
                 )
-                loop = asyncio.get_running_loop()
-                run = await asyncio.to_thread(_Run, e, job, loop, metrics)
+                loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+                run = await asyncio.to_thread(_Run, e, job, loop, queue, metrics)
                 if job.stream:
                     return StreamingResponse(
                         _sse(run, chat, served_name(), request),
