@@ -72,6 +72,25 @@ def test_a_stream_cancelled_from_another_thread_ends_and_frees_its_place(demo):
     assert again.token_ids == demo.generate(PROMPTS[1], max_new_tokens=8, temperature=0).token_ids
 
 
+def test_a_stream_cancelled_while_queued_ends_at_once_and_leaves_the_queue():
+    e = colibri.Engine.demo(threads=2, max_batch=1)
+    room = e.context_length - len(e.tokenize(PROMPTS[0]))
+    running = e.stream(PROMPTS[0], max_new_tokens=room, temperature=0, ignore_eos=True)
+    assert next(running)
+    queued = e.stream(PROMPTS[1], max_new_tokens=8, temperature=0)
+    assert e.batch_stats()["waiting"] == 1
+    threading.Timer(0.05, queued.cancel).start()
+    assert list(queued) == []  # waits, then ends when cancelled
+    assert queued.finish_reason is None and queued.token_ids == []
+    # It ended while the other still ran, not once a place freed for it.
+    assert e.batch_stats()["running"] == 1
+    deadline = time.monotonic() + 5
+    while e.batch_stats()["waiting"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert e.batch_stats()["waiting"] == 0 and e.batch_stats()["running"] == 1
+    running.cancel()
+
+
 def test_a_full_queue_is_a_busy_error_and_the_options_are_checked():
     e = colibri.Engine.demo(threads=2, max_batch=1, max_queue=1)
     held = [e.stream(PROMPTS[0], max_new_tokens=400, temperature=0, ignore_eos=True)]

@@ -333,6 +333,11 @@ impl Ticket {
                     self.broken = true;
                     return Err(e);
                 }
+                Err(RecvTimeoutError::Timeout) if self.cancel.load(Ordering::Relaxed) => {
+                    // Cancelled while waiting (from another thread, say), perhaps
+                    // still in the queue behind a full batch: it ends here.
+                    return Ok(None);
+                }
                 Err(RecvTimeoutError::Timeout) => {
                     if interrupted() {
                         self.cancel();
@@ -412,6 +417,9 @@ fn run(engine: Engine, opts: BatchOptions, shared: Arc<Shared>) {
                 }
                 return;
             }
+            // Requests cancelled while they waited leave the queue now, not
+            // when a place frees for them.
+            q.waiting.retain(|r| !r.cancel.load(Ordering::Relaxed));
             while running.len() < opts.max_batch {
                 let Some(req) = q.waiting.pop_front() else { break };
                 if req.cancel.load(Ordering::Relaxed) {
