@@ -211,8 +211,9 @@ def test_logprobs_are_the_engines_streamed_or_not(url, demo):
         add_special_tokens=False,
     )
     chat_want = demo.generate(ids, max_new_tokens=6, temperature=0, logprobs=2)
+    # Each token as it reads in the text: they join to the message.
+    assert "".join(t.token for t in content).startswith(r.choices[0].message.content)
     for got, exp in zip(content, chat_want.logprobs):
-        assert got.token == demo.detokenize([exp.token_id])
         assert got.logprob == pytest.approx(exp.logprob, abs=1e-6)
         assert [t.logprob for t in got.top_logprobs] == pytest.approx([v for _, v in exp.top], abs=1e-6)
         # Greedy: the chosen token is the most likely one.
@@ -221,17 +222,52 @@ def test_logprobs_are_the_engines_streamed_or_not(url, demo):
     body = {"prompt": PROMPTS[1], "max_tokens": 10, "temperature": 0, "logprobs": 3}
     whole = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["logprobs"]
     assert whole["token_logprobs"] == pytest.approx([t.logprob for t in want.logprobs], abs=1e-6)
-    assert whole["tokens"] == [demo.detokenize([t.token_id]) for t in want.logprobs]
+    assert "".join(whole["tokens"]).startswith(str(want))
     assert [len(t) for t in whole["top_logprobs"]] == [3] * len(want.logprobs)
-    assert whole["text_offset"][0] == 0 and whole["text_offset"] == sorted(whole["text_offset"])
-    streamed = []
+    assert whole["text_offset"] == [len("".join(whole["tokens"][:i])) for i in range(len(whole["tokens"]))]
+    streamed: dict[str, list] = {"token_logprobs": [], "tokens": [], "text_offset": []}
     for ch in c.completions.create(model="demo", stream=True, **body):
         if ch.choices and ch.choices[0].logprobs is not None:
-            streamed += ch.choices[0].logprobs.token_logprobs
-    assert streamed == pytest.approx(whole["token_logprobs"], abs=0)
+            for k, v in streamed.items():
+                v += getattr(ch.choices[0].logprobs, k)
+    assert streamed["token_logprobs"] == pytest.approx(whole["token_logprobs"], abs=0)
+    assert streamed["tokens"] == whole["tokens"] and streamed["text_offset"] == whole["text_offset"]
     # Not asked for: null, as OpenAI answers.
     plain = httpx.post(url + "/v1/completions", json={**body, "logprobs": None}, timeout=60).json()
     assert plain["choices"][0]["logprobs"] is None
+
+
+def test_logprob_tokens_keep_the_space_a_tokenizer_strips_from_a_lone_token(llama):
+    # The Llama-style tokenizer drops the space of a word's "▁" at the start
+    # of a text, so each token decoded alone would not join to the text.
+    with live(create_app(llama)) as u:
+        body = {
+            "prompt": "Once upon a time",
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": 2,
+            "skip_special_tokens": False,
+            "return_token_ids": True,
+        }
+        whole = httpx.post(u + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+        lps = whole["logprobs"]
+        assert "".join(lps["tokens"]) == whole["text"]
+        assert lps["tokens"] != [llama.detokenize([t]) for t in whole["token_ids"]]
+        assert lps["text_offset"] == [len("".join(lps["tokens"][:i])) for i in range(len(lps["tokens"]))]
+        # The alternatives read the same way: the chosen one (greedy, the
+        # most likely) among them with the same text.
+        assert all(tok in top for tok, top in zip(lps["tokens"], lps["top_logprobs"]))
+        chat = {
+            "messages": [{"role": "user", "content": "Tell me of the bird."}],
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": True,
+            "skip_special_tokens": False,
+        }
+        r = httpx.post(u + "/v1/chat/completions", json=chat, timeout=60).json()["choices"][0]
+        assert "".join(t["token"] for t in r["logprobs"]["content"]) == r["message"]["content"]
 
 
 def test_malformed_bodies_long_prompts_and_unknown_routes(url, demo):

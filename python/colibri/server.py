@@ -328,10 +328,20 @@ def _prompts(body: Mapping[str, Any]) -> list[Any]:
 # Running generations: one pump thread per choice.
 
 
+#: Tokens before a log-probability entry that its token is decoded after.
+_LOGPROB_CONTEXT = 4
+
+
 @dataclass
 class _Choice:
     index: int
     prompt_tokens: int = 0
+    #: The last few ids before the next log-probability entry to show: its
+    #: token is decoded after them, keeping the space a tokenizer drops from
+    #: the start of a text ("▁Paris" is " Paris" after a word, "Paris" alone).
+    recent: list[int] = field(default_factory=list)
+    #: ``text_offset`` of the next completions entry.
+    lp_offset: int = 0
     text: str = ""
     tokens: int = 0
     finish_reason: str | None = None
@@ -403,7 +413,9 @@ class _Run:
                         add_special_tokens=False,
                     )
                     self.streams.append(stream)
-                    self.choices.append(_Choice(index=k * job.n + j, prompt_tokens=len(p)))
+                    self.choices.append(
+                        _Choice(index=k * job.n + j, prompt_tokens=len(p), recent=list(p[-_LOGPROB_CONTEXT:]))
+                    )
         except BusyError as e:
             self.cancel()
             raise APIError(
@@ -482,36 +494,51 @@ class _Run:
                 self.choices[i].logprobs.extend(lps)
             yield self.choices[i], piece, lps
 
-    def token_text(self, token_id: int) -> str:
-        """A token as logprobs show it: its text, or ``token_id:N`` for a
-        model without a tokenizer (vLLM's spelling)."""
-        if not self.engine.has_tokenizer:
-            return f"token_id:{token_id}"
-        return str(self.engine.detokenize([token_id]))
+    def _texts(self, choice: _Choice, lps: list[Any]) -> list[tuple[str, list[tuple[str, float]]]]:
+        """Each entry's token and alternatives as text, decoded after the
+        tokens before it so the texts join to the completion; ``token_id:N``
+        for a model without a tokenizer (vLLM's spelling). Entries are shown
+        once each, in order: this moves the choice's context past them."""
+        out = []
+        for t in lps:
+            if not self.engine.has_tokenizer:
+                out.append((f"token_id:{t.token_id}", [(f"token_id:{i}", v) for i, v in t.top]))
+                continue
+            ctx = choice.recent
+            out.append((self._after(ctx, t.token_id), [(self._after(ctx, i), v) for i, v in t.top]))
+            choice.recent = [*ctx, t.token_id][-_LOGPROB_CONTEXT:]
+        return out
 
-    def chat_logprobs(self, lps: list[Any]) -> dict[str, Any]:
+    def _after(self, ctx: list[int], token_id: int) -> str:
+        """The text ``token_id`` adds after the tokens ``ctx``."""
+        base = str(self.engine.detokenize(ctx))
+        full = str(self.engine.detokenize([*ctx, token_id]))
+        return full[len(os.path.commonprefix([base, full])) :]
+
+    def chat_logprobs(self, choice: _Choice, lps: list[Any]) -> dict[str, Any]:
         """OpenAI's chat form: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
 
-        def entry(t: int, lp: float) -> dict[str, Any]:
-            text = self.token_text(t)
+        def entry(text: str, lp: float) -> dict[str, Any]:
             return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", "replace"))}
 
         content = [
-            {**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, v) for i, v in t.top]} for t in lps
+            {**entry(text, t.logprob), "top_logprobs": [entry(a, v) for a, v in top]}
+            for t, (text, top) in zip(lps, self._texts(choice, lps))
         ]
         return {"content": content, "refusal": None}
 
-    def completion_logprobs(self, lps: list[Any], offset: int) -> dict[str, Any]:
-        """The legacy completions form: parallel lists, text offsets from ``offset``."""
-        tokens = [self.token_text(t.token_id) for t in lps]
+    def completion_logprobs(self, choice: _Choice, lps: list[Any]) -> dict[str, Any]:
+        """The legacy completions form: parallel lists, each token's offset
+        in the completion's text (the texts join to it)."""
+        texts = self._texts(choice, lps)
         offsets = []
-        for text in tokens:
-            offsets.append(offset)
-            offset += len(text)
+        for text, _ in texts:
+            offsets.append(choice.lp_offset)
+            choice.lp_offset += len(text)
         return {
-            "tokens": tokens,
+            "tokens": [text for text, _ in texts],
             "token_logprobs": [t.logprob for t in lps],
-            "top_logprobs": [{self.token_text(i): v for i, v in t.top} for t in lps],
+            "top_logprobs": [dict(top) for _, top in texts],
             "text_offset": offsets,
         }
 
@@ -899,12 +926,12 @@ async def _whole(run: _Run, chat: bool, model: str, request: Request) -> dict[st
                 {
                     "index": c.index,
                     "message": {"role": "assistant", "content": c.text},
-                    "logprobs": None if want_lps is None else run.chat_logprobs(c.logprobs),
+                    "logprobs": None if want_lps is None else run.chat_logprobs(c, c.logprobs),
                     "finish_reason": c.finish_reason,
                 }
             )
         else:
-            lps = None if want_lps is None else run.completion_logprobs(c.logprobs, 0)
+            lps = None if want_lps is None else run.completion_logprobs(c, c.logprobs)
             choices.append(
                 {"index": c.index, "text": c.text, "logprobs": lps, "finish_reason": c.finish_reason}
             )
@@ -937,18 +964,15 @@ async def _sse(run: _Run, chat: bool, model: str, request: Request) -> AsyncIter
             body["usage"] = usage
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-    offsets = [0] * len(run.choices)
-
     def choice(
         c: _Choice, text: str | None, finish: str | None, lps: list[Any] | None = None, role: bool = False
     ) -> dict[str, Any]:
         logprobs: dict[str, Any] | None = None
         if run.job.logprobs is not None and not role:
             if chat:
-                logprobs = run.chat_logprobs(lps or [])
+                logprobs = run.chat_logprobs(c, lps or [])
             else:
-                logprobs = run.completion_logprobs(lps or [], offsets[c.index])
-                offsets[c.index] += len(text or "")
+                logprobs = run.completion_logprobs(c, lps or [])
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text is not None:
