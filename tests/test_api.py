@@ -122,6 +122,11 @@ def test_kv_cache_dtype_is_the_name_and_the_old_one_warns(demo):
         colibri.Engine(demo.path, kv_cache_dtype="int8")
 
 
+def _is_typeddict(t: object) -> bool:
+    # typing.is_typeddict is Python 3.10+: a TypedDict is a dict class with __total__.
+    return isinstance(t, type) and issubclass(t, dict) and hasattr(t, "__total__")
+
+
 def _keys_match(shape: type, value: dict, where: str) -> None:
     hints = typing.get_type_hints(shape)
     assert set(hints) == set(value), (
@@ -129,9 +134,9 @@ def _keys_match(shape: type, value: dict, where: str) -> None:
     )
     for k, hint in hints.items():
         inner = typing.get_args(hint)
-        if typing.is_typeddict(hint):
+        if _is_typeddict(hint):
             _keys_match(hint, value[k], f"{where}.{k}")
-        elif typing.get_origin(hint) is list and inner and typing.is_typeddict(inner[0]):
+        elif typing.get_origin(hint) is list and inner and _is_typeddict(inner[0]):
             for i, item in enumerate(value[k]):
                 _keys_match(inner[0], item, f"{where}.{k}[{i}]")
 

@@ -1,10 +1,10 @@
 """The shapes of the engine's reports (typed dicts: plain ``dict`` at run
 time, exact keys for a type checker). tests/test_api.py checks each against
-what the native layer really returns, so they cannot drift apart."""
+what the native layer really returns, so they cannot drift apart. Their
+annotations stay evaluable on Python 3.9 (``typing.get_type_hints``, as
+pydantic and the tests call it): no ``X | None`` here."""
 
-from __future__ import annotations
-
-from typing import TypedDict
+from typing import Optional, TypedDict
 
 
 class LayerRouting(TypedDict):
@@ -113,7 +113,7 @@ class BatchStats(TypedDict):
 class Plan(TypedDict):
     """``colibri.plan(path, ram_budget)``: what a budget holds and what it is expected to read."""
 
-    budget: int | None
+    budget: Optional[int]
     streams: bool
     file_bytes: int
     dense_bytes: int

@@ -785,7 +785,8 @@ def create_app(
                 job = await asyncio.to_thread(
                     _parse, body, _CHAT if chat else _COMPLETION, chat, e, served_name()
                 )
-                loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+                loop = asyncio.get_running_loop()
+                queue: asyncio.Queue[tuple[int, Any, Any]] = asyncio.Queue()
                 run = await asyncio.to_thread(_Run, e, job, loop, queue, metrics)
                 if job.stream:
                     return StreamingResponse(
