@@ -218,13 +218,9 @@ def _parse(body: Any, allowed: set[str], chat: bool, engine: Any, model_name: st
     # Tokens to generate: absent means up to the context (chat) or 16
     # (completions), as OpenAI's endpoints default; a number given must
     # leave room for itself after the prompt (checked once it is tokenised).
-    length_field = None
-    max_tokens = _int(body, "max_completion_tokens", 1) if chat else None
-    if max_tokens is not None:
-        length_field = "max_completion_tokens"
-    else:
-        max_tokens = _int(body, "max_tokens", 1)
-        length_field = "max_tokens" if max_tokens is not None else None
+    fields = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
+    length_field = next((f for f in fields if body.get(f) is not None), None)
+    max_tokens = _int(body, length_field, 1) if length_field else None
     if max_tokens is None:
         max_tokens = engine.context_length if chat else 16
     opts: dict[str, Any] = {
@@ -505,13 +501,14 @@ class _Run:
                 out.append((f"token_id:{t.token_id}", [(f"token_id:{i}", v) for i, v in t.top]))
                 continue
             ctx = choice.recent
-            out.append((self._after(ctx, t.token_id), [(self._after(ctx, i), v) for i, v in t.top]))
+            base = str(self.engine.detokenize(ctx))
+            top = [(self._after(ctx, base, i), v) for i, v in t.top]
+            out.append((self._after(ctx, base, t.token_id), top))
             choice.recent = [*ctx, t.token_id][-_LOGPROB_CONTEXT:]
         return out
 
-    def _after(self, ctx: list[int], token_id: int) -> str:
-        """The text ``token_id`` adds after the tokens ``ctx``."""
-        base = str(self.engine.detokenize(ctx))
+    def _after(self, ctx: list[int], base: str, token_id: int) -> str:
+        """The text ``token_id`` adds after the tokens ``ctx`` (whose text is ``base``)."""
         full = str(self.engine.detokenize([*ctx, token_id]))
         return full[len(os.path.commonprefix([base, full])) :]
 

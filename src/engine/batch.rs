@@ -422,9 +422,6 @@ fn run(engine: Engine, opts: BatchOptions, shared: Arc<Shared>) {
             q.waiting.retain(|r| !r.cancel.load(Ordering::Relaxed));
             while running.len() < opts.max_batch {
                 let Some(req) = q.waiting.pop_front() else { break };
-                if req.cancel.load(Ordering::Relaxed) {
-                    continue;
-                }
                 let max_seq = req.prompt.len().saturating_add(req.opts.max_new_tokens);
                 let seq = Sequence::new(model, max_seq, engine.kv_dtype());
                 let timings = Timings { prompt_tokens: req.prompt.len(), ..Timings::default() };
