@@ -192,6 +192,39 @@ def test_bad_requests_are_clean_4xx_and_the_server_goes_on(url, body, param, sta
     assert ok.status_code == 200
 
 
+def test_chat_takes_the_no_op_forms_of_format_and_tools_and_refuses_the_rest(url, demo):
+    msgs = [{"role": "user", "content": "Tell me of Emma."}]
+    plain = client(url).chat.completions.create(model="demo", messages=msgs, max_tokens=6, temperature=0)
+    # What some clients send by default changes nothing.
+    same = client(url).chat.completions.create(
+        model="demo",
+        messages=msgs,
+        max_tokens=6,
+        temperature=0,
+        response_format={"type": "text"},
+        tools=[],
+        tool_choice="none",
+        parallel_tool_calls=False,
+    )
+    assert same.choices[0].message.content == plain.choices[0].message.content
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for extra, param in [
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": "json"}, "response_format"),
+        ({"tools": [tool]}, "tools"),
+        ({"tools": {"f": 1}}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+        ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ]:
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": msgs, **extra}, timeout=30)
+        assert r.status_code == 400, (extra, r.text)
+        assert error_of(r)["param"] == param, extra
+    # The completions endpoint has no such fields.
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x", "tools": []}, timeout=30)
+    assert r.status_code == 400 and error_of(r)["param"] == "tools"
+
+
 def test_logprobs_are_the_engines_streamed_or_not(url, demo):
     want = demo.generate(PROMPTS[1], max_new_tokens=10, temperature=0, logprobs=3)
     c = client(url)

@@ -86,7 +86,18 @@ _COMMON = {
     "service_tier",
     "logit_bias",
 }
-_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs"}
+_CHAT = _COMMON | {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "chat_template_kwargs",
+    # Taken in their no-op forms (what some clients send by default); the
+    # forms that ask for something this server does not do are 400s.
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+}
 _COMPLETION = _COMMON | {"prompt", "echo", "suffix", "best_of", "return_token_ids"}
 
 
@@ -205,6 +216,8 @@ def _parse(body: Any, allowed: set[str], chat: bool, engine: Any, model_name: st
     for name in ("echo", "suffix"):
         if body.get(name):
             raise _bad(name, "is not supported")
+    if chat:
+        _no_op_chat_fields(body)
     _int(body, "best_of", 1, 1)  # checked only: 1, the default, is all there is
     n = _int(body, "n", 1, MAX_N) or 1
     stream = bool(_bool(body, "stream"))
@@ -273,6 +286,27 @@ def _parse(body: Any, allowed: set[str], chat: bool, engine: Any, model_name: st
             param="prompt",
         )
     return job
+
+
+def _no_op_chat_fields(body: Mapping[str, Any]) -> None:
+    """Checks the chat fields taken only in their no-op forms: plain text
+    out, no tools. Asking for JSON output or tool calls is a 400 rather than
+    an answer that silently ignores it."""
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+            raise _bad("response_format", 'must be an object with a type, such as {"type": "text"}')
+        if fmt["type"] != "text":
+            raise _bad("response_format", f"type {fmt['type']!r} is not supported; only 'text' is")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise _bad("tools", "must be a list")
+    if tools:
+        raise _bad("tools", "tool calling is not supported by this server")
+    choice = body.get("tool_choice")
+    if choice is not None and choice not in ("none", "auto"):
+        raise _bad("tool_choice", "only 'none' or 'auto' can be given, as no tools are")
+    _bool(body, "parallel_tool_calls")
 
 
 def _render(body: Mapping[str, Any], engine: Any) -> list[int]:
