@@ -85,36 +85,40 @@ def run(url: str, clients: int, requests: int, max_tokens: int) -> dict[str, flo
         """(latency, completion tokens, time per token after the first) of
         each of client k's requests, streamed so the tokens can be timed."""
         out = []
-        for r in range(requests):
-            body = {
-                "prompt": prompts[k * requests + r],
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-                "return_token_ids": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            t = time.perf_counter()
-            first = last = None
-            tokens = 0
-            # A connection per request: llama-server may close a kept-alive
-            # one after a stream just as the next request goes out on it.
-            with httpx.Client(timeout=600) as c, c.stream("POST", url + "/v1/completions", json=body) as resp:
-                resp.raise_for_status()
-                for line in resp.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    now, chunk = time.perf_counter(), json.loads(line[6:])
-                    if chunk.get("usage"):
-                        tokens = chunk["usage"]["completion_tokens"]
-                    if any(ch.get("finish_reason") is None for ch in chunk.get("choices", ())):
-                        first = first or now  # a chunk that carries tokens
-                        last = now
-            done = time.perf_counter()
-            if first is None or last is None or tokens < 2:
-                raise RuntimeError(f"{url}: a stream of {tokens} tokens cannot be timed")
-            out.append((done - t, tokens, (last - first) / (tokens - 1)))
+        # One client per thread, a connection per request: llama-server may
+        # close a kept-alive connection after a stream just as the next
+        # request goes out on it. (A client per request cost this machine a
+        # tenth of a core at 8 clients, its TLS context built each time, taken
+        # from the servers under test.)
+        with httpx.Client(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as http:
+            for r in range(requests):
+                body = {
+                    "prompt": prompts[k * requests + r],
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                t = time.perf_counter()
+                first = last = None
+                tokens = 0
+                with http.stream("POST", url + "/v1/completions", json=body) as resp:
+                    resp.raise_for_status()
+                    for line in resp.iter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        now, chunk = time.perf_counter(), json.loads(line[6:])
+                        if chunk.get("usage"):
+                            tokens = chunk["usage"]["completion_tokens"]
+                        if any(ch.get("finish_reason") is None for ch in chunk.get("choices", ())):
+                            first = first or now  # a chunk that carries tokens
+                            last = now
+                done = time.perf_counter()
+                if first is None or last is None or tokens < 2:
+                    raise RuntimeError(f"{url}: a stream of {tokens} tokens cannot be timed")
+                out.append((done - t, tokens, (last - first) / (tokens - 1)))
         return out
 
     t0 = time.perf_counter()
