@@ -28,7 +28,9 @@ impl Lcg {
 }
 
 /// Runs experts `list` (expert, token count) on the pool, halving the list
-/// under `rayon::join` as the engine does, each expert on one thread.
+/// under `rayon::join` (the engine halves by cost, rows + 2 an expert), each
+/// expert on one thread. The down projection reads a fixed input: no
+/// activation or re-quantising between, which the engine does.
 fn run(list: &[(usize, usize)], mats: &[[Matrix; 3]], x: &Input, h: &Input, g: &mut [f32], o: &mut [f32], f: usize) {
     match list {
         [] => {}

@@ -207,10 +207,20 @@ def test_chat_takes_the_no_op_forms_of_format_and_tools_and_refuses_the_rest(url
         parallel_tool_calls=False,
     )
     assert same.choices[0].message.content == plain.choices[0].message.content
+    nulls = {"response_format": None, "tools": None, "tool_choice": None, "parallel_tool_calls": None}
+    for extra in (nulls, {"tool_choice": "auto"}):
+        r = httpx.post(
+            url + "/v1/chat/completions",
+            json={"messages": msgs, "max_tokens": 6, "temperature": 0, **extra},
+            timeout=30,
+        )
+        assert r.status_code == 200, (extra, r.text)
+        assert r.json()["choices"][0]["message"]["content"] == plain.choices[0].message.content
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     for extra, param in [
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"response_format": "json"}, "response_format"),
+        ({"response_format": {}}, "response_format"),
         ({"tools": [tool]}, "tools"),
         ({"tools": {"f": 1}}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),

@@ -291,7 +291,8 @@ def _parse(body: Any, allowed: set[str], chat: bool, engine: Any, model_name: st
 def _no_op_chat_fields(body: Mapping[str, Any]) -> None:
     """Checks the chat fields taken only in their no-op forms: plain text
     out, no tools. Asking for JSON output or tool calls is a 400 rather than
-    an answer that silently ignores it."""
+    an answer that silently ignores it. ``tool_choice: "auto"`` with no tools
+    means plain text and is taken (OpenAI refuses it; nothing is lost here)."""
     fmt = body.get("response_format")
     if fmt is not None:
         if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
