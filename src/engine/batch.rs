@@ -333,9 +333,9 @@ impl Ticket {
                     self.broken = true;
                     return Err(e);
                 }
-                Err(RecvTimeoutError::Timeout) if self.cancel.load(Ordering::Relaxed) => {
-                    // Cancelled while waiting (from another thread, say), perhaps
-                    // still in the queue behind a full batch: it ends here.
+                Err(_) if self.cancel.load(Ordering::Relaxed) => {
+                    // Cancelled (from another thread, say), perhaps while still
+                    // in the queue behind a full batch: it ends here.
                     return Ok(None);
                 }
                 Err(RecvTimeoutError::Timeout) => {
@@ -344,10 +344,6 @@ impl Ticket {
                         self.broken = true;
                         return Err(Error::Interrupted);
                     }
-                }
-                Err(RecvTimeoutError::Disconnected) if self.cancel.load(Ordering::Relaxed) => {
-                    // Cancelled (from another thread, say): it ends here.
-                    return Ok(None);
                 }
                 Err(RecvTimeoutError::Disconnected) => {
                     self.broken = true;
