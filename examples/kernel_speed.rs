@@ -21,7 +21,8 @@ fn main() {
     let cols: usize = std::env::args().nth(5).and_then(|s| s.parse().ok()).unwrap_or(2048);
     assert!(cols > 0 && cols.is_multiple_of(32), "COLS must be a positive multiple of 32, got {cols}");
     let n: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(1);
-    eprintln!("kernels: {}, {n} token(s)", colibri::kernels::isa());
+    let prefetch = colibri::kernels::one_token_prefetch().map(|b| format!(", one-token streams prefetch {b} B ahead"));
+    eprintln!("kernels: {}, {n} token(s){}", colibri::kernels::isa(), prefetch.unwrap_or_default());
     // A tall matrix repeats one encoded tile of up to 256 rows (the speed
     // does not depend on the values, and the super-block quantisers would
     // take minutes over a quarter of a billion of them).

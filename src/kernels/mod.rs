@@ -208,6 +208,17 @@ pub fn isa() -> Isa {
     table().isa()
 }
 
+/// How far ahead (bytes) the light one-token weight streams prefetch on
+/// this CPU (x86_64; set with the table, `COLIBRI_PREFETCH` overrides it),
+/// `None` on other architectures.
+pub fn one_token_prefetch() -> Option<usize> {
+    table();
+    #[cfg(target_arch = "x86_64")]
+    return Some(x86_64::one_token_ahead());
+    #[cfg(not(target_arch = "x86_64"))]
+    None
+}
+
 /// The kernels the current table has for `dtype`.
 pub fn kernels(dtype: DType) -> TypeKernels {
     table().kernels(dtype)

@@ -21,6 +21,7 @@
 #![allow(unsafe_op_in_unsafe_fn)]
 
 use std::arch::x86_64::*;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::kx8;
 use super::pairs::{self, ZMM_VNNI};
@@ -423,6 +424,32 @@ pub(super) unsafe fn prefetch_ahead(p: *const u8, len: usize) {
     prefetch_lines::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_AHEAD), len);
 }
 
+/// How far ahead of the group block being multiplied the light one-token
+/// streams ask for weights (q8_0, q4_0, q4_1, q4k: the kernels that read
+/// fastest): [`PREFETCH_AHEAD`] unless [`super::tune_streams`] set another
+/// distance for this CPU.
+static ONE_TOKEN_AHEAD: AtomicUsize = AtomicUsize::new(PREFETCH_AHEAD);
+
+/// Sets the distance of the light one-token streams (see
+/// [`ONE_TOKEN_AHEAD`]); a prefetch never faults, so any value is safe.
+pub(super) fn set_one_token_ahead(bytes: usize) {
+    ONE_TOKEN_AHEAD.store(bytes, Ordering::Relaxed);
+}
+
+/// The distance [`prefetch_stream`] uses for the light one-token streams.
+pub(super) fn one_token_ahead() -> usize {
+    ONE_TOKEN_AHEAD.load(Ordering::Relaxed)
+}
+
+/// [`prefetch_ahead`] for a group kernel's weight stream of `T` tokens a
+/// pass: with one token through a `light` kernel (a constant at every call),
+/// at the distance tuned for this CPU (see [`super::tune_streams`]).
+#[inline(always)]
+pub(super) unsafe fn prefetch_stream<const T: usize>(p: *const u8, len: usize, light: bool) {
+    let ahead = if T == 1 && light { ONE_TOKEN_AHEAD.load(Ordering::Relaxed) } else { PREFETCH_AHEAD };
+    prefetch_lines::<_MM_HINT_T0>(p.wrapping_add(ahead), len);
+}
+
 /// Asks for the `len` bytes at `p + ahead` into L2 only, for kernels that
 /// read two groups side by side (the direct 16-row kernels): two streams
 /// each [`PREFETCH_AHEAD`] bytes ahead into L1 would fill its 32 KiB and
@@ -457,7 +484,7 @@ unsafe fn gemm8_q8_0<const T: usize, const VNNI: u8>(
     for b in 0..nb {
         acc.settle();
         let bw = &*g.add(b);
-        prefetch_ahead(bw as *const BlockQ8_0x8 as *const u8, std::mem::size_of::<BlockQ8_0x8>());
+        prefetch_stream::<T>(bw as *const BlockQ8_0x8 as *const u8, std::mem::size_of::<BlockQ8_0x8>(), true);
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(bw.d.as_ptr() as *const __m128i));
         let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q[t].add(b));
         acc.hold(BlockSums::new(dw, ba, q8_sums::<T, VNNI>(bw.qs.as_ptr(), ba)));
@@ -557,7 +584,7 @@ unsafe fn gemm8_q4_0<const T: usize, const VNNI: u8>(
     for b in 0..nb {
         acc.settle();
         let bw = &*g.add(b);
-        prefetch_ahead(bw as *const BlockQ4_0x8 as *const u8, std::mem::size_of::<BlockQ4_0x8>());
+        prefetch_stream::<T>(bw as *const BlockQ4_0x8 as *const u8, std::mem::size_of::<BlockQ4_0x8>(), true);
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(bw.d.as_ptr() as *const __m128i));
         let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q[t].add(b));
         // Codes are stored +8: Σ (c - 8)·q = Σ c·q - 8·Σq, the 8·Σq seeded
@@ -582,7 +609,7 @@ unsafe fn gemm8_q4_1<const T: usize, const VNNI: u8>(
     for b in 0..nb {
         acc.settle();
         let bw = &*g.add(b);
-        prefetch_ahead(bw as *const BlockQ4_1x8 as *const u8, std::mem::size_of::<BlockQ4_1x8>());
+        prefetch_stream::<T>(bw as *const BlockQ4_1x8 as *const u8, std::mem::size_of::<BlockQ4_1x8>(), true);
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(bw.d.as_ptr() as *const __m128i));
         let m = _mm256_cvtph_ps(_mm_loadu_si128(bw.m.as_ptr() as *const __m128i));
         let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q[t].add(b));
@@ -606,7 +633,7 @@ unsafe fn gemm8_mxfp4<const T: usize, const VNNI: u8>(
     for b in 0..nb {
         acc.settle();
         let bw = &*g.add(b);
-        prefetch_ahead(bw as *const BlockMxfp4x8 as *const u8, std::mem::size_of::<BlockMxfp4x8>());
+        prefetch_stream::<T>(bw as *const BlockMxfp4x8 as *const u8, std::mem::size_of::<BlockMxfp4x8>(), false);
         let dw = half_scales8(bw.e.as_ptr());
         let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q[t].add(b));
         acc.hold(BlockSums::new(dw, ba, nibble_sums::<T, VNNI, true>(bw.qs.as_ptr(), ba, [_mm256_setzero_si256(); T])));

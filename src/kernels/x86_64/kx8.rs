@@ -36,7 +36,7 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2::{AVX_VNNI, MADD, act4, in_passes, prefetch_ahead, store8, vpdpbusd};
+use super::avx2::{AVX_VNNI, MADD, act4, in_passes, prefetch_ahead, prefetch_stream, store8, vpdpbusd};
 use super::pack::{PACKED, Packed, ROWS, TileBlock};
 use super::pairs::{ZMM_VNNI, pair_sums};
 use crate::kernels::{BlockQ8, GEMM8_TOKENS};
@@ -297,11 +297,11 @@ unsafe fn gemm8<const T: usize, const VNNI: u8, const K: u8>(
     let (mut first, mut col) = (0, g);
     while first < nsub {
         let subs = (nsub - first).min(SUBS);
-        prefetch_ahead(col, hb);
+        prefetch_stream::<T>(col, hb, K == Q4K);
         let mut head = Head::<K>::load(col);
         for j in 0..subs {
             let sub = col.add(hb + j * sb);
-            prefetch_ahead(sub, sb);
+            prefetch_stream::<T>(sub, sb, K == Q4K);
             let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q[t].add(first + j));
             if K == Q6K {
                 let (sc0, sc1) = Head::<K>::q6k_scales(col, j);
