@@ -189,8 +189,9 @@ impl Table {
 /// The table the process uses, chosen on first use: the one `COLIBRI_ISA`
 /// names when this CPU runs it, else the best one (with a note on stderr
 /// saying why the request was not followed; never an illegal instruction).
-/// On x86_64 the weight streams' prefetch distance is set for this CPU at
-/// the same time (`x86_64::tune_streams`, `COLIBRI_PREFETCH`).
+/// On x86_64 the prefetch distance of the one-token weight streams is set
+/// for this CPU at the same time (`x86_64::tune_streams`,
+/// `COLIBRI_PREFETCH`).
 pub fn active() -> Table {
     static ACTIVE: OnceLock<Table> = OnceLock::new();
     *ACTIVE.get_or_init(|| {

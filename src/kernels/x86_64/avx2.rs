@@ -361,11 +361,12 @@ impl<const T: usize> BlockSums<T> {
 /// integer work, so it no longer stalls the end of every block. It adds
 /// what `scale · sums (+ m · d·Σq)` added block by block before, in the
 /// same order, so the bits are the same. On a Zen 2 EPYC (kernel_speed,
-/// one thread, in L2) the 4-bit types took 3-16% less time per weight and
-/// token at 2 to 6 tokens and about 4% less at eight (mxfp4 at seven and
-/// eight 2% more); q8_0 and one token were level. The block's float work
-/// at the end of its own iteration had stalled the next block's integer
-/// work (a microbenchmark of the same instructions showed it).
+/// one thread, in L2), less time per weight and token: q4_0x8 4-11% at 3
+/// to 8 tokens, q4_1x8 9-12% at four and eight, mxfp4x8 8-16% at 2 to 6
+/// (2% more at seven and eight); q8_0x8, and every type at one token,
+/// level. The block's float work at the end of its own iteration had
+/// stalled the next block's integer work. (The 512-bit instances, `ZMM_VNNI`,
+/// changed the same way and were not timed: no AVX-512 on that host.)
 struct LateAcc<const T: usize, const OFFSET: bool> {
     acc: [__m256; T],
     pending: Option<BlockSums<T>>,
@@ -389,6 +390,7 @@ impl<const T: usize, const OFFSET: bool> LateAcc<T, OFFSET> {
     /// Holds back a block's sums until the next [`Self::settle`].
     #[inline(always)]
     fn hold(&mut self, block: BlockSums<T>) {
+        debug_assert!(self.pending.is_none(), "a block held back was never added");
         self.pending = Some(block);
     }
 
@@ -436,17 +438,24 @@ pub(super) fn set_one_token_ahead(bytes: usize) {
     ONE_TOKEN_AHEAD.store(bytes, Ordering::Relaxed);
 }
 
-/// The distance [`prefetch_stream`] uses for the light one-token streams.
+/// The distance [`stream_ahead`] gives the light one-token streams.
 pub(super) fn one_token_ahead() -> usize {
     ONE_TOKEN_AHEAD.load(Ordering::Relaxed)
 }
 
-/// [`prefetch_ahead`] for a group kernel's weight stream of `T` tokens a
-/// pass: with one token through a `light` kernel (a constant at every call),
-/// at the distance tuned for this CPU (see [`super::tune_streams`]).
+/// How far ahead a group kernel's weight stream of `T` tokens a pass asks
+/// for weights: with one token through a `light` kernel (a constant at
+/// every call), the distance tuned for this CPU (see
+/// [`super::tune_streams`]), else [`PREFETCH_AHEAD`]. Read once per call.
 #[inline(always)]
-pub(super) unsafe fn prefetch_stream<const T: usize>(p: *const u8, len: usize, light: bool) {
-    let ahead = if T == 1 && light { ONE_TOKEN_AHEAD.load(Ordering::Relaxed) } else { PREFETCH_AHEAD };
+pub(super) fn stream_ahead<const T: usize>(light: bool) -> usize {
+    if T == 1 && light { ONE_TOKEN_AHEAD.load(Ordering::Relaxed) } else { PREFETCH_AHEAD }
+}
+
+/// Asks for the cache lines of the `len`-byte block at `p`, `ahead` bytes
+/// on ([`stream_ahead`]); as [`prefetch_ahead`], never dereferenced.
+#[inline(always)]
+pub(super) unsafe fn prefetch_by(p: *const u8, ahead: usize, len: usize) {
     prefetch_lines::<_MM_HINT_T0>(p.wrapping_add(ahead), len);
 }
 
@@ -481,10 +490,11 @@ unsafe fn gemm8_q8_0<const T: usize, const VNNI: u8>(
     q: [*const BlockQ8; T],
 ) -> [__m256; T] {
     let mut acc = LateAcc::<T, false>::new();
+    let ahead = stream_ahead::<T>(true);
     for b in 0..nb {
         acc.settle();
         let bw = &*g.add(b);
-        prefetch_stream::<T>(bw as *const BlockQ8_0x8 as *const u8, std::mem::size_of::<BlockQ8_0x8>(), true);
+        prefetch_by(bw as *const BlockQ8_0x8 as *const u8, ahead, std::mem::size_of::<BlockQ8_0x8>());
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(bw.d.as_ptr() as *const __m128i));
         let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q[t].add(b));
         acc.hold(BlockSums::new(dw, ba, q8_sums::<T, VNNI>(bw.qs.as_ptr(), ba)));
@@ -581,10 +591,11 @@ unsafe fn gemm8_q4_0<const T: usize, const VNNI: u8>(
     q: [*const BlockQ8; T],
 ) -> [__m256; T] {
     let mut acc = LateAcc::<T, false>::new();
+    let ahead = stream_ahead::<T>(true);
     for b in 0..nb {
         acc.settle();
         let bw = &*g.add(b);
-        prefetch_stream::<T>(bw as *const BlockQ4_0x8 as *const u8, std::mem::size_of::<BlockQ4_0x8>(), true);
+        prefetch_by(bw as *const BlockQ4_0x8 as *const u8, ahead, std::mem::size_of::<BlockQ4_0x8>());
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(bw.d.as_ptr() as *const __m128i));
         let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q[t].add(b));
         // Codes are stored +8: Σ (c - 8)·q = Σ c·q - 8·Σq, the 8·Σq seeded
@@ -606,10 +617,11 @@ unsafe fn gemm8_q4_1<const T: usize, const VNNI: u8>(
     q: [*const BlockQ8; T],
 ) -> [__m256; T] {
     let mut acc = LateAcc::<T, true>::new();
+    let ahead = stream_ahead::<T>(true);
     for b in 0..nb {
         acc.settle();
         let bw = &*g.add(b);
-        prefetch_stream::<T>(bw as *const BlockQ4_1x8 as *const u8, std::mem::size_of::<BlockQ4_1x8>(), true);
+        prefetch_by(bw as *const BlockQ4_1x8 as *const u8, ahead, std::mem::size_of::<BlockQ4_1x8>());
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(bw.d.as_ptr() as *const __m128i));
         let m = _mm256_cvtph_ps(_mm_loadu_si128(bw.m.as_ptr() as *const __m128i));
         let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q[t].add(b));
@@ -630,10 +642,11 @@ unsafe fn gemm8_mxfp4<const T: usize, const VNNI: u8>(
     q: [*const BlockQ8; T],
 ) -> [__m256; T] {
     let mut acc = LateAcc::<T, false>::new();
+    let ahead = stream_ahead::<T>(false);
     for b in 0..nb {
         acc.settle();
         let bw = &*g.add(b);
-        prefetch_stream::<T>(bw as *const BlockMxfp4x8 as *const u8, std::mem::size_of::<BlockMxfp4x8>(), false);
+        prefetch_by(bw as *const BlockMxfp4x8 as *const u8, ahead, std::mem::size_of::<BlockMxfp4x8>());
         let dw = half_scales8(bw.e.as_ptr());
         let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q[t].add(b));
         acc.hold(BlockSums::new(dw, ba, nibble_sums::<T, VNNI, true>(bw.qs.as_ptr(), ba, [_mm256_setzero_si256(); T])));

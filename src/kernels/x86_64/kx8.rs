@@ -36,7 +36,7 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2::{AVX_VNNI, MADD, act4, in_passes, prefetch_ahead, prefetch_stream, store8, vpdpbusd};
+use super::avx2::{AVX_VNNI, MADD, act4, in_passes, prefetch_ahead, prefetch_by, store8, stream_ahead, vpdpbusd};
 use super::pack::{PACKED, Packed, ROWS, TileBlock};
 use super::pairs::{ZMM_VNNI, pair_sums};
 use crate::kernels::{BlockQ8, GEMM8_TOKENS};
@@ -293,15 +293,16 @@ unsafe fn gemm8<const T: usize, const VNNI: u8, const K: u8>(
 ) -> [__m256; T] {
     let kind = kind_of(K);
     let (hb, sb, cb) = (kx8::header_bytes(kind), kx8::sub_bytes(kind), kx8::column_bytes(kind));
+    let ahead = stream_ahead::<T>(K == Q4K);
     let mut acc = [_mm256_setzero_ps(); T];
     let (mut first, mut col) = (0, g);
     while first < nsub {
         let subs = (nsub - first).min(SUBS);
-        prefetch_stream::<T>(col, hb, K == Q4K);
+        prefetch_by(col, ahead, hb);
         let mut head = Head::<K>::load(col);
         for j in 0..subs {
             let sub = col.add(hb + j * sb);
-            prefetch_stream::<T>(sub, sb, K == Q4K);
+            prefetch_by(sub, ahead, sb);
             let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q[t].add(first + j));
             if K == Q6K {
                 let (sc0, sc1) = Head::<K>::q6k_scales(col, j);

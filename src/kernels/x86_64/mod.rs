@@ -19,33 +19,37 @@ use super::{
     Tiles, TypeKernels,
 };
 use crate::quant::DType;
+use std::arch::x86_64::__cpuid;
 
-/// The prefetch distance of the light one-token weight streams (the 8-row
-/// q8_0, q4_0, q4_1 and q4k kernels at one token, i.e. decode) on AMD
-/// family 17h (Zen, Zen+, Zen 2). There the L2 hardware streamer keeps
-/// ahead of a sequential read by itself, and a request 16 KiB ahead goes
-/// to DRAM and holds one of the core's few L1 miss buffers the whole way,
-/// which capped one thread at about 15 GB/s; asked for 1 KiB ahead, the
-/// lines are already in L2. Zen 2 EPYC (session 24; kernel_speed over a
-/// streamed q4_0x8 matrix, GB/s on one | two threads): 14.8-15.4 | 28.1-29.7
-/// at 16 KiB, 17.3-18.0 | 29.8-33.4 at 1 KiB, the read probe's 17.4 | 31-35;
-/// q8_0x8 and q4_1x8 +17%, q4kx8 +7%. Not for every kernel: 2 KiB was the
-/// worst distance for these four (13.2-14.4 GB/s on one thread), and the
-/// heavier streams (mxfp4, q5k, q6k at one token, everything at two tokens
-/// and more) read as fast or faster at 4-16 KiB, so they keep
-/// [`avx2::PREFETCH_AHEAD`]. So do other CPUs (on the host where 16 KiB
-/// was chosen, 1 and 4 KiB were slower).
-const ZEN2_ONE_TOKEN_AHEAD: usize = 1024;
+/// The prefetch distance of the light one-token weight streams (one-token
+/// passes of the 8-row q8_0, q4_0, q4_1 and q4k kernels: decode) on AMD
+/// family 17h (Zen, Zen+, Zen 2; only Zen 2 measured). There the L2
+/// hardware streamer keeps ahead of a sequential read by itself, and a
+/// request 16 KiB ahead goes to DRAM and holds one of the core's few L1
+/// miss buffers the whole way, which capped one thread at about 15 GB/s;
+/// asked for 1 KiB ahead, the lines are already in L2. Zen 2 EPYC (session
+/// 24; kernel_speed over a streamed q4_0x8 matrix, GB/s on one | two
+/// threads): 14.8-15.4 | 28.1-29.7 at 16 KiB, 17.3-18.0 | 29.8-33.4 at 1
+/// KiB, the read probe's 17.4 | 31-35; q8_0x8 and q4_1x8 about +17% on one
+/// thread, q4kx8 +7%. Not for every kernel: 2 KiB was the worst distance
+/// for these four (13.2-14.4 GB/s on one thread), and the heavier streams
+/// (mxfp4, q5k, q6k at one token, every pass of two tokens and more) read
+/// as fast or faster at 4-16 KiB, so they keep [`avx2::PREFETCH_AHEAD`]. So
+/// do other CPUs (on the host where 16 KiB was chosen, 1 and 4 KiB were
+/// slower).
+const FAMILY_17H_ONE_TOKEN_AHEAD: usize = 1024;
 
 /// Sets the prefetch distance of the light one-token streams for this CPU,
-/// once, before the first kernel runs: `COLIBRI_PREFETCH` (a byte count, 64
-/// bytes to 1 MiB; `auto` or unset: the default) when given, else
-/// [`ZEN2_ONE_TOKEN_AHEAD`] on AMD family 17h, else
+/// once, when the process's kernel table is chosen (before any kernel is
+/// reached through `kernels::table()`; tables made directly, as the kernel
+/// tests do, run at the default): `COLIBRI_PREFETCH` (bytes, or KiB with
+/// that suffix; 64 bytes to 1 MiB; `auto` or unset: the default) when
+/// given, else [`FAMILY_17H_ONE_TOKEN_AHEAD`] on AMD family 17h, else
 /// [`avx2::PREFETCH_AHEAD`]. Returns a note for stderr when the variable
 /// could not be followed.
 pub fn tune_streams() -> Option<String> {
-    let (bytes, note) =
-        one_token_ahead_for(std::env::var("COLIBRI_PREFETCH").ok().as_deref(), amd_family() == Some(0x17));
+    let family_17h = amd_family() == Some(0x17);
+    let (bytes, note) = one_token_ahead_for(std::env::var("COLIBRI_PREFETCH").ok().as_deref(), family_17h);
     avx2::set_one_token_ahead(bytes);
     note
 }
@@ -58,29 +62,38 @@ pub fn one_token_ahead() -> usize {
 /// The distance for a `COLIBRI_PREFETCH` value on a CPU that is (or is not)
 /// AMD family 17h, and a note when the value could not be followed.
 fn one_token_ahead_for(request: Option<&str>, family_17h: bool) -> (usize, Option<String>) {
-    let default = if family_17h { ZEN2_ONE_TOKEN_AHEAD } else { avx2::PREFETCH_AHEAD };
+    let default = if family_17h { FAMILY_17H_ONE_TOKEN_AHEAD } else { avx2::PREFETCH_AHEAD };
     let text = request.map(str::trim).unwrap_or_default();
     if text.is_empty() || text.eq_ignore_ascii_case("auto") {
         return (default, None);
     }
-    let why = match crate::model::store::parse_bytes(text) {
-        Ok(n) if (64..=1 << 20).contains(&n) => return (n as usize, None),
-        Ok(n) => format!("{n} bytes is outside 64 bytes to 1 MiB"),
-        Err(e) => e.to_string(),
+    let (digits, unit) = match text.len().checked_sub(3).filter(|&i| text.is_char_boundary(i)) {
+        Some(i) if text[i..].eq_ignore_ascii_case("kib") => (text[..i].trim_end(), 1024),
+        _ => (text, 1),
+    };
+    let why = match digits.parse::<usize>() {
+        Ok(n) if (64..=1 << 20).contains(&n.saturating_mul(unit)) => return (n * unit, None),
+        Ok(_) => "outside 64 bytes to 1 MiB".to_string(),
+        Err(_) => "not a byte count (write e.g. 1024 or 4KiB)".to_string(),
     };
     (default, Some(format!("COLIBRI_PREFETCH={text}: {why}; using {default} bytes")))
 }
 
 /// The CPU family when the vendor is AMD (`None` otherwise).
 fn amd_family() -> Option<u32> {
-    let v = std::arch::x86_64::__cpuid(0);
+    #[allow(unused_unsafe)]
+    // SAFETY: CPUID leaves 0 and 1 exist on every x86_64 CPU. (`__cpuid`
+    // is an unsafe fn on the oldest Rust this crate builds with.)
+    let (v, eax) = unsafe { (__cpuid(0), __cpuid(1).eax) };
     let vendor: Vec<u8> = [v.ebx, v.edx, v.ecx].iter().flat_map(|r| r.to_le_bytes()).collect();
-    if vendor != b"AuthenticAMD" {
-        return None;
-    }
-    let eax = std::arch::x86_64::__cpuid(1).eax;
+    (vendor == b"AuthenticAMD").then(|| family(eax))
+}
+
+/// The family in CPUID leaf 1's EAX: the base family (bits 8-11), plus the
+/// extended family (bits 20-27) when the base is 0xF.
+fn family(eax: u32) -> u32 {
     let base = (eax >> 8) & 0xF;
-    Some(if base == 0xF { base + ((eax >> 20) & 0xFF) } else { base })
+    if base == 0xF { base + ((eax >> 20) & 0xFF) } else { base }
 }
 
 /// Proof that this CPU runs the AVX2 table: only [`Avx2::detect`] makes one.
@@ -593,11 +606,14 @@ mod tests {
     fn colibri_prefetch_is_followed_or_refused_with_a_note() {
         let d = avx2::PREFETCH_AHEAD;
         assert_eq!(one_token_ahead_for(None, false), (d, None));
-        assert_eq!(one_token_ahead_for(None, true), (ZEN2_ONE_TOKEN_AHEAD, None));
-        assert_eq!(one_token_ahead_for(Some(" auto "), true), (ZEN2_ONE_TOKEN_AHEAD, None));
+        assert_eq!(one_token_ahead_for(None, true), (FAMILY_17H_ONE_TOKEN_AHEAD, None));
+        assert_eq!(one_token_ahead_for(Some(" auto "), true), (FAMILY_17H_ONE_TOKEN_AHEAD, None));
         assert_eq!(one_token_ahead_for(Some("4096"), true), (4096, None));
         assert_eq!(one_token_ahead_for(Some("2KiB"), false), (2048, None));
-        for bad in ["32", "2MiB", "soon", "-1"] {
+        assert_eq!(one_token_ahead_for(Some("4 kib"), false), (4096, None));
+        assert_eq!((family(0x0087_0F10), family(0x0083_0F10), family(0x00A2_0F10)), (0x17, 0x17, 0x19));
+        assert_eq!(family(0x0009_06EA), 6);
+        for bad in ["32", "2048KiB", "2MiB", "soon", "-1", "KiB"] {
             let (bytes, note) = one_token_ahead_for(Some(bad), false);
             assert_eq!(bytes, d, "{bad}");
             let note = note.unwrap_or_default();
