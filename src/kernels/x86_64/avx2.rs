@@ -423,7 +423,7 @@ pub(super) const PREFETCH_AHEAD: usize = 16 * 1024;
 /// the pointer is never dereferenced.
 #[inline(always)]
 pub(super) unsafe fn prefetch_ahead(p: *const u8, len: usize) {
-    prefetch_lines::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_AHEAD), len);
+    prefetch_by(p, PREFETCH_AHEAD, len);
 }
 
 /// How far ahead of the group block being multiplied the light one-token
@@ -436,11 +436,6 @@ static ONE_TOKEN_AHEAD: AtomicUsize = AtomicUsize::new(PREFETCH_AHEAD);
 /// [`ONE_TOKEN_AHEAD`]); a prefetch never faults, so any value is safe.
 pub(super) fn set_one_token_ahead(bytes: usize) {
     ONE_TOKEN_AHEAD.store(bytes, Ordering::Relaxed);
-}
-
-/// The distance [`stream_ahead`] gives the light one-token streams.
-pub(super) fn one_token_ahead() -> usize {
-    ONE_TOKEN_AHEAD.load(Ordering::Relaxed)
 }
 
 /// How far ahead a group kernel's weight stream of `T` tokens a pass asks

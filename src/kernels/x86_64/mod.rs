@@ -56,7 +56,7 @@ pub fn tune_streams() -> Option<String> {
 
 /// The distance of the light one-token streams in use (bytes).
 pub fn one_token_ahead() -> usize {
-    avx2::one_token_ahead()
+    avx2::stream_ahead::<1>(true)
 }
 
 /// The distance for a `COLIBRI_PREFETCH` value on a CPU that is (or is not)
