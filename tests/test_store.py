@@ -75,3 +75,24 @@ def test_cli_plan_and_stats(olmoe):
     assert "dense part" in r.stdout and "read per token" in r.stdout
     r = subprocess.run([*run, "plan", str(olmoe), "--ram", "1KB"], capture_output=True, text=True)
     assert r.returncode == 1 and "top_k + 1" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_copy_of_the_weights_gives_the_mapped_logits_and_tokens(olmoe):
+    ids = list(range(1, 34))
+    mapped = colibri.Engine(olmoe, heat_file="off", mmap=True)
+    copied = colibri.Engine(olmoe, heat_file="off", mmap=False)
+    auto = colibri.Engine(olmoe, heat_file="off")
+    assert mapped.store_stats()["weights"]["backing"] == "mapped"
+    w = copied.store_stats()["weights"]
+    assert w["backing"] == "copied" and "as asked" in w["note"]
+    # The test model is far under the size from which auto considers a copy.
+    assert auto.store_stats()["weights"]["backing"] == "mapped"
+    np.testing.assert_array_equal(copied.logits(ids), mapped.logits(ids))
+    want = mapped.generate(ids[:5], max_new_tokens=10, ignore_eos=True)
+    assert copied.generate(ids[:5], max_new_tokens=10, ignore_eos=True) == want
+    budget = colibri.plan(olmoe)["min_budget"]
+    streamed = colibri.Engine(olmoe, ram_budget=budget, heat_file="off", mmap=False)
+    assert streamed.store_stats()["weights"]["backing"] == "streamed"
+    for bad in ("no", 0, 1):
+        with pytest.raises(colibri.InvalidInputError, match="mmap"):
+            colibri.Engine(olmoe, mmap=bad)

@@ -31,7 +31,7 @@ from ._errors import (
 )
 from ._generation import Completion, Stream, Timings, TokenCompletion, TokenLogprob
 from ._sampling import SamplingOptions, SamplingParams
-from ._stats import BatchStats, LayerRouting, Plan, RoutingStats, StoreStats
+from ._stats import BatchStats, LayerRouting, Plan, RoutingStats, StoreStats, StoreWeights
 
 
 def kernels() -> dict[str, Any]:
@@ -59,6 +59,7 @@ __all__ = [
     "Plan",
     "RoutingStats",
     "StoreStats",
+    "StoreWeights",
     "SamplingOptions",
     "SamplingParams",
     "BusyError",

@@ -170,6 +170,18 @@ class Engine:
             for a place, first come first served.
         max_queue: most generations waiting for a place; beyond it starting
             one raises :class:`BusyError` (default 0: no limit).
+        mmap: where the weights of a model held whole in RAM live. ``True``:
+            the file's memory mapping (the OS page cache, shared with other
+            processes, nothing to do at open). ``False``: a copy in this
+            process's own memory, on 2 MiB pages where the OS has transparent
+            huge pages. ``None`` (default): the mapping, unless on Linux it
+            turns out to sit on small pages (a file just converted, or cached
+            by plain reads) and a copy fits in the available memory; then a
+            copy. Weights on 2 MiB pages stream faster (one sequence's decode
+            about 12% on the Zen 2 of the benchmarks); the output is the same
+            either way. ``store_stats()["weights"]`` says what was done and
+            why. With a ``ram_budget`` that streams experts this does not
+            apply (the dense part is always copied).
     """
 
     def __init__(
@@ -187,6 +199,7 @@ class Engine:
         max_batch: int = 16,
         max_queue: int = 0,
         kv_cache: str | None = None,
+        mmap: bool | None = None,
     ) -> None:
         if kv_cache is not None:
             warnings.warn("Engine(kv_cache=...) is now kv_cache_dtype=...", DeprecationWarning, stacklevel=2)
@@ -194,6 +207,8 @@ class Engine:
         for name, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 0)):
             if not _is_int(value) or not low <= value <= 2**16:
                 raise InvalidInputError(f"{name} must be an integer in [{low}, 65536], got {value!r}")
+        if mmap is not None and not isinstance(mmap, bool):
+            raise InvalidInputError(f"mmap must be True, False or None, got {mmap!r}")
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)):
             raise InvalidInputError(f"threads must be a positive integer or None, got {threads!r}")
         if threads is not None and threads < 1:
@@ -214,6 +229,7 @@ class Engine:
             str(kv_cache_dtype),
             int(max_batch),
             int(max_queue),
+            "auto" if mmap is None else "map" if mmap else "copy",
         )
         self._meta = json.loads(self._native.metadata_json())
         self._lock = threading.Lock()

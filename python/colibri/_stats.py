@@ -50,6 +50,16 @@ class StoreLayer(TypedDict):
     bytes_read: int
 
 
+class StoreWeights(TypedDict):
+    """Where the weights live (``Engine(mmap=...)``)."""
+
+    #: "mapped", "copied" or "streamed" (a RAM budget).
+    backing: str
+    #: Share of the weights on 2 MiB pages measured at open, or None.
+    huge_pages: float | None
+    note: str
+
+
 class StoreStats(TypedDict):
     """``Engine.store_stats()``: where routed experts come from and what reading them cost."""
 
@@ -86,6 +96,7 @@ class StoreStats(TypedDict):
     prefetch_errors: int
     layers: list[StoreLayer]
     warnings: list[str]
+    weights: StoreWeights
 
 
 class BatchStats(TypedDict):

@@ -257,6 +257,7 @@ def _open_model(args: argparse.Namespace, positional: list[str]) -> tuple[Engine
     positionals left over."""
     store = {"ram_budget": args.ram, "io": args.io, "prefetch": args.prefetch}
     store["kv_cache_dtype"] = args.kv_cache_dtype
+    store["mmap"] = {"auto": None, "on": True, "off": False}[args.mmap]
     for name in ("max_batch", "max_queue"):
         if getattr(args, name, None) is not None:
             store[name] = getattr(args, name)
@@ -515,6 +516,13 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         "(default: everything resident)",
     )
     p.add_argument("--io", choices=["buffered", "direct"], default="buffered", help="how experts are read")
+    p.add_argument(
+        "--mmap",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="weights of a model held whole in RAM: on = the file's memory mapping, off = a copy on 2 MiB "
+        "pages, auto (default) = the mapping unless it sits on small pages and a copy fits",
+    )
     p.add_argument(
         "--prefetch",
         action="store_true",

@@ -25,7 +25,13 @@ pub struct TensorView<'a> {
 /// An open, validated `.colibri` file.
 pub struct ColibriFile {
     path: PathBuf,
+    /// The file's bytes: its mapping, or (after [`ColibriFile::copy_into_memory`])
+    /// an anonymous copy, which may be longer than the file.
     map: Mmap,
+    /// The file's length in bytes.
+    len: usize,
+    /// Whether `map` is a copy rather than the file's mapping.
+    copied: bool,
     meta: FileMeta,
     data_off: usize,
     by_name: HashMap<String, usize>,
@@ -46,6 +52,10 @@ fn read_u32(b: &[u8], at: usize) -> u32 {
 fn read_u64(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
 }
+
+/// The size of a transparent huge page on x86_64 and (with 4 KiB base
+/// pages) aarch64 Linux.
+pub const HUGE_PAGE: usize = 2 << 20;
 
 /// A file of `len` bytes must hold at least the fixed header (checked before
 /// it is mapped: the validation reads the header's fields in place).
@@ -82,8 +92,9 @@ impl ColibriFile {
     /// 2 MiB folios where the file system allows, and the kernels stream
     /// those faster than 4 KiB ones (the bench probe, one thread: about 18
     /// against 28 GB/s on a Zen 4 EPYC). Pages already cached keep their
-    /// size. For a model whose weights are all read through the map; a
-    /// streamed one reads its experts with positioned reads instead.
+    /// size (see `model::store::backing`, which copies the file when they
+    /// are small). For a model whose weights are all read through the map;
+    /// a streamed one reads its experts with positioned reads instead.
     pub fn advise_huge_pages(&self) {
         #[cfg(target_os = "linux")]
         {
@@ -237,7 +248,17 @@ impl ColibriFile {
             return Err(bad(format!("the file has {} expert slabs, the config implies {want_slabs}", slabs.len())));
         }
 
-        Ok(ColibriFile { path: path.to_path_buf(), data_off: data_off as usize, meta, map, by_name, slabs })
+        let len = map.len();
+        Ok(ColibriFile {
+            path: path.to_path_buf(),
+            data_off: data_off as usize,
+            meta,
+            map,
+            len,
+            copied: false,
+            by_name,
+            slabs,
+        })
     }
 
     /// The file's path.
@@ -263,7 +284,61 @@ impl ColibriFile {
 
     /// Total file size in bytes.
     pub fn file_len(&self) -> u64 {
-        self.map.len() as u64
+        self.len as u64
+    }
+
+    /// The file's bytes as the tensors are read: the mapping or the copy.
+    pub fn bytes(&self) -> &[u8] {
+        &self.map[..self.len]
+    }
+
+    /// True once [`ColibriFile::copy_into_memory`] has replaced the mapping.
+    pub fn is_copied(&self) -> bool {
+        self.copied
+    }
+
+    /// Replaces the mapping by a copy of the file in anonymous memory, asked
+    /// for in 2 MiB pages on Linux (rounded up to whole ones). The copy is
+    /// read with positioned reads, 64 MiB at a time, with `progress(bytes
+    /// done)` after each; the head (header and metadata, as validated) must
+    /// read back the same, or the file changed since it was opened and the
+    /// copy is refused. Nothing else changes: tensors are found at the same
+    /// offsets in the copy.
+    pub fn copy_into_memory(&mut self, progress: &mut dyn FnMut(u64)) -> Result<()> {
+        const CHUNK: usize = 64 << 20;
+        let path = self.path.clone();
+        let len = self.len;
+        let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
+        let now = file.metadata().map_err(|e| Error::io(&path, e))?.len();
+        if now != len as u64 {
+            return Err(Error::format(
+                &path,
+                format!("the file changed while it was being opened ({len} bytes, now {now}); try again"),
+            ));
+        }
+        let round =
+            len.checked_next_multiple_of(HUGE_PAGE).ok_or_else(|| Error::InvalidInput("file too large".into()))?;
+        let mut anon = memmap2::MmapMut::map_anon(round).map_err(|e| Error::io(&path, e))?;
+        #[cfg(target_os = "linux")]
+        {
+            // Advice only: without transparent huge pages the copy works the
+            // same on 4 KiB pages.
+            let _ = anon.advise(memmap2::Advice::HugePage);
+        }
+        let mut at = 0;
+        while at < len {
+            let n = CHUNK.min(len - at);
+            crate::model::store::read_full(&file, &mut anon[at..at + n], at as u64, n)
+                .map_err(|e| Error::io(&path, e))?;
+            at += n;
+            progress(at as u64);
+        }
+        if anon[..self.data_off] != self.map[..self.data_off] {
+            return Err(Error::format(&path, "the file changed while it was being copied; try again"));
+        }
+        self.map = anon.make_read_only().map_err(|e| Error::io(&path, e))?;
+        self.copied = true;
+        Ok(())
     }
 
     /// The bytes of tensor `name`, or a format error naming it if absent.

@@ -191,3 +191,30 @@ fn a_q6k_tensor_of_the_first_layout_asks_for_a_new_conversion() {
     edit_meta(&p, |v| v["tensors"][i]["nbytes"] = old.into());
     expect_format_error(&p, "first q6k layout");
 }
+
+#[test]
+fn a_copy_in_memory_holds_the_same_bytes_and_refuses_a_file_that_changed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (p, meta) = fresh(&dir, DType::Q4_0);
+    let mapped = ColibriFile::open(&p).unwrap();
+    let mut copied = ColibriFile::open(&p).unwrap();
+    let mut seen = Vec::new();
+    copied.copy_into_memory(&mut |done| seen.push(done)).unwrap();
+    assert!(copied.is_copied() && !mapped.is_copied());
+    assert_eq!(seen.last().copied(), Some(copied.file_len()), "progress ends at the file's length");
+    assert_eq!(copied.bytes(), mapped.bytes());
+    assert_eq!(copied.file_len(), mapped.file_len());
+    for t in &meta.tensors {
+        let v = copied.tensor(&t.name).unwrap();
+        assert_eq!(v.bytes, mapped.tensor(&t.name).unwrap().bytes);
+        assert_eq!((v.bytes.as_ptr() as usize) % 64, 0, "{} not 64-byte aligned in the copy", t.name);
+    }
+    // Grown since it was opened: refused before anything is read.
+    let mut later = ColibriFile::open(&p).unwrap();
+    std::fs::OpenOptions::new().append(true).open(&p).unwrap().set_len(mapped.file_len() + 4096).unwrap();
+    match later.copy_into_memory(&mut |_| {}) {
+        Err(Error::Format { msg, .. }) => assert!(msg.contains("changed"), "{msg}"),
+        other => panic!("expected a format error, got {other:?}"),
+    }
+    assert!(!later.is_copied());
+}

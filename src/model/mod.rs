@@ -19,7 +19,7 @@ use crate::format::reader::ColibriFile;
 use crate::kernels::Matrix;
 use config::{FfnSpec, ModelConfig};
 use store::telemetry::Telemetry;
-use store::{DenseCopy, ExpertStore, HeatState, RoutingStats, StoreOptions, StoreStats};
+use store::{DenseCopy, ExpertStore, HeatState, RoutingStats, StoreOptions, StoreStats, WeightsBacking};
 use tensors::{LayerTensor as L, TensorId};
 
 /// Where a tensor lives in the mapped file; resolved to a view on use, which
@@ -160,6 +160,8 @@ pub struct Model {
     heat: Option<HeatState>,
     /// Notes from opening (e.g. an ignored heat file).
     warnings: Vec<String>,
+    /// Where the weights live (mapped, copied or streamed), and why.
+    weights: WeightsBacking,
 }
 
 impl std::fmt::Debug for Model {
@@ -179,8 +181,13 @@ impl Model {
     /// experts, the dense part is read into memory and experts stream from
     /// the file into a fixed pool of slots.
     pub fn open_with(path: &Path, opts: &StoreOptions) -> Result<Model> {
-        let file = Arc::new(ColibriFile::open(path)?);
-        Self::from_file_with(file, opts)
+        let mut file = ColibriFile::open(path)?;
+        let settled = store::settle_weights(&mut file, opts)?;
+        let mut model = Self::from_file_with(Arc::new(file), opts)?;
+        if let Some(w) = settled {
+            model.weights = w;
+        }
+        Ok(model)
     }
 
     /// Builds the typed references over an already-validated file, every
@@ -249,7 +256,23 @@ impl Model {
             (FfnSpec::Moe, Some(m)) => m.num_experts,
             _ => 0,
         });
+        let weights = WeightsBacking {
+            backing: if placed.dense.is_some() {
+                "streamed"
+            } else if file.is_copied() {
+                "copied"
+            } else {
+                "mapped"
+            },
+            huge_pages: None,
+            note: if placed.dense.is_some() {
+                "streamed: the dense part copied, experts read into slots".into()
+            } else {
+                String::new()
+            },
+        };
         Ok(Model {
+            weights,
             experts: placed.experts,
             dense: placed.dense,
             heat: placed.heat,
@@ -291,6 +314,7 @@ impl Model {
         s.tokens = self.telemetry.tokens.load(std::sync::atomic::Ordering::Relaxed);
         s.bytes_read_per_token = store::telemetry::ratio(s.bytes_read, s.tokens);
         s.warnings.extend(self.warnings.iter().cloned());
+        s.weights = self.weights.clone();
         s
     }
 

@@ -20,7 +20,7 @@ use crate::engine::batch::Canceller;
 use crate::engine::session::KvCacheType;
 use crate::engine::{BatchOptions, Engine, EngineOptions, GenerateOptions, SamplingParams, Scheduler, Ticket};
 use crate::error::Error;
-use crate::model::store::{HeatFile, IoMode, Policy, StoreOptions};
+use crate::model::store::{Backing, HeatFile, IoMode, Policy, StoreOptions};
 use crate::quant::DType;
 
 /// Maps an error to its Python exception class.
@@ -98,7 +98,7 @@ struct NativeEngine {
 #[pymethods]
 impl NativeEngine {
     #[new]
-    #[pyo3(signature = (path, threads=None, ram_budget=None, lru=true, pin_hot=true, prefetch=false, io="buffered", heat_file=None, kv_cache="auto", max_batch=16, max_queue=0))]
+    #[pyo3(signature = (path, threads=None, ram_budget=None, lru=true, pin_hot=true, prefetch=false, io="buffered", heat_file=None, kv_cache="auto", max_batch=16, max_queue=0, weights="auto"))]
     #[allow(clippy::too_many_arguments)] // mirrors keyword arguments of the Python constructor
     fn new(
         py: Python<'_>,
@@ -113,8 +113,10 @@ impl NativeEngine {
         kv_cache: &str,
         max_batch: usize,
         max_queue: usize,
+        weights: &str,
     ) -> PyResult<Self> {
         let io = IoMode::parse(io).map_err(to_py)?;
+        let backing = Backing::parse(weights).map_err(to_py)?;
         let kv_cache = KvCacheType::parse(kv_cache).ok_or_else(|| {
             to_py(Error::InvalidInput(format!("kv_cache must be \"auto\", \"f32\" or \"f16\", got {kv_cache:?}")))
         })?;
@@ -123,8 +125,14 @@ impl NativeEngine {
             Some("off") => HeatFile::Off,
             Some(p) => HeatFile::At(PathBuf::from(p)),
         };
-        let store =
-            StoreOptions { ram_budget, policy: Policy { lru, pin_hot, prefetch }, io, heat_file, io_threads: 0 };
+        let store = StoreOptions {
+            ram_budget,
+            policy: Policy { lru, pin_hot, prefetch },
+            io,
+            heat_file,
+            io_threads: 0,
+            backing,
+        };
         let opts = EngineOptions { threads, store, kv_cache };
         let inner = py.detach(|| Engine::open(&path, &opts)).map_err(to_py)?;
         let batch_opts = BatchOptions { max_batch, max_queue, ..BatchOptions::default() };

@@ -22,6 +22,7 @@
 //! expert work (which rayon can nest through work stealing) never blocks but
 //! reads into a temporary buffer instead (counted as `overflow_reads`).
 
+mod backing;
 mod dense;
 pub mod heat;
 mod io;
@@ -43,9 +44,11 @@ use super::tensors::{ExpertTensor, TensorId};
 use super::{TensorRef, matrix, tensor_ref};
 use crate::error::{Error, Result};
 use crate::format::reader::ColibriFile;
+pub use backing::{Backing, WeightsBacking};
 pub(crate) use dense::DenseCopy;
 pub use heat::{Heat, heat_path_for};
 use io::AlignedBuf;
+pub(crate) use io::read_full;
 pub use plan::{Plan, human, plan, plan_path};
 use stream::{StreamSetup, StreamStore};
 pub use telemetry::{LayerRouting, LayerStoreStats, RoutingStats, StoreStats};
@@ -140,6 +143,9 @@ pub struct StoreOptions {
     pub heat_file: HeatFile,
     /// Background I/O threads for prefetch and warming the hot set; 0 = 2.
     pub io_threads: usize,
+    /// Where the weights live when all of them are resident: the mapping or
+    /// a copy (see [`Backing`]).
+    pub backing: Backing,
 }
 
 /// The right to use one expert's bytes. While a lease lives, its slot is
@@ -371,6 +377,19 @@ pub(crate) struct Placement {
     pub(crate) warnings: Vec<String>,
 }
 
+/// When `opts` keeps every weight resident, settles where they live (the
+/// mapping or a copy, see [`Backing`]); `None` when experts stream.
+pub(crate) fn settle_weights(file: &mut ColibriFile, opts: &StoreOptions) -> Result<Option<WeightsBacking>> {
+    let resident = match opts.ram_budget {
+        Some(b) => plan::Geometry::of(file).slots_for(b)?.is_none(),
+        None => true,
+    };
+    if !resident {
+        return Ok(None);
+    }
+    backing::settle(file, opts.backing).map(Some)
+}
+
 /// Decides and builds the placement of `file`'s experts under `opts`.
 pub(crate) fn place(file: &Arc<ColibriFile>, opts: &StoreOptions) -> Result<Placement> {
     let geo = plan::Geometry::of(file);
@@ -380,7 +399,6 @@ pub(crate) fn place(file: &Arc<ColibriFile>, opts: &StoreOptions) -> Result<Plac
     };
     let cfg = &file.meta().config;
     let Some(slots) = slots else {
-        file.advise_huge_pages();
         return Ok(Placement {
             experts: Box::new(ResidentStore::new(file.clone(), cfg)?),
             dense: None,

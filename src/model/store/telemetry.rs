@@ -387,6 +387,8 @@ pub struct StoreStats {
     pub layers: Vec<LayerStoreStats>,
     /// Things the user should know (an ignored heat file, …).
     pub warnings: Vec<String>,
+    /// Where the weights live: mapped, copied or streamed.
+    pub weights: super::WeightsBacking,
 }
 
 /// Store counters of one MoE layer.
