@@ -299,11 +299,12 @@ impl ColibriFile {
 
     /// Replaces the mapping by a copy of the file in anonymous memory, asked
     /// for in 2 MiB pages on Linux (rounded up to whole ones). The copy is
-    /// read with positioned reads, 64 MiB at a time, with `progress(bytes
-    /// done)` after each; the head (header and metadata, as validated) must
-    /// read back the same, or the file changed since it was opened and the
-    /// copy is refused. Nothing else changes: tensors are found at the same
-    /// offsets in the copy.
+    /// read with positioned reads, 64 MiB at a time on up to eight threads;
+    /// `progress(bytes done)` is called now and then from this thread, and
+    /// last with the file's length. The head (header and metadata, as
+    /// validated) must read back the same, or the file changed since it was
+    /// opened and the copy is refused. Nothing else changes: tensors are
+    /// found at the same offsets in the copy.
     pub fn copy_into_memory(&mut self, progress: &mut dyn FnMut(u64)) -> Result<()> {
         const CHUNK: usize = 64 << 20;
         let path = self.path.clone();
@@ -325,14 +326,33 @@ impl ColibriFile {
             // same on 4 KiB pages.
             let _ = anon.advise(memmap2::Advice::HugePage);
         }
-        let mut at = 0;
-        while at < len {
-            let n = CHUNK.min(len - at);
-            crate::model::store::read_full(&file, &mut anon[at..at + n], at as u64, n)
-                .map_err(|e| Error::io(&path, e))?;
-            at += n;
-            progress(at as u64);
+        // Chunks dealt round-robin to up to eight threads (the page faults
+        // that zero the new pages and the copies out of the page cache both
+        // scale with cores); this thread is one of them and reports progress.
+        let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 8);
+        let mut shares: Vec<Vec<(usize, &mut [u8])>> = (0..workers).map(|_| Vec::new()).collect();
+        for (i, chunk) in anon[..len].chunks_mut(CHUNK).enumerate() {
+            shares[i % workers].push((i * CHUNK, chunk));
         }
+        let done = std::sync::atomic::AtomicU64::new(0);
+        let read = |share: Vec<(usize, &mut [u8])>, progress: &mut dyn FnMut(u64)| -> std::io::Result<()> {
+            for (at, chunk) in share {
+                let n = chunk.len();
+                crate::model::store::read_full(&file, chunk, at as u64, n)?;
+                let total = done.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed) + n as u64;
+                progress(total);
+            }
+            Ok(())
+        };
+        let mut shares = shares.into_iter();
+        let mine = shares.next().unwrap_or_default();
+        let result = std::thread::scope(|scope| {
+            let others: Vec<_> = shares.map(|share| scope.spawn(|| read(share, &mut |_| {}))).collect();
+            let first = read(mine, progress);
+            others.into_iter().fold(first, |r, h| r.and(h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))))
+        });
+        result.map_err(|e| Error::io(&path, e))?;
+        progress(len as u64);
         if anon[..self.data_off] != self.map[..self.data_off] {
             return Err(Error::format(&path, "the file changed while it was being copied; try again"));
         }
