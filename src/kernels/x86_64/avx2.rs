@@ -516,29 +516,25 @@ unsafe fn q8_sums<const T: usize, const VNNI: u8>(qs: *const i8, ba: [&BlockQ8; 
     isum
 }
 
-/// 4-bit codes · activations of one group block, per lane (row), plus
-/// `seed` (a start value per token: [`q4_0_seed`], or zero). The codes
+/// 4-bit codes · activations of one group block, per lane (row). The codes
 /// multiply as they are (q4_0, q4_1: unsigned 0..15), or with `LUT` as the
 /// doubled E2M1 values (mxfp4: −12..12, by the sign trick, `|v|` against the
 /// activation negated where `v < 0`). Without VNNI the sums run in 16-bit
 /// lanes, two per row, widened once at the end (a lane adds eight products
-/// of pairs, at most 8 · 2 · 15 · 127 = 30480; with a seed see
-/// [`q4_0_seed`]); with it, `vpdpbusd` sums straight into 32 bits. The
-/// integers are the same.
+/// of pairs, at most 8 · 2 · 15 · 127 = 30480); with it, `vpdpbusd` sums
+/// straight into 32 bits. The integers are the same.
 #[inline(always)]
 unsafe fn nibble_sums<const T: usize, const VNNI: u8, const LUT: bool>(
     qs: *const u8,
     ba: [&BlockQ8; T],
-    seed: [__m256i; T],
 ) -> [__m256i; T] {
     if VNNI == ZMM_VNNI && !LUT {
-        // q4_0 and q4_1 lay their runs out as q4k's sub-blocks (no seed:
-        // callers pass zero here).
+        // q4_0 and q4_1 lay their runs out as q4k's sub-blocks.
         return pairs::pair_sums::<T, { kx8::Q4K }, false>(qs, ba).0;
     }
     let mask = _mm256_set1_epi8(0x0F);
     let lut = lut2();
-    let mut s = seed;
+    let mut s = [_mm256_setzero_si256(); T];
     for j in 0..4 {
         let raw = _mm256_loadu_si256(qs.add(32 * j) as *const __m256i);
         let lo = _mm256_and_si256(raw, mask);
@@ -565,20 +561,6 @@ unsafe fn nibble_sums<const T: usize, const VNNI: u8, const LUT: bool>(
     s.map(|s| _mm256_madd_epi16(s, ones))
 }
 
-/// The value that starts a q4_0 block's 16-bit sums for one token (the
-/// AVX2 kernels without VNNI), so they end at `Σ (c − 8)·q` with no
-/// subtraction per block and token (codes are stored +8). Each row has two
-/// 16-bit lanes that the final `vpmaddwd` adds, lane 0 taking the
-/// activations at offsets 0 and 1 (mod 4), lane 1 those at 2 and 3; so
-/// `-8·Σq` may go in lane 0 alone. Lane 0 then ends at `Σ₀ (c − 8)·q −
-/// 8·Σ₁ q`, each term at most 16 · 8 · 127 = 16256 in size, and lane 1 at
-/// `Σ₁ c·q`, at most 16 · 15 · 127 = 30480: both fit 16 bits, and the lanes
-/// add modulo 2¹⁶ on the way, so the total is exact.
-#[inline(always)]
-fn q4_0_seed(sum: i32) -> i32 {
-    (-8 * sum) & 0xFFFF
-}
-
 #[inline(always)]
 unsafe fn gemm8_q4_0<const T: usize, const VNNI: u8>(
     g: *const BlockQ4_0x8,
@@ -593,13 +575,15 @@ unsafe fn gemm8_q4_0<const T: usize, const VNNI: u8>(
         prefetch_by(bw as *const BlockQ4_0x8 as *const u8, ahead, std::mem::size_of::<BlockQ4_0x8>());
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(bw.d.as_ptr() as *const __m128i));
         let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q[t].add(b));
-        // Codes are stored +8: Σ (c - 8)·q = Σ c·q - 8·Σq, the 8·Σq seeded
-        // into the 16-bit sums without VNNI, taken off after them with it.
-        let seed = std::array::from_fn(|t| _mm256_set1_epi32(if VNNI == MADD { q4_0_seed(ba[t].sum) } else { 0 }));
-        let sums = nibble_sums::<T, VNNI, false>(bw.qs.as_ptr(), ba, seed);
-        let sums = std::array::from_fn(|t| {
-            if VNNI == MADD { sums[t] } else { _mm256_sub_epi32(sums[t], _mm256_set1_epi32(8 * ba[t].sum)) }
-        });
+        // Codes are stored +8: Σ (c - 8)·q = Σ c·q - 8·Σq, the 8·Σq taken
+        // off the widened sums. It is shifted in a vector register: written
+        // as `set1(8 · sum)` it went through a general register and a move
+        // into the vector unit per token and block, and the eight-token loop
+        // ran 4% slower (Zen 2, in L2). Until session 25 the AVX2 kernel
+        // seeded its 16-bit sums with `-8·Σq` instead, at the same cost.
+        let sums = nibble_sums::<T, VNNI, false>(bw.qs.as_ptr(), ba);
+        let sums =
+            std::array::from_fn(|t| _mm256_sub_epi32(sums[t], _mm256_slli_epi32::<3>(_mm256_set1_epi32(ba[t].sum))));
         acc.hold(BlockSums::new(dw, ba, sums));
     }
     acc.finish()
@@ -620,7 +604,7 @@ unsafe fn gemm8_q4_1<const T: usize, const VNNI: u8>(
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(bw.d.as_ptr() as *const __m128i));
         let m = _mm256_cvtph_ps(_mm_loadu_si128(bw.m.as_ptr() as *const __m128i));
         let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q[t].add(b));
-        let sums = nibble_sums::<T, VNNI, false>(bw.qs.as_ptr(), ba, [_mm256_setzero_si256(); T]);
+        let sums = nibble_sums::<T, VNNI, false>(bw.qs.as_ptr(), ba);
         acc.hold(BlockSums {
             m,
             scaled_sum: std::array::from_fn(|t| ba[t].scaled_sum()),
@@ -644,7 +628,7 @@ unsafe fn gemm8_mxfp4<const T: usize, const VNNI: u8>(
         prefetch_by(bw as *const BlockMxfp4x8 as *const u8, ahead, std::mem::size_of::<BlockMxfp4x8>());
         let dw = half_scales8(bw.e.as_ptr());
         let ba: [&BlockQ8; T] = std::array::from_fn(|t| &*q[t].add(b));
-        acc.hold(BlockSums::new(dw, ba, nibble_sums::<T, VNNI, true>(bw.qs.as_ptr(), ba, [_mm256_setzero_si256(); T])));
+        acc.hold(BlockSums::new(dw, ba, nibble_sums::<T, VNNI, true>(bw.qs.as_ptr(), ba)));
     }
     acc.finish()
 }
