@@ -1,7 +1,7 @@
 """Type stubs of the native extension (src/python/mod.rs)."""
 
 from os import PathLike
-from typing import Any, final
+from typing import Any, Literal, final
 
 __all__ = [
     "NativeEngine",
@@ -34,7 +34,7 @@ class NativeEngine:
         kv_cache: str = "auto",
         max_batch: int = 16,
         max_queue: int = 0,
-        weights: str = "auto",
+        weights: Literal["auto", "map", "copy"] = "auto",
     ) -> NativeEngine: ...
     def close(self) -> str | None: ...
     def batch_stats_json(self) -> str: ...

@@ -56,7 +56,7 @@ class StoreWeights(TypedDict):
     #: "mapped", "copied" or "streamed" (a RAM budget).
     backing: str
     #: Share of the weights on 2 MiB pages measured at open, or None.
-    huge_pages: float | None
+    huge_pages: Optional[float]
     note: str
 
 
@@ -145,4 +145,13 @@ class Plan(TypedDict):
     warnings: list[str]
 
 
-__all__ = ["BatchStats", "LayerRouting", "Plan", "RoutingStats", "StoreLayer", "StorePolicy", "StoreStats"]
+__all__ = [
+    "BatchStats",
+    "LayerRouting",
+    "Plan",
+    "RoutingStats",
+    "StoreLayer",
+    "StorePolicy",
+    "StoreStats",
+    "StoreWeights",
+]

@@ -25,13 +25,18 @@ pub struct TensorView<'a> {
 /// An open, validated `.colibri` file.
 pub struct ColibriFile {
     path: PathBuf,
-    /// The file's bytes: its mapping, or (after [`ColibriFile::copy_into_memory`])
-    /// an anonymous copy, which may be longer than the file.
+    /// The file's bytes from `start` on: its mapping (`start` 0), or after
+    /// [`ColibriFile::use_copy`] an anonymous copy, which may be longer.
     map: Mmap,
+    /// Where the file's bytes begin in `map`.
+    start: usize,
     /// The file's length in bytes.
     len: usize,
     /// Whether `map` is a copy rather than the file's mapping.
     copied: bool,
+    /// The file as opened (`None` for bytes validated in memory): copies
+    /// read from it, so they hold the bytes of the file that was mapped.
+    handle: Option<File>,
     meta: FileMeta,
     data_off: usize,
     by_name: HashMap<String, usize>,
@@ -56,6 +61,21 @@ fn read_u64(b: &[u8], at: usize) -> u64 {
 /// The size of a transparent huge page on x86_64 and (with 4 KiB base
 /// pages) aarch64 Linux.
 pub const HUGE_PAGE: usize = 2 << 20;
+
+/// A copy of a file's bytes in memory of the process's own (see
+/// [`ColibriFile::read_copy`]).
+pub struct FileCopy {
+    map: Mmap,
+    start: usize,
+    len: usize,
+}
+
+impl FileCopy {
+    /// The copied bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &self.map[self.start..self.start + self.len]
+    }
+}
 
 /// A file of `len` bytes must hold at least the fixed header (checked before
 /// it is mapped: the validation reads the header's fields in place).
@@ -84,7 +104,9 @@ impl ColibriFile {
         // never writes to a file it has open, and `convert` writes to a
         // temporary name and renames, which leaves existing maps intact.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-        Self::from_map(path, map)
+        let mut opened = Self::from_map(path, map)?;
+        opened.handle = Some(file);
+        Ok(opened)
     }
 
     /// Asks the OS to back the mapping with 2 MiB pages where it can (Linux;
@@ -250,6 +272,8 @@ impl ColibriFile {
 
         let len = map.len();
         Ok(ColibriFile {
+            start: 0,
+            handle: None,
             path: path.to_path_buf(),
             data_off: data_off as usize,
             meta,
@@ -279,7 +303,7 @@ impl ColibriFile {
     /// Everything before the tensor data (header, metadata, padding), as
     /// mapped at open.
     pub fn head_bytes(&self) -> &[u8] {
-        &self.map[..self.data_off]
+        &self.bytes()[..self.data_off]
     }
 
     /// Total file size in bytes.
@@ -289,56 +313,72 @@ impl ColibriFile {
 
     /// The file's bytes as the tensors are read: the mapping or the copy.
     pub fn bytes(&self) -> &[u8] {
-        &self.map[..self.len]
+        &self.map[self.start..self.start + self.len]
     }
 
-    /// True once [`ColibriFile::copy_into_memory`] has replaced the mapping.
+    /// True once [`ColibriFile::use_copy`] has replaced the mapping.
     pub fn is_copied(&self) -> bool {
         self.copied
     }
 
-    /// Replaces the mapping by a copy of the file in anonymous memory, asked
-    /// for in 2 MiB pages on Linux (rounded up to whole ones). The copy is
-    /// read with positioned reads, 64 MiB at a time on up to eight threads;
-    /// `progress(bytes done)` is called now and then from this thread, and
-    /// last with the file's length. The head (header and metadata, as
-    /// validated) must read back the same, or the file changed since it was
-    /// opened and the copy is refused. Nothing else changes: tensors are
-    /// found at the same offsets in the copy.
-    pub fn copy_into_memory(&mut self, progress: &mut dyn FnMut(u64)) -> Result<()> {
-        const CHUNK: usize = 64 << 20;
-        let path = self.path.clone();
+    /// A copy of the file in anonymous memory, asked for in 2 MiB pages on
+    /// Linux and starting on a 2 MiB boundary. It is read from the file as
+    /// opened (the one mapped), with positioned reads, 64 MiB at a time on up
+    /// to eight threads; `progress(bytes done)` is called now and then from
+    /// this thread, and last with the file's length. A file that changed
+    /// length since it was opened is refused (a rewrite in place is the
+    /// usual caveat of a mapping: it shows in both). [`Self::use_copy`]
+    /// puts the copy in place of the mapping.
+    pub fn read_copy(&self, progress: &mut dyn FnMut(u64)) -> Result<FileCopy> {
+        self.read_copy_in(64 << 20, progress)
+    }
+
+    /// [`Self::read_copy`] in chunks of `chunk` bytes.
+    pub(super) fn read_copy_in(&self, chunk: usize, progress: &mut dyn FnMut(u64)) -> Result<FileCopy> {
+        let path = &self.path;
         let len = self.len;
-        let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
-        let now = file.metadata().map_err(|e| Error::io(&path, e))?.len();
-        if now != len as u64 {
-            return Err(Error::format(
-                &path,
-                format!("the file changed while it was being opened ({len} bytes, now {now}); try again"),
-            ));
+        if let Some(f) = &self.handle {
+            let now = f.metadata().map_err(|e| Error::io(path, e))?.len();
+            if now != len as u64 {
+                return Err(Error::format(
+                    path,
+                    format!("the file changed length while open ({len} bytes, now {now}); open it again"),
+                ));
+            }
         }
-        let round =
-            len.checked_next_multiple_of(HUGE_PAGE).ok_or_else(|| Error::InvalidInput("file too large".into()))?;
-        let mut anon = memmap2::MmapMut::map_anon(round).map_err(|e| Error::io(&path, e))?;
+        let too_big = || Error::InvalidInput(format!("{}: {len} bytes are too many to copy", path.display()));
+        let room =
+            len.checked_next_multiple_of(HUGE_PAGE).and_then(|n| n.checked_add(HUGE_PAGE)).ok_or_else(too_big)?;
+        let mut anon = memmap2::MmapMut::map_anon(room).map_err(|e| {
+            Error::InvalidInput(format!("cannot reserve {room} bytes of memory to copy {}: {e}", path.display()))
+        })?;
         #[cfg(target_os = "linux")]
         {
             // Advice only: without transparent huge pages the copy works the
             // same on 4 KiB pages.
             let _ = anon.advise(memmap2::Advice::HugePage);
         }
+        // The copy starts on a 2 MiB boundary, so its pages can be whole
+        // huge pages however the kernel placed the mapping.
+        let start = (anon.as_ptr() as usize).next_multiple_of(HUGE_PAGE) - anon.as_ptr() as usize;
         // Chunks dealt round-robin to up to eight threads (the page faults
         // that zero the new pages and the copies out of the page cache both
         // scale with cores); this thread is one of them and reports progress.
         let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 8);
         let mut shares: Vec<Vec<(usize, &mut [u8])>> = (0..workers).map(|_| Vec::new()).collect();
-        for (i, chunk) in anon[..len].chunks_mut(CHUNK).enumerate() {
-            shares[i % workers].push((i * CHUNK, chunk));
+        for (i, piece) in anon[start..start + len].chunks_mut(chunk).enumerate() {
+            shares[i % workers].push((i * chunk, piece));
         }
         let done = std::sync::atomic::AtomicU64::new(0);
+        let source = self.handle.as_ref();
+        let mapped = self.bytes();
         let read = |share: Vec<(usize, &mut [u8])>, progress: &mut dyn FnMut(u64)| -> std::io::Result<()> {
-            for (at, chunk) in share {
-                let n = chunk.len();
-                crate::model::store::read_full(&file, chunk, at as u64, n)?;
+            for (at, piece) in share {
+                let n = piece.len();
+                match source {
+                    Some(f) => crate::model::store::read_full(f, piece, at as u64, n)?,
+                    None => piece.copy_from_slice(&mapped[at..at + n]),
+                }
                 let total = done.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed) + n as u64;
                 progress(total);
             }
@@ -351,14 +391,19 @@ impl ColibriFile {
             let first = read(mine, progress);
             others.into_iter().fold(first, |r, h| r.and(h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))))
         });
-        result.map_err(|e| Error::io(&path, e))?;
+        result.map_err(|e| Error::io(path, e))?;
         progress(len as u64);
-        if anon[..self.data_off] != self.map[..self.data_off] {
-            return Err(Error::format(&path, "the file changed while it was being copied; try again"));
-        }
-        self.map = anon.make_read_only().map_err(|e| Error::io(&path, e))?;
+        let map = anon.make_read_only().map_err(|e| Error::io(path, e))?;
+        Ok(FileCopy { map, start, len })
+    }
+
+    /// Reads tensors from `copy` (of this file, from [`Self::read_copy`])
+    /// instead of the mapping, which is dropped. Tensors keep their offsets.
+    pub fn use_copy(&mut self, copy: FileCopy) {
+        assert_eq!(copy.len, self.len, "a copy of this file");
+        self.map = copy.map;
+        self.start = copy.start;
         self.copied = true;
-        Ok(())
     }
 
     /// The bytes of tensor `name`, or a format error naming it if absent.
@@ -378,7 +423,7 @@ impl ColibriFile {
         let t = &self.meta.tensors[i];
         let start = self.data_off + t.offset as usize;
         // In range: checked against the file length in `from_map`.
-        let bytes = &self.map[start..start + t.nbytes as usize];
+        let bytes = &self.bytes()[start..start + t.nbytes as usize];
         TensorView { dtype: t.dtype, shape: &t.shape, bytes }
     }
 

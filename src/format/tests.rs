@@ -193,28 +193,46 @@ fn a_q6k_tensor_of_the_first_layout_asks_for_a_new_conversion() {
 }
 
 #[test]
-fn a_copy_in_memory_holds_the_same_bytes_and_refuses_a_file_that_changed() {
+fn a_copy_in_memory_holds_the_same_bytes_and_refuses_a_file_that_changed_length() {
     let dir = tempfile::tempdir().unwrap();
     let (p, meta) = fresh(&dir, DType::Q4_0);
     let mapped = ColibriFile::open(&p).unwrap();
     let mut copied = ColibriFile::open(&p).unwrap();
+    // Small chunks, so every thread of the copy gets some and a chunk ends
+    // mid-file.
     let mut seen = Vec::new();
-    copied.copy_into_memory(&mut |done| seen.push(done)).unwrap();
-    assert!(copied.is_copied() && !mapped.is_copied());
+    let copy = copied.read_copy_in(4096 + 64, &mut |done| seen.push(done)).unwrap();
+    assert_eq!(copy.bytes(), mapped.bytes());
+    assert_eq!(copy.bytes().as_ptr() as usize % reader::HUGE_PAGE, 0, "the copy starts on a 2 MiB boundary");
     assert_eq!(seen.last().copied(), Some(copied.file_len()), "progress ends at the file's length");
+    assert!(seen.windows(2).all(|w| w[0] <= w[1]), "progress never goes back: {seen:?}");
+    copied.use_copy(copy);
+    assert!(copied.is_copied() && !mapped.is_copied());
     assert_eq!(copied.bytes(), mapped.bytes());
     assert_eq!(copied.file_len(), mapped.file_len());
+    assert_eq!(copied.head_bytes(), mapped.head_bytes());
     for t in &meta.tensors {
         let v = copied.tensor(&t.name).unwrap();
         assert_eq!(v.bytes, mapped.tensor(&t.name).unwrap().bytes);
-        assert_eq!((v.bytes.as_ptr() as usize) % 64, 0, "{} not 64-byte aligned in the copy", t.name);
+        assert_ne!(v.bytes.as_ptr(), mapped.tensor(&t.name).unwrap().bytes.as_ptr(), "read from the copy");
     }
     // Grown since it was opened: refused before anything is read.
-    let mut later = ColibriFile::open(&p).unwrap();
+    let later = ColibriFile::open(&p).unwrap();
     std::fs::OpenOptions::new().append(true).open(&p).unwrap().set_len(mapped.file_len() + 4096).unwrap();
-    match later.copy_into_memory(&mut |_| {}) {
-        Err(Error::Format { msg, .. }) => assert!(msg.contains("changed"), "{msg}"),
-        other => panic!("expected a format error, got {other:?}"),
+    match later.read_copy(&mut |_| {}) {
+        Err(Error::Format { msg, .. }) => assert!(msg.contains("changed length"), "{msg}"),
+        Err(other) => panic!("expected a format error, got {other}"),
+        Ok(_) => panic!("a file that grew was copied"),
     }
-    assert!(!later.is_copied());
+}
+
+#[test]
+fn bytes_validated_in_memory_copy_from_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let (p, _) = fresh(&dir, DType::Q8_0);
+    let bytes = std::fs::read(&p).unwrap();
+    let mut f = ColibriFile::from_bytes(&p, &bytes).unwrap();
+    let copy = f.read_copy_in(1000, &mut |_| {}).unwrap();
+    f.use_copy(copy);
+    assert_eq!(f.bytes(), &bytes[..]);
 }

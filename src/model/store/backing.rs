@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::error::{Error, Result};
-use crate::format::reader::{ColibriFile, HUGE_PAGE};
+use crate::format::reader::{ColibriFile, FileCopy, HUGE_PAGE};
 
 /// Where the weights of a model that fits in RAM should live.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -67,7 +67,7 @@ pub struct WeightsBacking {
 
 /// Files smaller than this stay mapped under [`Backing::Auto`]: too little
 /// to stream for the pages to matter, and the tests' models stay zero-copy.
-pub(crate) const AUTO_MIN_BYTES: usize = 64 << 20;
+pub(crate) const AUTO_MIN_BYTES: u64 = 64 << 20;
 
 /// Windows of the mapping touched to estimate its page sizes.
 const SAMPLES: usize = 64;
@@ -79,44 +79,69 @@ const HUGE_ENOUGH: f64 = 0.9;
 /// resident). May replace the mapping by a copy.
 pub(crate) fn settle(file: &mut ColibriFile, want: Backing) -> Result<WeightsBacking> {
     file.advise_huge_pages();
-    let len = file.file_len() as usize;
+    let len = file.file_len();
     let mapped = |huge_pages, note: String| Ok(WeightsBacking { backing: "mapped", huge_pages, note });
     match want {
-        Backing::Map => mapped(sample_huge_share(file), "mapped, as asked".into()),
+        Backing::Map => mapped(None, "mapped, as asked".into()),
         Backing::Copy => {
             let sys = Sys::read();
             if let (Some(avail), Some(swap)) = (sys.mem_available, sys.swap_free)
-                && len as u64 > avail.saturating_add(swap)
+                && len > avail.saturating_add(swap)
             {
                 return Err(Error::InvalidInput(format!(
-                    "copying the weights into memory needs {} but the system reports {} available (swap included); \
-                     map the file instead (mmap=True, or --mmap on) or give a ram_budget",
-                    super::human(len as u64),
+                    "copying the weights into memory needs {} but {} is available (swap included, within this \
+                     process's memory limit); map the file instead (mmap=True, or --mmap on) or give a ram_budget",
+                    super::human(len),
                     super::human(avail.saturating_add(swap)),
                 )));
             }
-            copy(file, "copied, as asked".into())
+            let copy = read_copy(file)?;
+            let huge_pages = huge_share_of_copy(&copy);
+            file.use_copy(copy);
+            Ok(WeightsBacking { backing: "copied", huge_pages, note: "copied, as asked".into() })
         }
         Backing::Auto => {
             if !cfg!(target_os = "linux") {
                 return mapped(None, "mapped (copies are made on Linux only)".into());
             }
             if len < AUTO_MIN_BYTES {
-                return mapped(
-                    None,
-                    format!("mapped (files under {} stay mapped)", super::human(AUTO_MIN_BYTES as u64)),
-                );
+                return mapped(None, format!("mapped (files under {} stay mapped)", super::human(AUTO_MIN_BYTES)));
             }
             let Some(share) = sample_huge_share(file) else {
                 return mapped(None, "mapped (its page sizes could not be read from /proc/self/smaps)".into());
             };
-            let sys = Sys::read();
-            match decide(len as u64, share, &sys) {
-                Decision::Map(why) => mapped(Some(share), why),
-                Decision::Copy(why) => copy(file, why),
+            let pct = percent(share);
+            let why = match decide(len, share, &Sys::read()) {
+                Decision::Map(why) => return mapped(Some(share), why),
+                Decision::Copy(why) => why,
+            };
+            // A failed copy leaves the mapping as it was, and it works.
+            let copy = match read_copy(file) {
+                Ok(c) => c,
+                Err(e) => {
+                    return mapped(
+                        Some(share),
+                        format!("mapped ({pct}% of a sample on 2 MiB pages; a copy failed: {e})"),
+                    );
+                }
+            };
+            match huge_share_of_copy(&copy) {
+                // Fragmented memory: the copy would stream no faster.
+                Some(c) if c < HUGE_ENOUGH && c <= share => mapped(
+                    Some(share),
+                    format!("mapped ({pct}% of a sample on 2 MiB pages; a copy came out {}% on them)", percent(c)),
+                ),
+                got => {
+                    file.use_copy(copy);
+                    Ok(WeightsBacking { backing: "copied", huge_pages: got, note: why })
+                }
             }
         }
     }
+}
+
+fn percent(share: f64) -> f64 {
+    (share * 100.0).round()
 }
 
 /// What [`Backing::Auto`] does with a file of `len` bytes whose mapping
@@ -128,7 +153,7 @@ enum Decision {
 }
 
 fn decide(len: u64, share: f64, sys: &Sys) -> Decision {
-    let pct = (share * 100.0).round();
+    let pct = percent(share);
     if share >= HUGE_ENOUGH {
         return Decision::Map(format!("mapped ({pct}% of a sample on 2 MiB pages)"));
     }
@@ -137,16 +162,17 @@ fn decide(len: u64, share: f64, sys: &Sys) -> Decision {
             "mapped ({pct}% of a sample on 2 MiB pages; transparent huge pages are off, so a copy would not be either)"
         ));
     }
-    // Room for the copy beside what else runs; the file's own cached pages
-    // count as available and give way as the copy grows.
-    let need = len + (512 << 20) + len / 16;
+    // Room for the copy and what the engine allocates after it (KV caches,
+    // scratch): the copy cannot give way under pressure as cached file
+    // pages do. The file's own cached pages count as available.
+    let need = len + len / 8 + (1 << 30);
     match sys.mem_available {
         Some(avail) if avail >= need => Decision::Copy(format!(
             "copied into 2 MiB pages (the mapping had {pct}% of a sample on them: the page cache holds the file in \
              smaller pages)"
         )),
         Some(avail) => Decision::Map(format!(
-            "mapped ({pct}% of a sample on 2 MiB pages; a copy would need {} and {} is available)",
+            "mapped ({pct}% of a sample on 2 MiB pages; a copy would want {} and {} is available)",
             super::human(need),
             super::human(avail)
         )),
@@ -154,22 +180,25 @@ fn decide(len: u64, share: f64, sys: &Sys) -> Decision {
     }
 }
 
-/// Copies `file` into memory, printing progress to stderr when it is slow.
-fn copy(file: &mut ColibriFile, note: String) -> Result<WeightsBacking> {
+/// Reads a copy of `file`, printing progress to stderr when it is slow.
+fn read_copy(file: &ColibriFile) -> Result<FileCopy> {
     let len = file.file_len();
-    let start = Instant::now();
-    let mut last = start;
+    let mut last = Instant::now();
     let mut progress = |done: u64| {
         let now = Instant::now();
-        if now - last >= Duration::from_secs(5) {
+        if now - last >= Duration::from_secs(5) && done < len {
             last = now;
             eprintln!("colibri: copying the weights into memory: {} of {}", super::human(done), super::human(len));
         }
     };
-    file.copy_into_memory(&mut progress)?;
-    let huge_pages = vma_pages(file.bytes().as_ptr() as usize)
-        .map(|p| (p.anon_huge_kb as f64 * 1024.0 / len.next_multiple_of(HUGE_PAGE as u64) as f64).min(1.0));
-    Ok(WeightsBacking { backing: "copied", huge_pages, note })
+    file.read_copy(&mut progress)
+}
+
+/// The share of `copy` on transparent huge pages (Linux).
+fn huge_share_of_copy(copy: &FileCopy) -> Option<f64> {
+    let bytes = copy.bytes();
+    let pages = vma_pages(bytes.as_ptr() as usize)?;
+    Some((pages.anon_huge_kb as f64 * 1024.0 / bytes.len().next_multiple_of(HUGE_PAGE) as f64).min(1.0))
 }
 
 /// Estimates the share of `file`'s mapping on 2 MiB pages: touches one byte
@@ -201,8 +230,7 @@ fn sample_huge_share(file: &ColibriFile) -> Option<f64> {
 /// Page counts of one mapping, from /proc/self/smaps.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 struct VmaPages {
-    rss_kb: u64,
-    /// File pages mapped by 2 MiB page-table entries.
+    /// File pages mapped by 2 MiB page-table entries (tmpfs ones included).
     file_pmd_kb: u64,
     /// Anonymous memory in transparent huge pages.
     anon_huge_kb: u64,
@@ -235,8 +263,7 @@ fn parse_smaps(text: &str, addr: usize) -> Option<VmaPages> {
         let Some((key, rest)) = line.split_once(':') else { continue };
         let kb = || rest.trim().trim_end_matches("kB").trim().parse::<u64>().ok();
         match key {
-            "Rss" => out.rss_kb = kb()?,
-            "FilePmdMapped" => out.file_pmd_kb = kb()?,
+            "FilePmdMapped" | "ShmemPmdMapped" => out.file_pmd_kb += kb()?,
             "AnonHugePages" => out.anon_huge_kb = kb()?,
             _ => {}
         }
@@ -255,14 +282,60 @@ struct Sys {
 
 impl Sys {
     fn read() -> Sys {
-        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-        let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+        let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+        let meminfo = read("/proc/meminfo");
+        let thp = read("/sys/kernel/mm/transparent_hugepage/enabled");
+        let host = meminfo_bytes(&meminfo, "MemAvailable");
+        let cgroup = cgroup_room(&read("/proc/self/cgroup"), &|p| std::fs::read_to_string(p).ok());
         Sys {
-            mem_available: meminfo_bytes(&meminfo, "MemAvailable"),
+            mem_available: match (host, cgroup) {
+                (Some(h), Some(c)) => Some(h.min(c)),
+                (h, c) => h.or(c),
+            },
             swap_free: meminfo_bytes(&meminfo, "SwapFree"),
             anon_huge_pages: thp.contains("[always]") || thp.contains("[madvise]"),
         }
     }
+}
+
+/// Room left under this process's cgroup memory limit, if it has one: the
+/// limit less the usage, plus the file pages the group holds (the kernel
+/// reclaims those before it kills). `self_cgroup` is /proc/self/cgroup;
+/// `read` reads a file under /sys/fs/cgroup. Version 2 (`0::/path`, files
+/// `memory.max`, `memory.current`, `memory.stat` "file") or version 1 (the
+/// `memory` controller's `memory.limit_in_bytes`, `memory.usage_in_bytes`,
+/// `memory.stat` "total_cache").
+fn cgroup_room(self_cgroup: &str, read: &dyn Fn(&str) -> Option<String>) -> Option<u64> {
+    let num = |text: Option<String>| text?.trim().parse::<u64>().ok();
+    let stat = |text: Option<String>, key: &str| {
+        text?.lines().find_map(|l| l.strip_prefix(key)?.strip_prefix(' ')?.trim().parse::<u64>().ok())
+    };
+    for line in self_cgroup.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (Some(_), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next()) else { continue };
+        let path = path.trim_end_matches('/');
+        let room = if controllers.is_empty() {
+            let dir = format!("/sys/fs/cgroup{path}");
+            // "max" (no limit) does not parse, and gives no room figure.
+            let limit = num(read(&format!("{dir}/memory.max")))?;
+            let used = num(read(&format!("{dir}/memory.current")))?;
+            let cache = stat(read(&format!("{dir}/memory.stat")), "file").unwrap_or(0);
+            limit.saturating_sub(used).saturating_add(cache)
+        } else if controllers.split(',').any(|c| c == "memory") {
+            let dir = format!("/sys/fs/cgroup/memory{path}");
+            let limit = num(read(&format!("{dir}/memory.limit_in_bytes")))?;
+            if limit >= 1 << 60 {
+                return None; // "no limit" is written as a huge number
+            }
+            let used = num(read(&format!("{dir}/memory.usage_in_bytes")))?;
+            let cache = stat(read(&format!("{dir}/memory.stat")), "total_cache").unwrap_or(0);
+            limit.saturating_sub(used).saturating_add(cache)
+        } else {
+            continue;
+        };
+        return Some(room);
+    }
+    None
 }
 
 /// A "Key:   N kB" line of /proc/meminfo, in bytes.
@@ -291,15 +364,57 @@ VmFlags: rd mr mw me hg
 7f0040000000-7f0040200000 rw-p 00000000 00:00 0
 Rss:                2048 kB
 AnonHugePages:      2048 kB
+7f0050000000-7f0054000000 r--s 00000000 00:1a 7 /dev/shm/m.colibri
+Rss:               65536 kB
+FilePmdMapped:         0 kB
+ShmemPmdMapped:    65536 kB
+THPeligible:    1
 ";
 
     #[test]
     fn smaps_counts_come_from_the_mapping_holding_the_address() {
         let m = parse_smaps(SMAPS, 0x7f0000200000).expect("inside the model's mapping");
-        assert_eq!(m, VmaPages { rss_kb: 995028, file_pmd_kb: 616448, anon_huge_kb: 0 });
+        assert_eq!(m, VmaPages { file_pmd_kb: 616448, anon_huge_kb: 0 });
         let a = parse_smaps(SMAPS, 0x7f0040000000).expect("the anonymous one after it");
-        assert_eq!(a, VmaPages { rss_kb: 2048, file_pmd_kb: 0, anon_huge_kb: 2048 });
+        assert_eq!(a, VmaPages { file_pmd_kb: 0, anon_huge_kb: 2048 });
+        let shm = parse_smaps(SMAPS, 0x7f0053ffffff).expect("the tmpfs one, last");
+        assert_eq!(shm, VmaPages { file_pmd_kb: 65536, anon_huge_kb: 0 }, "tmpfs huge pages count");
         assert_eq!(parse_smaps(SMAPS, 0x1000), None);
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn this_process_smaps_describe_a_mapping_of_its_own() {
+        let mut map = memmap2::MmapMut::map_anon(4 * HUGE_PAGE).unwrap();
+        let _ = map.advise(memmap2::Advice::HugePage);
+        map.iter_mut().step_by(4096).for_each(|b| *b = 1);
+        let p = vma_pages(map.as_ptr() as usize).expect("/proc/self/smaps lists the mapping");
+        assert!(p.anon_huge_kb <= 4 * 2048 && p.file_pmd_kb == 0, "{p:?}");
+    }
+
+    #[test]
+    fn cgroup_limits_bound_the_room_for_a_copy() {
+        let files = |entries: &'static [(&'static str, &'static str)]| {
+            move |p: &str| entries.iter().find(|(k, _)| *k == p).map(|(_, v)| v.to_string())
+        };
+        let gb = 1u64 << 30;
+        let v2 = files(&[
+            ("/sys/fs/cgroup/app/memory.max", "8589934592\n"),
+            ("/sys/fs/cgroup/app/memory.current", "3221225472\n"),
+            ("/sys/fs/cgroup/app/memory.stat", "anon 2147483648\nfile 1073741824\nfile_mapped 0\n"),
+        ]);
+        assert_eq!(cgroup_room("0::/app\n", &v2), Some(8 * gb - 3 * gb + gb));
+        let unlimited = files(&[("/sys/fs/cgroup/app/memory.max", "max\n")]);
+        assert_eq!(cgroup_room("0::/app\n", &unlimited), None);
+        let v1 = files(&[
+            ("/sys/fs/cgroup/memory/job/memory.limit_in_bytes", "4294967296"),
+            ("/sys/fs/cgroup/memory/job/memory.usage_in_bytes", "1073741824"),
+            ("/sys/fs/cgroup/memory/job/memory.stat", "cache 5\ntotal_cache 0\n"),
+        ]);
+        assert_eq!(cgroup_room("12:cpu,cpuacct:/job\n11:memory:/job\n", &v1), Some(3 * gb));
+        let v1_unlimited = files(&[("/sys/fs/cgroup/memory/job/memory.limit_in_bytes", "9223372036854771712")]);
+        assert_eq!(cgroup_room("11:memory:/job\n", &v1_unlimited), None);
+        assert_eq!(cgroup_room("", &v2), None);
     }
 
     #[test]
@@ -316,7 +431,7 @@ AnonHugePages:      2048 kB
         let sys = Sys { mem_available: Some(20 * gb), swap_free: Some(0), anon_huge_pages: true };
         assert!(matches!(decide(gb, 0.95, &sys), Decision::Map(_)));
         assert!(matches!(decide(gb, 0.2, &sys), Decision::Copy(_)));
-        assert!(matches!(decide(19 * gb, 0.2, &sys), Decision::Map(w) if w.contains("would need")));
+        assert!(matches!(decide(17 * gb, 0.2, &sys), Decision::Map(w) if w.contains("would want")));
         let off = Sys { anon_huge_pages: false, ..sys };
         assert!(matches!(decide(gb, 0.2, &off), Decision::Map(w) if w.contains("off")));
         let unknown = Sys { mem_available: None, ..sys };

@@ -13,6 +13,7 @@ use std::path::Path;
 use std::ptr::NonNull;
 
 use super::IoMode;
+use crate::format::reader::HUGE_PAGE;
 
 /// Alignment and length granule of unbuffered reads (covers 512-byte and
 /// 4096-byte logical blocks).
@@ -46,9 +47,6 @@ pub(crate) struct AlignedBuf {
 unsafe impl Send for AlignedBuf {}
 // SAFETY: as above; `&AlignedBuf` only hands out raw pointers.
 unsafe impl Sync for AlignedBuf {}
-
-/// The size of a huge page [`AlignedBuf`] asks for.
-const HUGE_PAGE: usize = 2 << 20;
 
 impl AlignedBuf {
     /// `len` zero bytes (rounded up to a whole number of [`IO_ALIGN`] pages);
