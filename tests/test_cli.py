@@ -270,3 +270,15 @@ def test_info_tells_attention_kind_kv_bytes_and_source(tmp_path):
     r = run_in(["info", str(gpt)])
     assert r.returncode == 0, r.stderr
     assert "sinks" in r.stdout and "sliding window" in r.stdout and "mxfp4" in r.stdout
+
+
+def test_mmap_flag_sets_where_the_weights_live():
+    base = ["stats", "--demo", "Emma was", "--max-new-tokens", "2"]
+    r = run(*base, "--mmap", "off")
+    assert r.returncode == 0, r.stderr
+    assert "weights: copied, as asked" in r.stdout
+    r = run(*base, "--mmap", "on")
+    assert r.returncode == 0, r.stderr
+    assert "weights: mapped, as asked" in r.stdout
+    r = run(*base, "--mmap", "sideways")
+    assert r.returncode != 0 and "--mmap" in r.stderr and "Traceback" not in r.stderr

@@ -170,6 +170,7 @@ def test_colibri_stats_plots_the_heat_map(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert "max load" in r.stdout and "dead" in r.stdout and "overloaded" in r.stdout
+    assert "weights: streamed" in r.stdout
     assert f"wrote the routing heat map to {out}" in r.stderr
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000

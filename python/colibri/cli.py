@@ -385,6 +385,8 @@ def _print_stats(engine: Engine, file: Any) -> None:
     }
     parts = [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items()]
     print(f"expert store: {', '.join(parts)}", file=file)
+    weights = store["weights"]
+    print(f"weights: {weights['note'] or weights['backing']}", file=file)
     for w in store.get("warnings", []) or []:
         print(f"warning: {w}", file=file)
 
