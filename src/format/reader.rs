@@ -118,8 +118,9 @@ impl ColibriFile {
     /// are small). For a model whose weights are all read through the map;
     /// a streamed one reads its experts with positioned reads instead.
     pub fn advise_huge_pages(&self) {
+        // A copy was advised when it was made.
         #[cfg(target_os = "linux")]
-        {
+        if !self.copied {
             // Advice only: refused or ignored, the map works the same.
             let _ = self.map.advise(memmap2::Advice::HugePage);
         }

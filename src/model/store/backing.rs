@@ -205,11 +205,9 @@ fn huge_share_of_copy(copy: &FileCopy) -> Option<f64> {
 /// in each of up to [`SAMPLES`] 2 MiB windows of the tensor data (the
 /// fault maps a 2 MiB folio whole, or reads one in if the page cache lacks
 /// the window and the file system makes them) and reads how much of the
-/// mapping /proc/self/smaps then counts as PMD-mapped. Linux only.
+/// mapping /proc/self/smaps then counts as PMD-mapped (`None` where there
+/// is no such file: not Linux).
 fn sample_huge_share(file: &ColibriFile) -> Option<f64> {
-    if !cfg!(target_os = "linux") {
-        return None;
-    }
     let bytes = file.bytes();
     let base = bytes.as_ptr() as usize;
     // Windows aligned in the address space, wholly inside the tensor data.
@@ -261,10 +259,9 @@ fn parse_smaps(text: &str, addr: usize) -> Option<VmaPages> {
             continue;
         }
         let Some((key, rest)) = line.split_once(':') else { continue };
-        let kb = || rest.trim().trim_end_matches("kB").trim().parse::<u64>().ok();
         match key {
-            "FilePmdMapped" | "ShmemPmdMapped" => out.file_pmd_kb += kb()?,
-            "AnonHugePages" => out.anon_huge_kb = kb()?,
+            "FilePmdMapped" | "ShmemPmdMapped" => out.file_pmd_kb += kb(rest)?,
+            "AnonHugePages" => out.anon_huge_kb = kb(rest)?,
             _ => {}
         }
     }
@@ -338,11 +335,16 @@ fn cgroup_room(self_cgroup: &str, read: &dyn Fn(&str) -> Option<String>) -> Opti
     None
 }
 
+/// The number of a "   N kB" field (after its key's colon) of
+/// /proc/meminfo or /proc/self/smaps.
+fn kb(field: &str) -> Option<u64> {
+    field.trim().trim_end_matches("kB").trim().parse().ok()
+}
+
 /// A "Key:   N kB" line of /proc/meminfo, in bytes.
 fn meminfo_bytes(text: &str, key: &str) -> Option<u64> {
-    let line = text.lines().find(|l| l.split(':').next() == Some(key))?;
-    let kb: u64 = line.split(':').nth(1)?.trim().trim_end_matches("kB").trim().parse().ok()?;
-    kb.checked_mul(1024)
+    let (_, field) = text.lines().filter_map(|l| l.split_once(':')).find(|(k, _)| *k == key)?;
+    kb(field)?.checked_mul(1024)
 }
 
 #[cfg(test)]

@@ -399,9 +399,7 @@ pub(crate) fn place(file: &Arc<ColibriFile>, opts: &StoreOptions) -> Result<Plac
     };
     let cfg = &file.meta().config;
     let Some(slots) = slots else {
-        if !file.is_copied() {
-            file.advise_huge_pages();
-        }
+        file.advise_huge_pages();
         return Ok(Placement {
             experts: Box::new(ResidentStore::new(file.clone(), cfg)?),
             dense: None,
