@@ -24,6 +24,19 @@ roofline and the median of those fractions is reported.
 B concurrent decoders can then run at most B · bandwidth / bytes(B)
 tokens/s.
 
+That bound assumes every byte is the only cost. At several tokens a step
+the dense part's arithmetic can take longer than its bytes, so each cell
+also gets a bound that counts it: the step's dense part takes at least
+max(its bytes / bandwidth, B · its multiply-adds per token / R), its routed
+experts at least max(their bytes / bandwidth, B · K · layers · one expert's
+multiply-adds / R), and the two add up, since a layer's experts wait for
+its attention and the next layer for its experts. R is the multiply-add
+rate of the engine's own multi-token path on this host, measured once
+before the servers start: the best of three forwards over a 128-token
+prompt (every position's logits), all of that forward's multiply-adds over
+its time. A prefill gives its kernels more tokens per weight than a decode
+step does, so R, and this bound, err on the generous side.
+
     python benches/serve_bench.py benches/.cache/olmoe-l4/q4_0.colibri --clients 1,2,4,8,16
 
 With --llama-server BIN --gguf FILE the same load also runs against
@@ -47,6 +60,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,20 +75,72 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def step_bytes(model: Path) -> tuple[float, float, int, int, int]:
-    """(dense bytes, bytes of one expert of one layer, experts, top-k, MoE layers)."""
-    e = colibri.Engine(model, threads=1)
+@dataclass(frozen=True)
+class StepCost:
+    """What one decode step must read and multiply, from the model's tensors."""
+
+    dense: float  # bytes of every tensor but the routed experts and the embedding table
+    expert: float  # bytes of one routed expert of one layer
+    experts: int
+    top_k: int
+    layers: int  # MoE layers
+    dense_macs: float  # multiply-adds per token outside the routed experts (the head included)
+    expert_macs: float  # multiply-adds of one routed expert for one token
+
+    def bytes(self, b: int) -> float:
+        """Bytes a step of b tokens reads: the dense part once, plus the
+        distinct experts b tokens choose under uniform routing (which these
+        random-weight models have)."""
+        distinct = self.experts * (1 - (1 - self.top_k / self.experts) ** b)
+        return self.dense + self.layers * distinct * self.expert
+
+    def macs(self, tokens: int) -> float:
+        """Multiply-adds of a forward over `tokens` tokens (every position's logits)."""
+        return tokens * (self.dense_macs + self.layers * self.top_k * self.expert_macs)
+
+    def bound_seconds(self, b: int, bandwidth: float, rate: float) -> float:
+        """Least time of a step of b tokens: each of its two phases (dense
+        part, routed experts) takes at least its bytes over the bandwidth and
+        at least its multiply-adds over `rate`; the phases run one after the
+        other."""
+        expert_bytes = self.bytes(b) - self.dense
+        dense = max(self.dense / bandwidth, b * self.dense_macs / rate)
+        routed = max(expert_bytes / bandwidth, b * self.layers * self.top_k * self.expert_macs / rate)
+        return dense + routed
+
+
+def step_cost(model: Path) -> StepCost:
+    e = colibri.Engine(model, threads=1, mmap=True)  # only its tensor list is read
     cfg = e.config
     moe = cfg["moe"]
     experts, top_k = int(moe["num_experts"]), int(moe["router"]["top_k"])
     layers = sum(1 for x in cfg["layers"] if x["ffn"]["kind"] == "moe")
-    dense = expert = 0
-    for name, _dtype, _shape, nbytes in e.tensors():
+    dense = expert = dense_macs = expert_macs = 0.0
+    for name, _dtype, shape, nbytes in e.tensors():
+        macs = shape[0] * shape[1] if len(shape) == 2 else 0  # a matrix [out, in]; vectors cost nothing here
         if ".moe.experts." in name:
             expert += nbytes
+            expert_macs += macs
         elif name != "embed":  # one row per token is all the embedding reads
             dense += nbytes
-    return dense, expert / (experts * layers), experts, top_k, layers
+            dense_macs += macs
+    e.close()
+    n = experts * layers
+    return StepCost(dense, expert / n, experts, top_k, layers, dense_macs, expert_macs / n)
+
+
+def mac_rate(model: Path, threads: int, cost: StepCost, tokens: int = 128, reps: int = 3) -> float:
+    """Multiply-adds per second of the engine's multi-token path: the best of
+    `reps` forwards over a `tokens`-token prompt (every position's logits)."""
+    with colibri.Engine(model, threads=threads) as e:
+        ids = [(i * 37) % min(1000, e.vocab_size - 1) + 1 for i in range(tokens)]
+        e.logits(ids[:8])  # warm-up: page the weights in
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            e.logits(ids)
+            best = min(best, time.perf_counter() - t)
+    return cost.macs(tokens) / best
 
 
 def run(url: str, clients: int, requests: int, max_tokens: int) -> dict[str, float]:
@@ -184,7 +250,13 @@ def main() -> int:
     if (args.llama_server is None) != (args.gguf is None):
         ap.error("--llama-server and --gguf go together")
 
-    dense, expert, n_exp, top_k, layers = step_bytes(args.model)
+    cost = step_cost(args.model)
+    rate = mac_rate(args.model, args.threads, cost)
+    print(
+        f"multiply-add rate of a 128-token forward, {args.threads} threads: {rate / 1e9:.0f} GMAC/s; "
+        f"a decode token costs {cost.dense_macs / 1e6:.0f} M outside the routed experts",
+        flush=True,
+    )
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench  # the same probe bench.py reports
 
@@ -236,9 +308,8 @@ def main() -> int:
             stack.enter_context(running(cmd, url))
             run(url, 1, 1, 8)  # warm-up: page the weights in
         for b in clients:
-            distinct = n_exp * (1 - (1 - top_k / n_exp) ** b)
-            step = dense + layers * distinct * expert
-            row: dict[str, Any] = {"clients": b, "step_bytes": step}
+            step = cost.bytes(b)
+            row: dict[str, Any] = {"clients": b, "step_bytes": step, "mac_rate": rate}
             reps: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
             for _ in range(args.reps):
                 for name, (_cmd, url) in servers.items():
@@ -248,6 +319,9 @@ def main() -> int:
                     r["roofline_tok_s"] = b * bw / step
                     r["of_roofline"] = r["tok_s"] / r["roofline_tok_s"]
                     r["decode_of_roofline"] = r["decode_tok_s"] / r["roofline_tok_s"]
+                    r["bound_tok_s"] = b / cost.bound_seconds(b, bw, rate)
+                    r["of_bound"] = r["tok_s"] / r["bound_tok_s"]
+                    r["decode_of_bound"] = r["decode_tok_s"] / r["bound_tok_s"]
                     reps[name].append(r)
             for name, rs in reps.items():
                 med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
@@ -268,6 +342,12 @@ def main() -> int:
                     f"({med['decode_tok_s'] / base_decode.setdefault(name, med['decode_tok_s']):4.2f}x one), "
                     f"{med['tpot'] * 1e3:.1f} ms per token after the first "
                     f"({med['decode_of_roofline']:.0%} of the roofline; runs {druns})",
+                    flush=True,
+                )
+                print(
+                    f"{'':>12} {b:3d} clients: bound with the arithmetic {med['bound_tok_s']:.0f} tok/s "
+                    f"({med['bound_tok_s'] / med['roofline_tok_s']:.0%} of the roofline); "
+                    f"aggregate {med['of_bound']:.0%} of it, decoding {med['decode_of_bound']:.0%}",
                     flush=True,
                 )
             if "llama-server" in row:
