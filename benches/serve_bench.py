@@ -30,7 +30,8 @@ also gets a bound that counts it: the step's dense part takes at least
 max(its bytes / bandwidth, B · its multiply-adds per token / R), its routed
 experts at least max(their bytes / bandwidth, B · K · layers · one expert's
 multiply-adds / R), and the two add up, since a layer's experts wait for
-its attention and the next layer for its experts. R is the multiply-add
+its attention and the next layer for its experts (a bound for an engine
+that reads an expert only once the router has chosen it). R is the multiply-add
 rate of the engine's own multi-token path on this host, measured once
 before the servers start: the best of three forwards over a 128-token
 prompt (every position's logits), all of that forward's multiply-adds over
