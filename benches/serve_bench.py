@@ -88,36 +88,43 @@ class StepCost:
     dense_macs: float  # multiply-adds per token outside the routed experts (the head included)
     expert_macs: float  # multiply-adds of one routed expert for one token
 
-    def bytes(self, b: int) -> float:
-        """Bytes a step of b tokens reads: the dense part once, plus the
-        distinct experts b tokens choose under uniform routing (which these
-        random-weight models have)."""
+    @property
+    def routed_macs(self) -> float:
+        """Multiply-adds of one token in the routed experts: K experts in every MoE layer."""
+        return self.layers * self.top_k * self.expert_macs
+
+    def expert_bytes(self, b: int) -> float:
+        """Bytes of the distinct experts b tokens choose under uniform routing
+        (which these random-weight models have)."""
         distinct = self.experts * (1 - (1 - self.top_k / self.experts) ** b)
-        return self.dense + self.layers * distinct * self.expert
+        return self.layers * distinct * self.expert
+
+    def bytes(self, b: int) -> float:
+        """Bytes a step of b tokens reads: the dense part once, plus its experts."""
+        return self.dense + self.expert_bytes(b)
 
     def macs(self, tokens: int) -> float:
         """Multiply-adds of a forward over `tokens` tokens (every position's logits)."""
-        return tokens * (self.dense_macs + self.layers * self.top_k * self.expert_macs)
+        return tokens * (self.dense_macs + self.routed_macs)
 
     def bound_seconds(self, b: int, bandwidth: float, rate: float) -> float:
         """Least time of a step of b tokens: each of its two phases (dense
         part, routed experts) takes at least its bytes over the bandwidth and
         at least its multiply-adds over `rate`; the phases run one after the
         other."""
-        expert_bytes = self.bytes(b) - self.dense
         dense = max(self.dense / bandwidth, b * self.dense_macs / rate)
-        routed = max(expert_bytes / bandwidth, b * self.layers * self.top_k * self.expert_macs / rate)
+        routed = max(self.expert_bytes(b) / bandwidth, b * self.routed_macs / rate)
         return dense + routed
 
 
 def step_cost(model: Path) -> StepCost:
-    e = colibri.Engine(model, threads=1, mmap=True)  # only its tensor list is read
-    cfg = e.config
+    with colibri.Engine(model, threads=1, mmap=True) as e:  # only its config and tensor list are read
+        cfg, tensors = e.config, e.tensors()
     moe = cfg["moe"]
     experts, top_k = int(moe["num_experts"]), int(moe["router"]["top_k"])
     layers = sum(1 for x in cfg["layers"] if x["ffn"]["kind"] == "moe")
     dense = expert = dense_macs = expert_macs = 0.0
-    for name, _dtype, shape, nbytes in e.tensors():
+    for name, _dtype, shape, nbytes in tensors:
         macs = shape[0] * shape[1] if len(shape) == 2 else 0  # a matrix [out, in]; vectors cost nothing here
         if ".moe.experts." in name:
             expert += nbytes
@@ -125,7 +132,6 @@ def step_cost(model: Path) -> StepCost:
         elif name != "embed":  # one row per token is all the embedding reads
             dense += nbytes
             dense_macs += macs
-    e.close()
     n = experts * layers
     return StepCost(dense, expert / n, experts, top_k, layers, dense_macs, expert_macs / n)
 
@@ -310,7 +316,7 @@ def main() -> int:
             run(url, 1, 1, 8)  # warm-up: page the weights in
         for b in clients:
             step = cost.bytes(b)
-            row: dict[str, Any] = {"clients": b, "step_bytes": step, "mac_rate": rate}
+            row: dict[str, Any] = {"clients": b, "step_bytes": step}
             reps: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
             for _ in range(args.reps):
                 for name, (_cmd, url) in servers.items():
@@ -362,7 +368,7 @@ def main() -> int:
                 )
             rows.append(row)
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"mac_rate": rate, "rows": rows}, indent=1))
     return 0
 
 
