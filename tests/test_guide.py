@@ -106,4 +106,6 @@ def test_cli_page_names_every_command_and_flag():
                 continue
             for flag in action.option_strings:
                 if flag not in ("-h", "--help"):
-                    assert f"`{flag}" in named or f" {flag}" in named, f"cli.md does not name `colibri {name} {flag}`"
+                    assert f"`{flag}" in named or f" {flag}" in named, (
+                        f"cli.md does not name `colibri {name} {flag}`"
+                    )
