@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Bigger than RAM: colibri's expert store under a RAM budget (issue 5, point 5).
+"""Bigger than RAM: colibri's expert store under a RAM budget.
 
 Three measurements, each run in fresh subprocesses (one at a time):
 

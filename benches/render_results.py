@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""Renders the tables of docs/benchmarks.md from the runs in benches/results/*.json.
+
+Each results file is one run (or one set of runs of the same build on one
+machine): where it ran (``machine``), when (``date``), what was measured
+(``commit``), how (``method``, ``commands``, ``peer``) and the numbers
+(``rows``). Its ``columns`` say how a table cell is written from a row, and
+its ``views`` which columns (and which rows) a table shows, so the doc can
+show one run's decode and prefill figures as two tables.
+
+In the doc a table is a block between two markers::
+
+    <!-- render: xeon-2026-12-01-bench.json decode -->
+    (generated: a caption with machine, date, commit, then the table)
+    <!-- /render -->
+
+``python benches/render_results.py`` rewrites every block from its file;
+``--check`` changes nothing and fails when a block differs from what its
+file renders, when a file is malformed, or when a file is rendered nowhere
+(tests/test_bench_results.py runs it, so the doc and the files cannot drift).
+
+A cell is a template of ``{path}`` or ``{path:spec}`` fields, ``path`` a
+dotted key into the row. ``spec`` is ``x`` (a ratio: ``1.51x``), ``pct``
+(a fraction: ``71%``) or any Python format spec. A field whose key the row
+lacks is written ``–``; a cell whose fields are all missing is left empty.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+DOC = HERE.parent / "docs" / "benchmarks.md"
+
+BLOCK = re.compile(r"<!-- render: (\S+) (\S+) -->\n(.*?)<!-- /render -->", re.S)
+FIELD = re.compile(r"\{([A-Za-z0-9_.]+)(?::([^}]*))?\}")
+REQUIRED = ("title", "axis", "machine", "date", "commit", "method", "commands", "columns", "views", "rows")
+MISSING = object()
+
+
+def lookup(row: dict[str, Any], path: str) -> Any:
+    """The value at a dotted key of a row, or MISSING."""
+    value: Any = row
+    for key in path.split("."):
+        if not isinstance(value, dict) or key not in value:
+            return MISSING
+        value = value[key]
+    return value
+
+
+def fmt(value: Any, spec: str | None) -> str:
+    if spec == "x":
+        return f"{value:.2f}x"
+    if spec == "pct":
+        return f"{value * 100:.0f}%"
+    if spec:
+        return format(value, spec)
+    return str(value)
+
+
+def cell(template: str, row: dict[str, Any]) -> str:
+    found = 0
+
+    def one(m: re.Match[str]) -> str:
+        nonlocal found
+        value = lookup(row, m.group(1))
+        if value is MISSING or value is None:
+            return "–"
+        found += 1
+        return fmt(value, m.group(2))
+
+    text = FIELD.sub(one, template)
+    return text if found else ""
+
+
+def load(name: str) -> dict[str, Any]:
+    path = RESULTS / name
+    data: dict[str, Any] = json.loads(path.read_text())
+    missing = [k for k in REQUIRED if k not in data]
+    if missing:
+        raise ValueError(f"{path}: missing keys {', '.join(missing)}")
+    if "cpu" not in data["machine"]:
+        raise ValueError(f"{path}: machine has no 'cpu'")
+    if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", data["date"]):
+        raise ValueError(f"{path}: date {data['date']!r} is not YYYY-MM-DD")
+    return data
+
+
+def render(name: str, view_name: str) -> str:
+    """The markdown one block shows: a caption, a blank line, the table."""
+    data = load(name)
+    if view_name not in data["views"]:
+        raise ValueError(f"{name}: no view {view_name!r} (has {', '.join(data['views'])})")
+    view = data["views"][view_name]
+    columns = [data["columns"][c] for c in view["columns"]]
+    where: dict[str, list[Any]] = view.get("where", {})
+    rows = [r for r in data["rows"] if all(lookup(r, k) in allowed for k, allowed in where.items())]
+    if not rows:
+        raise ValueError(f"{name}: view {view_name!r} selects no rows")
+    lines = [
+        f"*{data['title']}.* Machine: {data['machine']['cpu']}. Date: {data['date']}. "
+        f"Commit: {data['commit']}. Data and method: [{name}](../benches/results/{name}).",
+        "",
+        "| " + " | ".join(c["label"] for c in columns) + " |",
+        "|" + "---|" * len(columns),
+    ]
+    for r in rows:
+        lines.append("| " + " | ".join(cell(c["cell"], r) for c in columns) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def rendered(doc: str) -> tuple[str, set[str]]:
+    """The doc with every block re-rendered, and the files it renders."""
+    used: set[str] = set()
+
+    def one(m: re.Match[str]) -> str:
+        used.add(m.group(1))
+        return f"<!-- render: {m.group(1)} {m.group(2)} -->\n{render(m.group(1), m.group(2))}<!-- /render -->"
+
+    return BLOCK.sub(one, doc), used
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="fail if the doc differs from the results files")
+    ap.add_argument("--doc", type=Path, default=DOC)
+    args = ap.parse_args(argv)
+    doc = args.doc.read_text()
+    try:
+        new, used = rendered(doc)
+    except (ValueError, KeyError, json.JSONDecodeError, OSError) as e:
+        print(f"render_results: {e}", file=sys.stderr)
+        return 1
+    unused = sorted(p.name for p in RESULTS.glob("*.json") if p.name not in used)
+    if unused:
+        print(f"render_results: rendered nowhere in {args.doc}: {', '.join(unused)}", file=sys.stderr)
+        return 1
+    if args.check:
+        if new != doc:
+            stale = [m.group(1) + " " + m.group(2) for m in BLOCK.finditer(doc) if m.group(0) not in new]
+            print(f"render_results: {args.doc} is out of date: {', '.join(stale)}", file=sys.stderr)
+            print("run: python benches/render_results.py", file=sys.stderr)
+            return 1
+        return 0
+    if new != doc:
+        args.doc.write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
