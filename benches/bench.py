@@ -45,7 +45,9 @@ import hashlib
 import json
 import os
 import platform
+import re
 import resource
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -59,10 +61,9 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import make_models as mm  # noqa: E402
+import render_results as R  # noqa: E402
 
 REPO = HERE.parent
-DOC = REPO / "docs" / "benchmarks.md"
-RESULTS_START, RESULTS_END = "<!-- results:start -->", "<!-- results:end -->"
 
 # colibri weight type -> GGUF type holding the same kind of numbers.
 GGUF_TWIN = {"f32": "F32", "bf16": "BF16", "f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
@@ -721,8 +722,6 @@ def kv_cache(args, log) -> list[dict]:
     """KV-cache bytes per token: colibri's (`colibri info --json`, the cache it
     allocates per token) and llama.cpp's own `llama_kv_cache: size = ...`
     lines for a context of --kv-ctx tokens (SWA caches included)."""
-    import re
-
     out = []
     for name in args.models.split(","):
         shape = mm.SHAPES[name]
@@ -899,10 +898,9 @@ def bytes_table(res: dict) -> str:
     return "\n".join(lines) + "\n\n(MB = 10^6 bytes per decoded token.)"
 
 
-def colibri_build() -> str:
-    """Where the imported colibri comes from: its source tree's commit and the extension's hash."""
-    import hashlib
-
+def colibri_facts() -> dict:
+    """Where the imported colibri comes from: its source tree's commit (and whether
+    that tree had uncommitted changes), the extension's hash and the kernel table."""
     import colibri
 
     pkg = Path(colibri.__file__).resolve().parent
@@ -921,23 +919,33 @@ def colibri_build() -> str:
         rev, dirty = "", ""
     if not rev and (root / ".commit").exists():
         rev = (root / ".commit").read_text().strip() + " (source export)"
-    dirty_note = " with uncommitted changes" if dirty else ""
     # Workers inherit COLIBRI_ISA, so they run the table this process does.
     table = colibri.kernels()["active"]
-    return f"{rev or 'unknown commit'}{dirty_note} ({root}, extension {digest}, kernels {table})"
+    return {
+        "commit": rev or "unknown commit",
+        "dirty": bool(dirty),
+        "root": str(root),
+        "extension": digest,
+        "table": table,
+    }
 
 
-def machine_facts() -> str:
+def colibri_build(facts: dict | None = None) -> str:
+    c = facts or colibri_facts()
+    dirty_note = " with uncommitted changes" if c["dirty"] else ""
+    return f"{c['commit']}{dirty_note} ({c['root']}, extension {c['extension']}, kernels {c['table']})"
+
+
+def machine_info() -> dict:
+    """This machine and build as data: what a results file's ``machine`` and ``commit`` come from."""
+
     def sh(cmd: str) -> str:
         try:
             return subprocess.run(cmd, shell=True, capture_output=True, text=True).stdout.strip()
         except OSError:
             return "n/a"
 
-    model = sh("lscpu | sed -n 's/^Model name: *//p'")
     flags = sh("grep -m1 '^flags' /proc/cpuinfo")
-    isa = " ".join(f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16") if f" {f}" in flags)
-    mem = sh("free -g | awk '/Mem:/ {print $2}'")
     versions = [f"Python {platform.python_version()}", f"NumPy {np.__version__}"]
     from importlib.metadata import PackageNotFoundError, version
 
@@ -946,27 +954,270 @@ def machine_facts() -> str:
             versions.append(f"{dist} {version(dist)}")
         except PackageNotFoundError:
             pass
-    rev = colibri_build()
+    return {
+        "cpu_model": sh("lscpu | sed -n 's/^Model name: *//p'"),
+        "logical_cores": os.cpu_count(),
+        "isa": " ".join(f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16") if f" {f}" in flags),
+        "ram_gib": sh("free -g | awk '/Mem:/ {print $2}'"),
+        "kernel": platform.release(),
+        "versions": versions,
+        "colibri": colibri_facts(),
+    }
+
+
+def machine_facts(info: dict | None = None) -> str:
+    """The machine and build as the two lines the printed report starts with."""
+    m = info or machine_info()
     return (
-        f"- CPU: {model}, {os.cpu_count()} logical cores ({isa}); {mem} GiB RAM; "
-        f"Linux {platform.release()}\n- colibri at {rev}; {', '.join(versions)}"
+        f"- CPU: {m['cpu_model']}, {m['logical_cores']} logical cores ({m['isa']}); {m['ram_gib']} GiB RAM; "
+        f"Linux {m['kernel']}\n- colibri at {colibri_build(m['colibri'])}; {', '.join(m['versions'])}"
     )
 
 
-def write_docs(text: str, section: str = "") -> None:
-    """Replaces the text between the results markers (``<!-- results:start -->``,
-    or ``<!-- results-SECTION:start -->`` for another section) of the doc."""
-    RESULTS_START, RESULTS_END = (
-        (f"<!-- results-{section}:start -->", f"<!-- results-{section}:end -->")
-        if section
-        else (globals()["RESULTS_START"], globals()["RESULTS_END"])
+# ---------------------------------------------------------------- results files
+
+
+MACHINE_TEXT = re.compile(
+    r"CPU: (?P<cpu_model>.*?), (?P<logical_cores>\d+) logical cores \((?P<isa>[^)]*)\); "
+    r"(?P<ram_gib>\S+) GiB RAM; Linux (?P<kernel>\S+)"
+)
+BUILD_TEXT = re.compile(
+    r"colibri at (?P<commit>\S+)(?P<dirty> with uncommitted changes)?.*?kernels (?P<table>\w+)\)"
+)
+
+
+def run_machine(run: dict) -> dict:
+    """A raw run's machine_info; for a run saved before it was recorded, what its
+    ``machine`` text says (fields it does not say are "?")."""
+    if "machine_info" in run:
+        return run["machine_info"]
+    text = run.get("machine", "")
+    m, b = MACHINE_TEXT.search(text), BUILD_TEXT.search(text)
+    info: dict = {k: "?" for k in ("cpu_model", "logical_cores", "isa", "ram_gib", "kernel")}
+    if m:
+        info.update(m.groupdict())
+    info["versions"] = []
+    info["colibri"] = {"commit": "?", "dirty": False, "table": "?"}
+    if b:
+        info["colibri"] = {"commit": b["commit"], "dirty": bool(b["dirty"]), "table": b["table"]}
+    return info
+
+
+def describe_machine(info: dict, extra: list[str]) -> dict:
+    """A results file's ``machine``: the CPU in one line, and a short family name."""
+    model = re.sub(r"\((R|TM|tm)\)|\bCPU\b|\s+Processor\b", "", info["cpu_model"])
+    model = re.sub(r"\s+", " ", model).strip()
+    cpu = (
+        f"{model}, {info['logical_cores']} logical cores ({info['isa']}), {info['ram_gib']} GiB RAM, "
+        f"Linux {info['kernel']}; kernel table {info['colibri']['table']}"
     )
-    body = DOC.read_text() if DOC.exists() else f"# Benchmarks\n\n{RESULTS_START}\n{RESULTS_END}\n"
-    if RESULTS_START not in body:
-        body += f"\n{RESULTS_START}\n{RESULTS_END}\n"
-    a, rest = body.split(RESULTS_START, 1)
-    _, b = rest.split(RESULTS_END, 1)
-    DOC.write_text(f"{a}{RESULTS_START}\n{text}\n{RESULTS_END}{b}")
+    words = re.findall(r"[a-z0-9]+", model.lower())
+    vendor = next((w for w in words if w in ("xeon", "epyc", "ryzen", "threadripper", "core")), None)
+    vendor = vendor or next((w for w in words if w not in ("intel", "amd")), "cpu")
+    return {"cpu": "; ".join([cpu, *extra]), "family": f"{vendor}-{info['colibri']['table']}"}
+
+
+def commit_of(infos: list[dict]) -> str:
+    """The commits a results file's runs measured, in order, marked when a tree had uncommitted changes."""
+    out = []
+    for info in infos:
+        c = info["colibri"]
+        text = c["commit"] + (" with uncommitted changes" if c.get("dirty") else "")
+        if text not in out:
+            out.append(text)
+    return ", ".join(out)
+
+
+def command_line(script: str, argv: list[str]) -> str:
+    """The command as run, with the environment variables that change what colibri measures."""
+    env = [f"{k}={os.environ[k]}" for k in ("COLIBRI_ISA", "COLIBRI_PREFETCH") if k in os.environ]
+    return " ".join([*env, "python", f"benches/{script}", shlex.join(argv)]).strip()
+
+
+def clean(value: object) -> object:
+    """A value for a results file: NaN (a cell with nothing measured) becomes absent (None)."""
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, dict):
+        return {k: v for k, v in ((k, clean(v)) for k, v in value.items()) if v is not None}
+    return value
+
+
+def quotient(a: float, b: float) -> float:
+    return a / b if b == b and b > 0 else nan
+
+
+def rounded(x: float, nd: int) -> float | None:
+    return None if x != x else round(x, nd)
+
+
+def bench_results(runs: list[dict]) -> dict:
+    """The results file (benches/render_results.py's schema) of one or more raw runs of
+    bench.py on one machine, in the layout of the decode-and-prefill tables."""
+    infos = [run_machine(r) for r in runs]
+    if len({i["cpu_model"] for i in infos}) > 1:
+        raise ValueError(
+            "runs from different machines: " + ", ".join(sorted({i["cpu_model"] for i in infos}))
+        )
+    rows: list[dict] = []
+    bandwidth: dict[str, list[float]] = {}
+    prompts: set[int] = set()
+    for run, info in zip(runs, infos):
+        bw = {int(k): v for k, v in run["bandwidth"].items()}
+        for t, b in sorted(bw.items()):
+            bandwidth.setdefault(f"threads_{t}", []).append(round(b["roofline"], 1))
+        for c in run["cells"]:
+            sc, sl = c["summary"].get("colibri", {}), c["summary"].get("llama.cpp", {})
+            row: dict = {
+                "shape": c["model"],
+                "layers": c["layers"],
+                "colibri_type": c["ctype"],
+                "llama_type": c["gtype"],
+                "threads": c["threads"],
+                "table": info["colibri"]["table"],
+            }
+            for key in sorted(k for k in sc if k.startswith("prefill") and k.endswith("_tps")):
+                n = int(key[7:-4])
+                prompts.add(n)
+                a, b = sc[key], sl.get(key, nan)
+                row[f"prefill_{n}"] = {
+                    "colibri": rounded(a, 1),
+                    "llama": rounded(b, 1),
+                    "ratio": rounded(quotient(a, b), 2),
+                }
+            a, b = sc.get("decode_tps", nan), sl.get("decode_tps", nan)
+            row["decode"] = {
+                "colibri": rounded(a, 2),
+                "llama": rounded(b, 2),
+                "ratio": rounded(quotient(a, b), 2),
+            }
+            roof = bw[c["threads"]]["roofline"] * 1e9
+            bpt = c["bytes_per_token"]
+            row["roofline"] = {
+                "colibri": rounded(quotient(a * bpt["colibri"]["total"], roof), 2),
+                "llama": rounded(quotient(b * bpt["llama.cpp"]["total"], roof), 2),
+            }
+            row["mb_per_token"] = {
+                "colibri": round(bpt["colibri"]["total"] / 1e6, 1),
+                "llama": round(bpt["llama.cpp"]["total"] / 1e6, 1),
+            }
+            for key, out, scale in (
+                ("ttft64_s", "ttft_64_ms", 1e3),
+                ("load_s", "load_ms", 1e3),
+                ("peak_rss_mb", "peak_rss_mb", 1),
+            ):
+                row[out] = {
+                    "colibri": rounded(sc.get(key, nan) * scale, 0),
+                    "llama": rounded(sl.get(key, nan) * scale, 0),
+                }
+            row["runs"] = {"colibri": sc.get("n", 0), "llama": sl.get("n", 0)}
+            rows.append(clean(row))  # type: ignore[arg-type]
+    peer = any("llama" in r["decode"] for r in rows)
+    columns = {
+        "shape": {"label": "shape", "cell": "{shape}"},
+        "type": {"label": "type", "cell": "{colibri_type}"},
+        "table": {"label": "table", "cell": "{table}"},
+        "threads": {"label": "threads", "cell": "{threads}"},
+    }
+    for n in sorted(prompts):
+        columns[f"p{n}"] = {
+            "label": f"prefill {n}",
+            "cell": f"{{prefill_{n}.colibri:.1f}} / {{prefill_{n}.llama:.1f}} ({{prefill_{n}.ratio:x}})",
+        }
+    columns["decode"] = {
+        "label": "decode",
+        "cell": "{decode.colibri:.2f} / {decode.llama:.2f} ({decode.ratio:x})",
+    }
+    columns["roof"] = {"label": "of roofline C / L", "cell": "{roofline.colibri:pct} / {roofline.llama:pct}"}
+    columns["ttft"] = {
+        "label": "TTFT 64 ms C / L",
+        "cell": "{ttft_64_ms.colibri:.0f} / {ttft_64_ms.llama:.0f}",
+    }
+    columns["load"] = {
+        "label": "open→1st token ms C / L",
+        "cell": "{load_ms.colibri:.0f} / {load_ms.llama:.0f}",
+    }
+    columns["rss"] = {
+        "label": "peak RSS MB C / L",
+        "cell": "{peak_rss_mb.colibri:.0f} / {peak_rss_mb.llama:.0f}",
+    }
+    columns["mb"] = {
+        "label": "MB read / token C / L",
+        "cell": "{mb_per_token.colibri} / {mb_per_token.llama}",
+    }
+    main_cols = ["shape", "type", "table", "decode", *(f"p{n}" for n in sorted(prompts))]
+    most = max(r["threads"] for r in rows)
+    views: dict = {"bench": {"columns": main_cols}}
+    if any(r["threads"] != most for r in rows):
+        # The doc's table shows the most threads; the "all" view has every thread count.
+        views["bench"]["where"] = {"threads": [most]}
+        views["all"] = {"columns": ["shape", "type", "table", "threads", *main_cols[3:]]}
+    views["details"] = {"columns": ["shape", "type", "threads", "ttft", "load", "rss", "mb", "roof"]}
+    reached = {e: [r["roofline"][e] for r in rows if e in r["roofline"]] for e in ("colibri", "llama")}
+    versions = [v for i in infos for v in i.get("versions", []) if v.startswith("llama-cpp-python")]
+    tables = sorted({r["table"] for r in rows})
+    n_runs = sorted({n for r in rows for n in r["runs"].values() if n})
+    reps = "?" if not n_runs else f"{n_runs[0]}" if n_runs[0] == n_runs[-1] else f"{n_runs[0]}-{n_runs[-1]}"
+    decode = sorted({str(r.get("args", {}).get("decode_tokens", "the")) for r in runs})
+    first = infos[0]
+    extra = [
+        f"read probe {min(v):.1f}-{max(v):.1f} GB/s on {k.split('_')[1]} thread(s)"
+        if min(v) != max(v)
+        else f"read probe {v[0]:.1f} GB/s on {k.split('_')[1]} thread(s)"
+        for k, v in bandwidth.items()
+    ]
+    machine = describe_machine(first, extra)
+    where = machine["cpu"].split(",")[0]
+    return {
+        "title": f"Decode and prefill against llama.cpp, {where}" if peer else f"Decode and prefill, {where}",
+        "axis": ["decode", "prefill"],
+        "machine": machine,
+        "date": runs[0].get("started", "")[:10],
+        "commit": commit_of(infos),
+        "peer": (f"llama.cpp through {versions[0]}" if versions else "llama.cpp through llama-cpp-python")
+        if peer
+        else None,
+        "method": (
+            f"bench.py: {', '.join(sorted({str(r['layers']) for r in rows}))}-layer random-weight models of "
+            "real widths, identical weights in both engines, engines alternating run by run in fresh "
+            f"processes, medians of {reps} runs per engine and cell; prefill N is an N-token prompt in "
+            f"and the first token out, decode {'/'.join(decode)} greedy tokens after a 64-token prompt; "
+            f"kernel table {', '.join(tables)}; the roofline is the read "
+            "probe's best pass over CPU time over the weight bytes one decoded token reads"
+        ),
+        "bandwidth_gbs": bandwidth,
+        "roofline_reached": {e: [min(v), max(v)] for e, v in reached.items() if v},
+        "noisy": noisy_rows(runs),
+        "commands": [
+            r.get("command") or "python benches/bench.py (the raw run did not record its command)"
+            for r in runs
+        ],
+        "columns": columns,
+        "views": views,
+        "rows": rows,
+    }
+
+
+def noisy_rows(runs: list[dict]) -> list[dict]:
+    """The noisy-neighbour runs: median decode tok/s quiet and beside a CPU hog."""
+    out = []
+    for run in runs:
+        for c in run.get("noisy") or []:
+            for eng, quiet in c["quiet"].items():
+                if quiet:
+                    q, n = statistics.median(quiet), statistics.median(c["noisy"][eng])
+                    out.append(
+                        {
+                            "shape": c["model"],
+                            "colibri_type": c["ctype"],
+                            "llama_type": c["gtype"],
+                            "engine": eng,
+                            "quiet_tok_s": round(q, 2),
+                            "noisy_tok_s": round(n, 2),
+                            "kept": round(n / q, 2),
+                        }
+                    )
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1020,15 +1271,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--verify-types", default="f16,q8_0,q4_0")
     ap.add_argument("--verify-tokens", type=int, default=32)
     ap.add_argument("--json", type=Path, help="also write the raw results here")
-    ap.add_argument("--write-docs", action="store_true", help=f"put the tables into {DOC.relative_to(REPO)}")
     ap.add_argument(
-        "--docs-section",
-        default="",
-        help="with --write-docs: write between <!-- results-SECTION:start/end --> instead of the main ones",
+        "--report",
+        type=Path,
+        nargs="+",
+        metavar="RAW",
+        help="print the tables of saved raw runs (--json files) instead of measuring",
     )
     ap.add_argument(
-        "--report", type=Path, help="print (and with --write-docs, write) the tables of a saved run"
+        "--results",
+        metavar="NAME",
+        help="write the run (or the --report runs) as benches/results/NAME.json for docs/benchmarks.md",
     )
+    ap.add_argument("--force", action="store_true", help="with --results: replace an existing results file")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
@@ -1071,25 +1326,38 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {r['max_abs_logit']:.2f} | {r['rel_to_range']:.1e} | {r['argmax_agree']} |"
             )
         return 0
+    target = R.results_path(args.results) if args.results else None
+    if target:
+        # Before measuring: a run takes hours, and its results file must not replace one silently.
+        R.refuse_overwrite([target], args.force)
     if args.report:
-        res = json.loads(args.report.read_text())
-        res["bandwidth"] = {int(k): v for k, v in res["bandwidth"].items()}
-        for b in res["bandwidth"].values():
-            if b.get("cpu_samples"):
-                b["roofline"] = max(b["cpu_samples"])
+        runs = [load_raw(p) for p in args.report]
     else:
         res = bench(args, log)
-        res["machine"] = machine_facts()
+        res["command"] = command_line("bench.py", sys.argv[1:] if argv is None else argv)
+        res["args"] = {"reps": args.reps, "decode_tokens": args.decode_tokens, "prompts": args.prompts}
+        res["machine_info"] = machine_info()
+        res["machine"] = machine_facts(res["machine_info"])
         path = args.json or mm.CACHE / f"results-{res['started'].replace(':', '')}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(res, indent=1))
         log(f"raw results: {path}")
-    text = "\n\n".join([res["machine"], markdown(res), bytes_table(res)])
-    print(text)
-    if args.write_docs:
-        write_docs(text, args.docs_section)
-        log(f"wrote {DOC}")
+        runs = [res]
+    for res in runs:
+        print("\n\n".join([res["machine"], markdown(res), bytes_table(res)]))
+    if target:
+        R.write({target: bench_results(runs)}, args.force)
     return 0
+
+
+def load_raw(path: Path) -> dict:
+    """A raw run saved by --json, its bandwidth keyed by thread count again."""
+    res = json.loads(path.read_text())
+    res["bandwidth"] = {int(k): v for k, v in res["bandwidth"].items()}
+    for b in res["bandwidth"].values():
+        if b.get("cpu_samples"):
+            b["roofline"] = max(b["cpu_samples"])
+    return res
 
 
 if __name__ == "__main__":

@@ -79,22 +79,31 @@ def cell(template: str, row: dict[str, Any]) -> str:
     return text if found else ""
 
 
+def validate(data: dict[str, Any], where: str) -> None:
+    """Raises ValueError when a results dict lacks what a caption or a table needs."""
+    missing = [k for k in REQUIRED if k not in data]
+    if missing:
+        raise ValueError(f"{where}: missing keys {', '.join(missing)}")
+    if "cpu" not in data["machine"]:
+        raise ValueError(f"{where}: machine has no 'cpu'")
+    if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", data["date"]):
+        raise ValueError(f"{where}: date {data['date']!r} is not YYYY-MM-DD")
+
+
 def load(name: str) -> dict[str, Any]:
     path = RESULTS / name
     data: dict[str, Any] = json.loads(path.read_text())
-    missing = [k for k in REQUIRED if k not in data]
-    if missing:
-        raise ValueError(f"{path}: missing keys {', '.join(missing)}")
-    if "cpu" not in data["machine"]:
-        raise ValueError(f"{path}: machine has no 'cpu'")
-    if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", data["date"]):
-        raise ValueError(f"{path}: date {data['date']!r} is not YYYY-MM-DD")
+    validate(data, str(path))
     return data
 
 
 def render(name: str, view_name: str) -> str:
     """The markdown one block shows: a caption, a blank line, the table."""
-    data = load(name)
+    return render_data(name, load(name), view_name)
+
+
+def render_data(name: str, data: dict[str, Any], view_name: str) -> str:
+    """The markdown of one view of a results dict that is (or will be) the file `name`."""
     if view_name not in data["views"]:
         raise ValueError(f"{name}: no view {view_name!r} (has {', '.join(data['views'])})")
     view = data["views"][view_name]
@@ -124,6 +133,45 @@ def rendered(doc: str) -> tuple[str, set[str]]:
         return f"<!-- render: {m.group(1)} {m.group(2)} -->\n{render(m.group(1), m.group(2))}<!-- /render -->"
 
     return BLOCK.sub(one, doc), used
+
+
+def results_path(name: str) -> Path:
+    """benches/results/NAME.json for a name given with or without its .json."""
+    stem = name.removesuffix(".json")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", stem):
+        raise ValueError(f"results name {name!r}: use letters, digits, '.', '_' and '-' only")
+    return RESULTS / f"{stem}.json"
+
+
+def refuse_overwrite(paths: list[Path], force: bool) -> None:
+    """Stops before anything is written when a results file exists and --force was not given."""
+    taken = [str(p) for p in paths if p.exists()]
+    if taken and not force:
+        raise SystemExit(
+            f"{', '.join(taken)} already exist(s); choose another name or pass --force to replace"
+        )
+
+
+def write(files: dict[Path, dict[str, Any]], force: bool) -> None:
+    """Writes results files after checking that each renders every one of its views,
+    then prints the markers that show them in the doc."""
+    for path, data in files.items():
+        validate(data, path.name)
+        for view in data["views"]:
+            render_data(path.name, data, view)
+    refuse_overwrite(list(files), force)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    for path, data in files.items():
+        path.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+        print(f"wrote {path}", file=sys.stderr)
+    print(
+        f"\nTo show it, put these lines in {DOC.relative_to(DOC.parent.parent)} (in the section of its axis,"
+    )
+    print("in place of the block of the run it supersedes, whose file you then delete):\n")
+    for path, data in files.items():
+        for view in data["views"]:
+            print(f"<!-- render: {path.name} {view} -->\n<!-- /render -->")
+    print("\nthen run: python benches/render_results.py")
 
 
 def main(argv: list[str] | None = None) -> int:

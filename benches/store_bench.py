@@ -39,6 +39,7 @@ import datetime as dt
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -53,9 +54,8 @@ sys.path.insert(0, str(HERE))
 
 import bench as B  # noqa: E402
 import make_models as mm  # noqa: E402
+import render_results as R  # noqa: E402
 
-DOC = ROOT / "docs" / "benchmarks.md"
-START, END = "<!-- store-results:start -->", "<!-- store-results:end -->"
 MB = 1e6
 MIB = 1 << 20
 
@@ -503,6 +503,10 @@ def part_limit(args, res: dict) -> None:
         res["limit_error"] = f"no memory cgroup: {e}"
         log(res["limit_error"])
         return
+    version = "import importlib.metadata as m; print(m.version('llama-cpp-python'))"
+    with contextlib.suppress(OSError):
+        got = subprocess.run([args.llama_python, "-c", version], capture_output=True, text=True)
+        res["llama_version"] = got.stdout.strip() or None
     runs: dict[str, list] = {}
     try:
         for rep in range(args.reps):
@@ -940,13 +944,233 @@ def report(res: dict) -> str:
     return "\n".join(out)
 
 
-def write_docs(text: str) -> None:
-    body = DOC.read_text()
-    if START not in body:
-        raise SystemExit(f"{DOC} has no {START} marker (the 'Bigger than RAM' section)")
-    a, rest = body.split(START, 1)
-    _, b = rest.split(END, 1)
-    DOC.write_text(f"{a}{START}\n{text}\n{END}{b}")
+# ---------------------------------------------------------------- results files
+
+
+def _r(x: float | None, nd: int) -> float | None:
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else round(x, nd)
+
+
+def _part_meta(res: dict, name: str) -> tuple[dict, str, list[str]]:
+    """The machine, date and commands of one part of a raw run (each part may come
+    from another run when --update merged them)."""
+    when = res.get(f"{name}_when", {})
+    info = when.get("machine_info") or B.run_machine(res)
+    date = when.get("date") or res.get("date", "")[:10]
+    command = when.get("command") or "python benches/store_bench.py (the raw run did not record its command)"
+    return info, date, [command]
+
+
+def _machine(res: dict, info: dict) -> dict:
+    extra = []
+    rate = re.search(r"([0-9.]+ [kMG]B/s)\s*$", res.get("disk", ""))
+    if rate:
+        extra.append(f"drive {rate.group(1)} O_DIRECT sequential read (8 MiB blocks)")
+    return B.describe_machine(info, extra)
+
+
+def _where(rows: list[dict], key: str, wanted: list[str]) -> dict:
+    """A view filter on `key` keeping the wanted values the rows have (none: no filter)."""
+    have = [w for w in wanted if any(r.get(key) == w for r in rows)]
+    return {key: have} if have else {}
+
+
+def store_results(res: dict) -> dict[str, dict]:
+    """The results files (benches/render_results.py's schema) of a raw store_bench.py run,
+    one per part it holds: ``budgets``, ``limit`` and ``demo``, in the layout of the
+    streaming tables."""
+    a = res.get("args", {})
+    out: dict[str, dict] = {}
+    if res.get("cells"):
+        info, date, commands = _part_meta(res, "random")
+        plan = res["plan"]
+        rows = []
+        for key, cell in res["cells"].items():
+            frac, pol, io = key.split("|")
+            s, budget = cell["summary"], cell["runs"][0]["budget"]
+            row = {
+                "budget": "100% (resident)" if pol == "resident" else f"{frac}% ({budget / MB:.0f} MB)",
+                "policy": pol,
+                "io": io,
+                "decode_tok_s": _r(s["decode_tps"], 2),
+                "hit_rate": _r(s["hit_rate"], 3),
+                "mb_read_per_token": _r(s["mb_per_token"], 1),
+                "prefetch_accuracy": _r(s["prefetch_acc"], 2),
+                "io_wait_ms_per_token": _r(s["io_wait_ms_per_token"], 1),
+                "peak_rss_mib": _r(s["peak_rss_mb"], 0),
+                "rss_bound_mib": _r(cell["runs"][0]["rss_limit_mb"], 0),
+                "rss_ok": all(r["rss_ok"] for r in cell["runs"]),
+                "slots": s["slots"],
+                "pinned": s["pinned"],
+            }
+            rows.append({k: v for k, v in row.items() if v is not None})
+        out["budgets"] = {
+            "title": (
+                f"Expert streaming under a RAM budget, {a.get('shape')} width, {a.get('layers')} layers, "
+                f"{a.get('dtype')}"
+            ),
+            "axis": ["streaming"],
+            "machine": _machine(res, info),
+            "date": date,
+            "commit": B.commit_of([info]),
+            "peer": None,
+            "method": (
+                "store_bench.py part 1: random weights (near-uniform routing), a "
+                f"{plan['file_bytes'] / 1e9:.2f} GB file whose routed experts are "
+                f"{plan['expert_bytes'] / 1e9:.2f} GB; {a.get('prompt')}-token prompt then {a.get('decode')} "
+                f"greedy tokens, {a.get('threads')} threads, medians of {a.get('reps')} runs in fresh "
+                "processes; hit rate and bytes read cover decode only; buffered reads come from the page "
+                "cache, direct reads (O_DIRECT) from the drive; peak RSS within budget + "
+                f"dense part ({plan['dense_bytes'] / MB:.0f} MB) + {OVERHEAD_MB} MiB in every run: "
+                f"{'yes' if res.get('all_rss_ok') else 'NO'}; the resident run's tokens in every run: "
+                f"{'yes' if res.get('all_same_tokens') else 'NO'}"
+            ),
+            "commands": commands,
+            "columns": {
+                "budget": {"label": "budget", "cell": "{budget}"},
+                "policy": {"label": "policy", "cell": "{policy}"},
+                "io": {"label": "io", "cell": "{io}"},
+                "tok": {"label": "decode tok/s", "cell": "{decode_tok_s:.2f}"},
+                "hit": {"label": "hit rate", "cell": "{hit_rate:.3f}"},
+                "mb": {"label": "MB read / token", "cell": "{mb_read_per_token:.1f}"},
+                "rss": {"label": "peak RSS / bound MiB", "cell": "{peak_rss_mib:.0f} / {rss_bound_mib:.0f}"},
+            },
+            "views": {
+                "streaming": {
+                    "columns": ["budget", "policy", "io", "tok", "hit", "mb", "rss"],
+                    **({"where": w} if (w := _where(rows, "policy", ["resident", "lru"])) else {}),
+                }
+            },
+            "rows": rows,
+        }
+    if res.get("limit_cells"):
+        info, date, commands = _part_meta(res, "limit")
+        rows = []
+        for key, cell in res["limit_cells"].items():
+            frac, eng = key.split("|")
+            s = cell["summary"]
+            name = "llama.cpp (mmap)" if eng == "llama" else f"colibri, io={eng.split('-', 1)[1]}"
+            if not cell["limit"] and eng != "llama":
+                name = "colibri resident (mmap)"
+            row = {
+                "limit": "none" if not cell["limit"] else f"{frac}% ({cell['limit'] / MB:.0f} MB)",
+                "engine": name,
+                "failed_runs": len(cell["errors"]),
+            }
+            if s is not None:
+                row |= {
+                    "decode_tok_s": _r(s["decode_tps"], 2),
+                    "disk_mb_per_token": _r(s["disk_mb_per_token"], 1),
+                    "prefill_cold_s": _r(s["prefill_s"], 1),
+                    "peak_rss_mib": _r(s["peak_rss_mb"], 0),
+                    "cgroup_peak_mb": _r(s["cg_peak_mb"], 0),
+                }
+            rows.append({k: v for k, v in row.items() if v is not None})
+        limited = [r["limit"] for r in rows if r["limit"] != "none"]
+        where = _where(rows, "engine", [r["engine"] for r in rows if "resident" not in r["engine"]])
+        where |= _where(rows, "limit", list(dict.fromkeys(limited)))
+        out["limit"] = {
+            "title": (
+                f"Under a memory limit against llama.cpp's mmap, {a.get('shape')} width, {a.get('layers')} "
+                f"layers, {a.get('dtype')}"
+            ),
+            "axis": ["streaming"],
+            "machine": _machine(res, info),
+            "date": date,
+            "commit": B.commit_of([info]),
+            "peer": "llama.cpp through llama-cpp-python "
+            f"{res.get('llama_version') or '(version not recorded)'} with its default mmap",
+            "method": (
+                "store_bench.py part 2: both engines in a v1 memory cgroup capped at dense part + fraction "
+                f"x experts + {LIMIT_SLACK_MB} MiB, the model files dropped from the page cache before each "
+                "run; "
+                f"colibri with ram_budget = fraction x experts, policy {a.get('limit_policy')}; "
+                f"{a.get('prompt')}-token prompt then {a.get('limit_decode')} greedy tokens, medians of "
+                f"{a.get('reps')}; disk MB / token is read_bytes of /proc/self/io during decode"
+            ),
+            "commands": commands,
+            "columns": {
+                "limit": {"label": "limit", "cell": "{limit}"},
+                "engine": {"label": "engine", "cell": "{engine}"},
+                "tok": {"label": "decode tok/s", "cell": "{decode_tok_s:.2f}"},
+                "disk": {"label": "disk MB / token", "cell": "{disk_mb_per_token:.1f}"},
+                "prefill": {"label": "cold prefill s", "cell": "{prefill_cold_s:.1f}"},
+                "rss": {"label": "peak RSS MiB", "cell": "{peak_rss_mib:.0f}"},
+                "failed": {"label": "failed runs", "cell": "{failed_runs}"},
+            },
+            "views": {
+                "streaming": {
+                    "columns": ["limit", "engine", "tok", "disk", "prefill", "rss"],
+                    **({"where": where} if where else {}),
+                },
+                "all": {"columns": ["limit", "engine", "tok", "disk", "prefill", "rss", "failed"]},
+            },
+            "rows": rows,
+        }
+    if res.get("demo_cells"):
+        info, date, commands = _part_meta(res, "demo")
+        dp, t = res["demo_plan"], res["demo_text"]
+        rows = []
+        for key, cell in res["demo_cells"].items():
+            per, pol = key.split("|")
+            s = cell["summary"]
+            row: dict = {
+                "slots_per_layer": int(per),
+                "policy": pol,
+                "decode_hit_rate": _r(s["hit_rate"], 3),
+                "kib_read_per_token": _r(s["mb_per_token"] * 1000 / 1.024, 0),
+                "prefetch_accuracy": _r(s["prefetch_acc"], 2),
+            }
+            pins = res.get("demo_pin_by_slots", {}).get(per)
+            if POLICIES[pol]["pin_hot"] and pins:
+                row["pinned_per_layer"] = "/".join(map(str, pins))
+            rows.append({k: v for k, v in row.items() if v is not None})
+        experts = dp["experts"] // max(1, dp["moe_layers"])
+        out["demo"] = {
+            "title": (
+                f"Routing locality on the trained demo model ({dp['moe_layers']} MoE layers x {experts} "
+                "experts, "
+                f"top-{dp['top_k']}, slot {dp['slot_bytes'] / 1024:.0f} KiB)"
+            ),
+            "axis": ["streaming"],
+            "machine": _machine(res, info),
+            "date": date,
+            "commit": B.commit_of([info]),
+            "peer": None,
+            "method": (
+                f"store_bench.py part 3: heat learned teacher-forced on {t['learn_tokens']} tokens of the "
+                f"first half of the held-out text; tested on {t['test_prompts']} prompts of "
+                f"{t['prompt_tokens']} tokens from the second half, each continued by {t['decode_tokens']} "
+                "sampled tokens (the same tokens under every policy: "
+                f"{'yes' if res.get('demo_same_tokens') else 'NO'}); the pinned hot set chosen per layer in "
+                "equal shares"
+            ),
+            "commands": commands,
+            "columns": {
+                "slots": {"label": "slots per layer", "cell": "{slots_per_layer}"},
+                "policy": {"label": "policy", "cell": "{policy}"},
+                "hit": {"label": "decode hit rate", "cell": "{decode_hit_rate:.3f}"},
+                "kib": {"label": "KiB read / token", "cell": "{kib_read_per_token:.0f}"},
+                "acc": {"label": "prefetch acc.", "cell": "{prefetch_accuracy:.2f}"},
+            },
+            "views": {
+                "streaming": {
+                    "columns": ["slots", "policy", "hit", "kib"],
+                    **({"where": w} if (w := _where(rows, "policy", ["lru", "lru+pin"])) else {}),
+                },
+                "all": {"columns": ["slots", "policy", "hit", "kib", "acc"]},
+            },
+            "rows": rows,
+        }
+    return out
+
+
+def results_files(name: str, res: dict) -> dict[Path, dict]:
+    """benches/results/NAME-PART.json for each part of the run."""
+    return {
+        R.results_path(f"{name.removesuffix('.json')}-{part}"): data
+        for part, data in store_results(res).items()
+    }
 
 
 def disk_probe(path: Path) -> str:
@@ -998,7 +1222,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=mm.CACHE / "store-run.json")
     ap.add_argument("--report", type=Path, help="re-render a saved run instead of measuring")
     ap.add_argument("--update", action="store_true", help="merge into --json, keeping parts not run now")
-    ap.add_argument("--write-docs", action="store_true", help="write the tables into docs/benchmarks.md")
+    ap.add_argument(
+        "--results",
+        metavar="NAME",
+        help="write each part of the run as benches/results/NAME-PART.json (PART: budgets, limit, demo)",
+    )
+    ap.add_argument("--force", action="store_true", help="with --results: replace existing results files")
     ap.add_argument(
         "--quick", action="store_true", help="smoke test: 100%% and 10%%, two policies, 1 rep, few tokens"
     )
@@ -1011,11 +1240,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.report:
         res = json.loads(args.report.read_text())
-        text = report(res)
-        print(text)
-        if args.write_docs:
-            write_docs(text)
+        print(report(res))
+        if args.results:
+            R.write(results_files(args.results, res), args.force)
         return 0
+    if args.results:
+        # Before measuring: a run takes hours, and its results files must not replace others silently.
+        parts = {"random": "budgets", "limit": "limit", "demo": "demo"}
+        stem = args.results.removesuffix(".json")
+        R.refuse_overwrite(
+            [R.results_path(f"{stem}-{parts[p]}") for p in args.parts.split(",") if p in parts], args.force
+        )
     if args.quick:
         args.reps, args.budgets, args.policies = 1, "100,10", "lru,lru+pin+prefetch"
         args.limits, args.decode, args.limit_decode, args.demo_slots, args.demo_reps, args.demo_prompts = (
@@ -1038,10 +1273,13 @@ def main(argv: list[str] | None = None) -> int:
     res: dict = {}
     if args.update and args.json.exists():
         res = json.loads(args.json.read_text())  # keep the parts not measured now
+    info = B.machine_info()
+    command = B.command_line("store_bench.py", sys.argv[1:] if argv is None else argv)
     res.update(
         {
             "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "machine": B.machine_facts().replace("\n", " "),
+            "machine": B.machine_facts(info).replace("\n", " "),
+            "machine_info": info,
             "args": {
                 k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, list, type(None)))
             },
@@ -1062,14 +1300,16 @@ def main(argv: list[str] | None = None) -> int:
                 "end": time.strftime("%H:%M UTC", time.gmtime()),
                 "load_before": load0,
                 "load_after": B.loadavg(),
+                "date": time.strftime("%Y-%m-%d", time.gmtime(t0)),
+                "command": command,
+                "machine_info": info,
             }
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(res, indent=1))
     args.json.write_text(json.dumps(res, indent=1))
-    text = report(res)
-    print(text)
-    if args.write_docs:
-        write_docs(text)
+    print(report(res))
+    if args.results:
+        R.write(results_files(args.results, res), args.force)
     return 0
 
 
