@@ -237,9 +237,138 @@ def running(cmd: list[str], url: str) -> Iterator[None]:
         server.wait(30)
 
 
-def main() -> int:
+def _bench() -> Any:
+    """bench.py, whose probe and machine facts this bench shares."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench
+
+    return bench
+
+
+def _r(x: float, nd: int) -> float:
+    return round(x, nd)
+
+
+def serve_results(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The results file (benches/render_results.py's schema) of one or more raw runs
+    of this bench (--json files, one model each) on one machine, in the layout of the
+    serving tables."""
+    B = _bench()
+    infos = [B.run_machine(r) for r in runs]
+    if len({i["cpu_model"] for i in infos}) > 1:
+        raise ValueError(
+            "runs from different machines: " + ", ".join(sorted({i["cpu_model"] for i in infos}))
+        )
+    rows: list[dict[str, Any]] = []
+    probes: list[float] = []
+    for run in runs:
+        base: dict[str, dict[str, float]] = {}
+        for raw in run["rows"]:
+            c = raw["colibri"]
+            base.setdefault("colibri", c)
+            row: dict[str, Any] = {
+                "width": run.get("label") or "(model not recorded)",
+                "clients": raw["clients"],
+                "colibri": {"aggregate": _r(c["tok_s"], 1), "decoding": _r(c["decode_tok_s"], 1)},
+                "vs_one_client": {
+                    "aggregate": _r(c["tok_s"] / base["colibri"]["tok_s"], 2),
+                    "decoding": _r(c["decode_tok_s"] / base["colibri"]["decode_tok_s"], 2),
+                },
+                "p50_s": _r(c["p50"], 2),
+                "p99_s": _r(c["p99"], 2),
+                "roofline_tok_s": round(c["roofline_tok_s"]),
+                "bound_tok_s": round(c["bound_tok_s"]),
+                "bound_of_roofline": _r(c["bound_tok_s"] / c["roofline_tok_s"], 2),
+                "colibri_of_roofline": {
+                    "aggregate": _r(c["of_roofline"], 2),
+                    "decoding": _r(c["decode_of_roofline"], 2),
+                },
+                "colibri_of_bound": {
+                    "aggregate": _r(c["of_bound"], 2),
+                    "decoding": _r(c["decode_of_bound"], 2),
+                },
+            }
+            probes.append(c["bandwidth"] / 1e9)
+            if "llama-server" in raw:
+                ls = raw["llama-server"]
+                row["llama_server"] = {"aggregate": _r(ls["tok_s"], 1), "decoding": _r(ls["decode_tok_s"], 1)}
+                row["ratio"] = _r(c["tok_s"] / ls["tok_s"], 2)
+                row["ratio_runs"] = [_r(x, 2) for x in raw.get("ratio_pairs", [])]
+            rows.append(row)
+    peer = any("llama_server" in r for r in rows)
+    a = runs[0].get("args", {})
+    threads = a.get("threads", "?")
+    rates = sorted(r["mac_rate"] / 1e9 for r in runs)
+    extra = [f"read probe {min(probes):.1f}-{max(probes):.1f} GB/s on {threads} thread(s)"] if probes else []
+    machine = B.describe_machine(infos[0], extra)
+    columns = {
+        "width": {"label": "width", "cell": "{width}"},
+        "clients": {"label": "clients", "cell": "{clients}"},
+        "colibri": {
+            "label": "colibri tok/s (decoding)",
+            "cell": "{colibri.aggregate:.1f} ({colibri.decoding:.1f})",
+        },
+        "vs1": {"label": "vs 1 client", "cell": "{vs_one_client.aggregate:x}"},
+        "llama": {"label": "llama-server tok/s", "cell": "{llama_server.aggregate:.1f}"},
+        "ratio": {"label": "colibri / llama-server", "cell": "{ratio:x}"},
+        "roof": {"label": "roofline / bound tok/s", "cell": "{roofline_tok_s} / {bound_tok_s}"},
+        "ofroof": {"label": "of roofline", "cell": "{colibri_of_roofline.aggregate:pct}"},
+        "ofbound": {
+            "label": "of bound (decoding)",
+            "cell": "{colibri_of_bound.aggregate:pct} ({colibri_of_bound.decoding:pct})",
+        },
+        "latency": {"label": "p50 / p99 s", "cell": "{p50_s:.2f} / {p99_s:.2f}"},
+    }
+    view = [
+        "width",
+        "clients",
+        "colibri",
+        "vs1",
+        *(["llama", "ratio"] if peer else []),
+        "roof",
+        "ofroof",
+        "ofbound",
+    ]
+    return {
+        "title": ("Serving many clients against llama-server, " if peer else "Serving many clients, ")
+        + machine["cpu"].split(",")[0],
+        "axis": ["serving"],
+        "machine": machine,
+        "date": runs[0].get("date", ""),
+        "commit": B.commit_of(infos),
+        "peer": (
+            f"llama-server ({a.get('llama_server')}), `-t {threads} -tb {threads} -np 16 -cb`, the same "
+            "weights "
+            f"as GGUF ({Path(str(a.get('gguf'))).name})"
+        )
+        if peer
+        else None,
+        "method": (
+            f"serve_bench.py: the server in its own process with {threads} threads, N client threads on the "
+            f"same machine, each sending {a.get('requests', '?')} {a.get('max_tokens', '?')}-token requests "
+            "(16-token prompts) one after the other; aggregate = completion tokens / wall time (prompts and "
+            "HTTP included); streamed requests; decoding rate = B / the median time per output token after "
+            f"the first; {a.get('reps', '?')} runs per cell, servers alternating, medians; a read probe "
+            "before each run; R (multi-token rate for the arithmetic bound) "
+            f"{rates[0]:.0f}-{rates[-1]:.0f} GMAC/s"
+        ),
+        "commands": [
+            r.get("command") or "python benches/serve_bench.py (the raw run did not record its command)"
+            for r in runs
+        ],
+        "columns": columns,
+        "views": {
+            "serving": {"columns": view},
+            "latency": {"columns": ["width", "clients", "colibri", "latency"]},
+        },
+        "rows": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model", type=Path)
+    ap.add_argument("model", type=Path, nargs="?", help="the .colibri file to serve (not with --report)")
+    ap.add_argument("--label", help="the model's name in the tables (default: its folder and file name)")
     ap.add_argument("--clients", default="1,2,4,8,16")
     ap.add_argument("--requests", type=int, default=2, help="requests per client")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -250,13 +379,58 @@ def main() -> int:
         type=float,
         help="read bandwidth, bytes/s, for the roofline (default: measured now with bench.py's probe)",
     )
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--json", type=Path, help="write the raw run here")
     ap.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server binary, to compare against")
     ap.add_argument("--gguf", type=Path, help="the same weights as GGUF, for --llama-server")
-    args = ap.parse_args()
+    ap.add_argument(
+        "--report",
+        type=Path,
+        nargs="+",
+        metavar="RAW",
+        help="print the table of saved raw runs (--json files, one model each) instead of measuring",
+    )
+    ap.add_argument(
+        "--results",
+        metavar="NAME",
+        help="write the run (or the --report runs) as benches/results/NAME.json for docs/benchmarks.md",
+    )
+    ap.add_argument("--force", action="store_true", help="with --results: replace an existing results file")
+    args = ap.parse_args(argv)
     if (args.llama_server is None) != (args.gguf is None):
         ap.error("--llama-server and --gguf go together")
+    if (args.model is None) == (args.report is None):
+        ap.error("give a MODEL to measure or --report RAW files, not both")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import render_results as R
 
+    target = R.results_path(args.results) if args.results else None
+    if target:
+        R.refuse_overwrite([target], args.force)  # before measuring, not after
+    if args.report:
+        runs = [json.loads(p.read_text()) for p in args.report]
+    else:
+        run = measure(args)
+        run["command"] = _bench().command_line("serve_bench.py", sys.argv[1:] if argv is None else argv)
+        path = args.json
+        if path is None and target:
+            path = (
+                Path(__file__).resolve().parent / ".cache" / f"serve-{run['started'].replace(':', '')}.json"
+            )
+        if path:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(run, indent=1))
+            print(f"raw run: {path}", file=sys.stderr)
+        runs = [run]
+    data = serve_results(runs)
+    print(R.render_data(target.name if target else "(not written)", data, "serving"))
+    if target:
+        R.write({target: data}, args.force)
+    return 0
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """One run of the bench on args.model: the raw run --json writes."""
+    started = time.strftime("%Y-%m-%dT%H:%M:%S")
     cost = step_cost(args.model)
     rate = mac_rate(args.model, args.threads, cost)
     print(
@@ -264,8 +438,7 @@ def main() -> int:
         f"a decode token costs {cost.dense_macs / 1e6:.0f} M outside the routed experts",
         flush=True,
     )
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import bench  # the same probe bench.py reports
+    bench = _bench()  # the same probe bench.py reports
 
     def bandwidth() -> float:
         """Read bandwidth in bytes/s now: --bandwidth, or the probe's median
@@ -275,8 +448,10 @@ def main() -> int:
             return args.bandwidth
         return bench.bandwidth(args.threads, reps=7)["median"] * 1e9
 
+    probe: dict[str, Any] = {"given_bytes_per_s": args.bandwidth}
     if args.bandwidth is None:
         bw = bench.bandwidth(args.threads)
+        probe = {k: bw[k] for k in ("method", "median", "best")}
         print(
             f"read bandwidth, {args.threads} threads ({bw['method']}): median {bw['median']:.1f} GB/s, "
             f"best {bw['best']:.1f} GB/s; each run's roofline uses a probe taken just before it",
@@ -367,9 +542,25 @@ def main() -> int:
                     flush=True,
                 )
             rows.append(row)
-    if args.json:
-        args.json.write_text(json.dumps({"mac_rate": rate, "rows": rows}, indent=1))
-    return 0
+    return {
+        "started": started,
+        "date": started[:10],
+        "label": args.label or f"{args.model.resolve().parent.name} {args.model.stem}",
+        "args": {
+            "model": str(args.model),
+            "threads": args.threads,
+            "clients": clients,
+            "requests": args.requests,
+            "max_tokens": args.max_tokens,
+            "reps": args.reps,
+            "llama_server": str(args.llama_server) if args.llama_server else None,
+            "gguf": str(args.gguf) if args.gguf else None,
+        },
+        "machine_info": bench.machine_info(),
+        "bandwidth_probe": probe,
+        "mac_rate": rate,
+        "rows": rows,
+    }
 
 
 if __name__ == "__main__":
