@@ -299,7 +299,8 @@ def serve_results(runs: list[dict[str, Any]]) -> dict[str, Any]:
     a = runs[0].get("args", {})
     threads = a.get("threads", "?")
     rates = sorted(r["mac_rate"] / 1e9 for r in runs)
-    extra = [f"read probe {min(probes):.1f}-{max(probes):.1f} GB/s on {threads} thread(s)"] if probes else []
+    spread = f"{min(probes):.1f}-{max(probes):.1f}" if probes and min(probes) != max(probes) else ""
+    extra = [f"read probe {spread or f'{probes[0]:.1f}'} GB/s on {threads} thread(s)"] if probes else []
     machine = B.describe_machine(infos[0], extra)
     columns = {
         "width": {"label": "width", "cell": "{width}"},

@@ -1100,7 +1100,9 @@ def store_results(res: dict) -> dict[str, dict]:
             },
             "views": {
                 "streaming": {
-                    "columns": ["limit", "engine", "tok", "disk", "prefill", "rss"],
+                    # A failed run is news: its column shows whenever there is one.
+                    "columns": ["limit", "engine", "tok", "disk", "prefill", "rss"]
+                    + (["failed"] if any(r["failed_runs"] for r in rows) else []),
                     **({"where": where} if where else {}),
                 },
                 "all": {"columns": ["limit", "engine", "tok", "disk", "prefill", "rss", "failed"]},
