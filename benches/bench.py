@@ -26,12 +26,22 @@ while 2-thread decode runs, against the same decode without it.
 ``--verify`` checks that both engines compute the same model (F16 logits of a
 small variant, side by side).
 
+Every timed run saves its raw figures (``--json FILE``, by default
+``benches/.cache/results-DATE.json``) and prints its tables. ``--results NAME``
+also writes the run as ``benches/results/NAME.json``, the file a table of
+docs/benchmarks.md is rendered from (machine, date, commit, command, rows), and
+prints the ``<!-- render: NAME.json VIEW -->`` lines that show it; it refuses to
+replace an existing file unless ``--force`` is given. ``--report RAW [RAW ...]``
+prints the tables of saved raw runs instead of measuring, and with
+``--results`` turns them (one machine's runs) into one results file.
+
 Examples::
 
     python benches/bench.py --quick                  # smoke test: 1 layer, 1 rep
     python benches/bench.py --models olmoe --types f16 --threads 2
     python benches/bench.py --verify --layers 2
-    python benches/bench.py --noisy --write-docs     # the documented run
+    python benches/bench.py --models olmoe --pairs q8_0:Q8_0 --threads 2 --results xeon-2026-12-24-bench
+    python benches/bench.py --report benches/.cache/results-A.json results-B.json --results NAME
     python benches/bench.py --models deepseek_v2_lite,gpt_oss_20b --pairs q8_0:Q8_0,q4_0:Q4_0 --threads 2
     python benches/bench.py --models deepseek_v2_lite --kv   # KV-cache bytes per token at 4k, both engines
     python benches/bench.py --models qwen3moe --pairs q4k-mix:Q4_K_M --threads 2  # llama.cpp quantises Q4_K_M
@@ -1160,12 +1170,12 @@ def bench_results(runs: list[dict]) -> dict:
     reps = "?" if not n_runs else f"{n_runs[0]}" if n_runs[0] == n_runs[-1] else f"{n_runs[0]}-{n_runs[-1]}"
     decode = sorted({str(r.get("args", {}).get("decode_tokens", "the")) for r in runs})
     first = infos[0]
-    extra = [
-        f"read probe {min(v):.1f}-{max(v):.1f} GB/s on {k.split('_')[1]} thread(s)"
-        if min(v) != max(v)
-        else f"read probe {v[0]:.1f} GB/s on {k.split('_')[1]} thread(s)"
+    probe = [
+        (f"{min(v):.1f}-{max(v):.1f}" if min(v) != max(v) else f"{v[0]:.1f}")
+        + f" GB/s on {k.split('_')[1]} thread{'s' if k != 'threads_1' else ''}"
         for k, v in bandwidth.items()
     ]
+    extra = ["read probe " + ", ".join(probe)] if probe else []
     machine = describe_machine(first, extra)
     where = machine["cpu"].split(",")[0]
     return {

@@ -46,6 +46,19 @@ each of its 16 slots with room for a prompt and max_tokens). Both servers
 stay up for the whole bench and their runs alternate (colibri, llama-server,
 colibri, ... within each cell), so a drifting machine drifts under both; the
 ratio of the medians is printed with the ratios run by run.
+
+``--json FILE`` saves the raw run (the machine, build, command and each
+cell's medians). ``--results NAME`` writes the run as
+``benches/results/NAME.json``, the file a serving table of docs/benchmarks.md
+is rendered from, saving the raw run under benches/.cache when --json is not
+given, and prints the ``<!-- render: NAME.json serving -->`` lines that show
+it; it refuses to replace an existing file unless ``--force`` is given.
+``--report RAW [RAW ...]`` prints the table of saved raw runs (one model each,
+named by --label) instead of measuring, and with ``--results`` turns them
+into one results file:
+
+    python benches/serve_bench.py benches/.cache/olmoe-l4/q4_0.colibri --label OLMoE --json olmoe.json
+    python benches/serve_bench.py --report olmoe.json qwen3.json --results zen2-2026-12-24-serve
 """
 
 from __future__ import annotations

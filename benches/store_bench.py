@@ -24,10 +24,21 @@ Three measurements, each run in fresh subprocesses (one at a time):
    half at budgets of a few experts per layer, LRU against a hot set pinned
    from the learned heat file, with and without prefetch.
 
+The raw run goes to ``--json`` (``benches/.cache/store-run.json`` by default;
+``--update`` merges the parts measured now into it). ``--results NAME`` also
+writes each part the run holds as ``benches/results/NAME-budgets.json``,
+``NAME-limit.json`` and ``NAME-demo.json``, the files the streaming tables of
+docs/benchmarks.md are rendered from, and prints the
+``<!-- render: NAME-PART.json streaming -->`` lines that show them; it refuses
+to replace an existing file unless ``--force`` is given. ``--report RAW``
+prints the tables of a saved raw run, and with ``--results`` writes its
+results files.
+
 Usage::
 
     python benches/store_bench.py                       # everything, results in benches/.cache/store-run.json
-    python benches/store_bench.py --report benches/.cache/store-run.json --write-docs
+    python benches/store_bench.py --results epyc-2026-12-24-store
+    python benches/store_bench.py --report benches/.cache/store-run.json --results epyc-2026-12-24-store
     python benches/store_bench.py --quick               # smoke test: fewer cells, 1 rep
 """
 
