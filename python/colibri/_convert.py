@@ -61,11 +61,15 @@ def convert(
     if progress is None:
         progress = sys.stderr.isatty()
     imatrix = None if imatrix is None else os.fspath(imatrix)
-    return dict(
-        _colibri.convert_checkpoint(
-            os.fspath(src), os.fspath(dst), dtype, bool(force), bool(progress), imatrix
-        )
+    summary = _colibri.convert_checkpoint(
+        os.fspath(src),
+        os.fspath(dst),
+        dtype=dtype,
+        force=bool(force),
+        progress=bool(progress),
+        imatrix=imatrix,
     )
+    return dict(summary)
 
 
 __all__ = ["convert"]

@@ -220,17 +220,17 @@ class Engine:
         heat = None if heat_file is None else os.fspath(heat_file)
         self._native = _colibri.NativeEngine(
             self._path,
-            threads,
-            budget,
-            bool(lru),
-            bool(pin_hot),
-            bool(prefetch),
-            str(io),
-            heat,
-            str(kv_cache_dtype),
-            int(max_batch),
-            int(max_queue),
-            "auto" if mmap is None else "map" if mmap else "copy",
+            threads=threads,
+            ram_budget=budget,
+            lru=bool(lru),
+            pin_hot=bool(pin_hot),
+            prefetch=bool(prefetch),
+            io=str(io),
+            heat_file=heat,
+            kv_cache_dtype=str(kv_cache_dtype),
+            max_batch=int(max_batch),
+            max_queue=int(max_queue),
+            weights="auto" if mmap is None else "map" if mmap else "copy",
         )
         self._meta = json.loads(self._native.metadata_json())
         self._lock = threading.Lock()
@@ -482,7 +482,7 @@ class Engine:
         windows = [lead + ids[i : i + step] for i in range(0, len(ids), step)]
         if progress is None:
             progress = sys.stderr.isatty()
-        self._native.calibrate(windows, os.fspath(out), source, bool(progress))
+        self._native.calibrate(windows, os.fspath(out), source, progress=bool(progress))
         return out
 
     @property

@@ -98,7 +98,10 @@ struct NativeEngine {
 #[pymethods]
 impl NativeEngine {
     #[new]
-    #[pyo3(signature = (path, threads=None, ram_budget=None, lru=true, pin_hot=true, prefetch=false, io="buffered", heat_file=None, kv_cache="auto", max_batch=16, max_queue=0, weights="auto"))]
+    #[pyo3(signature = (
+        path, *, threads=None, ram_budget=None, lru=true, pin_hot=true, prefetch=false, io="buffered",
+        heat_file=None, kv_cache_dtype="auto", max_batch=16, max_queue=0, weights="auto",
+    ))]
     #[allow(clippy::too_many_arguments)] // mirrors keyword arguments of the Python constructor
     fn new(
         py: Python<'_>,
@@ -110,15 +113,17 @@ impl NativeEngine {
         prefetch: bool,
         io: &str,
         heat_file: Option<&str>,
-        kv_cache: &str,
+        kv_cache_dtype: &str,
         max_batch: usize,
         max_queue: usize,
         weights: &str,
     ) -> PyResult<Self> {
         let io = IoMode::parse(io).map_err(to_py)?;
         let backing = Backing::parse(weights).map_err(to_py)?;
-        let kv_cache = KvCacheType::parse(kv_cache).ok_or_else(|| {
-            to_py(Error::InvalidInput(format!("kv_cache must be \"auto\", \"f32\" or \"f16\", got {kv_cache:?}")))
+        let kv_cache = KvCacheType::parse(kv_cache_dtype).ok_or_else(|| {
+            to_py(Error::InvalidInput(format!(
+                "kv_cache_dtype must be \"auto\", \"f32\" or \"f16\", got {kv_cache_dtype:?}"
+            )))
         })?;
         let heat_file = match heat_file {
             None => HeatFile::Beside,
@@ -320,7 +325,7 @@ impl NativeEngine {
     /// Runs token windows through the model recording each weight matrix's
     /// input columns, and writes the importance matrix to `output`; returns
     /// (tokens run, matrices recorded).
-    #[pyo3(signature = (windows, output, source, progress=true))]
+    #[pyo3(signature = (windows, output, source, *, progress=true))]
     fn calibrate(
         &self,
         py: Python<'_>,
@@ -442,7 +447,7 @@ impl NativeGeneration {
 /// Converts a Hugging Face folder to a .colibri file (or re-encodes a
 /// .colibri file into another weight type); returns a summary dict.
 #[pyfunction]
-#[pyo3(signature = (src, dst, dtype=None, force=false, progress=true, imatrix=None))]
+#[pyo3(signature = (src, dst, *, dtype=None, force=false, progress=true, imatrix=None))]
 fn convert_checkpoint<'py>(
     py: Python<'py>,
     src: PathBuf,
