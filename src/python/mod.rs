@@ -23,18 +23,32 @@ use crate::error::Error;
 use crate::model::store::{Backing, HeatFile, IoMode, Policy, StoreOptions};
 use crate::quant::DType;
 
+/// The classes of `colibri/_errors.py`, each imported on first use and kept.
+mod exceptions {
+    pyo3::import_exception!(colibri._errors, BusyError);
+    pyo3::import_exception!(colibri._errors, CheckpointError);
+    pyo3::import_exception!(colibri._errors, ColibriIOError);
+    pyo3::import_exception!(colibri._errors, ContextLengthError);
+    pyo3::import_exception!(colibri._errors, FormatError);
+    pyo3::import_exception!(colibri._errors, InvalidInputError);
+    pyo3::import_exception!(colibri._errors, ModelNotFoundError);
+    pyo3::import_exception!(colibri._errors, OutputExistsError);
+    pyo3::import_exception!(colibri._errors, UnsupportedModelError);
+}
+
 /// Maps an error to its Python exception class.
 fn to_py(e: Error) -> PyErr {
-    let class = match &e {
-        Error::Format { .. } => "FormatError",
-        Error::Unsupported(_) => "UnsupportedModelError",
-        Error::Checkpoint { .. } => "CheckpointError",
-        Error::InvalidInput(_) => "InvalidInputError",
-        Error::ContextOverflow(_) => "ContextLengthError",
-        Error::OutputExists(_) => "OutputExistsError",
-        Error::NotFound(_) => "ModelNotFoundError",
-        Error::Io { .. } | Error::ExpertRead { .. } => "ColibriIOError",
-        Error::Busy(_) => "BusyError",
+    use exceptions::*;
+    let new_err: fn(String) -> PyErr = match &e {
+        Error::Format { .. } => FormatError::new_err,
+        Error::Unsupported(_) => UnsupportedModelError::new_err,
+        Error::Checkpoint { .. } => CheckpointError::new_err,
+        Error::InvalidInput(_) => InvalidInputError::new_err,
+        Error::ContextOverflow(_) => ContextLengthError::new_err,
+        Error::OutputExists(_) => OutputExistsError::new_err,
+        Error::NotFound(_) => ModelNotFoundError::new_err,
+        Error::Io { .. } | Error::ExpertRead { .. } => ColibriIOError::new_err,
+        Error::Busy(_) => BusyError::new_err,
         Error::Interrupted => {
             // The exception the signal handler raised (KeyboardInterrupt for
             // Ctrl-C, whatever a caller's SIGTERM handler raises), so it
@@ -43,17 +57,7 @@ fn to_py(e: Error) -> PyErr {
             return pending.unwrap_or_else(|| PyKeyboardInterrupt::new_err("interrupted"));
         }
     };
-    let msg = e.to_string();
-    Python::attach(|py| {
-        let cls = py.import("colibri._errors").and_then(|m| m.getattr(class));
-        match cls {
-            Ok(cls) => match cls.call1((msg.clone(),)) {
-                Ok(inst) => PyErr::from_value(inst),
-                Err(err) => err,
-            },
-            Err(_) => PyRuntimeError::new_err(msg),
-        }
-    })
+    new_err(e.to_string())
 }
 
 /// The exception a signal handler raised during the last poll that stopped
