@@ -431,7 +431,7 @@ def main() -> None:
         "--quality",
         action="store_true",
         help="instead: the super-block types and recipes with and without an importance matrix "
-        "on the demo model (docs/accuracy.md, issue 10); with --bench also on the heavy-tailed "
+        "on the demo model (docs/accuracy.md); with --bench also on the heavy-tailed "
         "Qwen3-30B-A3B-width model of scripts/llamacpp_quants.py",
     )
     ap.add_argument("--bench", action="store_true", help="with --quality: the bench model too")

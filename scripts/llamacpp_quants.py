@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """llama.cpp's own quantisers on the model colibri runs: bits per weight, KL, top-1.
 
-The llama.cpp half of issue 10 (colibri's 4/5/6-bit super-block types against
-llama.cpp's): a model is quantised by llama.cpp itself (``llama_model_quantize``
-through llama-cpp-python) into Q4_0, Q4_K_M, Q5_K_M, Q6_K, IQ4_XS and Q8_0,
+The llama.cpp side of the comparison of colibri's 4/5/6-bit super-block types
+with llama.cpp's (scripts/accuracy.py --quality is colibri's side): a model is
+quantised by llama.cpp itself (``llama_model_quantize`` through
+llama-cpp-python) into Q4_0, Q4_K_M, Q5_K_M, Q6_K, IQ4_XS and Q8_0,
 once without and once with an importance matrix computed by llama.cpp's own
 ``llama-imatrix`` tool, and every file is run by llama.cpp on held-out tokens.
 Each is compared with the unquantised model as colibri's engine runs it
