@@ -18,7 +18,7 @@ fixtures saved in those types, and the shipped bf16 file for the demo model
 Inputs. Fixtures: four seeded sequences of 96 uniformly random token ids (fewer
 where the context is shorter, as Phi-MoE's 64; the
 fixtures are random models, so there is no meaningful text). Demo: the English
-paragraphs in ``PROSE`` below (written for this script, so not part of the
+paragraphs in ``PROSE`` of scripts/_common.py (written for these scripts, so not part of the
 training text), cut into windows of 128 tokens; with ``--austen`` also the
 held-out split of the training corpus (the last 5% of each of the six novels,
 which the model never trained on; see docs/demo_model.md), two 256-token
@@ -38,18 +38,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
+from _common import DEMO, PROSE, ROOT, austen_heldout, compare, log_softmax, pool, random_sequences, windows
 
 import colibri
 
-ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "fixtures" / "golden"
-DEMO = ROOT / "python" / "colibri" / "data" / "demo.colibri"
 
 # Weight types compared with the reference; the 16-bit ones only for f32 references.
 BLOCK_TYPES = ["q8_0", "q4_0", "q4_1", "mxfp4"]
@@ -60,81 +58,7 @@ HALF_TYPES = ["bf16", "f16"]
 # for the block types, f32 otherwise. References always use their default (f32).
 KV_CACHE = ["auto"]
 
-# Prose for the demo model, in the register of the novels it was trained on.
-# Written for this script; none of it comes from the corpus.
-PROSE = [
-    "The morning was fine, and Mrs. Harcourt, who had not left the house for three days, "
-    "declared that she would walk as far as the village before dinner. Her daughters were "
-    "not consulted; they were told. Eleanor put down her book without a word, but her "
-    "sister Lucy, who had promised herself a quiet hour at the piano, could not help "
-    "observing that the lane would be very dirty after so much rain.",
-    '"Dirty or clean, it is the only lane we have," said her mother, "and I will not be '
-    "kept at home by a little mud. Mr. Pembroke walks it every day, and he is never the "
-    'worse for it." Lucy thought that Mr. Pembroke was seldom the worse for anything, but '
-    "she kept the thought to herself and went upstairs for her bonnet.",
-    "They had not gone a quarter of a mile before they met the very gentleman of whom they "
-    "had been speaking. He was riding slowly towards the house, and when he saw them he "
-    "got down at once and walked beside them, leading his horse. He asked after their "
-    "health with great civility, spoke of the weather, of the state of the roads, and of "
-    "a new family that was expected at the Hall before the end of the month.",
-    "Eleanor listened with more attention than she wished to show. A new family at the "
-    "Hall must mean new acquaintance, and new acquaintance, in a neighbourhood so small, "
-    "could not be a matter of indifference to anybody. Her mother asked every question "
-    "that civility allowed, and one or two that it did not; Mr. Pembroke answered them "
-    "all with perfect good humour, and knew, as it turned out, very little.",
-    "When they parted at the corner of the churchyard, Mrs. Harcourt was in excellent "
-    "spirits. She had learned that the family was large, that there was a son of about "
-    "six and twenty, and that the father had a good income and no particular wish to "
-    "spend it in London. It was enough to occupy her for the rest of the walk, and for "
-    "the whole of the evening, and very probably for the rest of the week.",
-    "Lucy, for her part, was more interested in a letter which she had found waiting on "
-    "the hall table. It was from her aunt in Bath, and it contained an invitation to "
-    "spend a month there in the spring. She read it twice over before she showed it to "
-    "her sister, and then she could not decide whether she was more pleased to be asked "
-    "or more afraid that her mother would refuse to let her go.",
-]
-
-
 # --------------------------------------------------------------------------- measures
-
-
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
-
-
-def compare(ref: np.ndarray, other: np.ndarray, targets: np.ndarray | None = None) -> dict[str, float]:
-    """Per-position comparison of two logit arrays of shape (T, V), summed.
-
-    Returns sums (not means) so that several sequences can be pooled:
-    ``positions``, ``agree`` (argmax equal), ``kl`` (sum over positions of
-    KL(p_ref || p_other)), ``kl_max``, and with ``targets`` (the actual next
-    token of each position, -1 for none) ``nll_ref``, ``nll_other``, ``scored``.
-    """
-    lr, lo = log_softmax(ref), log_softmax(other)
-    kl = (np.exp(lr) * (lr - lo)).sum(axis=-1)
-    out = {
-        "positions": float(len(ref)),
-        "agree": float((ref.argmax(axis=-1) == other.argmax(axis=-1)).sum()),
-        "kl": float(kl.sum()),
-        "kl_max": float(kl.max()),
-    }
-    if targets is not None:
-        ok = targets >= 0
-        rows = np.nonzero(ok)[0]
-        out["nll_ref"] = float(-lr[rows, targets[ok]].sum())
-        out["nll_other"] = float(-lo[rows, targets[ok]].sum())
-        out["scored"] = float(ok.sum())
-    return out
-
-
-def pool(parts: list[dict[str, float]]) -> dict[str, float]:
-    total: dict[str, float] = {}
-    for p in parts:
-        for k, v in p.items():
-            total[k] = max(total.get(k, v), v) if k == "kl_max" else total.get(k, 0.0) + v
-    return total
 
 
 def measure(ref: colibri.Engine, other: colibri.Engine, seqs: list[list[int]], score_next: bool = False):
@@ -180,52 +104,6 @@ def block_share(engine: colibri.Engine) -> float:
 
 
 # --------------------------------------------------------------------------- inputs
-
-
-def fixture_sequences(vocab: int, count: int = 4, length: int = 96, seed: int = 0) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab, size=length).tolist() for _ in range(count)]
-
-
-def windows(ids: list[int], size: int, minimum: int = 16) -> list[list[int]]:
-    out = [ids[i : i + size] for i in range(0, len(ids), size)]
-    return [w for w in out if len(w) >= minimum]
-
-
-def austen_heldout(source: str, work: Path) -> list[tuple[str, str]]:
-    """(title, held-out text) for each novel, split exactly as the demo model's
-    training split (scripts/demo/train_demo.py)."""
-    sys.path.insert(0, str(ROOT / "scripts" / "demo"))
-    import rdata
-    import train_demo
-
-    work.mkdir(parents=True, exist_ok=True)
-    if source == "download":
-        # apt-get's progress goes to stderr, keeping stdout for the tables.
-        subprocess.run(
-            ["apt-get", "download", train_demo.DEB_PACKAGE], cwd=work, check=True, stdout=sys.stderr
-        )
-        source = str(sorted(work.glob(f"{train_demo.DEB_PACKAGE}_*.deb"))[-1])
-    src = Path(source)
-    if src.suffix == ".deb":
-        subprocess.run(["dpkg-deb", "-x", str(src), str(work / "pkg")], check=True)
-        src = work / "pkg"
-    # Either the root of an unpacked package or an installed R library.
-    candidates = [src / train_demo.RDATA, src / "data" / "Rdata", src / "janeaustenr" / "data" / "Rdata"]
-    rdata_path = next((c for c in candidates if c.with_suffix(".rdx").exists()), None)
-    if rdata_path is None:
-        raise SystemExit(f"no janeaustenr data under {src}")
-    objects = rdata.read_lazyload(rdata_path)
-    out = []
-    for key, title in train_demo.NOVELS:
-        paras = train_demo._paragraphs(list(objects[key]))
-        total = sum(len(p) for p in paras)
-        cut, acc = len(paras), 0
-        while cut > 0 and acc < train_demo.HELDOUT_FRACTION * total:
-            cut -= 1
-            acc += len(paras[cut])
-        out.append((title, "\n".join(paras[cut:]) + "\n"))
-    return out
 
 
 def _round_up(x: float, m: int = 32) -> int:
@@ -338,7 +216,7 @@ def run_fixtures(threads: int, widened: bool, margins: dict, growth: dict) -> li
             colibri.convert(src, ref_path, progress=False)  # the checkpoint's own type
             ref = colibri.Engine(ref_path, threads=threads)
             types = (HALF_TYPES if ref.dtype == "f32" else []) + BLOCK_TYPES
-            seqs = fixture_sequences(ref.vocab_size, length=min(96, ref.context_length))
+            seqs = random_sequences(ref.vocab_size, 4, min(96, ref.context_length), seed=0)
             margins[case.name + (" (widened)" if widened else "")] = reference_margins(ref, seqs)
             for t, path in convert_all(src, work, types).items():
                 eng = colibri.Engine(path, threads=threads, kv_cache_dtype=KV_CACHE[0])
@@ -493,8 +371,7 @@ def run_quality(
     on colibri's default calibration text) and, with `bench`, the 1-layer
     heavy-tailed Qwen3-30B-A3B-width model of scripts/llamacpp_quants.py
     (the same seeds: 4 x 256 random ids measured, 8 x 256 calibrated on)."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    import llamacpp_quants as lq  # noqa: PLC0415 - it imports this module
+    import llamacpp_quants as lq  # only --bench needs it, and it brings in benches/make_models.py
 
     out = {}
     work = scratch / "quality"
@@ -513,8 +390,8 @@ def run_quality(
         )
         path = lq.bench_reference(args, {})
         vocab = colibri.Engine(path, threads=1).vocab_size
-        texts = {"random ids": lq.random_sequences(vocab, 4, 256, seed=0)}
-        calib = [i for s in lq.random_sequences(vocab, 8, 256, seed=1) for i in s]
+        texts = {"random ids": random_sequences(vocab, 4, 256, seed=0)}
+        calib = [i for s in random_sequences(vocab, 8, 256, seed=1) for i in s]
         out[path.parent.name] = quality_rows(path, texts, calib, work, threads, types)
     return out
 
@@ -554,7 +431,7 @@ def main() -> None:
         "--quality",
         action="store_true",
         help="instead: the super-block types and recipes with and without an importance matrix "
-        "on the demo model (docs/accuracy.md, issue 10); with --bench also on the heavy-tailed "
+        "on the demo model (docs/accuracy.md); with --bench also on the heavy-tailed "
         "Qwen3-30B-A3B-width model of scripts/llamacpp_quants.py",
     )
     ap.add_argument("--bench", action="store_true", help="with --quality: the bench model too")

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """llama.cpp's own quantisers on the model colibri runs: bits per weight, KL, top-1.
 
-The llama.cpp half of issue 10 (colibri's 4/5/6-bit super-block types against
-llama.cpp's): a model is quantised by llama.cpp itself (``llama_model_quantize``
-through llama-cpp-python) into Q4_0, Q4_K_M, Q5_K_M, Q6_K, IQ4_XS and Q8_0,
+The llama.cpp side of the comparison of colibri's 4/5/6-bit super-block types
+with llama.cpp's (scripts/accuracy.py --quality is colibri's side): a model is
+quantised by llama.cpp itself (``llama_model_quantize`` through
+llama-cpp-python) into Q4_0, Q4_K_M, Q5_K_M, Q6_K, IQ4_XS and Q8_0,
 once without and once with an importance matrix computed by llama.cpp's own
 ``llama-imatrix`` tool, and every file is run by llama.cpp on held-out tokens.
 Each is compared with the unquantised model as colibri's engine runs it
@@ -16,8 +17,8 @@ weights):
   columns count the tensor data only (no GGUF header / vocabulary), and the
   routed experts' matrices only (what dominates a full-depth MoE model);
 - mean KL(p_ref || p_llama) in nats over all positions and top-1 agreement,
-  computed by ``scripts/accuracy.py``'s ``compare`` (log-softmax in float64),
-  and the largest KL of any position;
+  computed by ``scripts/_common.py``'s ``compare`` (log-softmax in float64),
+  as scripts/accuracy.py computes them, and the largest KL of any position;
 - the llama.cpp type every tensor actually got, read back from the quantised
   file with ``gguf.GGUFReader``: the "_M" mixes promote some tensors, and
   rows that are not a whole number of 256-value super-blocks fall back to
@@ -35,7 +36,7 @@ Models
 are read from the .colibri file and written as a GGUF with
 ``benches/make_models.py``'s qwen3moe layout and metadata (the tied embedding
 is written once, as ``token_embd``, with no ``output.weight``, as llama.cpp's
-converter does for tied models). Held out: ``scripts/accuracy.py``'s
+converter does for tied models). Held out: ``scripts/_common.py``'s
 ``PROSE`` (128-token windows) and, with ``--austen``, the Austen held-out
 split (two 256-token windows per novel), exactly as accuracy.py uses them.
 imatrix calibration: the Austen *training* split (512 tokens from the
@@ -121,13 +122,23 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+from _common import (
+    DEMO,
+    PROSE,
+    ROOT,
+    austen_heldout,
+    austen_novels,
+    compare,
+    log_softmax,
+    pool,
+    random_sequences,
+    windows,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
+# benches/ is a folder of scripts, not a package: its model shapes, tensor
+# lists and GGUF plan (make_models.py) are imported from there by path.
 sys.path.insert(0, str(ROOT / "benches"))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import accuracy  # noqa: E402  (scripts/accuracy.py: compare, pool, PROSE, windows, austen_heldout)
-import make_models as mm  # noqa: E402  (benches/make_models.py: shapes, tensor lists, GGUF plan)
+import make_models as mm  # noqa: E402
 
 import colibri  # noqa: E402
 
@@ -632,13 +643,13 @@ def llama_logits(
 
 
 def measure(ref: list[np.ndarray], other) -> dict[str, float]:
-    """Pooled accuracy.compare over sequences: positions, agree, kl (sums) and
+    """Pooled compare over sequences: positions, agree, kl (sums) and
     kl_max. `other`: logits in the same order, a list or an iterator."""
-    return accuracy.pool([accuracy.compare(a, b) for a, b in zip(ref, other)])
+    return pool([compare(a, b) for a, b in zip(ref, other)])
 
 
 def top1_median(ref: list[np.ndarray]) -> float:
-    return float(np.median(np.concatenate([np.exp(accuracy.log_softmax(x)).max(axis=-1) for x in ref])))
+    return float(np.median(np.concatenate([np.exp(log_softmax(x)).max(axis=-1) for x in ref])))
 
 
 # --------------------------------------------------------------------------- inputs
@@ -647,22 +658,9 @@ def top1_median(ref: list[np.ndarray]) -> float:
 def austen_training_calibration(source: str, work: Path, per_novel: int = 512) -> list[int]:
     """`per_novel` demo-tokenizer ids of each novel's training split, from its
     middle paragraph on (the split of scripts/demo/train_demo.py)."""
-    sys.path.insert(0, str(ROOT / "scripts" / "demo"))
-    import rdata
-    import train_demo
-
-    src = _austen_source(source, work)
-    objects = rdata.read_lazyload(src / train_demo.RDATA)
-    tok = colibri.Engine(accuracy.DEMO, threads=1)
+    tok = colibri.Engine(DEMO, threads=1)
     ids: list[int] = []
-    for key, _title in train_demo.NOVELS:
-        paras = train_demo._paragraphs(list(objects[key]))
-        total = sum(len(p) for p in paras)
-        cut, acc = len(paras), 0
-        while cut > 0 and acc < train_demo.HELDOUT_FRACTION * total:
-            cut -= 1
-            acc += len(paras[cut])
-        train = paras[:cut]
+    for key, _title, train, _held in austen_novels(source, work):
         text = "\n".join(train[len(train) // 2 :]) + "\n"
         got = tok.tokenize(text[: 20 * per_novel])[:per_novel]  # ~4.2 characters a token
         if len(got) < per_novel:
@@ -671,50 +669,17 @@ def austen_training_calibration(source: str, work: Path, per_novel: int = 512) -
     return ids
 
 
-def _austen_source(source: str, work: Path) -> Path:
-    """The unpacked r-cran-janeaustenr package (see accuracy.austen_heldout)."""
-    sys.path.insert(0, str(ROOT / "scripts" / "demo"))
-    import train_demo
-
-    work.mkdir(parents=True, exist_ok=True)
-    if source == "download":
-        debs = sorted(work.glob(f"{train_demo.DEB_PACKAGE}_*.deb"))
-        if not debs:
-            subprocess.run(
-                ["apt-get", "download", train_demo.DEB_PACKAGE], cwd=work, check=True, stdout=sys.stderr
-            )
-            debs = sorted(work.glob(f"{train_demo.DEB_PACKAGE}_*.deb"))
-        source = str(debs[-1])
-    src = Path(source)
-    if src.suffix == ".deb":
-        pkg = work / "pkg"
-        if not pkg.exists():
-            subprocess.run(["dpkg-deb", "-x", str(src), str(pkg)], check=True)
-        src = pkg
-    if not (src / train_demo.RDATA).with_suffix(".rdx").exists():
-        raise SystemExit(f"no janeaustenr data ({train_demo.RDATA}.rdx) under {src}")
-    return src
-
-
 def demo_inputs(austen: str | None, work: Path) -> tuple[dict[str, list[list[int]]], list[int] | None]:
     """Held-out sequences per text (as scripts/accuracy.py uses them) and the
     imatrix calibration ids (None without the Austen corpus)."""
-    tok = colibri.Engine(accuracy.DEMO, threads=1)
-    texts = {"own prose": accuracy.windows(tok.tokenize("\n".join(accuracy.PROSE) + "\n"), 128)}
+    tok = colibri.Engine(DEMO, threads=1)
+    texts = {"own prose": windows(tok.tokenize("\n".join(PROSE) + "\n"), 128)}
     calib = None
     if austen:
-        pkg = _austen_source(austen, work)
-        held = accuracy.austen_heldout(str(pkg), work)
-        texts["Austen held-out"] = [
-            w for _t, text in held for w in accuracy.windows(tok.tokenize(text), 256)[:2]
-        ]
-        calib = austen_training_calibration(str(pkg), work)
+        held = austen_heldout(austen, work)
+        texts["Austen held-out"] = [w for _t, text in held for w in windows(tok.tokenize(text), 256)[:2]]
+        calib = austen_training_calibration(austen, work)
     return texts, calib
-
-
-def random_sequences(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab, size=length).tolist() for _ in range(count)]
 
 
 # --------------------------------------------------------------------------- runs
@@ -892,7 +857,7 @@ def main(argv: list[str] | None = None) -> int:
     for model in [m for m in args.models.split(",") if m]:
         if model == "demo":
             texts, calib = demo_inputs(args.austen, Path(args.work) / "austen")
-            res = run_model("demo", accuracy.DEMO, "BF16", texts, calib, args, extra_checks=("F32",))
+            res = run_model("demo", DEMO, "BF16", texts, calib, args, extra_checks=("F32",))
         elif model == "qwen3moe":
             times: dict = {}
             ref = bench_reference(args, times)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 import struct
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -14,6 +17,16 @@ import colibri
 
 GOLDEN = Path(__file__).parent / "fixtures" / "golden"
 CASES = sorted(p.name for p in GOLDEN.iterdir() if (p / "golden.npz").exists())
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str) -> ModuleType:
+    """scripts/<name>.py as a module. The scripts import their shared helpers
+    (scripts/_common.py) as running one from the repository root does, with
+    scripts/ on the import path, so a test puts it there too."""
+    if str(SCRIPTS) not in sys.path:
+        sys.path.append(str(SCRIPTS))
+    return importlib.import_module(name)
 
 
 def read_safetensors(path: Path) -> tuple[dict[str, dict], bytes]:

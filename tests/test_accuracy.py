@@ -2,7 +2,7 @@
 
 The bundled demo model (bf16, trained) is re-encoded into q8_0, q4_0 and q4_1
 and compared with the shipped file on English prose, position by position,
-with the measures of scripts/accuracy.py (which also supplies the text).
+with the measures and the text that scripts/accuracy.py uses (scripts/_common.py).
 docs/accuracy.md has the full figures and how they were made.
 
 Measured on this text (557 positions; the same numbers on every thread
@@ -22,33 +22,22 @@ to whole nats.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 import colibri
+from conftest import load_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "accuracy.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("colibri_accuracy_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-acc = _load_script()
+acc = load_script("accuracy")
+common = load_script("_common")
 
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    if not acc.DEMO.is_file():
+    if not common.DEMO.is_file():
         pytest.skip("the demo model is not in this checkout")
     work = tmp_path_factory.mktemp("accuracy")
-    ref = colibri.Engine(acc.DEMO, threads=2)
+    ref = colibri.Engine(common.DEMO, threads=2)
     # The importance matrix of the default calibration text (training prose,
     # disjoint from the text measured on).
     imatrix = ref.calibrate(work / "demo.imatrix", progress=False)
@@ -58,11 +47,11 @@ def measured(tmp_path_factory):
     runs += [(r, r, None) for r in ("q4_1-mix-down8", "q4k-mix")]
     for t, dtype, im in runs:
         path = work / f"demo-{t}.colibri"
-        colibri.convert(acc.DEMO, path, dtype=dtype, imatrix=im, progress=False)
+        colibri.convert(common.DEMO, path, dtype=dtype, imatrix=im, progress=False)
         eng = colibri.Engine(path, threads=2)
         assert eng.dtype == {"q4_1-mix-down8": "q4_1", "q4k-mix": "q4k"}.get(dtype, dtype)
         # The tokenizer travelled with the re-encoded file.
-        seqs = acc.windows(eng.tokenize("\n".join(acc.PROSE) + "\n"), 128)
+        seqs = common.windows(eng.tokenize("\n".join(common.PROSE) + "\n"), 128)
         m = acc.measure(ref, eng, seqs, score_next=True)
         out[t] = {
             "top1": m["agree"] / m["positions"],
@@ -145,5 +134,5 @@ def test_measure_is_zero_against_itself():
     # The measure itself: a model compared with itself agrees everywhere with KL 0.
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((7, 11)).astype(np.float32)
-    m = acc.compare(logits, logits, np.array([1, 2, 3, 4, 5, 6, -1]))
+    m = common.compare(logits, logits, np.array([1, 2, 3, 4, 5, 6, -1]))
     assert m["agree"] == 7 and m["kl"] == 0.0 and m["nll_ref"] == m["nll_other"]

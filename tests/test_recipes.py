@@ -4,7 +4,6 @@ errors for recipes and importance matrices that do not fit."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import struct
 import subprocess
@@ -14,10 +13,10 @@ from pathlib import Path
 import pytest
 
 import colibri
+from conftest import load_script
 
 GOLDEN = Path(__file__).parent / "fixtures" / "golden"
 CLI = [sys.executable, "-m", "colibri"]
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "accuracy.py"
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +24,7 @@ def wide(tmp_path_factory):
     """wide(case): the fixture with every width a multiple of 32
     (scripts/accuracy.py's widen_fixture), so block types apply; the
     fixtures' own widths (36, 44) make the converter keep bf16."""
-    spec = importlib.util.spec_from_file_location("colibri_accuracy_script", SCRIPT)
-    acc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(acc)
+    acc = load_script("accuracy")
     root = tmp_path_factory.mktemp("wide")
     cache: dict[str, Path] = {}
 

@@ -14,7 +14,8 @@ from typing import Any
 from ._colibri import __version__, supported_architectures, supported_dtypes
 from ._colibri import kernel_tables as _kernel_tables
 from ._colibri import recipes as _recipes
-from ._engine import Engine, calibrate, convert, plan
+from ._convert import convert
+from ._engine import Engine, calibrate, plan
 from ._errors import (
     BusyError,
     ChatTemplateError,

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ._colibri import __version__
+from ._convert import convert
 from ._errors import ColibriIOError, ModelNotFoundError, OutputExistsError
 
 
@@ -47,8 +48,6 @@ def source_key(src: Path, dtype: str | None) -> str:
 
 def cached_conversion(src: Path, *, dtype: str | None, cache_dir: Any, progress: bool | None) -> Path:
     """The cached conversion of ``src``, converting first if there is none."""
-    from ._engine import convert
-
     if not src.exists():
         raise ModelNotFoundError(f"{src}: no such file or directory")
     if not src.is_dir():

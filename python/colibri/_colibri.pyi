@@ -24,6 +24,7 @@ class NativeEngine:
     def __new__(
         cls,
         path: str | PathLike[str],
+        *,
         threads: int | None = None,
         ram_budget: int | None = None,
         lru: bool = True,
@@ -31,7 +32,7 @@ class NativeEngine:
         prefetch: bool = False,
         io: str = "buffered",
         heat_file: str | None = None,
-        kv_cache: str = "auto",
+        kv_cache_dtype: str = "auto",
         max_batch: int = 16,
         max_queue: int = 0,
         weights: Literal["auto", "map", "copy"] = "auto",
@@ -70,6 +71,7 @@ class NativeEngine:
         windows: list[list[int]],
         output: str | PathLike[str],
         source: str,
+        *,
         progress: bool = True,
     ) -> tuple[int, int]: ...
     @property
@@ -92,6 +94,7 @@ class NativeGeneration:
 def convert_checkpoint(
     src: str | PathLike[str],
     dst: str | PathLike[str],
+    *,
     dtype: str | None = None,
     force: bool = False,
     progress: bool = True,

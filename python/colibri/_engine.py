@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 from . import _colibri
+from ._cache import cached_conversion, hub_snapshot, looks_like_repo_id
 from ._errors import (
     ChatTemplateError,
     InvalidInputError,
@@ -219,17 +220,17 @@ class Engine:
         heat = None if heat_file is None else os.fspath(heat_file)
         self._native = _colibri.NativeEngine(
             self._path,
-            threads,
-            budget,
-            bool(lru),
-            bool(pin_hot),
-            bool(prefetch),
-            str(io),
-            heat,
-            str(kv_cache_dtype),
-            int(max_batch),
-            int(max_queue),
-            "auto" if mmap is None else "map" if mmap else "copy",
+            threads=threads,
+            ram_budget=budget,
+            lru=bool(lru),
+            pin_hot=bool(pin_hot),
+            prefetch=bool(prefetch),
+            io=str(io),
+            heat_file=heat,
+            kv_cache_dtype=str(kv_cache_dtype),
+            max_batch=int(max_batch),
+            max_queue=int(max_queue),
+            weights="auto" if mmap is None else "map" if mmap else "copy",
         )
         self._meta = json.loads(self._native.metadata_json())
         self._lock = threading.Lock()
@@ -265,8 +266,6 @@ class Engine:
         the colibri version stay the same; a stale conversion of the same
         folder and dtype is removed.
         """
-        from ._cache import cached_conversion, hub_snapshot, looks_like_repo_id
-
         name = os.fspath(model)
         src = Path(name)
         if src.is_file():
@@ -483,7 +482,7 @@ class Engine:
         windows = [lead + ids[i : i + step] for i in range(0, len(ids), step)]
         if progress is None:
             progress = sys.stderr.isatty()
-        self._native.calibrate(windows, os.fspath(out), source, bool(progress))
+        self._native.calibrate(windows, os.fspath(out), source, progress=bool(progress))
         return out
 
     @property
@@ -855,58 +854,6 @@ class Engine:
         )
 
 
-def convert(
-    src: PathLike,
-    dst: PathLike,
-    *,
-    dtype: str | None = None,
-    imatrix: PathLike | None = None,
-    force: bool = False,
-    progress: bool | None = None,
-) -> dict[str, Any]:
-    """Converts a Hugging Face checkpoint folder into one ``.colibri`` file,
-    or re-encodes a ``.colibri`` file into another weight type.
-
-    Args:
-        src: folder with ``config.json`` and ``*.safetensors`` (sharded or not),
-            and usually the tokenizer files, which are embedded too; or a
-            ``.colibri`` file, whose tensors are decoded to f32 and encoded
-            again in ``dtype`` (config, tokenizer, chat template and
-            generation defaults are kept). Re-encoding cannot restore
-            precision the file no longer has: from an already quantised file
-            the second rounding adds to the first, so quantise from the
-            highest-precision file you have.
-        dst: output file. Refused if it exists, unless ``force=True``.
-        dtype: storage type of the weight matrices: one of
-            :func:`colibri.supported_dtypes` for all of them; a recipe from
-            :func:`colibri.recipes` (``"q4_1-mix"`` ...); or ``class=type``
-            pairs (``"experts=q4_1,experts_down=q8_0,default=q8_0"``; classes
-            ``embed``, ``lm_head``, ``attn``, ``ffn``, ``shared``,
-            ``experts``, ``experts_down``). ``None`` keeps the source's own
-            type (``q8_0`` for FP8 and MXFP4 checkpoints, whose types colibri
-            does not store). Norms, biases and the router are always f32.
-        imatrix: an importance matrix from :meth:`Engine.calibrate` (or
-            ``colibri calibrate``) of the same model: the quantisers then
-            minimise the error weighted by each column's mean squared
-            activation. Refused with a clear error if it was made for
-            another model.
-        progress: draw a progress bar on stderr (default: when stderr is a terminal).
-
-    Returns a summary: ``path``, ``architecture``, ``dtype``, ``recipe``,
-    ``tensors``, ``bytes`` and, with an importance matrix, ``weighted``:
-    (matrices it weighted, quantised matrices it had nothing for).
-    A failed or interrupted conversion leaves no file behind.
-    """
-    if progress is None:
-        progress = sys.stderr.isatty()
-    imatrix = None if imatrix is None else os.fspath(imatrix)
-    return dict(
-        _colibri.convert_checkpoint(
-            os.fspath(src), os.fspath(dst), dtype, bool(force), bool(progress), imatrix
-        )
-    )
-
-
 def calibrate(
     model: PathLike,
     output: PathLike | None = None,
@@ -944,4 +891,4 @@ def _calibration_text() -> str:
     return path.read_text(encoding="utf-8")
 
 
-__all__ = ["Completion", "Engine", "Stream", "TokenCompletion", "calibrate", "convert", "generation_defaults"]
+__all__ = ["Completion", "Engine", "Stream", "TokenCompletion", "calibrate", "generation_defaults"]

@@ -24,7 +24,8 @@ from typing import Any, NoReturn
 from . import __version__, kernels
 from ._colibri import recipes as _recipe_table
 from ._colibri import supported_dtypes
-from ._engine import Engine, convert, plan
+from ._convert import convert
+from ._engine import Engine, plan
 from ._errors import ColibriError
 from ._sampling import SamplingParams
 

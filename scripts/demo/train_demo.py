@@ -151,6 +151,17 @@ def _paragraphs(lines: list[str]) -> list[str]:
     return out
 
 
+def split_novel(paras: list[str]) -> tuple[list[str], list[str]]:
+    """(training, held-out) paragraphs of one novel: the held-out part is its
+    tail, whole paragraphs, at least HELDOUT_FRACTION of the characters."""
+    total = sum(len(p) for p in paras)
+    cut, acc = len(paras), 0
+    while cut > 0 and acc < HELDOUT_FRACTION * total:
+        cut -= 1
+        acc += len(paras[cut])
+    return paras[:cut], paras[cut:]
+
+
 def cmd_corpus(args) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     import rdata
@@ -171,14 +182,11 @@ def cmd_corpus(args) -> None:
     stats = []
     for key, title in NOVELS:
         paras = _paragraphs(list(objects[key]))
+        train, valid = split_novel(paras)
         total = sum(len(p) for p in paras)
-        # Hold out the tail of the novel (whole paragraphs, ~5% of the characters).
-        cut, acc = len(paras), 0
-        while cut > 0 and acc < HELDOUT_FRACTION * total:
-            cut -= 1
-            acc += len(paras[cut])
-        books["train"].append({"title": title, "paragraphs": paras[:cut]})
-        books["valid"].append({"title": title, "paragraphs": paras[cut:]})
+        acc = sum(len(p) for p in valid)
+        books["train"].append({"title": title, "paragraphs": train})
+        books["valid"].append({"title": title, "paragraphs": valid})
         stats.append((title, len(paras), total, total - acc, acc))
     for split, items in books.items():
         (CORPUS / f"{split}.json").write_text(json.dumps(items, ensure_ascii=False))

@@ -23,18 +23,32 @@ use crate::error::Error;
 use crate::model::store::{Backing, HeatFile, IoMode, Policy, StoreOptions};
 use crate::quant::DType;
 
+/// The classes of `colibri/_errors.py`, each imported on first use and kept.
+mod exceptions {
+    pyo3::import_exception!(colibri._errors, BusyError);
+    pyo3::import_exception!(colibri._errors, CheckpointError);
+    pyo3::import_exception!(colibri._errors, ColibriIOError);
+    pyo3::import_exception!(colibri._errors, ContextLengthError);
+    pyo3::import_exception!(colibri._errors, FormatError);
+    pyo3::import_exception!(colibri._errors, InvalidInputError);
+    pyo3::import_exception!(colibri._errors, ModelNotFoundError);
+    pyo3::import_exception!(colibri._errors, OutputExistsError);
+    pyo3::import_exception!(colibri._errors, UnsupportedModelError);
+}
+
 /// Maps an error to its Python exception class.
 fn to_py(e: Error) -> PyErr {
-    let class = match &e {
-        Error::Format { .. } => "FormatError",
-        Error::Unsupported(_) => "UnsupportedModelError",
-        Error::Checkpoint { .. } => "CheckpointError",
-        Error::InvalidInput(_) => "InvalidInputError",
-        Error::ContextOverflow(_) => "ContextLengthError",
-        Error::OutputExists(_) => "OutputExistsError",
-        Error::NotFound(_) => "ModelNotFoundError",
-        Error::Io { .. } | Error::ExpertRead { .. } => "ColibriIOError",
-        Error::Busy(_) => "BusyError",
+    use exceptions::*;
+    let new_err: fn(String) -> PyErr = match &e {
+        Error::Format { .. } => FormatError::new_err,
+        Error::Unsupported(_) => UnsupportedModelError::new_err,
+        Error::Checkpoint { .. } => CheckpointError::new_err,
+        Error::InvalidInput(_) => InvalidInputError::new_err,
+        Error::ContextOverflow(_) => ContextLengthError::new_err,
+        Error::OutputExists(_) => OutputExistsError::new_err,
+        Error::NotFound(_) => ModelNotFoundError::new_err,
+        Error::Io { .. } | Error::ExpertRead { .. } => ColibriIOError::new_err,
+        Error::Busy(_) => BusyError::new_err,
         Error::Interrupted => {
             // The exception the signal handler raised (KeyboardInterrupt for
             // Ctrl-C, whatever a caller's SIGTERM handler raises), so it
@@ -43,17 +57,7 @@ fn to_py(e: Error) -> PyErr {
             return pending.unwrap_or_else(|| PyKeyboardInterrupt::new_err("interrupted"));
         }
     };
-    let msg = e.to_string();
-    Python::attach(|py| {
-        let cls = py.import("colibri._errors").and_then(|m| m.getattr(class));
-        match cls {
-            Ok(cls) => match cls.call1((msg.clone(),)) {
-                Ok(inst) => PyErr::from_value(inst),
-                Err(err) => err,
-            },
-            Err(_) => PyRuntimeError::new_err(msg),
-        }
-    })
+    new_err(e.to_string())
 }
 
 /// The exception a signal handler raised during the last poll that stopped
@@ -98,7 +102,10 @@ struct NativeEngine {
 #[pymethods]
 impl NativeEngine {
     #[new]
-    #[pyo3(signature = (path, threads=None, ram_budget=None, lru=true, pin_hot=true, prefetch=false, io="buffered", heat_file=None, kv_cache="auto", max_batch=16, max_queue=0, weights="auto"))]
+    #[pyo3(signature = (
+        path, *, threads=None, ram_budget=None, lru=true, pin_hot=true, prefetch=false, io="buffered",
+        heat_file=None, kv_cache_dtype="auto", max_batch=16, max_queue=0, weights="auto",
+    ))]
     #[allow(clippy::too_many_arguments)] // mirrors keyword arguments of the Python constructor
     fn new(
         py: Python<'_>,
@@ -110,15 +117,17 @@ impl NativeEngine {
         prefetch: bool,
         io: &str,
         heat_file: Option<&str>,
-        kv_cache: &str,
+        kv_cache_dtype: &str,
         max_batch: usize,
         max_queue: usize,
         weights: &str,
     ) -> PyResult<Self> {
         let io = IoMode::parse(io).map_err(to_py)?;
         let backing = Backing::parse(weights).map_err(to_py)?;
-        let kv_cache = KvCacheType::parse(kv_cache).ok_or_else(|| {
-            to_py(Error::InvalidInput(format!("kv_cache must be \"auto\", \"f32\" or \"f16\", got {kv_cache:?}")))
+        let kv_cache = KvCacheType::parse(kv_cache_dtype).ok_or_else(|| {
+            to_py(Error::InvalidInput(format!(
+                "kv_cache_dtype must be \"auto\", \"f32\" or \"f16\", got {kv_cache_dtype:?}"
+            )))
         })?;
         let heat_file = match heat_file {
             None => HeatFile::Beside,
@@ -320,7 +329,7 @@ impl NativeEngine {
     /// Runs token windows through the model recording each weight matrix's
     /// input columns, and writes the importance matrix to `output`; returns
     /// (tokens run, matrices recorded).
-    #[pyo3(signature = (windows, output, source, progress=true))]
+    #[pyo3(signature = (windows, output, source, *, progress=true))]
     fn calibrate(
         &self,
         py: Python<'_>,
@@ -442,7 +451,7 @@ impl NativeGeneration {
 /// Converts a Hugging Face folder to a .colibri file (or re-encodes a
 /// .colibri file into another weight type); returns a summary dict.
 #[pyfunction]
-#[pyo3(signature = (src, dst, dtype=None, force=false, progress=true, imatrix=None))]
+#[pyo3(signature = (src, dst, *, dtype=None, force=false, progress=true, imatrix=None))]
 fn convert_checkpoint<'py>(
     py: Python<'py>,
     src: PathBuf,

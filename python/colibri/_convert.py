@@ -1,0 +1,75 @@
+"""Conversion: a Hugging Face checkpoint folder (or a ``.colibri`` file) into
+one ``.colibri`` file, done by the native converter.
+
+The conversion cache behind ``Engine.from_pretrained`` calls it, and so do
+``colibri.convert`` and the CLI; it imports neither the engine nor the cache.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Union
+
+from . import _colibri
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def convert(
+    src: PathLike,
+    dst: PathLike,
+    *,
+    dtype: str | None = None,
+    imatrix: PathLike | None = None,
+    force: bool = False,
+    progress: bool | None = None,
+) -> dict[str, Any]:
+    """Converts a Hugging Face checkpoint folder into one ``.colibri`` file,
+    or re-encodes a ``.colibri`` file into another weight type.
+
+    Args:
+        src: folder with ``config.json`` and ``*.safetensors`` (sharded or not),
+            and usually the tokenizer files, which are embedded too; or a
+            ``.colibri`` file, whose tensors are decoded to f32 and encoded
+            again in ``dtype`` (config, tokenizer, chat template and
+            generation defaults are kept). Re-encoding cannot restore
+            precision the file no longer has: from an already quantised file
+            the second rounding adds to the first, so quantise from the
+            highest-precision file you have.
+        dst: output file. Refused if it exists, unless ``force=True``.
+        dtype: storage type of the weight matrices: one of
+            :func:`colibri.supported_dtypes` for all of them; a recipe from
+            :func:`colibri.recipes` (``"q4_1-mix"`` ...); or ``class=type``
+            pairs (``"experts=q4_1,experts_down=q8_0,default=q8_0"``; classes
+            ``embed``, ``lm_head``, ``attn``, ``ffn``, ``shared``,
+            ``experts``, ``experts_down``). ``None`` keeps the source's own
+            type (``q8_0`` for FP8 and MXFP4 checkpoints, whose types colibri
+            does not store). Norms, biases and the router are always f32.
+        imatrix: an importance matrix from :meth:`Engine.calibrate` (or
+            ``colibri calibrate``) of the same model: the quantisers then
+            minimise the error weighted by each column's mean squared
+            activation. Refused with a clear error if it was made for
+            another model.
+        progress: draw a progress bar on stderr (default: when stderr is a terminal).
+
+    Returns a summary: ``path``, ``architecture``, ``dtype``, ``recipe``,
+    ``tensors``, ``bytes`` and, with an importance matrix, ``weighted``:
+    (matrices it weighted, quantised matrices it had nothing for).
+    A failed or interrupted conversion leaves no file behind.
+    """
+    if progress is None:
+        progress = sys.stderr.isatty()
+    imatrix = None if imatrix is None else os.fspath(imatrix)
+    summary = _colibri.convert_checkpoint(
+        os.fspath(src),
+        os.fspath(dst),
+        dtype=dtype,
+        force=bool(force),
+        progress=bool(progress),
+        imatrix=imatrix,
+    )
+    return dict(summary)
+
+
+__all__ = ["convert"]
