@@ -1,9 +1,11 @@
 """The ``colibri`` command line.
 
 Subcommands: ``convert`` (Hugging Face folder or .colibri -> .colibri), ``calibrate``
-(an importance matrix for ``convert --imatrix``), ``generate``
-(one prompt, streamed to stdout), ``chat`` (an interactive conversation) and
-``info`` (what a .colibri file holds). Every error is one line on stderr with
+(an importance matrix for ``convert --imatrix``), ``generate`` (one prompt,
+streamed to stdout), ``stats`` (routing and expert-store statistics of a run),
+``plan`` (what fits a RAM budget), ``chat`` (an interactive conversation),
+``serve`` (the OpenAI-compatible HTTP server) and ``info`` (what a .colibri
+file holds); docs/guide/cli.md describes each. Every error is one line on stderr with
 a non-zero exit status (2 for bad arguments, 1 for everything else); Ctrl-C
 exits with status 130, or in ``chat`` cuts the reply short; SIGTERM exits with
 status 143. Either way a conversion stops between tensors and removes its
