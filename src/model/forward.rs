@@ -492,7 +492,7 @@ fn ffn_or_moe(model: &Model, l: usize, s: &mut Workspace, n: usize) -> Result<()
     match lw.ffn {
         FfnRefs::Dense(m) => {
             // Every supported family's dense layers are SiLU-gated.
-            gated_mlp(&mlp(model, m), Activation::Silu, &inp, scratch, proj, true);
+            gated_mlp(&mlp(model, m), Activation::Silu, &inp, scratch, proj);
             Ok(())
         }
         FfnRefs::Moe { shared, shared_gate, .. } => {

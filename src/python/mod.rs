@@ -35,6 +35,7 @@ fn to_py(e: Error) -> PyErr {
         Error::NotFound(_) => "ModelNotFoundError",
         Error::Io { .. } | Error::ExpertRead { .. } => "ColibriIOError",
         Error::Busy(_) => "BusyError",
+        Error::Internal(_) => "ColibriError",
         Error::Interrupted => {
             // The exception the signal handler raised (KeyboardInterrupt for
             // Ctrl-C, whatever a caller's SIGTERM handler raises), so it
