@@ -6,7 +6,7 @@
 //! the rest of the step's token budget in arrival order), so the dense
 //! weights are read once per step for all of them and each routed expert
 //! once for all the tokens routed to it. Every sequence keeps its own KV
-//! cache and decoder (the decode step of [`step`](super::step), which the
+//! cache and decoder (the decode step of `engine/step.rs`, which the
 //! single [`Generation`](super::Generation) uses too); requests join between
 //! steps and leave the moment they finish or are cancelled (a dropped
 //! [`Ticket`] cancels). The kernels give a row the same bits whatever rows

@@ -1,5 +1,5 @@
 //! One generation call as a value: a session of its own and the decoder of
-//! [`step`](super::step), advanced one token at a time by
+//! `engine/step.rs`, advanced one token at a time by
 //! [`Generation::next_token`].
 //!
 //! Keeping the loop in a value (rather than a function taking a callback)
