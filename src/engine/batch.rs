@@ -473,7 +473,7 @@ fn step(engine: &Engine, ws: &mut Workspace, running: &mut Vec<Running>, opts: B
             &generated[generated.len() - 1..]
         };
         let end = if generated.is_empty() { r.req.prompt.len() } else { r.seq.pos + 1 };
-        segs.push(Segment { seq: &mut r.seq, tokens, end, logits });
+        segs.push(Segment { seq: &mut r.seq, tokens, end, wants_logits: logits });
     }
     let n_tokens: usize = segs.iter().map(|g| g.tokens.len()).sum();
     let result = forward_batch(engine.model(), ws, &mut segs, Some(&engine.pool));

@@ -84,7 +84,7 @@ pub fn forward(
             return Err(Error::Interrupted);
         }
         let n = (total - done).min(s.ws.chunk);
-        let seg = Segment { seq: &mut s.seq, tokens: &tokens[done..done + n], end, logits: done + n == total };
+        let seg = Segment { seq: &mut s.seq, tokens: &tokens[done..done + n], end, wants_logits: done + n == total };
         let ws = &mut s.ws;
         let mut segs = [seg];
         match pool {
@@ -106,7 +106,7 @@ pub struct Segment<'a> {
     /// passes ends where the prompt does): LongRoPE's sequence length.
     pub end: usize,
     /// Leave the logits of the last token in `seq.logits`.
-    pub logits: bool,
+    pub wants_logits: bool,
 }
 
 /// One pass over the tokens of several sequences at once: every weight is
@@ -123,7 +123,7 @@ pub fn forward_batch(
     pool: Option<&rayon::ThreadPool>,
 ) -> Result<()> {
     let n: usize = segs.iter().map(|g| g.tokens.len()).sum();
-    let logit_rows = segs.iter().filter(|g| g.logits).count();
+    let logit_rows = segs.iter().filter(|g| g.wants_logits).count();
     if n > ws.chunk || logit_rows > ws.logit_rows {
         return Err(Error::InvalidInput(format!(
             "a batch of {n} tokens and {logit_rows} logit rows does not fit a workspace of {} and {}",
@@ -444,7 +444,7 @@ fn lm_head(model: &Model, s: &mut Workspace, segs: &mut [Segment], n: usize, off
         let y = &mut all[off * vocab..(off + n) * vocab];
         matmul(&head, &s.xq.prepare(xn, d), y); // [T, V]
         bias_and_scale(y);
-        for g in segs.iter_mut().filter(|g| g.logits) {
+        for g in segs.iter_mut().filter(|g| g.wants_logits) {
             g.seq.logits.copy_from_slice(&y[(n - 1) * vocab..n * vocab]);
         }
         return;
@@ -452,7 +452,7 @@ fn lm_head(model: &Model, s: &mut Workspace, segs: &mut [Segment], n: usize, off
     // The last rows whose logits are wanted, gathered: [S, D].
     let mut wanted = 0;
     for (g, (r0, m)) in segs.iter().zip(rows(segs)) {
-        if g.logits {
+        if g.wants_logits {
             let last = r0 + m - 1;
             s.head_x[wanted * d..(wanted + 1) * d].copy_from_slice(&xn[last * d..(last + 1) * d]);
             wanted += 1;
@@ -463,7 +463,7 @@ fn lm_head(model: &Model, s: &mut Workspace, segs: &mut [Segment], n: usize, off
     }
     let y = &mut s.head_y[..wanted * vocab];
     matmul(&head, &s.xq.prepare(&s.head_x[..wanted * d], d), y); // [S, V]
-    for (row, g) in y.chunks_exact_mut(vocab).zip(segs.iter_mut().filter(|g| g.logits)) {
+    for (row, g) in y.chunks_exact_mut(vocab).zip(segs.iter_mut().filter(|g| g.wants_logits)) {
         bias_and_scale(row);
         g.seq.logits.copy_from_slice(row);
     }
