@@ -69,6 +69,7 @@ impl Status {
             Error::Io { .. } | Error::ExpertRead { .. } => Status::Io,
             Error::Interrupted => Status::Interrupted,
             Error::Busy(_) => Status::Busy,
+            Error::Internal(_) => Status::Internal,
         }
     }
 }

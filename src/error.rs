@@ -88,6 +88,11 @@ pub enum Error {
     /// A scheduler's queue is full: try again later.
     #[error("{0}")]
     Busy(String),
+
+    /// An invariant of the engine itself did not hold: a bug in colibri, not
+    /// a problem with the caller's input or files. The message says which.
+    #[error("internal error (please report): {0}")]
+    Internal(String),
 }
 
 impl Clone for Error {
@@ -109,6 +114,7 @@ impl Clone for Error {
             }
             Error::Interrupted => Error::Interrupted,
             Error::Busy(m) => Error::Busy(m.clone()),
+            Error::Internal(m) => Error::Internal(m.clone()),
         }
     }
 }

@@ -11,7 +11,8 @@
 //! [`calibrate`] runs token windows through an engine with every matrix in
 //! the file (no expert streaming, so each matmul's weights are the file's own
 //! bytes and are found by address) and records every matmul's input rows
-//! through the kernels' observer hook ([`crate::kernels::observe_matmuls`]).
+//! through the kernels' observer hook ([`crate::kernels::observe_matmuls`]),
+//! asking for every position's logits so the lm_head sees every row too.
 //! Routed experts are separate tensors, so each expert's entry counts only
 //! the tokens routed to it.
 //!
@@ -300,11 +301,16 @@ pub fn calibrate(
     let observer = rec.clone();
     crate::kernels::observe_matmuls(Some(Arc::new(move |w: &Matrix, inp: &Input| observer.record(w, inp))));
     let uninstall = Uninstall;
+    // Every position's logits, so the lm_head multiplies (and the observer
+    // records) every row of its input, not only the last of each window.
+    let longest = windows.iter().map(Vec::len).max().unwrap_or(0);
+    let mut logits = vec![0.0; longest * model.config.vocab_size];
     let mut tokens = 0u64;
     for (i, w) in windows.iter().enumerate() {
         if !w.is_empty() {
             let mut s = engine.session(w.len());
-            engine.run(&mut s, w, Capture::default(), interrupted)?;
+            let all = Some(&mut logits[..w.len() * model.config.vocab_size]);
+            engine.run(&mut s, w, Capture { logits: all, hidden: None }, interrupted)?;
             tokens += w.len() as u64;
         }
         progress(i + 1, windows.len());

@@ -6,16 +6,18 @@
 //! the rest of the step's token budget in arrival order), so the dense
 //! weights are read once per step for all of them and each routed expert
 //! once for all the tokens routed to it. Every sequence keeps its own KV
-//! cache and sampler; requests join between steps and leave the moment they
-//! finish or are cancelled (a dropped [`Ticket`] cancels). The kernels give a
-//! row the same bits whatever rows run beside it, so a sequence's tokens do
-//! not depend on what else is running.
+//! cache and decoder (the decode step of `engine/step.rs`, which the
+//! single [`Generation`](super::Generation) uses too); requests join between
+//! steps and leave the moment they finish or are cancelled (a dropped
+//! [`Ticket`] cancels). The kernels give a row the same bits whatever rows
+//! run beside it, so a sequence's tokens do not depend on what else is
+//! running.
 //!
 //! ```text
 //! submit ─► waiting (FIFO, at most max_queue) ─► running (at most max_batch)
 //!                                                   │ step: decoders' last tokens + prompt chunks
 //!                                                   ▼
-//!                                     sample each finished row ─► Ticket's channel
+//!                              decode step of each finished row ─► Ticket's channel
 //! ```
 
 use std::collections::VecDeque;
@@ -26,11 +28,10 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::Engine;
-use super::generation::{FinishReason, GenerateOptions, Timings, TokenLogprobs, check_request};
-use super::sampling::Sampler;
-use super::session::{DEFAULT_CHUNK, Sequence, Workspace};
+use super::step::{Decoder, FinishReason, GenerateOptions, Timings, TokenLogprobs};
 use crate::error::{Error, Result};
 use crate::model::forward::{Segment, forward_batch};
+use crate::model::session::{DEFAULT_CHUNK, Sequence, Workspace};
 
 /// How a scheduler batches.
 #[derive(Clone, Copy, Debug)]
@@ -92,8 +93,7 @@ enum Event {
 
 struct Request {
     prompt: Vec<u32>,
-    opts: GenerateOptions,
-    sampler: Sampler,
+    decoder: Decoder,
     tx: Sender<Event>,
     cancel: Arc<AtomicBool>,
 }
@@ -103,12 +103,9 @@ struct Running {
     req: Request,
     seq: Sequence,
     fed: usize,
-    tokens: Vec<u32>,
-    timings: Timings,
-    /// When its first step began (prefill time runs from there).
-    started: Option<Instant>,
-    /// When its last token was sent (decode time runs from there).
-    last: Instant,
+    /// Where the time of its next token runs from: the start of its first
+    /// step, then the moment its last token was chosen.
+    since: Option<Instant>,
 }
 
 #[derive(Default)]
@@ -202,7 +199,7 @@ impl Scheduler {
     /// checked here, so a bad request is an error at once; the work starts
     /// when a place is free. A full queue is [`Error::Busy`].
     pub fn submit(&self, prompt: &[u32], opts: &GenerateOptions) -> Result<Ticket> {
-        let sampler = check_request(&self.engine, prompt, opts)?;
+        let decoder = Decoder::new(&self.engine, prompt, opts)?;
         let (tx, rx) = mpsc::channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let ticket = Ticket {
@@ -210,14 +207,14 @@ impl Scheduler {
             cancel: cancel.clone(),
             tokens: Vec::new(),
             logprobs: Vec::new(),
-            finish: (opts.max_new_tokens == 0).then_some(FinishReason::Length),
+            finish: decoder.finish(),
             broken: false,
-            timings: Timings { prompt_tokens: prompt.len(), ..Timings::default() },
+            timings: decoder.timings(),
         };
         if ticket.finish.is_some() {
             return Ok(ticket);
         }
-        let req = Request { prompt: prompt.to_vec(), opts: opts.clone(), sampler, tx, cancel };
+        let req = Request { prompt: prompt.to_vec(), decoder, tx, cancel };
         let mut q = self.shared.queue();
         if q.shutdown {
             return Err(Error::InvalidInput("the engine is closed".into()));
@@ -394,6 +391,13 @@ impl Drop for Ticket {
     }
 }
 
+impl Running {
+    /// Its prompt is in and it has tokens of its own: it feeds one a step.
+    fn decoding(&self) -> bool {
+        !self.req.decoder.tokens().is_empty()
+    }
+}
+
 /// The scheduling thread: admit, step, deliver, until shut down.
 fn run(engine: Engine, opts: BatchOptions, shared: Arc<Shared>) {
     let model = engine.model();
@@ -418,18 +422,9 @@ fn run(engine: Engine, opts: BatchOptions, shared: Arc<Shared>) {
             q.waiting.retain(|r| !r.cancel.load(Ordering::Relaxed));
             while running.len() < opts.max_batch {
                 let Some(req) = q.waiting.pop_front() else { break };
-                let max_seq = req.prompt.len().saturating_add(req.opts.max_new_tokens);
+                let max_seq = req.prompt.len().saturating_add(req.decoder.max_new_tokens());
                 let seq = Sequence::new(model, max_seq, engine.kv_dtype());
-                let timings = Timings { prompt_tokens: req.prompt.len(), ..Timings::default() };
-                running.push(Running {
-                    req,
-                    seq,
-                    fed: 0,
-                    tokens: Vec::new(),
-                    timings,
-                    started: None,
-                    last: Instant::now(),
-                });
+                running.push(Running { req, seq, fed: 0, since: None });
             }
         }
         let before = running.len();
@@ -451,11 +446,11 @@ fn run(engine: Engine, opts: BatchOptions, shared: Arc<Shared>) {
 fn step(engine: &Engine, ws: &mut Workspace, running: &mut Vec<Running>, opts: BatchOptions, c: &Counters) {
     let t0 = Instant::now();
     // Decoders first (one token each), then prompt chunks in arrival order.
-    let decoding = running.iter().filter(|r| !r.tokens.is_empty()).count();
+    let decoding = running.iter().filter(|r| r.decoding()).count();
     let mut budget = opts.step_tokens - decoding;
     let mut plan: Vec<(usize, bool)> = Vec::with_capacity(running.len()); // (tokens, logits) per request
     for r in running.iter() {
-        if !r.tokens.is_empty() {
+        if r.decoding() {
             plan.push((1, true));
         } else {
             let take = (r.req.prompt.len() - r.fed).min(budget);
@@ -469,15 +464,16 @@ fn step(engine: &Engine, ws: &mut Workspace, running: &mut Vec<Running>, opts: B
         if n == 0 {
             continue;
         }
-        r.started.get_or_insert(t0);
-        let tokens = if r.tokens.is_empty() {
+        r.since.get_or_insert(t0);
+        let generated = r.req.decoder.tokens();
+        let tokens = if generated.is_empty() {
             prompt_tokens += n;
             &r.req.prompt[r.fed..r.fed + n]
         } else {
-            &r.tokens[r.tokens.len() - 1..]
+            &generated[generated.len() - 1..]
         };
-        let end = if r.tokens.is_empty() { r.req.prompt.len() } else { r.seq.pos + 1 };
-        segs.push(Segment { seq: &mut r.seq, tokens, end, logits });
+        let end = if generated.is_empty() { r.req.prompt.len() } else { r.seq.pos + 1 };
+        segs.push(Segment { seq: &mut r.seq, tokens, end, wants_logits: logits });
     }
     let n_tokens: usize = segs.iter().map(|g| g.tokens.len()).sum();
     let result = forward_batch(engine.model(), ws, &mut segs, Some(&engine.pool));
@@ -507,35 +503,19 @@ fn step(engine: &Engine, ws: &mut Workspace, running: &mut Vec<Running>, opts: B
     }
     let mut keep = Vec::with_capacity(running.len());
     for (mut r, (n, logits)) in running.drain(..).zip(plan) {
-        if r.tokens.is_empty() {
+        if !r.decoding() {
             r.fed += n;
         }
         if !logits {
             keep.push(r);
             continue;
         }
-        let tok = r.req.sampler.sample(&r.seq.logits);
-        r.req.sampler.accept(tok);
-        r.tokens.push(tok);
-        if r.tokens.len() == 1 {
-            r.timings.prefill = now - r.started.unwrap_or(t0);
-        } else {
-            r.timings.decode += now - r.last;
-        }
-        r.last = now;
-        r.timings.generated_tokens = r.tokens.len();
+        let step = r.req.decoder.step(&r.seq, r.since.unwrap_or(t0));
+        r.since = Some(step.at);
         c.generated_tokens.fetch_add(1, Ordering::Relaxed);
-        let finish = if r.req.opts.stop_ids.contains(&tok) {
-            Some(FinishReason::Stop)
-        } else if r.tokens.len() >= r.req.opts.max_new_tokens || r.seq.pos + 1 >= r.seq.max_seq {
-            // Prompt plus output fill the sequence: no room to run this token.
-            Some(FinishReason::Length)
-        } else {
-            None
-        };
-        let lp = r.req.opts.logprobs.map(|k| TokenLogprobs::of(&r.seq.logits, tok, k));
-        let delivered = r.req.tx.send(Event::Token(tok, lp, r.timings, finish)).is_ok();
-        if delivered && finish.is_none() {
+        let event = Event::Token(step.token, step.logprobs, r.req.decoder.timings(), step.finish);
+        let delivered = r.req.tx.send(event).is_ok();
+        if delivered && step.finish.is_none() {
             keep.push(r);
         } else {
             c.finished.fetch_add(1, Ordering::Relaxed);

@@ -8,6 +8,7 @@
 pub mod batch;
 pub mod generation;
 pub mod sampling;
+mod step;
 pub use crate::model::session;
 
 #[cfg(test)]
@@ -21,9 +22,10 @@ use crate::model::Model;
 use crate::model::forward::{Capture, forward};
 use crate::quant::DType;
 pub use batch::{BatchOptions, BatchStats, Scheduler, Ticket};
-pub use generation::{FinishReason, GenerateOptions, Generation, MAX_TOP_LOGPROBS, Timings, TokenLogprobs};
+pub use generation::Generation;
 pub use sampling::SamplingParams;
 use session::{DEFAULT_CHUNK, Session};
+pub use step::{FinishReason, GenerateOptions, MAX_TOP_LOGPROBS, Timings, TokenLogprobs};
 
 /// Options for opening an engine.
 #[derive(Clone, Debug, Default)]

@@ -320,7 +320,7 @@ fn a_batch_of_sequences_gives_each_the_bits_it_gets_alone() {
             for ((seq, stream), &(n, logits)) in seqs.iter_mut().zip(&streams).zip(plan) {
                 if n > 0 {
                     let p = seq.pos;
-                    segs.push(Segment { seq, tokens: &stream[p..p + n], end: p + n, logits });
+                    segs.push(Segment { seq, tokens: &stream[p..p + n], end: p + n, wants_logits: logits });
                 }
             }
             forward_batch(m, &mut ws, &mut segs, None).unwrap();
@@ -334,8 +334,12 @@ fn a_batch_of_sequences_gives_each_the_bits_it_gets_alone() {
         // A batch larger than the workspace is refused, not run.
         let mut big = Sequence::new(m, 24, e.kv_dtype());
         let toks = ids(13);
-        let err =
-            forward_batch(m, &mut ws, &mut [Segment { seq: &mut big, tokens: &toks, end: 13, logits: true }], None);
+        let err = forward_batch(
+            m,
+            &mut ws,
+            &mut [Segment { seq: &mut big, tokens: &toks, end: 13, wants_logits: true }],
+            None,
+        );
         assert!(matches!(err, Err(Error::InvalidInput(_))), "{dt}: {err:?}");
     }
 }

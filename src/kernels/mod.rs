@@ -30,6 +30,7 @@
 
 #[cfg(target_arch = "aarch64")]
 mod aarch64;
+pub mod heads;
 pub mod scalar;
 mod table;
 #[cfg(target_arch = "x86_64")]

@@ -13,17 +13,17 @@
 //! Tokens are processed in chunks of at most C (the session's chunk size):
 //! a prompt is a few batched passes, decoding is a pass of one token.
 
-use rayon::prelude::*;
-
 use super::blocks::attention::{Heads, attend};
 use super::blocks::ffn::{Mlp, MlpScratch, add_bias, gated_mlp};
+use super::blocks::gqa::Gqa;
+use super::blocks::mla::{Mla, MlaQ};
 use super::blocks::moe::{MoeBlock, MoeLayer, moe_block, predict};
-use super::blocks::norm::{norm_rows, rmsnorm_rows_inplace};
+use super::blocks::norm::norm_rows;
 use super::config::{Activation, QkNorm};
-use super::session::{HeadScratch, Sequence, Session, Workspace};
-use super::{FfnRefs, LayerRefs, MlaQuery, MlpRefs, Model, NormRefs, QkvRefs};
+use super::session::{Sequence, Session, Workspace};
+use super::{FfnRefs, LayerRefs, MlaQuery, MlpRefs, Model, NormRefs, QkvRefs, TensorRef};
 use crate::error::{Error, Result};
-use crate::kernels::{Input, Matrix, matmul, matmul_many, matmul_serial, observe_unmultiplied};
+use crate::kernels::matmul;
 
 /// Optional outputs beyond the last token's logits (always left in
 /// `Sequence::logits`).
@@ -84,7 +84,7 @@ pub fn forward(
             return Err(Error::Interrupted);
         }
         let n = (total - done).min(s.ws.chunk);
-        let seg = Segment { seq: &mut s.seq, tokens: &tokens[done..done + n], end, logits: done + n == total };
+        let seg = Segment { seq: &mut s.seq, tokens: &tokens[done..done + n], end, wants_logits: done + n == total };
         let ws = &mut s.ws;
         let mut segs = [seg];
         match pool {
@@ -106,7 +106,7 @@ pub struct Segment<'a> {
     /// passes ends where the prompt does): LongRoPE's sequence length.
     pub end: usize,
     /// Leave the logits of the last token in `seq.logits`.
-    pub logits: bool,
+    pub wants_logits: bool,
 }
 
 /// One pass over the tokens of several sequences at once: every weight is
@@ -114,7 +114,7 @@ pub struct Segment<'a> {
 /// routed to it, while each sequence attends only to its own cache. Each
 /// row's numbers are those it would get alone (the kernels give every row
 /// the same bits whatever the rows beside it), so batching never changes a
-/// token. At most `ws.chunk` tokens and `ws.heads` logit rows in all; the
+/// token. At most `ws.chunk` tokens and `ws.logit_rows` logit rows in all; the
 /// tokens are checked as [`forward`] checks them.
 pub fn forward_batch(
     model: &Model,
@@ -123,11 +123,11 @@ pub fn forward_batch(
     pool: Option<&rayon::ThreadPool>,
 ) -> Result<()> {
     let n: usize = segs.iter().map(|g| g.tokens.len()).sum();
-    let heads = segs.iter().filter(|g| g.logits).count();
-    if n > ws.chunk || heads > ws.heads {
+    let logit_rows = segs.iter().filter(|g| g.wants_logits).count();
+    if n > ws.chunk || logit_rows > ws.logit_rows {
         return Err(Error::InvalidInput(format!(
-            "a batch of {n} tokens and {heads} logit rows does not fit a workspace of {} and {}",
-            ws.chunk, ws.heads
+            "a batch of {n} tokens and {logit_rows} logit rows does not fit a workspace of {} and {}",
+            ws.chunk, ws.logit_rows
         )));
     }
     for g in segs.iter() {
@@ -269,20 +269,23 @@ fn residual(x: &mut [f32], y: &[f32], scale: f32) {
 }
 
 /// `proj = W_o · attend(q, cache)`: projects this chunk's queries, keys and
-/// values from `xn`, appends the keys and values to the cache, attends.
+/// values from `xn`, appends each sequence's keys and values to its cache,
+/// attends over it.
 fn attention(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n: usize) {
     let c = &model.config;
     let lw = &model.layers[l];
-    let (d, h, dh) = (c.hidden_size, c.num_heads, c.head_dim);
+    let (d, h, dh, half) = (c.hidden_size, c.num_heads, c.head_dim, c.rope.rotary_dim / 2);
     let window = c.layers[l].sliding_window;
     let sinks = model.opt_vec(lw.sinks);
     let ad = c.att_dim();
     // Over the q/k head width Dh (MLA: nope + rope, not the latent's width).
     let scale = c.attention.softmax_scale.unwrap_or(1.0 / (dh as f32).sqrt());
+    let (xn, cos, sin) = (&s.xn[..n * d], &s.cos[..n * half], &s.sin[..n * half]);
     match lw.qkv {
         QkvRefs::Gqa { wq, wk, wv } => {
             let (qd, kvd) = (c.q_dim(), c.kv_dim());
-            gqa_qkv(model, lw, [wq, wk, wv], s, n); // q: [T, H·Dh], k, v: [T, Hkv·Dh]
+            let (q, k, v) = (&mut s.q[..n * qd], &mut s.k[..n * kvd], &mut s.v[..n * kvd]);
+            gqa(model, lw, [wq, wk, wv]).project(xn, &mut s.xq, cos, sin, q, k, v); // q: [T, H·Dh], k, v: [T, Hkv·Dh]
             let heads = Heads { h, hkv: c.num_kv_heads, dk: dh, dv: dh, window, scale, sinks };
             let (q, k, v) = (&s.q, &s.k, &s.v);
             let (att, order) = (&mut s.att[..n * ad], &mut s.att_order[..n * ad]);
@@ -294,24 +297,11 @@ fn attention(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n
             });
         }
         QkvRefs::Mla { q, wkv_a, kv_a_norm, wk_b, wv_b } => {
-            let m = *c.mla().expect("MLA weights imply an MLA config");
-            let (r, dr) = (m.kv_lora_rank, m.qk_rope_dim);
-            mla_latent(model, q, wkv_a, kv_a_norm, s, n); // q: [T, H·Dh], k: [T, R + Dr]
-            // Absorbed queries: q_abs[t, h] = [W_UK_hᵀ · q_nope[t, h], q_pe[t, h]]   [T, H·(R + Dr)]
-            let quantize = s.quantize;
-            per_head_matmul(
-                &model.mat(wk_b),
-                h,
-                &s.q[..n * h * dh],
-                dh,
-                &mut s.mla.q_abs,
-                r + dr,
-                quantize,
-                &mut s.mla.heads,
-            );
-            for (qa, qh) in s.mla.q_abs[..n * h * (r + dr)].chunks_exact_mut(r + dr).zip(s.q.chunks_exact(dh)) {
-                qa[r..].copy_from_slice(&qh[m.qk_nope_dim..]);
-            }
+            let block = mla(model, q, wkv_a, kv_a_norm, wk_b, wv_b);
+            let (r, dr) = (block.spec.kv_lora_rank, block.spec.qk_rope_dim);
+            let (qs, kv) = (&mut s.q[..n * h * dh], &mut s.k[..n * (r + dr)]);
+            block.project(xn, &mut s.xq, cos, sin, qs, kv, &mut s.mla); // q: [T, H·Dh], k: [T, R + Dr]
+            block.absorb(&s.q[..n * h * dh], &mut s.mla); // q_abs: [T, H·(R + Dr)]
             // One latent "kv head" shared by all heads; the values are the latent.
             let heads = Heads { h, hkv: 1, dk: r + dr, dv: r, window, scale, sinks };
             let (qw, ow) = (h * (r + dr), h * r);
@@ -323,129 +313,57 @@ fn attention(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n
                 let qa = &q_abs[r0 * qw..(r0 + t) * qw];
                 attend(qa, g.seq.kv.view(l, pos0 + t), pos0, heads, order, o_lat); // [t, H·R]
             });
-            // att[t, h] = W_UV_h · o_lat[t, h]   [T, H·Dv]
-            let o_lat = &s.mla.o_lat[..n * h * r];
-            per_head_matmul(&model.mat(wv_b), h, o_lat, r, &mut s.att, m.v_head_dim, quantize, &mut s.mla.heads);
+            block.expand(n, &mut s.mla, &mut s.att); // att: [T, H·Dv]
         }
     }
     let proj = &mut s.proj[..n * d];
-    matmul(&model.mat(lw.wo), &Input::prepare(&s.att[..n * ad], ad, s.quantize, &mut s.xq), proj); // [T, D]
+    matmul(&model.mat(lw.wo), &s.xq.prepare(&s.att[..n * ad], ad), proj); // [T, D]
     if let Some(bo) = model.opt_vec(lw.o_bias) {
         add_bias(proj, bo);
     }
 }
 
-/// GQA projections: q, k, v from `xn` (+ bias, q/k norm, clip, RoPE).
-fn gqa_qkv(model: &Model, lw: &LayerRefs, [wq, wk, wv]: [super::TensorRef; 3], s: &mut Workspace, n: usize) {
+/// Layer `lw`'s GQA projections.
+fn gqa<'a>(model: &'a Model, lw: &LayerRefs, [wq, wk, wv]: [TensorRef; 3]) -> Gqa<'a> {
     let c = &model.config;
-    let (d, qd, kvd, dh, half) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.head_dim, c.rope.rotary_dim / 2);
-    let (q, k, v) = (&mut s.q[..n * qd], &mut s.k[..n * kvd], &mut s.v[..n * kvd]);
-    let inp = Input::prepare(&s.xn[..n * d], d, s.quantize, &mut s.xq); // quantised once for q, k and v
-    matmul_many(&mut [(model.mat(wq), &mut *q), (model.mat(wk), &mut *k), (model.mat(wv), &mut *v)], &inp); // [T, H·Dh], [T, Hkv·Dh] ×2
-    if let Some([bq, bk, bv]) = lw.qkv_bias {
-        add_bias(q, model.vec(bq));
-        add_bias(k, model.vec(bk));
-        add_bias(v, model.vec(bv));
-    }
-    if let Some([qn, kn]) = lw.qk_norm {
-        // Per head: rows of Dh; full: rows of the whole projection.
-        let (wqn, wkn) = (model.vec(qn), model.vec(kn));
-        debug_assert!(c.attention.qk_norm == QkNorm::PerHead || wqn.len() == qd);
-        rmsnorm_rows_inplace(q, wqn, c.norm.eps);
-        rmsnorm_rows_inplace(k, wkn, c.norm.eps);
-    }
-    if let Some(clip) = c.attention.clip_qkv {
-        for a in q.iter_mut().chain(k.iter_mut()).chain(v.iter_mut()) {
-            *a = a.clamp(-clip, clip);
-        }
-    }
-    for t in 0..n {
-        let (cs, sn) = (&s.cos[t * half..(t + 1) * half], &s.sin[t * half..(t + 1) * half]);
-        for head in q[t * qd..(t + 1) * qd].chunks_exact_mut(dh).chain(k[t * kvd..(t + 1) * kvd].chunks_exact_mut(dh)) {
-            model.rope.rotate(head, cs, sn);
-        }
+    let qk_norm = lw.qk_norm.map(|[qn, kn]| [model.vec(qn), model.vec(kn)]);
+    debug_assert!(qk_norm.is_none_or(|[wqn, _]| c.attention.qk_norm == QkNorm::PerHead || wqn.len() == c.q_dim()));
+    Gqa {
+        wq: model.mat(wq),
+        wk: model.mat(wk),
+        wv: model.mat(wv),
+        bias: lw.qkv_bias.map(|b| b.map(|t| model.vec(t))),
+        qk_norm,
+        eps: c.norm.eps,
+        clip: c.attention.clip_qkv,
+        dh: c.head_dim,
+        rope: &model.rope,
     }
 }
 
-/// MLA projections: q (directly or through its normed low-rank latent) into
-/// `s.q` [T, H·(Dn + Dr)], and the normed latent plus the rotated shared key
-/// into `s.k` [T, R + Dr]; RoPE on each head's last Dr query values and on
-/// the shared key.
-fn mla_latent(
-    model: &Model,
+/// A layer's MLA weights.
+fn mla<'a>(
+    model: &'a Model,
     q: MlaQuery,
-    wkv_a: super::TensorRef,
-    kv_a_norm: super::TensorRef,
-    s: &mut Workspace,
-    n: usize,
-) {
+    wkv_a: TensorRef,
+    kv_a_norm: TensorRef,
+    wk_b: TensorRef,
+    wv_b: TensorRef,
+) -> Mla<'a> {
     let c = &model.config;
-    let m = c.mla().expect("MLA config");
-    let (d, qd, dh, half) = (c.hidden_size, c.q_dim(), c.head_dim, c.rope.rotary_dim / 2);
-    let kw = m.kv_lora_rank + m.qk_rope_dim;
-    let (qo, kv) = (&mut s.q[..n * qd], &mut s.k[..n * kw]);
-    let inp = Input::prepare(&s.xn[..n * d], d, s.quantize, &mut s.xq); // shared by q (or q_a) and kv_a
-    match q {
-        MlaQuery::Direct(wq) => matmul_many(&mut [(model.mat(wq), &mut *qo), (model.mat(wkv_a), &mut *kv)], &inp), // [T, H·Dh], [T, R + Dr]
-        MlaQuery::LowRank(wa, norm_w, wb) => {
-            let rq = m.q_lora_rank.expect("low-rank query");
-            let lat = &mut s.mla.q_lat[..n * rq];
-            matmul_many(&mut [(model.mat(wa), &mut *lat), (model.mat(wkv_a), &mut *kv)], &inp); // [T, Rq], [T, R + Dr]
-            rmsnorm_rows_inplace(lat, model.vec(norm_w), m.latent_eps);
-            matmul(&model.mat(wb), &Input::prepare(lat, rq, s.quantize, &mut s.xq), qo); // [T, H·Dh]
-        }
-    }
-    let kn = model.vec(kv_a_norm);
-    for t in 0..n {
-        let row = &mut kv[t * kw..(t + 1) * kw];
-        rmsnorm_rows_inplace(&mut row[..m.kv_lora_rank], kn, m.latent_eps); // the latent, [R]
-        let (cs, sn) = (&s.cos[t * half..(t + 1) * half], &s.sin[t * half..(t + 1) * half]);
-        model.rope.rotate(&mut row[m.kv_lora_rank..], cs, sn); // k_pe, [Dr]
-        for head in qo[t * qd..(t + 1) * qd].chunks_exact_mut(dh) {
-            model.rope.rotate(&mut head[m.qk_nope_dim..], cs, sn); // q_pe, [Dr]
-        }
-    }
-}
-
-/// For each of the `h` heads: `out[t, head][..rh] = W_head · x[t, head][..W.cols]`,
-/// where `x` rows are `[T, H, sx]`, `out` rows `[T, H, so]` (each head's part
-/// at the start of its stride) and `W_head` is rows `head·rh..(head+1)·rh` of
-/// `w` (per-head matrices stacked, rh = rows / H). The heads run side by
-/// side, each on one thread, through gathered rows.
-#[allow(clippy::too_many_arguments)]
-fn per_head_matmul(
-    w: &Matrix,
-    h: usize,
-    x: &[f32],
-    sx: usize,
-    out: &mut [f32],
-    so: usize,
-    quantize: bool,
-    s: &mut HeadScratch,
-) {
-    let (n, rh, ci) = (x.len() / (h * sx), w.rows / h, w.cols);
-    let (input, output) = (&mut s.input[..h * n * ci], &mut s.output[..h * n * rh]);
-    for (head, rows) in input.chunks_exact_mut(n * ci).enumerate() {
-        for (t, row) in rows.chunks_exact_mut(ci).enumerate() {
-            let at = (t * h + head) * sx;
-            row.copy_from_slice(&x[at..at + ci]); // [T, ci] of this head
-        }
-    }
-    // Blocks per head when quantised (at least one slot per head either way,
-    // so the zip below visits every head).
-    let qw = if quantize && w.dtype.is_quantized() && ci.is_multiple_of(32) { n * ci / 32 } else { 0 };
-    let q = &mut s.q[..h * qw.max(1)];
-    input.par_chunks(n * ci).zip(output.par_chunks_mut(n * rh)).zip(q.par_chunks_mut(qw.max(1))).enumerate().for_each(
-        |(head, ((xin, y), q))| {
-            let inp = Input::prepare(xin, ci, qw > 0, q);
-            matmul_serial(&w.row_range(head * rh, rh), &inp, y); // [T, rh]
+    Mla {
+        q: match q {
+            MlaQuery::Direct(wq) => MlaQ::Direct(model.mat(wq)),
+            MlaQuery::LowRank(wa, norm, wb) => MlaQ::LowRank(model.mat(wa), model.vec(norm), model.mat(wb)),
         },
-    );
-    for (head, rows) in output.chunks_exact(n * rh).enumerate() {
-        for (t, row) in rows.chunks_exact(rh).enumerate() {
-            let at = (t * h + head) * so;
-            out[at..at + rh].copy_from_slice(row);
-        }
+        wkv_a: model.mat(wkv_a),
+        kv_a_norm: model.vec(kv_a_norm),
+        wk_b: model.mat(wk_b),
+        wv_b: model.mat(wv_b),
+        spec: *c.mla().expect("MLA weights imply an MLA config"),
+        h: c.num_heads,
+        dh: c.head_dim,
+        rope: &model.rope,
     }
 }
 
@@ -487,12 +405,12 @@ fn ffn_or_moe(model: &Model, l: usize, s: &mut Workspace, n: usize) -> Result<()
     let lw = &model.layers[l];
     let d = model.config.hidden_size;
     let proj = &mut s.proj[..n * d];
-    let inp = Input::prepare(&s.xn[..n * d], d, s.quantize, &mut s.xq); // shared by router, experts, shared expert
+    let inp = s.xq.prepare(&s.xn[..n * d], d); // shared by router, experts, shared expert
     let scratch = MlpScratch { g: &mut s.g, u: &mut s.u, hq: &mut s.hq };
     match lw.ffn {
         FfnRefs::Dense(m) => {
             // Every supported family's dense layers are SiLU-gated.
-            gated_mlp(&mlp(model, m), Activation::Silu, &inp, scratch, proj, true);
+            gated_mlp(&mlp(model, m), Activation::Silu, &inp, scratch, proj);
             Ok(())
         }
         FfnRefs::Moe { shared, shared_gate, .. } => {
@@ -513,7 +431,7 @@ fn lm_head(model: &Model, s: &mut Workspace, segs: &mut [Segment], n: usize, off
     let c = &model.config;
     let (d, vocab) = (c.hidden_size, c.vocab_size);
     let head = model.mat(model.lm_head);
-    let finish = |y: &mut [f32]| {
+    let bias_and_scale = |y: &mut [f32]| {
         if let Some(b) = model.opt_vec(model.lm_head_bias) {
             add_bias(y, b);
         }
@@ -524,20 +442,17 @@ fn lm_head(model: &Model, s: &mut Workspace, segs: &mut [Segment], n: usize, off
     let xn = &s.xn[..n * d];
     if let Some(all) = cap.logits.as_deref_mut() {
         let y = &mut all[off * vocab..(off + n) * vocab];
-        matmul(&head, &Input::prepare(xn, d, s.quantize, &mut s.xq), y); // [T, V]
-        finish(y);
-        for g in segs.iter_mut().filter(|g| g.logits) {
+        matmul(&head, &s.xq.prepare(xn, d), y); // [T, V]
+        bias_and_scale(y);
+        for g in segs.iter_mut().filter(|g| g.wants_logits) {
             g.seq.logits.copy_from_slice(&y[(n - 1) * vocab..n * vocab]);
         }
         return;
     }
-    // The rows whose logits nobody asked for are still the head's input to
-    // a calibration (a no-op otherwise); the others are gathered, [S, D].
+    // The last rows whose logits are wanted, gathered: [S, D].
     let mut wanted = 0;
     for (g, (r0, m)) in segs.iter().zip(rows(segs)) {
-        let plain = if g.logits { m - 1 } else { m };
-        observe_unmultiplied(&head, &Input::plain(&xn[r0 * d..(r0 + plain) * d], d));
-        if g.logits {
+        if g.wants_logits {
             let last = r0 + m - 1;
             s.head_x[wanted * d..(wanted + 1) * d].copy_from_slice(&xn[last * d..(last + 1) * d]);
             wanted += 1;
@@ -547,9 +462,9 @@ fn lm_head(model: &Model, s: &mut Workspace, segs: &mut [Segment], n: usize, off
         return;
     }
     let y = &mut s.head_y[..wanted * vocab];
-    matmul(&head, &Input::prepare(&s.head_x[..wanted * d], d, s.quantize, &mut s.xq), y); // [S, V]
-    for (row, g) in y.chunks_exact_mut(vocab).zip(segs.iter_mut().filter(|g| g.logits)) {
-        finish(row);
+    matmul(&head, &s.xq.prepare(&s.head_x[..wanted * d], d), y); // [S, V]
+    for (row, g) in y.chunks_exact_mut(vocab).zip(segs.iter_mut().filter(|g| g.wants_logits)) {
+        bias_and_scale(row);
         g.seq.logits.copy_from_slice(row);
     }
 }

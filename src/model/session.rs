@@ -5,7 +5,9 @@
 use crate::kernels::BlockQ8;
 use crate::model::Model;
 use crate::model::blocks::attention::KvView;
+use crate::model::blocks::mla::MlaScratch;
 use crate::model::blocks::moe::MoeScratch;
+use crate::model::blocks::{Inputs, q8_blocks};
 use crate::model::config::FfnSpec;
 use crate::quant::DType;
 
@@ -91,8 +93,9 @@ impl Sequence {
 pub struct Workspace {
     /// C: most tokens one forward chunk processes.
     pub chunk: usize,
-    /// S: most sequences one forward chunk asks logits of.
-    pub heads: usize,
+    /// S: most logit rows one forward chunk computes (one per sequence that
+    /// asks for its last token's logits).
+    pub logit_rows: usize,
     /// [C, D] residual stream.
     pub x: Vec<f32>,
     /// [C, D] normed residual.
@@ -117,10 +120,9 @@ pub struct Workspace {
     pub g: Vec<f32>,
     /// [C, Fmax] up scratch.
     pub u: Vec<f32>,
-    /// Some matrix is block-quantised, so activations are quantised too.
-    pub quantize: bool,
-    /// [C, max(D, H·Dh, H·Dv)/32] quantised copy of the current matmul input.
-    pub xq: Vec<BlockQ8>,
+    /// [C, max(D, H·Dh, H·Dv)] the current matmul input's quantised copy
+    /// (when some matrix is block-quantised): every input is prepared here.
+    pub xq: Inputs,
     /// [C, Fmax/32] quantised MLP hidden activations.
     pub hq: Vec<BlockQ8>,
     /// [C, R/2] RoPE cosines of this chunk's positions.
@@ -129,19 +131,20 @@ pub struct Workspace {
     pub sin: Vec<f32>,
     /// MoE scratch.
     pub moe: MoeScratch,
-    /// [S, D] the normed last rows whose logits are wanted.
+    /// [S, D] the normed last rows whose logits are wanted (the lm_head's input).
     pub head_x: Vec<f32>,
-    /// [S, V] their logits.
+    /// [S, V] their logits (the lm_head's output).
     pub head_y: Vec<f32>,
 }
 
 impl Workspace {
     /// Buffers for passes of up to `chunk` tokens asking the logits of up to
-    /// `heads` sequences.
-    pub fn new(model: &Model, chunk: usize, heads: usize) -> Workspace {
+    /// `logit_rows` sequences.
+    pub fn new(model: &Model, chunk: usize, logit_rows: usize) -> Workspace {
         let c = &model.config;
         let chunk = chunk.max(1);
-        let heads = heads.clamp(1, chunk);
+        let logit_rows = logit_rows.clamp(1, chunk);
+        let quantize = model.has_block_weights();
         let (d, kv) = (c.hidden_size, c.kv_dim());
         let (k_width, _) = c.kv_widths();
         let mut fmax = 1;
@@ -162,7 +165,7 @@ impl Workspace {
         let half = c.rope.rotary_dim / 2;
         Workspace {
             chunk,
-            heads,
+            logit_rows,
             x: vec![0.0; chunk * d],
             xn: vec![0.0; chunk * d],
             q: vec![0.0; chunk * c.q_dim()],
@@ -170,19 +173,18 @@ impl Workspace {
             v: vec![0.0; chunk * kv],
             att: vec![0.0; chunk * c.att_dim()],
             att_order: vec![0.0; chunk * c.att_dim().max(c.num_heads * c.mla().map_or(0, |m| m.kv_lora_rank))],
-            mla: MlaScratch::new(c, chunk),
+            mla: MlaScratch::new(c, chunk, quantize),
             proj: vec![0.0; chunk * d],
             shared: vec![0.0; chunk * d],
             g: vec![0.0; chunk * fmax],
             u: vec![0.0; chunk * fmax],
-            quantize: model.has_block_weights(),
-            xq: vec![BlockQ8::default(); chunk * d.max(c.q_dim()).max(c.att_dim()) / 32],
-            hq: vec![BlockQ8::default(); chunk * fmax / 32],
+            xq: Inputs::new(quantize, chunk * d.max(c.q_dim()).max(c.att_dim())),
+            hq: vec![BlockQ8::default(); q8_blocks(chunk * fmax)],
             cos: vec![0.0; chunk * half],
             sin: vec![0.0; chunk * half],
             moe: MoeScratch::new(chunk, e, k, d, fe),
-            head_x: vec![0.0; heads * d],
-            head_y: vec![0.0; heads * c.vocab_size],
+            head_x: vec![0.0; logit_rows * d],
+            head_y: vec![0.0; logit_rows * c.vocab_size],
         }
     }
 }
@@ -228,49 +230,6 @@ impl Session {
     /// Forgets the sequence (keeps the buffers).
     pub fn reset(&mut self) {
         self.seq.pos = 0;
-    }
-}
-
-/// Buffers of multi-head latent attention for up to C tokens.
-#[derive(Default)]
-pub struct MlaScratch {
-    /// [C, Rq] query latent (with `q_lora_rank`).
-    pub q_lat: Vec<f32>,
-    /// [C, H·(R + Dr)] absorbed queries: `W_UKᵀ · q_nope` then the rotated `q_pe`.
-    pub q_abs: Vec<f32>,
-    /// [C, H·R] attention output in latent space.
-    pub o_lat: Vec<f32>,
-    /// The per-head products' gather buffers.
-    pub heads: HeadScratch,
-}
-
-/// Buffers of per-head matrix products (each head's rows gathered, multiplied
-/// by its own matrix, scattered back).
-#[derive(Default)]
-pub struct HeadScratch {
-    /// [H, C, max(Dn, R)] each head's input rows.
-    pub input: Vec<f32>,
-    /// [H, C·max(Dn, R)/32 + 1] the same, quantised.
-    pub q: Vec<BlockQ8>,
-    /// [H, C, max(R, Dv)] each head's output rows.
-    pub output: Vec<f32>,
-}
-
-impl MlaScratch {
-    fn new(c: &crate::model::config::ModelConfig, chunk: usize) -> MlaScratch {
-        let Some(m) = c.mla() else { return MlaScratch::default() };
-        let (h, r) = (c.num_heads, m.kv_lora_rank);
-        let inw = m.qk_nope_dim.max(r);
-        MlaScratch {
-            q_lat: vec![0.0; chunk * m.q_lora_rank.unwrap_or(0)],
-            q_abs: vec![0.0; chunk * h * (r + m.qk_rope_dim)],
-            o_lat: vec![0.0; chunk * h * r],
-            heads: HeadScratch {
-                input: vec![0.0; h * chunk * inw],
-                q: vec![BlockQ8::default(); h * (chunk * inw / 32 + 1)],
-                output: vec![0.0; h * chunk * r.max(m.v_head_dim)],
-            },
-        }
     }
 }
 

@@ -27,6 +27,7 @@ use crate::quant::DType;
 mod exceptions {
     pyo3::import_exception!(colibri._errors, BusyError);
     pyo3::import_exception!(colibri._errors, CheckpointError);
+    pyo3::import_exception!(colibri._errors, ColibriError);
     pyo3::import_exception!(colibri._errors, ColibriIOError);
     pyo3::import_exception!(colibri._errors, ContextLengthError);
     pyo3::import_exception!(colibri._errors, FormatError);
@@ -49,6 +50,7 @@ fn to_py(e: Error) -> PyErr {
         Error::NotFound(_) => ModelNotFoundError::new_err,
         Error::Io { .. } | Error::ExpertRead { .. } => ColibriIOError::new_err,
         Error::Busy(_) => BusyError::new_err,
+        Error::Internal(_) => ColibriError::new_err,
         Error::Interrupted => {
             // The exception the signal handler raised (KeyboardInterrupt for
             // Ctrl-C, whatever a caller's SIGTERM handler raises), so it

@@ -63,30 +63,42 @@ pub struct MlpScratch<'a> {
     pub hq: &'a mut [BlockQ8],
 }
 
-/// Runs the gated MLP on the n rows of `x` ([n, D]) into `out` ([n, D]).
-/// `parallel`: split each matrix across the pool (false when the caller
-/// already runs several MLPs side by side, one per thread).
-pub fn gated_mlp(m: &Mlp, act: Activation, x: &Input, s: MlpScratch, out: &mut [f32], parallel: bool) {
-    let f = m.gate.rows;
-    let n = x.x.len() / x.cols;
+/// Runs the gated MLP on the n rows of `x` ([n, D]) into `out` ([n, D]),
+/// each matrix split across the pool.
+pub fn gated_mlp(m: &Mlp, act: Activation, x: &Input, s: MlpScratch, out: &mut [f32]) {
+    let (f, n) = (m.gate.rows, x.x.len() / x.cols);
     let (g, u) = (&mut s.g[..n * f], &mut s.u[..n * f]);
-    if parallel {
-        matmul_many(&mut [(m.gate, &mut *g), (m.up, &mut *u)], x); // [n, F] each
-    } else {
-        matmul_serial(&m.gate, x, g); // [n, F]
-        matmul_serial(&m.up, x, u); // [n, F]
-    }
+    matmul_many(&mut [(m.gate, &mut *g), (m.up, &mut *u)], x); // [n, F] each
+    let h = hidden(m, act, g, u, s.hq); // [n, F]
+    matmul(&m.down, &h, out); // [n, D]
+    down_bias(m, out);
+}
+
+/// [`gated_mlp`] on the calling thread only, for callers that already run
+/// several MLPs side by side, one per thread.
+pub fn gated_mlp_serial(m: &Mlp, act: Activation, x: &Input, s: MlpScratch, out: &mut [f32]) {
+    let (f, n) = (m.gate.rows, x.x.len() / x.cols);
+    let (g, u) = (&mut s.g[..n * f], &mut s.u[..n * f]);
+    matmul_serial(&m.gate, x, g); // [n, F]
+    matmul_serial(&m.up, x, u); // [n, F]
+    let h = hidden(m, act, g, u, s.hq); // [n, F]
+    matmul_serial(&m.down, &h, out); // [n, D]
+    down_bias(m, out);
+}
+
+/// `act(g + bg, u + bu)` into `g`, prepared (quantised into `hq` when `down`
+/// is block-quantised) as the down projection's input.
+fn hidden<'a>(m: &Mlp, act: Activation, g: &'a mut [f32], u: &mut [f32], hq: &'a mut [BlockQ8]) -> Input<'a> {
     if let Some([bg, bu, _]) = m.bias {
         add_bias(g, bg);
         add_bias(u, bu);
     }
     activate(act, g, u); // [n, F]
-    let h = Input::prepare(g, f, m.down.dtype.is_quantized(), s.hq);
-    if parallel {
-        matmul(&m.down, &h, out); // [n, D]
-    } else {
-        matmul_serial(&m.down, &h, out); // [n, D]
-    }
+    Input::prepare(g, m.gate.rows, m.down.dtype.is_quantized(), hq)
+}
+
+/// `out += bd`, when the MLP has a down bias.
+fn down_bias(m: &Mlp, out: &mut [f32]) {
     if let Some([_, _, bd]) = m.bias {
         add_bias(out, bd);
     }

@@ -4,6 +4,49 @@
 
 pub mod attention;
 pub mod ffn;
+pub mod gqa;
+pub mod mla;
 pub mod moe;
 pub mod norm;
 pub mod rope;
+
+use crate::kernels::{BlockQ8, Input};
+
+/// Activations per quantised block ([`BlockQ8`]): the one place model code
+/// learns the block size, for sizing and slicing quantised rows.
+const Q8_BLOCK: usize = 32;
+const _: () = assert!(std::mem::size_of::<BlockQ8>() == 8 + Q8_BLOCK);
+
+/// Quantised blocks that `values` activations take (whole blocks only: a
+/// row that is not a whole number of blocks is never quantised).
+pub fn q8_blocks(values: usize) -> usize {
+    values / Q8_BLOCK
+}
+
+/// Prepares matmul inputs: the activations as they are, plus their
+/// quantised twin when the model has block-quantised weights (so each input
+/// is quantised once and read by every matrix it feeds). The buffer is sized
+/// once; model code asks for an input and never handles blocks itself.
+pub struct Inputs {
+    quantize: bool,
+    blocks: Vec<BlockQ8>,
+}
+
+impl Inputs {
+    /// For inputs of up to `values` activations in all; quantising only
+    /// when `quantize`.
+    pub fn new(quantize: bool, values: usize) -> Inputs {
+        Inputs { quantize, blocks: vec![BlockQ8::default(); q8_blocks(values)] }
+    }
+
+    /// Whether inputs get a quantised twin.
+    pub fn quantize(&self) -> bool {
+        self.quantize
+    }
+
+    /// The rows of `x` (`[n, cols]`) as a matmul input, quantised into this
+    /// buffer when the model wants it and `cols` is a whole number of blocks.
+    pub fn prepare<'a>(&'a mut self, x: &'a [f32], cols: usize) -> Input<'a> {
+        Input::prepare(x, cols, self.quantize, &mut self.blocks)
+    }
+}

@@ -2,11 +2,15 @@
 //! on its group, and combine.
 //!
 //! ```text
-//! logits = router · x                 [T, E]
-//! (ids, w) = top-k of softmax(logits)  [T, K] each, optionally renormalised
-//! for each expert e with tokens:       gather rows → gated MLP → [n_e, D]
-//! out[t] = Σ_r w[t, r] · y[slot(t, r)]  in rank order r = 0..K, fixed
+//! routing      logits = router · x                  [T, E]
+//!              (ids, w) = top-k of softmax(logits)   [T, K] each, optionally renormalised
+//! dispatch     counting sort of the (t, r) pairs by expert, gather their rows   [T·K, D]
+//! waves        each expert e with tokens: gated MLP on its rows → [n_e, D]
+//! combine      out[t] = Σ_r w[t, r] · y[slot(t, r)]  in rank order r = 0..K, fixed
 //! ```
+//!
+//! Each stage is one function below ([`moe_forward`] calls them in order);
+//! routing is shared with [`predict`], the next layer's prefetch.
 //!
 //! The router only produces (expert ids, weights); the experts never see the
 //! router. Expert weights come from the [`ExpertStore`], leased in waves: all
@@ -14,12 +18,13 @@
 //! resident model), otherwise as many as it can hold at a time. Each unique
 //! expert is leased, and so read, once per chunk for all of its tokens.
 
-use super::ffn::{Mlp, MlpScratch, add_bias, gated_mlp, sigmoid};
-use crate::error::Result;
+use super::ffn::{Mlp, MlpScratch, add_bias, gated_mlp, gated_mlp_serial, sigmoid};
+use super::q8_blocks;
+use crate::error::{Error, Result};
 use crate::kernels::{BlockQ8, Input, Matrix, matmul};
 use crate::model::config::{Activation, GroupLimit, GroupScore, RouterScore, RouterSpec};
 use crate::model::store::telemetry::LayerTelemetry;
-use crate::model::store::{Busy, ExpertStore, Lease};
+use crate::model::store::{Busy, ExpertStore, Lease, LeaseMode};
 
 /// Indices of the `k` largest `scores`, best first, by partial selection
 /// (O(E·K), no sort of all E). Ties go to the lower index.
@@ -190,18 +195,24 @@ fn limit_groups(sel: &mut [f32], g: &GroupLimit) {
 /// Most expert groups a router may have (checked when the config is validated).
 pub const MAX_GROUPS: usize = 64;
 
-/// Scratch for one MoE call over up to C tokens, allocated once per session.
-pub struct MoeScratch {
+/// The router's scratch and its decisions for up to C tokens.
+pub struct Routes {
     /// [C, E] router logits.
-    pub logits: Vec<f32>,
+    logits: Vec<f32>,
     /// `[E]` score scratch.
-    pub probs: Vec<f32>,
+    probs: Vec<f32>,
     /// `[E]` selection score scratch.
-    pub sel: Vec<f32>,
-    /// [C, K] chosen experts.
+    sel: Vec<f32>,
+    /// [C, K] chosen experts, best first.
     pub ids: Vec<u32>,
     /// [C, K] their weights.
     pub weights: Vec<f32>,
+}
+
+/// Scratch for one MoE call over up to C tokens, allocated once per session.
+pub struct MoeScratch {
+    /// Routing of the chunk (or of the next layer's prediction).
+    pub routes: Routes,
     /// [E + 1] start of each expert's group in `order`.
     pub starts: Vec<usize>,
     /// [E + 1] fill cursor for the counting sort.
@@ -241,20 +252,22 @@ impl MoeScratch {
     pub fn new(c: usize, e: usize, k: usize, d: usize, f: usize) -> MoeScratch {
         let ck = c * k;
         MoeScratch {
-            logits: vec![0.0; c * e],
-            probs: vec![0.0; e],
-            sel: vec![0.0; e],
-            ids: vec![0; ck],
-            weights: vec![0.0; ck],
+            routes: Routes {
+                logits: vec![0.0; c * e],
+                probs: vec![0.0; e],
+                sel: vec![0.0; e],
+                ids: vec![0; ck],
+                weights: vec![0.0; ck],
+            },
             starts: vec![0; e + 1],
             cursor: vec![0; e + 1],
             order: vec![0; ck],
             slot: vec![0; ck],
             gathered: vec![0.0; ck * d],
-            gathered_q: vec![BlockQ8::default(); ck * d / 32],
+            gathered_q: vec![BlockQ8::default(); q8_blocks(ck * d)],
             g: vec![0.0; ck * f],
             u: vec![0.0; ck * f],
-            hq: vec![BlockQ8::default(); ck * f / 32],
+            hq: vec![BlockQ8::default(); q8_blocks(ck * f)],
             outs: vec![0.0; ck * d],
             active: Vec::with_capacity(e),
             leases: Vec::with_capacity(e),
@@ -331,15 +344,23 @@ fn cost(rows: usize) -> usize {
     if rows == 0 { 0 } else { rows + 2 }
 }
 
-/// Runs experts `lo..hi` (whose assignments `g` covers). With `par`, the range
-/// is halved by cost and the halves run on two threads (`rayon::join`), so in
-/// decode each worker streams whole experts, one core per expert; without it,
-/// experts run one after another with each matrix split across threads.
-fn run_experts(m: &MoeLayer, w: &Wave, starts: &[usize], lo: usize, hi: usize, g: Groups, par: bool) -> Result<()> {
+/// How the experts of one wave share the pool.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Split {
+    /// The range of experts is halved by cost and the halves run on two
+    /// threads (`rayon::join`), so in decode each worker streams whole
+    /// experts, one core per expert.
+    ByExpert,
+    /// Experts run one after another, each matrix split across the pool.
+    ByRows,
+}
+
+/// Runs experts `lo..hi` (whose assignments `g` covers), shared out as `split` says.
+fn run_experts(m: &MoeLayer, w: &Wave, starts: &[usize], lo: usize, hi: usize, g: Groups, split: Split) -> Result<()> {
     // Mark this thread (possibly a thief of the other half) as busy with expert work.
     let _busy = Busy::enter();
     let active = (lo..hi).filter(|&e| starts[e + 1] > starts[e]).count();
-    if par && active > 1 {
+    if split == Split::ByExpert && active > 1 {
         // Split where the left half first reaches half the cost, keeping at
         // least one active expert on each side.
         let total: usize = (lo..hi).map(|e| cost(starts[e + 1] - starts[e])).sum();
@@ -354,8 +375,10 @@ fn run_experts(m: &MoeLayer, w: &Wave, starts: &[usize], lo: usize, hi: usize, g
             }
         }
         let (a, b) = g.split(starts[mid] - starts[lo]);
-        let (ra, rb) =
-            rayon::join(|| run_experts(m, w, starts, lo, mid, a, par), || run_experts(m, w, starts, mid, hi, b, par));
+        let (ra, rb) = rayon::join(
+            || run_experts(m, w, starts, lo, mid, a, split),
+            || run_experts(m, w, starts, mid, hi, b, split),
+        );
         return ra.and(rb);
     }
     let mut rest = g;
@@ -369,12 +392,27 @@ fn run_experts(m: &MoeLayer, w: &Wave, starts: &[usize], lo: usize, hi: usize, g
         let weights = m.store.view(&w.leases[w.lease_of[e] as usize])?;
         let x = Input { x: mine.x, q: mine.xq, cols: mine.d };
         let scratch = MlpScratch { g: mine.g, u: mine.u, hq: mine.hq };
-        gated_mlp(&weights, m.act, &x, scratch, mine.outs, !par); // [rows, D]
+        match split {
+            Split::ByExpert => gated_mlp_serial(&weights, m.act, &x, scratch, mine.outs), // [rows, D]
+            Split::ByRows => gated_mlp(&weights, m.act, &x, scratch, mine.outs),          // [rows, D]
+        }
     }
     Ok(())
 }
 
-/// `logits = router · x (+ router bias)` for the rows of `x`: [n, E].
+/// Routed-expert output for the T rows of `x` ([T, D]) into `out` ([T, D]):
+/// route, group the (token, rank) pairs by expert, run each expert once on
+/// its group, combine. The chosen expert ids stay in `s.routes.ids[..T·K]`.
+pub fn moe_forward(m: &MoeLayer, x: &Input, s: &mut MoeScratch, out: &mut [f32]) -> Result<()> {
+    let (n, d, k) = (x.x.len() / x.cols, x.cols, m.spec.top_k);
+    route_rows(m, x, &mut s.routes, m.telemetry); // ids, weights: [T, K]
+    let dq = dispatch(x, k, s); // gathered: [T·K, D] grouped by expert
+    expert_waves(m, s, dq)?; // outs: [T·K, D]
+    combine(&s.routes.weights[..n * k], &s.slot, &s.outs, k, d, &mut out[..n * d]); // [T, D]
+    Ok(())
+}
+
+/// `logits = router · x (+ router bias)` for the rows of `x`: [T, E].
 fn router_logits(m: &MoeLayer, x: &Input, logits: &mut [f32]) {
     matmul(&m.router, x, logits);
     if let Some(b) = m.router_bias {
@@ -382,60 +420,78 @@ fn router_logits(m: &MoeLayer, x: &Input, logits: &mut [f32]) {
     }
 }
 
-/// Routed-expert output for the n rows of `x` ([n, D]) into `out` ([n, D]).
-/// The chosen expert ids stay in `s.ids[..n*K]` for telemetry.
-pub fn moe_forward(m: &MoeLayer, x: &Input, s: &mut MoeScratch, out: &mut [f32]) -> Result<()> {
-    let (router, spec) = (&m.router, m.spec);
-    let (e_n, k, d) = (router.rows, spec.top_k, router.cols);
+/// Routing: the router's logits of the T rows of `x` and each row's K
+/// experts and weights (`r.ids`, `r.weights`: [T, K]), counted in
+/// `telemetry` when given. The MoE block and the next layer's prefetch
+/// prediction both route through here.
+fn route_rows(m: &MoeLayer, x: &Input, r: &mut Routes, telemetry: Option<&LayerTelemetry>) {
+    let (e_n, k, d) = (m.router.rows, m.spec.top_k, m.router.cols);
     let n = x.x.len() / d;
-    let logits = &mut s.logits[..n * e_n];
-    router_logits(m, x, logits); // [n, E]
+    let logits = &mut r.logits[..n * e_n];
+    router_logits(m, x, logits); // [T, E]
     for t in 0..n {
-        let ids = &mut s.ids[t * k..(t + 1) * k];
-        let w = &mut s.weights[t * k..(t + 1) * k];
-        route(&logits[t * e_n..(t + 1) * e_n], spec, m.correction, &mut s.probs, &mut s.sel, ids, w);
-        if let Some(tel) = m.telemetry {
-            tel.record(ids, top2_margin(&s.probs, ids));
+        let ids = &mut r.ids[t * k..(t + 1) * k]; // [K]
+        let w = &mut r.weights[t * k..(t + 1) * k]; // [K]
+        route(&logits[t * e_n..(t + 1) * e_n], m.spec, m.correction, &mut r.probs, &mut r.sel, ids, w);
+        if let Some(tel) = telemetry {
+            tel.record(ids, top2_margin(&r.probs, ids));
         }
     }
-    // Counting sort of the n·K (token, rank) pairs by expert.
+}
+
+/// Dispatch: a counting sort of the T·K (token, rank) pairs by expert
+/// (`s.starts` [E + 1], `s.order` and `s.slot` [T·K]), and each pair's input
+/// row gathered in that order (`s.gathered` [T·K, D], with its quantised
+/// twin, prepared once per token and shared by all K experts' gate and up
+/// projections). Returns the quantised blocks per gathered row (0 when the
+/// input is not quantised).
+fn dispatch(x: &Input, k: usize, s: &mut MoeScratch) -> usize {
+    let (d, e_n) = (x.cols, s.starts.len() - 1);
+    let n = x.x.len() / d;
+    let ids = &s.routes.ids[..n * k]; // [T·K]
     s.starts.fill(0);
-    for &e in &s.ids[..n * k] {
+    for &e in ids {
         s.starts[e as usize + 1] += 1;
     }
     for e in 0..e_n {
         s.starts[e + 1] += s.starts[e];
     }
     s.cursor.copy_from_slice(&s.starts);
-    for (pair, &e) in s.ids[..n * k].iter().enumerate() {
+    for (pair, &e) in ids.iter().enumerate() {
         let at = s.cursor[e as usize];
         s.order[at] = pair as u32;
         s.slot[pair] = at as u32;
         s.cursor[e as usize] += 1;
     }
-    // Gather each assignment's input row (and its quantised twin, prepared
-    // once per token and shared by all K experts' gate and up projections).
-    let dq = if x.q.is_empty() { 0 } else { d / 32 };
+    let dq = if x.q.is_empty() { 0 } else { q8_blocks(d) };
     for (pos, &pair) in s.order[..n * k].iter().enumerate() {
         let t = pair as usize / k;
-        s.gathered[pos * d..(pos + 1) * d].copy_from_slice(&x.x[t * d..(t + 1) * d]);
+        s.gathered[pos * d..(pos + 1) * d].copy_from_slice(&x.x[t * d..(t + 1) * d]); // [D]
         if dq > 0 {
             s.gathered_q[pos * dq..(pos + 1) * dq].copy_from_slice(&x.q[t * dq..(t + 1) * dq]);
         }
     }
+    dq
+}
+
+/// Expert waves: lease as many of the chunk's active experts as the store
+/// can hold (the first lease may wait for room, the others may not), run
+/// them side by side on their gathered rows into `s.outs` ([T·K, D], in
+/// `order`), give the slots back, repeat. `dq`: quantised blocks per
+/// gathered row, as [`dispatch`] left them.
+fn expert_waves(m: &MoeLayer, s: &mut MoeScratch, dq: usize) -> Result<()> {
+    let (e_n, d) = (s.starts.len() - 1, m.router.cols);
     let f = s.g.len() / s.order.len().max(1);
-    let fq = f / 32;
+    let fq = q8_blocks(f);
     s.active.clear();
     s.active.extend((0..e_n as u32).filter(|&e| s.starts[e as usize + 1] > s.starts[e as usize]));
     m.store.begin_layer(m.layer);
-    // Waves: lease as many of the active experts as the store can hold (the
-    // first lease may wait for room, the others may not), run them side by
-    // side, give the slots back, repeat.
     let mut done = 0;
     while done < s.active.len() {
         s.leases.clear();
         for (i, &e) in s.active[done..].iter().enumerate() {
-            match m.store.lease(m.layer, e as usize, s.leases.is_empty()) {
+            let mode = if s.leases.is_empty() { LeaseMode::Wait } else { LeaseMode::IfFree };
+            match m.store.lease(m.layer, e as usize, mode) {
                 Ok(Some(l)) => {
                     s.lease_of[e as usize] = i as u32;
                     s.leases.push(l);
@@ -449,7 +505,7 @@ pub fn moe_forward(m: &MoeLayer, x: &Input, s: &mut MoeScratch, out: &mut [f32])
         }
         let wave = &s.active[done..done + s.leases.len()];
         let (Some(&first), Some(&last)) = (wave.first(), wave.last()) else {
-            return Err(crate::error::Error::InvalidInput(format!(
+            return Err(Error::Internal(format!(
                 "expert store gave no lease for layer {} even when allowed to wait",
                 m.layer
             )));
@@ -468,25 +524,29 @@ pub fn moe_forward(m: &MoeLayer, x: &Input, s: &mut MoeScratch, out: &mut [f32])
             f,
             fq,
         };
-        let par = rayon::current_num_threads() > 1 && wave.len() > 1;
+        let split = if rayon::current_num_threads() > 1 && wave.len() > 1 { Split::ByExpert } else { Split::ByRows };
         let w = Wave { leases: &s.leases, lease_of: &s.lease_of };
-        let r = run_experts(m, &w, &s.starts, lo, hi, groups, par);
+        let r = run_experts(m, &w, &s.starts, lo, hi, groups, split);
         done += s.leases.len();
         s.leases.clear(); // gives the slots back, also on error
         r?;
     }
-    // Combine in rank order, independent of expert or thread order.
-    for t in 0..n {
-        let o = &mut out[t * d..(t + 1) * d];
+    Ok(())
+}
+
+/// Combine: `out[t] = Σ_r w[t, r] · outs[slot(t, r)]` ([T, D]; `weights`
+/// [T, K], `outs` [T·K, D] in `order`), in rank order, independent of expert
+/// or thread order.
+fn combine(weights: &[f32], slot: &[u32], outs: &[f32], k: usize, d: usize, out: &mut [f32]) {
+    for (t, o) in out.chunks_exact_mut(d).enumerate() {
         o.fill(0.0);
         for r in 0..k {
             let pair = t * k + r;
-            let wt = s.weights[pair];
-            let at = s.slot[pair] as usize;
-            o.iter_mut().zip(&s.outs[at * d..(at + 1) * d]).for_each(|(a, b)| *a += wt * b);
+            let wt = weights[pair];
+            let at = slot[pair] as usize;
+            o.iter_mut().zip(&outs[at * d..(at + 1) * d]).for_each(|(a, b)| *a += wt * b); // [D]
         }
     }
-    Ok(())
 }
 
 /// A whole MoE block: the router and its routed experts, and the shared
@@ -513,7 +573,7 @@ pub fn moe_block(
     moe_forward(&b.routed, x, s, out)?; // [n, D]
     let Some(shared) = &b.shared else { return Ok(()) };
     let d = x.cols;
-    gated_mlp(shared, b.routed.act, x, mlp, shared_out, true); // [n, D]
+    gated_mlp(shared, b.routed.act, x, mlp, shared_out); // [n, D]
     for ((o, sh), xr) in out.chunks_exact_mut(d).zip(shared_out.chunks_exact(d)).zip(x.x.chunks_exact(d)) {
         let scale = b.shared_gate.map_or(1.0, |w| sigmoid(w.iter().zip(xr).map(|(a, b)| a * b).sum()));
         o.iter_mut().zip(sh).for_each(|(p, v)| *p += scale * v);
@@ -538,18 +598,11 @@ fn top2_margin(probs: &[f32], ids: &[u32]) -> f32 {
 /// `s.pred_x` (its expected input): the unique ids, ascending, in `s.pred`.
 /// Uses the routing scratch, which [`moe_forward`] overwrites before reading.
 pub fn predict<'s>(m: &MoeLayer, n: usize, s: &'s mut MoeScratch) -> &'s [u32] {
-    let (router, spec) = (&m.router, m.spec);
-    let (e_n, k, d) = (router.rows, spec.top_k, router.cols);
-    let logits = &mut s.logits[..n * e_n];
-    router_logits(m, &Input::plain(&s.pred_x[..n * d], d), logits); // [n, E]
+    let (e_n, k, d) = (m.router.rows, m.spec.top_k, m.router.cols);
+    route_rows(m, &Input::plain(&s.pred_x[..n * d], d), &mut s.routes, None); // ids: [n, K]
     s.mark.fill(false);
-    for t in 0..n {
-        let ids = &mut s.ids[t * k..(t + 1) * k];
-        let w = &mut s.weights[t * k..(t + 1) * k];
-        route(&logits[t * e_n..(t + 1) * e_n], spec, m.correction, &mut s.probs, &mut s.sel, ids, w);
-        for &e in ids.iter() {
-            s.mark[e as usize] = true;
-        }
+    for &e in &s.routes.ids[..n * k] {
+        s.mark[e as usize] = true;
     }
     s.pred.clear();
     s.pred.extend((0..e_n as u32).filter(|&e| s.mark[e as usize]));

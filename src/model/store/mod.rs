@@ -196,14 +196,22 @@ impl std::fmt::Debug for Lease {
     }
 }
 
+/// What a lease request does when every slot is in use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LeaseMode {
+    /// Blocks until a slot is free (or reads into a buffer of its own where
+    /// blocking could deadlock): the store always returns a lease.
+    Wait,
+    /// Returns `None` at once, so a caller holding leases can run them first.
+    IfFree,
+}
+
 /// Supplies routed experts' weights to the MoE block. Used concurrently from
 /// rayon workers, hence `Send + Sync`.
 pub trait ExpertStore: Send + Sync {
-    /// Leases expert `expert` of `layer`. With `wait`, blocks until a slot is
-    /// free (or reads into a buffer of its own where blocking could deadlock)
-    /// and always returns a lease; without, returns `None` when every slot is
-    /// in use, so a caller holding leases can run them first.
-    fn lease(&self, layer: usize, expert: usize, wait: bool) -> Result<Option<Lease>>;
+    /// Leases expert `expert` of `layer`; `mode` says what happens when every
+    /// slot is in use ([`LeaseMode::Wait`] always gives a lease).
+    fn lease(&self, layer: usize, expert: usize, mode: LeaseMode) -> Result<Option<Lease>>;
 
     /// The matrices of a leased expert, reading them first if needed (an I/O
     /// failure is an [`Error::ExpertRead`]). Cheap once loaded.
@@ -252,7 +260,7 @@ impl dyn ExpertStore + '_ {
     /// it. A convenience for code that uses one expert at a time; the MoE
     /// block leases a whole wave of experts instead.
     pub fn expert(&self, layer: usize, e: usize) -> Result<ExpertGuard<'_>> {
-        let lease = self.lease(layer, e, true)?.ok_or_else(|| {
+        let lease = self.lease(layer, e, LeaseMode::Wait)?.ok_or_else(|| {
             Error::InvalidInput(format!("expert store returned no lease for expert {e} of layer {layer}"))
         })?;
         self.view(&lease)?;
@@ -325,7 +333,7 @@ impl ResidentStore {
 }
 
 impl ExpertStore for ResidentStore {
-    fn lease(&self, layer: usize, expert: usize, _wait: bool) -> Result<Option<Lease>> {
+    fn lease(&self, layer: usize, expert: usize, _mode: LeaseMode) -> Result<Option<Lease>> {
         self.lookups[layer].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(Some(Lease::new(layer, expert, Place::Resident)))
     }

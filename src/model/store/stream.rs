@@ -342,7 +342,7 @@ impl Shared {
         }
     }
 
-    fn lease(self: &Arc<Self>, l: usize, e: usize, wait: bool) -> Result<Option<Lease>> {
+    fn lease(self: &Arc<Self>, l: usize, e: usize, mode: super::LeaseMode) -> Result<Option<Lease>> {
         let mut st = self.lock();
         let mut waited = false;
         loop {
@@ -374,7 +374,7 @@ impl Shared {
                 self.note_lookup(&mut st, l, e, false);
                 return Ok(Some(Lease::new(l, e, Place::Slot { shared: self.clone(), slot: s as u32 })));
             }
-            if !wait {
+            if mode == super::LeaseMode::IfFree {
                 return Ok(None);
             }
             if busy() || rayon::current_thread_index().is_some() {
@@ -668,8 +668,8 @@ impl Drop for StreamStore {
 }
 
 impl ExpertStore for StreamStore {
-    fn lease(&self, layer: usize, expert: usize, wait: bool) -> Result<Option<Lease>> {
-        self.shared.lease(layer, expert, wait)
+    fn lease(&self, layer: usize, expert: usize, mode: super::LeaseMode) -> Result<Option<Lease>> {
+        self.shared.lease(layer, expert, mode)
     }
 
     fn view<'a>(&'a self, lease: &'a Lease) -> Result<ExpertView<'a>> {

@@ -204,7 +204,7 @@ fn leased_experts_hold_the_file_bytes() {
         }
     }
     // A lease is only good with the store that issued it.
-    let lease = resident.experts.lease(0, 0, true).unwrap().unwrap();
+    let lease = resident.experts.lease(0, 0, LeaseMode::Wait).unwrap().unwrap();
     assert!(streamed.experts.view(&lease).is_err());
 }
 
@@ -219,13 +219,13 @@ fn a_full_cache_makes_the_first_lease_wait_and_a_busy_thread_read_aside() {
     let m = Model::open_with(&path, &o).unwrap();
     let resident = Model::open(&path).unwrap();
     let store = m.experts.as_ref();
-    let held: Vec<Lease> = (0..4).map(|e| store.lease(0, e, true).unwrap().unwrap()).collect();
+    let held: Vec<Lease> = (0..4).map(|e| store.lease(0, e, LeaseMode::Wait).unwrap().unwrap()).collect();
     // Every slot leased: a caller that may not wait gets nothing...
-    assert!(store.lease(0, 9, false).unwrap().is_none());
+    assert!(store.lease(0, 9, LeaseMode::IfFree).unwrap().is_none());
     // ...a thread inside expert work reads into a buffer of its own...
     {
         let _busy = Busy::enter();
-        let own = store.lease(3, 9, true).unwrap().unwrap();
+        let own = store.lease(3, 9, LeaseMode::Wait).unwrap().unwrap();
         let want = resident.experts.expert(3, 9).unwrap();
         assert!(store.view(&own).unwrap().down.bytes == want.view().unwrap().down.bytes);
     }
@@ -233,7 +233,7 @@ fn a_full_cache_makes_the_first_lease_wait_and_a_busy_thread_read_aside() {
     // ...and anyone else waits until a lease is dropped.
     std::thread::scope(|sc| {
         let waiter = sc.spawn(|| {
-            let l = store.lease(1, 5, true).unwrap().unwrap();
+            let l = store.lease(1, 5, LeaseMode::Wait).unwrap().unwrap();
             store.view(&l).unwrap().gate.bytes.to_vec()
         });
         std::thread::sleep(std::time::Duration::from_millis(50));

@@ -1,0 +1,258 @@
+//! The decode step every loop shares: from the logits a forward pass left in
+//! a sequence to the next token, its log-probabilities, its time and whether
+//! the generation ends there.
+//!
+//! ```text
+//! seq.logits ─► sample ─► accept (penalties) ─► logprobs ─► time ─► finish?
+//! ```
+//!
+//! A [`Decoder`] is one generation's side of that step: its sampler, its stop
+//! rules and the tokens so far. [`Generation`](super::Generation) (one
+//! sequence, a workspace of its own, prompt chunks polled for Ctrl-C) and the
+//! [`Scheduler`](super::Scheduler) (many sequences in one batched pass) each
+//! run the forward pass their own way and then hand every sequence that has
+//! new logits to its decoder. The single generation is not a scheduler of
+//! one: it runs on the caller's thread with its own workspace and polls
+//! `interrupted` between prompt chunks, which a scheduler thread cannot, and
+//! a batched pass over one sequence gains nothing. What the two loops share,
+//! and what speculative decoding will extend (accepting several tokens of one
+//! pass), lives here, so a rule changed here changes for both.
+
+use std::time::{Duration, Instant};
+
+use super::Engine;
+use super::sampling::{Sampler, SamplingParams};
+use crate::error::{Error, Result};
+use crate::model::forward::check_ids;
+use crate::model::session::Sequence;
+
+/// What to generate and when to stop.
+#[derive(Clone, Debug)]
+pub struct GenerateOptions {
+    /// Stop after this many new tokens.
+    pub max_new_tokens: usize,
+    /// How each token is chosen.
+    pub sampling: SamplingParams,
+    /// Stop when one of these ids is produced (it is included in the output).
+    pub stop_ids: Vec<u32>,
+    /// Record each generated token's log-probability and this many of the
+    /// most likely alternatives (at most [`MAX_TOP_LOGPROBS`]); `None`: off.
+    pub logprobs: Option<usize>,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        GenerateOptions {
+            max_new_tokens: 16,
+            sampling: SamplingParams::default(),
+            stop_ids: Vec::new(),
+            logprobs: None,
+        }
+    }
+}
+
+/// Most alternatives [`GenerateOptions::logprobs`] may ask for per token.
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// The log-probability of one generated token and of the most likely
+/// tokens at its position, under the model's own distribution (softmax of
+/// the logits, before temperature, penalties or truncation change it).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    /// ln p(the chosen token).
+    pub logprob: f32,
+    /// The most likely tokens and their ln p, most likely first (ties: the
+    /// lower id first).
+    pub top: Vec<(u32, f32)>,
+}
+
+impl TokenLogprobs {
+    /// Of `token` and the `k` most likely tokens under `logits`.
+    pub fn of(logits: &[f32], token: u32, k: usize) -> TokenLogprobs {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        // In f64, so the normaliser of a large vocabulary loses nothing.
+        let sum: f64 = logits.iter().map(|&x| crate::math::exp((x - max) as f64)).sum();
+        let lse = max as f64 + crate::math::ln(sum);
+        let lp = |x: f32| (x as f64 - lse) as f32;
+        let mut top: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
+        if k > 0 {
+            for (i, &x) in logits.iter().enumerate() {
+                if top.len() == k && x <= top[k - 1].1 {
+                    continue;
+                }
+                // After every kept entry at least as large (ids ascend, so
+                // an equal one already kept has the lower id).
+                let at = top.partition_point(|&(_, y)| y >= x);
+                top.insert(at, (i as u32, x));
+                top.truncate(k);
+            }
+        }
+        for t in &mut top {
+            t.1 = lp(t.1);
+        }
+        TokenLogprobs { logprob: logits.get(token as usize).map_or(f32::NEG_INFINITY, |&x| lp(x)), top }
+    }
+}
+
+/// Why a generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// A stop id was produced.
+    Stop,
+    /// `max_new_tokens` were produced, or prompt plus output filled the context.
+    Length,
+}
+
+impl FinishReason {
+    /// `"stop"` or `"length"`, as OpenAI-style APIs spell them.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// Counts and wall-clock times of one generation.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Timings {
+    /// Tokens of the prompt.
+    pub prompt_tokens: usize,
+    /// Tokens generated so far.
+    pub generated_tokens: usize,
+    /// Time to run the prompt and choose the first token.
+    pub prefill: Duration,
+    /// Time of every later step (one forward pass of one token, and a choice).
+    pub decode: Duration,
+}
+
+impl Timings {
+    /// Prompt tokens per second of prefill (0 before the first token).
+    pub fn prefill_tokens_per_second(&self) -> f64 {
+        rate(self.prompt_tokens, self.prefill)
+    }
+
+    /// Generated tokens per second of decoding, not counting the first token
+    /// (which prefill produced); 0 with fewer than two tokens.
+    pub fn decode_tokens_per_second(&self) -> f64 {
+        rate(self.generated_tokens.saturating_sub(1), self.decode)
+    }
+}
+
+fn rate(n: usize, t: Duration) -> f64 {
+    if n == 0 || t.is_zero() { 0.0 } else { n as f64 / t.as_secs_f64() }
+}
+
+/// One generation's decoding state: its sampler, its stop rules, the tokens
+/// chosen so far, their times and, once decided, why it ended.
+#[derive(Debug)]
+pub(super) struct Decoder {
+    sampler: Sampler,
+    stop_ids: Vec<u32>,
+    max_new_tokens: usize,
+    logprobs_k: Option<usize>,
+    tokens: Vec<u32>,
+    timings: Timings,
+    finish: Option<FinishReason>,
+}
+
+/// What one step decided.
+pub(super) struct Decoded {
+    /// The new token.
+    pub token: u32,
+    /// Its log-probabilities, when the request asked for them.
+    pub logprobs: Option<TokenLogprobs>,
+    /// Why the generation ends with this token, if it does.
+    pub finish: Option<FinishReason>,
+    /// When the token was chosen (the next step's time runs from here).
+    pub at: Instant,
+}
+
+impl Decoder {
+    /// Checks a request before any work (prompt length and ids, sampling
+    /// options) and makes its decoder. A request for no new tokens is
+    /// finished from the start.
+    pub fn new(engine: &Engine, prompt: &[u32], opts: &GenerateOptions) -> Result<Decoder> {
+        let model = engine.model();
+        let ctx = model.config.max_seq_len;
+        if prompt.len() > ctx {
+            return Err(Error::ContextOverflow(format!(
+                "prompt of {} tokens is longer than the model's context of {ctx}",
+                prompt.len()
+            )));
+        }
+        if let Some(k) = opts.logprobs
+            && k > MAX_TOP_LOGPROBS
+        {
+            return Err(Error::InvalidInput(format!("logprobs: at most {MAX_TOP_LOGPROBS} alternatives, got {k}")));
+        }
+        let sampler = Sampler::new(opts.sampling.clone(), model.config.vocab_size, prompt)?;
+        check_ids(model, prompt)?;
+        Ok(Decoder {
+            sampler,
+            stop_ids: opts.stop_ids.clone(),
+            max_new_tokens: opts.max_new_tokens,
+            logprobs_k: opts.logprobs,
+            tokens: Vec::with_capacity(opts.max_new_tokens.min(ctx)),
+            timings: Timings { prompt_tokens: prompt.len(), ..Timings::default() },
+            finish: (opts.max_new_tokens == 0).then_some(FinishReason::Length),
+        })
+    }
+
+    /// Chooses the next token from the logits the last pass left in `seq`,
+    /// records it, and decides whether the generation ends with it. The
+    /// step's time runs from `began` (when its forward pass started; for the
+    /// first token, when the prompt's first chunk did) to the choice.
+    pub fn step(&mut self, seq: &Sequence, began: Instant) -> Decoded {
+        debug_assert!(self.finish.is_none(), "a finished generation takes no more steps");
+        let token = self.sampler.sample(&seq.logits);
+        self.sampler.accept(token);
+        self.tokens.push(token);
+        let logprobs = self.logprobs_k.map(|k| TokenLogprobs::of(&seq.logits, token, k));
+        let at = Instant::now();
+        if self.tokens.len() == 1 {
+            self.timings.prefill = at - began;
+        } else {
+            self.timings.decode += at - began;
+        }
+        self.timings.generated_tokens = self.tokens.len();
+        if self.stop_ids.contains(&token) {
+            self.finish = Some(FinishReason::Stop);
+        } else if self.tokens.len() >= self.max_new_tokens || seq.pos + 1 >= seq.max_seq {
+            // The last condition: prompt plus output now fill the sequence (at
+            // most the context), so there is no room to run this token.
+            self.finish = Some(FinishReason::Length);
+        }
+        Decoded { token, logprobs, finish: self.finish, at }
+    }
+
+    /// The tokens chosen so far.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// The chosen tokens, consuming the decoder.
+    pub fn into_tokens(self) -> Vec<u32> {
+        self.tokens
+    }
+
+    /// Most new tokens the request asked for.
+    pub fn max_new_tokens(&self) -> usize {
+        self.max_new_tokens
+    }
+
+    /// Why the generation ended; `None` while it can go on.
+    pub fn finish(&self) -> Option<FinishReason> {
+        self.finish
+    }
+
+    /// Counts and times so far.
+    pub fn timings(&self) -> Timings {
+        self.timings
+    }
+
+    /// The sampling parameters in use.
+    pub fn sampling(&self) -> &SamplingParams {
+        self.sampler.params()
+    }
+}

@@ -1,0 +1,83 @@
+//! Grouped-query attention's projections: H query heads share Hkv key/value
+//! heads (H = Hkv is multi-head attention). The attention itself, over each
+//! sequence's cache, is [`attend`](super::attention::attend).
+//!
+//! ```text
+//! q, k, v = Wq·x + bq, Wk·x + bk, Wv·x + bv    [T, H·Dh], [T, Hkv·Dh] ×2 (biases if any)
+//! q, k = norm(q), norm(k)                       per head or over the whole row (if any)
+//! q, k, v = clip(q), clip(k), clip(v)           (if the model clips)
+//! q, k = rope(q), rope(k)                       every head
+//! ```
+
+use super::Inputs;
+use super::ffn::add_bias;
+use super::norm::rmsnorm_rows_inplace;
+use super::rope::Rope;
+use crate::kernels::{Matrix, matmul_many};
+
+/// One layer's GQA projections and the rules applied to their outputs.
+pub struct Gqa<'a> {
+    /// [H·Dh, D]
+    pub wq: Matrix<'a>,
+    /// [Hkv·Dh, D]
+    pub wk: Matrix<'a>,
+    /// [Hkv·Dh, D]
+    pub wv: Matrix<'a>,
+    /// `[H·Dh]`, `[Hkv·Dh]`, `[Hkv·Dh]` q, k and v biases.
+    pub bias: Option<[&'a [f32]; 3]>,
+    /// RMSNorm weights of q and k: `[Dh]` each per head, or whole rows.
+    pub qk_norm: Option<[&'a [f32]; 2]>,
+    /// The norms' epsilon.
+    pub eps: f32,
+    /// Clamp of q, k and v to `[-clip, clip]`.
+    pub clip: Option<f32>,
+    /// Dh: width of a head.
+    pub dh: usize,
+    /// The rotary embedding.
+    pub rope: &'a Rope,
+}
+
+impl Gqa<'_> {
+    /// q, k, v of the T rows of `x` ([T, D]), with the RoPE angles of their
+    /// positions (`cos`, `sin`: [T, R/2]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn project(
+        &self,
+        x: &[f32],
+        inputs: &mut Inputs,
+        cos: &[f32],
+        sin: &[f32],
+        q: &mut [f32],
+        k: &mut [f32],
+        v: &mut [f32],
+    ) {
+        let (d, qd, kvd, dh) = (self.wq.cols, self.wq.rows, self.wk.rows, self.dh);
+        let n = x.len() / d;
+        let half = cos.len() / n.max(1);
+        let inp = inputs.prepare(x, d); // quantised once for q, k and v
+        matmul_many(&mut [(self.wq, &mut *q), (self.wk, &mut *k), (self.wv, &mut *v)], &inp); // [T, H·Dh], [T, Hkv·Dh] ×2
+        if let Some([bq, bk, bv]) = self.bias {
+            add_bias(q, bq);
+            add_bias(k, bk);
+            add_bias(v, bv);
+        }
+        if let Some([wqn, wkn]) = self.qk_norm {
+            // Per head: rows of Dh; full: rows of the whole projection.
+            rmsnorm_rows_inplace(q, wqn, self.eps);
+            rmsnorm_rows_inplace(k, wkn, self.eps);
+        }
+        if let Some(clip) = self.clip {
+            for a in q.iter_mut().chain(k.iter_mut()).chain(v.iter_mut()) {
+                *a = a.clamp(-clip, clip);
+            }
+        }
+        for t in 0..n {
+            let (cs, sn) = (&cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
+            for head in
+                q[t * qd..(t + 1) * qd].chunks_exact_mut(dh).chain(k[t * kvd..(t + 1) * kvd].chunks_exact_mut(dh))
+            {
+                self.rope.rotate(head, cs, sn);
+            }
+        }
+    }
+}
