@@ -7,8 +7,9 @@
 //! ```
 //!
 //! Modules, in the order data flows: [`arch`] (Hugging Face adapters) and
-//! [`convert`] write the [`format`](mod@format); [`model`] loads it and runs the forward
-//! pass from [`model::config::ModelConfig`] alone, with matrix work in
+//! [`convert`] write the [`format`](mod@format), all describing a model by
+//! [`spec`] (the canonical config and tensor set); [`model`] loads it and runs
+//! the forward pass from [`spec::config::ModelConfig`] alone, with matrix work in
 //! [`kernels`] and weight types in [`quant`]; [`engine`] holds sessions,
 //! sampling and generation; [`imatrix`] records the importance matrices the
 //! quantisers of [`convert`] can weight their errors by; `python` is the
@@ -49,6 +50,7 @@ pub mod kernels;
 pub mod math;
 pub mod model;
 pub mod quant;
+pub mod spec;
 pub mod synth;
 pub mod threads;
 

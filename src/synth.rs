@@ -6,9 +6,9 @@ use std::path::Path;
 
 use crate::format::writer::{ToPlace, Writer, layout};
 use crate::format::{FileMeta, SourceInfo};
-use crate::model::config::*;
-use crate::model::tensors::{TensorId, tensor_plan};
 use crate::quant::{self, DType};
+use crate::spec::config::*;
+use crate::spec::tensors::{TensorId, tensor_plan};
 
 /// A small MoE config with awkward sizes: every feature of the canonical
 /// config that the forward pass branches on is switched on somewhere.

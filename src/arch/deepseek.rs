@@ -31,8 +31,8 @@
 
 use super::{Arch, HfConfig, Source, leading_dense_layers, llama_name, qwen_moe_name, shared_experts_name};
 use crate::error::{Error, Result};
-use crate::model::config::*;
-use crate::model::tensors::{LayerTensor as L, TensorId};
+use crate::spec::config::*;
+use crate::spec::tensors::{LayerTensor as L, TensorId};
 
 /// DeepSeek-V2 and V2-Lite.
 pub static V2: Arch = Arch {

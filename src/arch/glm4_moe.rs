@@ -17,8 +17,8 @@
 
 use super::{Arch, HfConfig, Source, leading_dense_layers, llama_name, qwen_moe_name, shared_experts_name};
 use crate::error::Result;
-use crate::model::config::*;
-use crate::model::tensors::TensorId;
+use crate::spec::config::*;
+use crate::spec::tensors::TensorId;
 
 pub static ARCH: Arch = Arch {
     hf_class: "Glm4MoeForCausalLM",

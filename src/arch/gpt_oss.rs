@@ -21,8 +21,8 @@
 
 use super::{Arch, HfConfig, Source, layer_types, llama_name};
 use crate::error::{Error, Result};
-use crate::model::config::*;
-use crate::model::tensors::{ExpertTensor as X, LayerTensor as L, TensorId};
+use crate::spec::config::*;
+use crate::spec::tensors::{ExpertTensor as X, LayerTensor as L, TensorId};
 
 pub static ARCH: Arch =
     Arch { hf_class: "GptOssForCausalLM", model_type: "gpt_oss", config, source, ignored: super::nothing_ignored };

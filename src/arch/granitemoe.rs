@@ -13,8 +13,8 @@
 
 use super::{Arch, HfConfig, Source, llama_name};
 use crate::error::Result;
-use crate::model::config::*;
-use crate::model::tensors::{ExpertTensor as X, LayerTensor as L, TensorId};
+use crate::spec::config::*;
+use crate::spec::tensors::{ExpertTensor as X, LayerTensor as L, TensorId};
 
 pub static ARCH: Arch = Arch {
     hf_class: "GraniteMoeForCausalLM",

@@ -11,8 +11,8 @@
 
 use super::{Arch, HfConfig, Source, expert_part, llama_name};
 use crate::error::Result;
-use crate::model::config::*;
-use crate::model::tensors::{LayerTensor, TensorId};
+use crate::spec::config::*;
+use crate::spec::tensors::{LayerTensor, TensorId};
 
 pub static ARCH: Arch =
     Arch { hf_class: "MixtralForCausalLM", model_type: "mixtral", config, source, ignored: super::nothing_ignored };

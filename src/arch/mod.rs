@@ -23,8 +23,8 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use crate::error::{Error, Result};
-use crate::model::config::{FfnSpec, LayerSpec, ModelConfig, RopeScaling, RopeSpec, SIZE_LIMIT};
-use crate::model::tensors::{ExpertTensor, LayerTensor, TensorId};
+use crate::spec::config::{FfnSpec, LayerSpec, ModelConfig, RopeScaling, RopeSpec, SIZE_LIMIT};
+use crate::spec::tensors::{ExpertTensor, LayerTensor, TensorId};
 
 /// One supported Hugging Face architecture.
 pub struct Arch {

@@ -10,8 +10,8 @@
 
 use super::{Arch, HfConfig, Source, llama_name, qwen_moe_name};
 use crate::error::Result;
-use crate::model::config::*;
-use crate::model::tensors::TensorId;
+use crate::spec::config::*;
+use crate::spec::tensors::TensorId;
 
 pub static ARCH: Arch =
     Arch { hf_class: "OlmoeForCausalLM", model_type: "olmoe", config, source, ignored: super::nothing_ignored };

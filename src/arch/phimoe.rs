@@ -17,8 +17,8 @@
 
 use super::{Arch, HfConfig, Source, expert_part, llama_name};
 use crate::error::Result;
-use crate::model::config::*;
-use crate::model::tensors::{LayerTensor as L, TensorId};
+use crate::spec::config::*;
+use crate::spec::tensors::{LayerTensor as L, TensorId};
 
 pub static ARCH: Arch =
     Arch { hf_class: "PhimoeForCausalLM", model_type: "phimoe", config, source, ignored: super::nothing_ignored };

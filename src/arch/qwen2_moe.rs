@@ -16,8 +16,8 @@
 
 use super::{Arch, HfConfig, Source, layer_types, llama_name, qwen_moe_name, qwen_sparse_layers};
 use crate::error::Result;
-use crate::model::config::*;
-use crate::model::tensors::TensorId;
+use crate::spec::config::*;
+use crate::spec::tensors::TensorId;
 
 pub static ARCH: Arch =
     Arch { hf_class: "Qwen2MoeForCausalLM", model_type: "qwen2_moe", config, source, ignored: super::nothing_ignored };

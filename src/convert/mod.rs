@@ -29,8 +29,8 @@ use crate::error::{Error, Result};
 use crate::format::writer::{ToPlace, Writer, layout};
 use crate::format::{FileMeta, SourceInfo, TensorEntry};
 use crate::imatrix::Imatrix;
-use crate::model::tensors::{PlannedTensor, Role, TensorId, tensor_plan};
 use crate::quant::{self, DType};
+use crate::spec::tensors::{PlannedTensor, Role, TensorId, tensor_plan};
 pub use recipe::Recipe;
 use safetensors::{Checkpoint, SrcTensor};
 

@@ -30,8 +30,8 @@
 //! demo model's KL).
 
 use crate::error::{Error, Result};
-use crate::model::tensors::TensorClass;
 use crate::quant::DType;
+use crate::spec::tensors::TensorClass;
 
 /// The named recipes: (name, spec, what it is for).
 pub const PRESETS: &[(&str, &str, &str)] = &[

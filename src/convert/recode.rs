@@ -27,7 +27,7 @@ use crate::error::{Error, Result};
 use crate::format::FileMeta;
 use crate::format::reader::ColibriFile;
 use crate::format::writer::{ToPlace, layout};
-use crate::model::tensors::{TensorId, tensor_plan};
+use crate::spec::tensors::{TensorId, tensor_plan};
 
 /// Re-encodes the `.colibri` file `src` into `dst` with the weight type
 /// `opts.recipe` (`None` keeps the source's types). `interrupted` is polled between

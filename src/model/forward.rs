@@ -19,11 +19,11 @@ use super::blocks::attention::{Heads, attend};
 use super::blocks::ffn::{Mlp, MlpScratch, add_bias, gated_mlp};
 use super::blocks::moe::{MoeBlock, MoeLayer, moe_block, predict};
 use super::blocks::norm::{norm_rows, rmsnorm_rows_inplace};
-use super::config::{Activation, QkNorm};
 use super::session::{HeadScratch, Sequence, Session, Workspace};
 use super::{FfnRefs, LayerRefs, MlaQuery, MlpRefs, Model, NormRefs, QkvRefs};
 use crate::error::{Error, Result};
 use crate::kernels::{Input, Matrix, matmul, matmul_many, matmul_serial, observe_unmultiplied};
+use crate::spec::config::{Activation, QkNorm};
 
 /// Optional outputs beyond the last token's logits (always left in
 /// `Sequence::logits`).

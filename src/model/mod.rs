@@ -5,11 +5,9 @@
 //! beside `Transformer`.
 
 pub mod blocks;
-pub mod config;
 pub mod forward;
 pub mod session;
 pub mod store;
-pub mod tensors;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -17,10 +15,10 @@ use std::sync::Arc;
 use crate::error::{Error, Result};
 use crate::format::reader::ColibriFile;
 use crate::kernels::Matrix;
-use config::{FfnSpec, ModelConfig};
+use crate::spec::config::{self, FfnSpec, ModelConfig};
+use crate::spec::tensors::{LayerTensor as L, TensorId};
 use store::telemetry::Telemetry;
 use store::{DenseCopy, ExpertStore, HeatState, RoutingStats, StoreOptions, StoreStats, WeightsBacking};
-use tensors::{LayerTensor as L, TensorId};
 
 /// Where a tensor lives in the mapped file; resolved to a view on use, which
 /// costs a bounds-checked slice and no allocation.

@@ -3,7 +3,7 @@
 //! `act` is `silu(g) · u` for most models (biases only where the model has them).
 
 use crate::kernels::{BlockQ8, Input, Matrix, matmul, matmul_many, matmul_serial};
-use crate::model::config::Activation;
+use crate::spec::config::Activation;
 
 /// x · sigmoid(x), written to saturate cleanly for large |x|; the
 /// experts' activation, so its e^x is the vectorisable polynomial

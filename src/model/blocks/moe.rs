@@ -17,9 +17,9 @@
 use super::ffn::{Mlp, MlpScratch, add_bias, gated_mlp, sigmoid};
 use crate::error::Result;
 use crate::kernels::{BlockQ8, Input, Matrix, matmul};
-use crate::model::config::{Activation, GroupLimit, GroupScore, RouterScore, RouterSpec};
 use crate::model::store::telemetry::LayerTelemetry;
 use crate::model::store::{Busy, ExpertStore, Lease};
+use crate::spec::config::{Activation, GroupLimit, GroupScore, MAX_GROUPS, RouterScore, RouterSpec};
 
 /// Indices of the `k` largest `scores`, best first, by partial selection
 /// (O(E·K), no sort of all E). Ties go to the lower index.
@@ -186,9 +186,6 @@ fn limit_groups(sel: &mut [f32], g: &GroupLimit) {
         }
     }
 }
-
-/// Most expert groups a router may have (checked when the config is validated).
-pub const MAX_GROUPS: usize = 64;
 
 /// Scratch for one MoE call over up to C tokens, allocated once per session.
 pub struct MoeScratch {

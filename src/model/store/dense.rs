@@ -17,7 +17,7 @@ use crate::format::TENSOR_ALIGN;
 use crate::format::reader::ColibriFile;
 use crate::kernels::Matrix;
 use crate::model::TensorRef;
-use crate::model::tensors::{ExpertTensor, TensorId};
+use crate::spec::tensors::{ExpertTensor, TensorId};
 
 /// Every non-expert tensor of a file, packed 64-byte aligned in one buffer.
 pub(crate) struct DenseCopy {

@@ -39,11 +39,11 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use super::blocks::ffn::Mlp;
-use super::config::{FfnSpec, ModelConfig};
-use super::tensors::{ExpertTensor, TensorId};
 use super::{TensorRef, matrix, tensor_ref};
 use crate::error::{Error, Result};
 use crate::format::reader::ColibriFile;
+use crate::spec::config::{FfnSpec, ModelConfig};
+use crate::spec::tensors::{ExpertTensor, TensorId};
 pub use backing::{Backing, WeightsBacking};
 pub(crate) use dense::DenseCopy;
 pub use heat::{Heat, heat_path_for};

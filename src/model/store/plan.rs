@@ -8,7 +8,7 @@ use super::heat::{Heat, heat_path_for, load_heat};
 use super::io::round_up;
 use crate::error::{Error, Result};
 use crate::format::reader::ColibriFile;
-use crate::model::config::FfnSpec;
+use crate::spec::config::FfnSpec;
 
 /// Sizes of a model's parts that placement decisions need.
 #[derive(Clone, Copy, Debug)]

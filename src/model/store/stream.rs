@@ -35,8 +35,8 @@ use super::{ExpertStore, ExpertView, IoMode, Lease, Place, Policy, busy};
 use crate::error::{Error, Result};
 use crate::format::reader::ColibriFile;
 use crate::kernels::Matrix;
-use crate::model::tensors::{ExpertTensor, TensorId};
 use crate::quant::DType;
+use crate::spec::tensors::{ExpertTensor, TensorId};
 
 const NONE: u32 = u32::MAX;
 

@@ -21,6 +21,10 @@ fn is_default<T: Default + PartialEq>(v: &T) -> bool {
 /// `.colibri` header cannot make the loader allocate by its claim).
 pub const SIZE_LIMIT: usize = 1 << 24;
 
+/// Most expert groups a router may have: the router keeps its group scores
+/// on the stack, sized by this bound.
+pub const MAX_GROUPS: usize = 64;
+
 /// Everything the forward pass needs to know about a model's shape and maths.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ModelConfig {
@@ -556,7 +560,7 @@ impl ModelConfig {
                     }
                     if let Some(g) = moe.router.groups
                         && (g.groups == 0
-                            || g.groups > crate::model::blocks::moe::MAX_GROUPS
+                            || g.groups > MAX_GROUPS
                             || !e.is_multiple_of(g.groups)
                             || g.top_groups == 0
                             || g.top_groups > g.groups
