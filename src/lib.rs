@@ -46,6 +46,7 @@ pub mod error;
 pub mod format;
 pub mod fuzzing;
 pub mod imatrix;
+pub mod io;
 pub mod kernels;
 pub mod math;
 pub mod model;

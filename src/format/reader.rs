@@ -8,6 +8,7 @@ use memmap2::Mmap;
 
 use super::{FileMeta, HEADER_LEN, MAGIC, PAGE, TENSOR_ALIGN, VERSION};
 use crate::error::{Error, Result};
+use crate::io::{HUGE_PAGE, read_full};
 use crate::quant::DType;
 use crate::spec::tensors::{Role, TensorId, tensor_plan};
 
@@ -57,10 +58,6 @@ fn read_u32(b: &[u8], at: usize) -> u32 {
 fn read_u64(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
 }
-
-/// The size of a transparent huge page on x86_64 and (with 4 KiB base
-/// pages) aarch64 Linux.
-pub const HUGE_PAGE: usize = 2 << 20;
 
 /// A copy of a file's bytes in memory of the process's own (see
 /// [`ColibriFile::read_copy`]).
@@ -377,7 +374,7 @@ impl ColibriFile {
             for (at, piece) in share {
                 let n = piece.len();
                 match source {
-                    Some(f) => crate::model::store::read_full(f, piece, at as u64, n)?,
+                    Some(f) => read_full(f, piece, at as u64, n)?,
                     None => piece.copy_from_slice(&mapped[at..at + n]),
                 }
                 let total = done.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed) + n as u64;

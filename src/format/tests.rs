@@ -203,7 +203,7 @@ fn a_copy_in_memory_holds_the_same_bytes_and_refuses_a_file_that_changed_length(
     let mut seen = Vec::new();
     let copy = copied.read_copy_in(4096 + 64, &mut |done| seen.push(done)).unwrap();
     assert_eq!(copy.bytes(), mapped.bytes());
-    assert_eq!(copy.bytes().as_ptr() as usize % reader::HUGE_PAGE, 0, "the copy starts on a 2 MiB boundary");
+    assert_eq!(copy.bytes().as_ptr() as usize % crate::io::HUGE_PAGE, 0, "the copy starts on a 2 MiB boundary");
     assert_eq!(seen.last().copied(), Some(copied.file_len()), "progress ends at the file's length");
     assert!(seen.windows(2).all(|w| w[0] <= w[1]), "progress never goes back: {seen:?}");
     copied.use_copy(copy);

@@ -20,7 +20,8 @@ use crate::engine::batch::Canceller;
 use crate::engine::session::KvCacheType;
 use crate::engine::{BatchOptions, Engine, EngineOptions, GenerateOptions, SamplingParams, Scheduler, Ticket};
 use crate::error::Error;
-use crate::model::store::{Backing, HeatFile, IoMode, Policy, StoreOptions};
+use crate::io::IoMode;
+use crate::model::store::{Backing, HeatFile, Policy, StoreOptions};
 use crate::quant::DType;
 
 /// Maps an error to its Python exception class.

@@ -11,10 +11,10 @@
 
 use std::fs::File;
 
-use super::io::{AlignedBuf, read_full};
 use crate::error::{Error, Result};
 use crate::format::TENSOR_ALIGN;
 use crate::format::reader::ColibriFile;
+use crate::io::{AlignedBuf, read_full};
 use crate::kernels::Matrix;
 use crate::model::TensorRef;
 use crate::spec::tensors::{ExpertTensor, TensorId};

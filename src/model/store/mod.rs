@@ -25,7 +25,6 @@
 mod backing;
 mod dense;
 pub mod heat;
-mod io;
 pub mod plan;
 mod stream;
 pub mod telemetry;
@@ -42,13 +41,12 @@ use super::blocks::ffn::Mlp;
 use super::{TensorRef, matrix, tensor_ref};
 use crate::error::{Error, Result};
 use crate::format::reader::ColibriFile;
+use crate::io::{AlignedBuf, IoMode};
 use crate::spec::config::{FfnSpec, ModelConfig};
 use crate::spec::tensors::{ExpertTensor, TensorId};
 pub use backing::{Backing, WeightsBacking};
 pub(crate) use dense::DenseCopy;
 pub use heat::{Heat, heat_path_for};
-use io::AlignedBuf;
-pub(crate) use io::read_full;
 pub use plan::{Plan, human, plan, plan_path};
 use stream::{StreamSetup, StreamStore};
 pub use telemetry::{LayerRouting, LayerStoreStats, RoutingStats, StoreStats};
@@ -87,32 +85,6 @@ impl Policy {
     /// All eight combinations.
     pub fn all() -> impl Iterator<Item = Policy> {
         (0..8u8).map(|b| Policy { lru: b & 1 != 0, pin_hot: b & 2 != 0, prefetch: b & 4 != 0 })
-    }
-}
-
-/// How expert slabs are read from the file.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum IoMode {
-    /// Through the OS page cache (repeated reads may come from RAM the budget
-    /// does not count; the cache is reclaimable).
-    #[default]
-    Buffered,
-    /// Bypassing the page cache (O_DIRECT on Linux, F_NOCACHE on macOS,
-    /// FILE_FLAG_NO_BUFFERING on Windows): the budget is the whole story.
-    /// Whether it is faster depends on the drive; opening fails with a clear
-    /// error where the OS or filesystem refuses it.
-    Direct,
-}
-
-impl IoMode {
-    /// Parses "buffered" or "direct".
-    pub fn parse(s: &str) -> Result<IoMode> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "buffered" => Ok(IoMode::Buffered),
-            "direct" | "unbuffered" => Ok(IoMode::Direct),
-            _ => Err(Error::InvalidInput(format!("io mode {s:?} is not known: use \"buffered\" or \"direct\""))),
-        }
     }
 }
 
@@ -412,7 +384,7 @@ pub(crate) fn place(file: &Arc<ColibriFile>, opts: &StoreOptions) -> Result<Plac
     let identity = heat::ModelIdentity::read(&handle, file.data_offset()).map_err(|e| Error::io(file.path(), e))?;
     // Everything from here on reads through `handle`: it must be the file
     // that was mapped and validated, not one renamed over it since.
-    if identity.file_len != file.file_len() || identity.head_hash != io::fnv1a(file.head_bytes()) {
+    if identity.file_len != file.file_len() || identity.head_hash != heat::fnv1a(file.head_bytes()) {
         return Err(Error::format(file.path(), "the file changed while it was being opened; try again"));
     }
     let heat_path = match &opts.heat_file {

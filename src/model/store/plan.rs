@@ -5,9 +5,9 @@
 use serde::Serialize;
 
 use super::heat::{Heat, heat_path_for, load_heat};
-use super::io::round_up;
 use crate::error::{Error, Result};
 use crate::format::reader::ColibriFile;
+use crate::io::round_up;
 use crate::spec::config::FfnSpec;
 
 /// Sizes of a model's parts that placement decisions need.

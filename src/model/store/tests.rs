@@ -179,7 +179,7 @@ fn direct_io_reads_the_same_bytes() {
             assert!(run(&m, &p, &toks, 4, 5).unwrap() == want);
             let st = m.store_stats();
             assert_eq!(st.io, IoMode::Direct);
-            assert_eq!(st.bytes_read % io::IO_ALIGN as u64, 0, "direct reads are whole pages");
+            assert_eq!(st.bytes_read % crate::io::IO_ALIGN as u64, 0, "direct reads are whole pages");
         }
         // Some filesystems refuse unbuffered reads; the error must say so.
         Err(e) => assert!(e.to_string().contains("io=direct"), "{e}"),
