@@ -16,10 +16,11 @@
 use rayon::prelude::*;
 
 use super::blocks::attention::{Heads, attend};
-use super::blocks::ffn::{Mlp, MlpScratch, add_bias, gated_mlp};
+use super::blocks::ffn::{MlpScratch, add_bias, gated_mlp};
 use super::blocks::moe::{MoeBlock, MoeLayer, moe_block, predict};
 use super::blocks::norm::{norm_rows, rmsnorm_rows_inplace};
 use super::session::{HeadScratch, Sequence, Session, Workspace};
+use super::weights::Mlp;
 use super::{FfnRefs, LayerRefs, MlaQuery, MlpRefs, Model, NormRefs, QkvRefs};
 use crate::error::{Error, Result};
 use crate::kernels::{Input, Matrix, matmul, matmul_many, matmul_serial, observe_unmultiplied};

@@ -14,11 +14,12 @@
 //! resident model), otherwise as many as it can hold at a time. Each unique
 //! expert is leased, and so read, once per chunk for all of its tokens.
 
-use super::ffn::{Mlp, MlpScratch, add_bias, gated_mlp, sigmoid};
+use super::ffn::{MlpScratch, add_bias, gated_mlp, sigmoid};
 use crate::error::Result;
 use crate::kernels::{BlockQ8, Input, Matrix, matmul};
 use crate::model::store::telemetry::LayerTelemetry;
 use crate::model::store::{Busy, ExpertStore, Lease};
+use crate::model::weights::Mlp;
 use crate::spec::config::{Activation, GroupLimit, GroupScore, MAX_GROUPS, RouterScore, RouterSpec};
 
 /// Indices of the `k` largest `scores`, best first, by partial selection

@@ -16,7 +16,7 @@ use crate::format::TENSOR_ALIGN;
 use crate::format::reader::ColibriFile;
 use crate::io::{AlignedBuf, read_full};
 use crate::kernels::Matrix;
-use crate::model::TensorRef;
+use crate::model::weights::TensorRef;
 use crate::spec::tensors::{ExpertTensor, TensorId};
 
 /// Every non-expert tensor of a file, packed 64-byte aligned in one buffer.

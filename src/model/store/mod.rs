@@ -37,11 +37,10 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use super::blocks::ffn::Mlp;
-use super::{TensorRef, matrix, tensor_ref};
 use crate::error::{Error, Result};
 use crate::format::reader::ColibriFile;
 use crate::io::{AlignedBuf, IoMode};
+use crate::model::weights::{Mlp, TensorRef, matrix, tensor_ref};
 use crate::spec::config::{FfnSpec, ModelConfig};
 use crate::spec::tensors::{ExpertTensor, TensorId};
 pub use backing::{Backing, WeightsBacking};
