@@ -28,9 +28,9 @@ use std::time::{Duration, Instant};
 use super::Engine;
 use super::generation::{FinishReason, GenerateOptions, Timings, TokenLogprobs, check_request};
 use super::sampling::Sampler;
-use super::session::{DEFAULT_CHUNK, Sequence, Workspace};
 use crate::error::{Error, Result};
 use crate::model::forward::{Segment, forward_batch};
+use crate::model::session::{DEFAULT_CHUNK, Sequence, Workspace};
 
 /// How a scheduler batches.
 #[derive(Clone, Copy, Debug)]

@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 
 use super::Engine;
 use super::sampling::{Sampler, SamplingParams};
-use super::session::Session;
 use crate::error::{Error, Result};
 use crate::model::forward::{Capture, check_ids};
+use crate::model::session::Session;
 
 /// What to generate and when to stop.
 #[derive(Clone, Debug)]

@@ -8,7 +8,7 @@
 pub mod batch;
 pub mod generation;
 pub mod sampling;
-pub use crate::model::session;
+use crate::model::session;
 
 #[cfg(test)]
 mod tests;

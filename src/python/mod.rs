@@ -17,10 +17,10 @@ use pyo3::types::{PyByteArray, PyDict};
 
 use crate::convert::{ConvertOptions, Recipe, convert};
 use crate::engine::batch::Canceller;
-use crate::engine::session::KvCacheType;
 use crate::engine::{BatchOptions, Engine, EngineOptions, GenerateOptions, SamplingParams, Scheduler, Ticket};
 use crate::error::Error;
 use crate::io::IoMode;
+use crate::model::session::KvCacheType;
 use crate::model::store::{Backing, HeatFile, Policy, StoreOptions};
 use crate::quant::DType;
 
