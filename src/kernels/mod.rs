@@ -38,27 +38,7 @@ mod x86_64;
 use rayon::prelude::*;
 
 use crate::quant::DType;
-
-/// 32 activations quantised to signed bytes: `x ≈ d · qs`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct BlockQ8 {
-    /// Scale.
-    pub d: f32,
-    /// Σ qs (weight types with an offset, or codes stored unsigned, need it).
-    pub sum: i32,
-    /// Codes, in [-127, 127].
-    pub qs: [i8; 32],
-}
-
-impl BlockQ8 {
-    /// `d · Σ qs`: the block's sum in activation units.
-    #[inline(always)]
-    pub fn scaled_sum(&self) -> f32 {
-        self.d * self.sum as f32
-    }
-}
-const _: () = assert!(std::mem::size_of::<BlockQ8>() == 40);
+use crate::quant::act::BlockQ8;
 
 /// A dot product of one weight row (raw bytes of its dtype) with an
 /// activation row given both as f32 and, for block types, quantised.

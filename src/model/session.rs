@@ -2,11 +2,11 @@
 //! once at creation so the forward pass never allocates. It lives beside the
 //! model (the engine wraps it) because the forward pass is its only user.
 
-use crate::kernels::BlockQ8;
 use crate::model::Model;
 use crate::model::blocks::attention::KvView;
 use crate::model::blocks::moe::MoeScratch;
 use crate::quant::DType;
+use crate::quant::act::BlockQ8;
 use crate::spec::config::FfnSpec;
 
 /// Element type of a session's KV cache.

@@ -25,7 +25,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::kx8;
 use super::pairs::{self, ZMM_VNNI};
-use crate::kernels::{BlockQ8, GEMM8_TOKENS};
+use crate::kernels::GEMM8_TOKENS;
+use crate::quant::act::BlockQ8;
 use crate::quant::mxfp4::{BlockMxfp4, LUT2};
 use crate::quant::q4_0::BlockQ4_0;
 use crate::quant::q4_1::BlockQ4_1;
@@ -757,7 +758,7 @@ group_kernels!(
     [1 2 3 4]
 );
 
-/// [`crate::kernels::scalar::quantize_act`] eight lanes at a time, with the
+/// [`crate::quant::act::quantize_act`] eight lanes at a time, with the
 /// same operations on every value (the maximum |x| is exact in any order,
 /// `d = amax / 127`, `x · (1 / d)`, NaN to 0, clamped, truncated and stepped
 /// by the exact remainder), so the codes are the scalar ones (tested).

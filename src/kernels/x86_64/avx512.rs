@@ -26,7 +26,7 @@ use std::arch::x86_64::*;
 use super::avx2::{PREFETCH_AHEAD, prefetch_ahead_l2};
 use super::kx8::{self, KTile, Q4K, Q5K, Q6K};
 use super::pack::{self, GroupBlock, PACK, PACKED, Packed, ROWS, TileBlock};
-use crate::kernels::BlockQ8;
+use crate::quant::act::BlockQ8;
 use crate::quant::kquant::{QK, SUBS};
 use crate::quant::kx8 as qkx8;
 use crate::quant::x8::{BlockQ4_0x8, BlockQ4_1x8, BlockQ8_0x8};

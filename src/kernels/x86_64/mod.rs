@@ -15,10 +15,11 @@ mod pack;
 mod pairs;
 
 use super::{
-    Activation, BlockQ8, Dot4Fn, DotFn, DotsFn, Gemm8Fn, Gemv8Fn, GroupKernels, KvKernels, Layout, QuantizeFn, TileFn,
-    Tiles, TypeKernels,
+    Activation, Dot4Fn, DotFn, DotsFn, Gemm8Fn, Gemv8Fn, GroupKernels, KvKernels, Layout, QuantizeFn, TileFn, Tiles,
+    TypeKernels,
 };
 use crate::quant::DType;
+use crate::quant::act::BlockQ8;
 use std::arch::x86_64::__cpuid;
 
 /// The prefetch distance of the light one-token weight streams (one-token

@@ -17,7 +17,7 @@
 use std::arch::x86_64::*;
 
 use super::kx8::{Q5K, Q6K, extra_words};
-use crate::kernels::BlockQ8;
+use crate::quant::act::BlockQ8;
 
 /// The integer sums by 512-bit `vpdpbusd` over pairs of runs: a value of
 /// the group kernels' `VNNI` parameter beside `avx2::MADD`, `AVX_VNNI` and

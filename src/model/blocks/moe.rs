@@ -16,10 +16,11 @@
 
 use super::ffn::{MlpScratch, add_bias, gated_mlp, sigmoid};
 use crate::error::Result;
-use crate::kernels::{BlockQ8, Input, Matrix, matmul};
+use crate::kernels::{Input, Matrix, matmul};
 use crate::model::store::telemetry::LayerTelemetry;
 use crate::model::store::{Busy, ExpertStore, Lease};
 use crate::model::weights::Mlp;
+use crate::quant::act::BlockQ8;
 use crate::spec::config::{Activation, GroupLimit, GroupScore, MAX_GROUPS, RouterScore, RouterSpec};
 
 /// Indices of the `k` largest `scores`, best first, by partial selection
