@@ -210,7 +210,7 @@ unsafe fn pack_blocks<B: GroupBlock>(p: &mut Packed, blocks: &[B], nb: usize) {
         for (b, blk) in g.iter().enumerate() {
             // The packing is the first touch of the weights: ask for them
             // ahead, as the vector kernels do.
-            super::avx2::prefetch_ahead(blk as *const B as *const u8, std::mem::size_of::<B>());
+            super::prim::prefetch_ahead(blk as *const B as *const u8, std::mem::size_of::<B>());
             let at = ROWS * b + GROUP * h;
             let to = Dest {
                 w: p.w.as_mut_ptr().add(b * PACKED + 32 * h),
