@@ -8,9 +8,9 @@
 //!
 //! Modules, in the order data flows: [`arch`] (Hugging Face adapters) and
 //! [`convert`] write the [`format`](mod@format), all describing a model by
-//! [`spec`] (the canonical config and tensor set); [`model`] loads it and runs
-//! the forward pass from [`spec::config::ModelConfig`] alone, with matrix work in
-//! [`kernels`] and weight types in [`quant`]; [`engine`] holds sessions,
+//! the [`canonical`] config and tensor set; [`model`] loads it and runs the
+//! forward pass from [`canonical::config::ModelConfig`] alone, with matrix
+//! work in [`kernels`] and weight types in [`quant`]; [`engine`] holds sessions,
 //! sampling and generation; [`imatrix`] records the importance matrices the
 //! quantisers of [`convert`] can weight their errors by; `python` is the
 //! thin PyO3 layer.
@@ -39,6 +39,7 @@
 compile_error!("colibri reads little-endian files through typed views; big-endian targets are not supported");
 
 pub mod arch;
+pub mod canonical;
 pub mod capi;
 pub mod convert;
 pub mod engine;
@@ -51,7 +52,6 @@ pub mod kernels;
 pub mod math;
 pub mod model;
 pub mod quant;
-pub mod spec;
 pub mod synth;
 pub mod threads;
 

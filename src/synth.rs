@@ -4,11 +4,11 @@
 
 use std::path::Path;
 
+use crate::canonical::config::*;
+use crate::canonical::tensors::{TensorId, tensor_plan};
 use crate::format::writer::{ToPlace, Writer, layout};
 use crate::format::{FileMeta, SourceInfo};
 use crate::quant::{self, DType};
-use crate::spec::config::*;
-use crate::spec::tensors::{TensorId, tensor_plan};
 
 /// A small MoE config with awkward sizes: every feature of the canonical
 /// config that the forward pass branches on is switched on somewhere.

@@ -30,9 +30,9 @@
 //!   `model.layers.{num_hidden_layers}..`; they are skipped.
 
 use super::{Arch, HfConfig, Source, leading_dense_layers, llama_name, qwen_moe_name, shared_experts_name};
+use crate::canonical::config::*;
+use crate::canonical::tensors::{LayerTensor as L, TensorId};
 use crate::error::{Error, Result};
-use crate::spec::config::*;
-use crate::spec::tensors::{LayerTensor as L, TensorId};
 
 /// DeepSeek-V2 and V2-Lite.
 pub static V2: Arch = Arch {

@@ -16,9 +16,9 @@
 //! - the multi-token-prediction layers past `num_hidden_layers` are skipped.
 
 use super::{Arch, HfConfig, Source, leading_dense_layers, llama_name, qwen_moe_name, shared_experts_name};
+use crate::canonical::config::*;
+use crate::canonical::tensors::TensorId;
 use crate::error::Result;
-use crate::spec::config::*;
-use crate::spec::tensors::TensorId;
 
 pub static ARCH: Arch = Arch {
     hf_class: "Glm4MoeForCausalLM",

@@ -20,9 +20,9 @@
 //! - RoPE rotates halves; YaRN by default (factor 32, `truncate: false`).
 
 use super::{Arch, HfConfig, Source, layer_types, llama_name};
+use crate::canonical::config::*;
+use crate::canonical::tensors::{ExpertTensor as X, LayerTensor as L, TensorId};
 use crate::error::{Error, Result};
-use crate::spec::config::*;
-use crate::spec::tensors::{ExpertTensor as X, LayerTensor as L, TensorId};
 
 pub static ARCH: Arch =
     Arch { hf_class: "GptOssForCausalLM", model_type: "gpt_oss", config, source, ignored: super::nothing_ignored };

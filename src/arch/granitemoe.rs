@@ -12,9 +12,9 @@
 //! - routing: top-k of the logits, then a softmax over the k.
 
 use super::{Arch, HfConfig, Source, llama_name};
+use crate::canonical::config::*;
+use crate::canonical::tensors::{ExpertTensor as X, LayerTensor as L, TensorId};
 use crate::error::Result;
-use crate::spec::config::*;
-use crate::spec::tensors::{ExpertTensor as X, LayerTensor as L, TensorId};
 
 pub static ARCH: Arch = Arch {
     hf_class: "GraniteMoeForCausalLM",

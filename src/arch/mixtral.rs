@@ -10,9 +10,9 @@
 //! - `sliding_window` (null in the released checkpoints) masks every layer.
 
 use super::{Arch, HfConfig, Source, expert_part, llama_name};
+use crate::canonical::config::*;
+use crate::canonical::tensors::{LayerTensor, TensorId};
 use crate::error::Result;
-use crate::spec::config::*;
-use crate::spec::tensors::{LayerTensor, TensorId};
 
 pub static ARCH: Arch =
     Arch { hf_class: "MixtralForCausalLM", model_type: "mixtral", config, source, ignored: super::nothing_ignored };

@@ -9,9 +9,9 @@
 //!   if `norm_topk_prob` (false in the released checkpoints).
 
 use super::{Arch, HfConfig, Source, llama_name, qwen_moe_name};
+use crate::canonical::config::*;
+use crate::canonical::tensors::TensorId;
 use crate::error::Result;
-use crate::spec::config::*;
-use crate::spec::tensors::TensorId;
 
 pub static ARCH: Arch =
     Arch { hf_class: "OlmoeForCausalLM", model_type: "olmoe", config, source, ignored: super::nothing_ignored };

@@ -16,9 +16,9 @@
 //! - `sliding_window` masks every layer when set.
 
 use super::{Arch, HfConfig, Source, expert_part, llama_name};
+use crate::canonical::config::*;
+use crate::canonical::tensors::{LayerTensor as L, TensorId};
 use crate::error::Result;
-use crate::spec::config::*;
-use crate::spec::tensors::{LayerTensor as L, TensorId};
 
 pub static ARCH: Arch =
     Arch { hf_class: "PhimoeForCausalLM", model_type: "phimoe", config, source, ignored: super::nothing_ignored };

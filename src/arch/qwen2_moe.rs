@@ -15,9 +15,9 @@
 //!   (transformers 5's `Qwen2MoeConfig.__post_init__`).
 
 use super::{Arch, HfConfig, Source, layer_types, llama_name, qwen_moe_name, qwen_sparse_layers};
+use crate::canonical::config::*;
+use crate::canonical::tensors::TensorId;
 use crate::error::Result;
-use crate::spec::config::*;
-use crate::spec::tensors::TensorId;
 
 pub static ARCH: Arch =
     Arch { hf_class: "Qwen2MoeForCausalLM", model_type: "qwen2_moe", config, source, ignored: super::nothing_ignored };

@@ -12,9 +12,9 @@
 //!   to every layer (or to those `layer_types` marks `sliding_attention`).
 
 use super::{Arch, HfConfig, Source, layer_types, llama_name, qwen_moe_name, qwen_sparse_layers};
+use crate::canonical::config::*;
+use crate::canonical::tensors::TensorId;
 use crate::error::Result;
-use crate::spec::config::*;
-use crate::spec::tensors::TensorId;
 
 pub static ARCH: Arch =
     Arch { hf_class: "Qwen3MoeForCausalLM", model_type: "qwen3_moe", config, source, ignored: super::nothing_ignored };

@@ -25,12 +25,12 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::Value;
 
 use crate::arch::{self, HfConfig, Source};
+use crate::canonical::tensors::{PlannedTensor, Role, TensorId, tensor_plan};
 use crate::error::{Error, Result};
 use crate::format::writer::{ToPlace, Writer, layout};
 use crate::format::{FileMeta, SourceInfo, TensorEntry};
 use crate::imatrix::Imatrix;
 use crate::quant::{self, DType};
-use crate::spec::tensors::{PlannedTensor, Role, TensorId, tensor_plan};
 pub use recipe::Recipe;
 use safetensors::{Checkpoint, SrcTensor};
 

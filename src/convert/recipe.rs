@@ -29,9 +29,9 @@
 //! KL still below llama.cpp Q4_K_M's (q and o at q4k doubled the trained
 //! demo model's KL).
 
+use crate::canonical::tensors::TensorClass;
 use crate::error::{Error, Result};
 use crate::quant::DType;
-use crate::spec::tensors::TensorClass;
 
 /// The named recipes: (name, spec, what it is for).
 pub const PRESETS: &[(&str, &str, &str)] = &[

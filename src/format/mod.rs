@@ -27,8 +27,8 @@ mod tests;
 
 use serde::{Deserialize, Serialize};
 
+use crate::canonical::config::ModelConfig;
 use crate::quant::DType;
-use crate::spec::config::ModelConfig;
 
 /// First eight bytes of every `.colibri` file.
 pub const MAGIC: [u8; 8] = *b"COLIBRI\0";
@@ -91,7 +91,7 @@ pub struct SourceInfo {
 /// One tensor.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TensorEntry {
-    /// Canonical name (see `spec::tensors::TensorId`'s `Display`).
+    /// Canonical name (see `canonical::tensors::TensorId`'s `Display`).
     pub name: String,
     /// Storage type.
     pub dtype: DType,

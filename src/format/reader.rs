@@ -7,10 +7,10 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 
 use super::{FileMeta, HEADER_LEN, MAGIC, PAGE, TENSOR_ALIGN, VERSION};
+use crate::canonical::tensors::{Role, TensorId, tensor_plan};
 use crate::error::{Error, Result};
 use crate::io::{HUGE_PAGE, read_full};
 use crate::quant::DType;
-use crate::spec::tensors::{Role, TensorId, tensor_plan};
 
 /// A borrowed view of one tensor's bytes inside the mapped file.
 #[derive(Clone, Copy, Debug)]
@@ -246,7 +246,7 @@ impl ColibriFile {
             if slabs.insert((s.layer, s.expert), i).is_some() {
                 return Err(bad(format!("expert slab ({}, {}) is listed twice", s.layer, s.expert)));
             }
-            use crate::spec::tensors::ExpertTensor as X;
+            use crate::canonical::tensors::ExpertTensor as X;
             for which in X::ALL.into_iter().chain(X::BIASES) {
                 let name = TensorId::Expert(s.layer, s.expert, which).to_string();
                 let t = match by_name.get(&name) {
@@ -262,7 +262,7 @@ impl ColibriFile {
         }
         let want_slabs = plan
             .iter()
-            .filter(|p| matches!(p.id, TensorId::Expert(_, _, crate::spec::tensors::ExpertTensor::Gate)))
+            .filter(|p| matches!(p.id, TensorId::Expert(_, _, crate::canonical::tensors::ExpertTensor::Gate)))
             .count();
         if slabs.len() != want_slabs {
             return Err(bad(format!("the file has {} expert slabs, the config implies {want_slabs}", slabs.len())));

@@ -64,7 +64,7 @@ fn round_trip_keeps_metadata_and_bytes() {
 fn expert_slabs_hold_gate_up_down_adjacent() {
     let dir = tempfile::tempdir().unwrap();
     let (_, meta) = fresh(&dir, DType::Bf16);
-    let moe_layers = tiny_config().layers.iter().filter(|l| l.ffn == crate::spec::config::FfnSpec::Moe).count();
+    let moe_layers = tiny_config().layers.iter().filter(|l| l.ffn == crate::canonical::config::FfnSpec::Moe).count();
     assert_eq!(meta.experts.len(), moe_layers * 5);
     for s in &meta.experts {
         let names = ["gate", "up", "down"].map(|w| format!("layers.{}.moe.experts.{}.{w}", s.layer, s.expert));

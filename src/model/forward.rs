@@ -22,9 +22,9 @@ use super::blocks::norm::{norm_rows, rmsnorm_rows_inplace};
 use super::session::{HeadScratch, Sequence, Session, Workspace};
 use super::weights::Mlp;
 use super::{FfnRefs, LayerRefs, MlaQuery, MlpRefs, Model, NormRefs, QkvRefs};
+use crate::canonical::config::{Activation, QkNorm};
 use crate::error::{Error, Result};
 use crate::kernels::{Input, Matrix, matmul, matmul_many, matmul_serial, observe_unmultiplied};
-use crate::spec::config::{Activation, QkNorm};
 
 /// Optional outputs beyond the last token's logits (always left in
 /// `Sequence::logits`).

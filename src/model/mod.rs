@@ -13,11 +13,11 @@ pub mod weights;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::canonical::config::{self, FfnSpec, ModelConfig};
+use crate::canonical::tensors::{LayerTensor as L, TensorId};
 use crate::error::Result;
 use crate::format::reader::ColibriFile;
 use crate::kernels::Matrix;
-use crate::spec::config::{self, FfnSpec, ModelConfig};
-use crate::spec::tensors::{LayerTensor as L, TensorId};
 use store::telemetry::Telemetry;
 use store::{DenseCopy, ExpertStore, HeatState, RoutingStats, StoreOptions, StoreStats, WeightsBacking};
 use weights::{TensorRef, matrix, tensor_ref};

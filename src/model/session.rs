@@ -2,12 +2,12 @@
 //! once at creation so the forward pass never allocates. It lives beside the
 //! model (the engine wraps it) because the forward pass is its only user.
 
+use crate::canonical::config::FfnSpec;
 use crate::model::Model;
 use crate::model::blocks::attention::KvView;
 use crate::model::blocks::moe::MoeScratch;
 use crate::quant::DType;
 use crate::quant::act::BlockQ8;
-use crate::spec::config::FfnSpec;
 
 /// Element type of a session's KV cache.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -257,7 +257,7 @@ pub struct HeadScratch {
 }
 
 impl MlaScratch {
-    fn new(c: &crate::spec::config::ModelConfig, chunk: usize) -> MlaScratch {
+    fn new(c: &crate::canonical::config::ModelConfig, chunk: usize) -> MlaScratch {
         let Some(m) = c.mla() else { return MlaScratch::default() };
         let (h, r) = (c.num_heads, m.kv_lora_rank);
         let inw = m.qk_nope_dim.max(r);

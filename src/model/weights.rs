@@ -3,10 +3,10 @@
 //! MLP's three matrices. The loader, the expert store and the blocks all
 //! name weights through these; nothing here copies a byte.
 
+use crate::canonical::tensors::TensorId;
 use crate::error::{Error, Result};
 use crate::format::reader::ColibriFile;
 use crate::kernels::Matrix;
-use crate::spec::tensors::TensorId;
 
 /// Where a tensor lives in the mapped file; resolved to a view on use, which
 /// costs a bounds-checked slice and no allocation.

@@ -309,7 +309,7 @@ impl NativeEngine {
     /// embedding is `lm_head`).
     fn tensor_classes(&self) -> Vec<(String, &'static str)> {
         let cfg = &self.inner.model().config;
-        let plan = crate::spec::tensors::tensor_plan(cfg);
+        let plan = crate::canonical::tensors::tensor_plan(cfg);
         plan.iter().filter_map(|p| Some((p.id.to_string(), p.id.class_in(cfg.tie_embeddings)?.name()))).collect()
     }
 
@@ -480,7 +480,7 @@ fn recipes() -> Vec<(&'static str, &'static str, &'static str)> {
 /// order `colibri info` lists them.
 #[pyfunction]
 fn weight_classes() -> Vec<&'static str> {
-    crate::spec::tensors::TensorClass::ALL.iter().map(|c| c.name()).collect()
+    crate::canonical::tensors::TensorClass::ALL.iter().map(|c| c.name()).collect()
 }
 
 /// Weight types `convert` can write, by name.

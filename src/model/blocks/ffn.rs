@@ -2,10 +2,10 @@
 //! shared experts alike: `down(act(gate · x + bg, up · x + bu)) + bd`, where
 //! `act` is `silu(g) · u` for most models (biases only where the model has them).
 
+use crate::canonical::config::Activation;
 use crate::kernels::{Input, matmul, matmul_many, matmul_serial};
 use crate::model::weights::Mlp;
 use crate::quant::act::BlockQ8;
-use crate::spec::config::Activation;
 
 /// x · sigmoid(x), written to saturate cleanly for large |x|; the
 /// experts' activation, so its e^x is the vectorisable polynomial

@@ -15,13 +15,13 @@
 //! expert is leased, and so read, once per chunk for all of its tokens.
 
 use super::ffn::{MlpScratch, add_bias, gated_mlp, sigmoid};
+use crate::canonical::config::{Activation, GroupLimit, GroupScore, MAX_GROUPS, RouterScore, RouterSpec};
 use crate::error::Result;
 use crate::kernels::{Input, Matrix, matmul};
 use crate::model::store::telemetry::LayerTelemetry;
 use crate::model::store::{Busy, ExpertStore, Lease};
 use crate::model::weights::Mlp;
 use crate::quant::act::BlockQ8;
-use crate::spec::config::{Activation, GroupLimit, GroupScore, MAX_GROUPS, RouterScore, RouterSpec};
 
 /// Indices of the `k` largest `scores`, best first, by partial selection
 /// (O(E·K), no sort of all E). Ties go to the lower index.

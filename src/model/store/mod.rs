@@ -37,12 +37,12 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
+use crate::canonical::config::{FfnSpec, ModelConfig};
+use crate::canonical::tensors::{ExpertTensor, TensorId};
 use crate::error::{Error, Result};
 use crate::format::reader::ColibriFile;
 use crate::io::{AlignedBuf, IoMode};
 use crate::model::weights::{Mlp, TensorRef, matrix, tensor_ref};
-use crate::spec::config::{FfnSpec, ModelConfig};
-use crate::spec::tensors::{ExpertTensor, TensorId};
 pub use backing::{Backing, WeightsBacking};
 pub(crate) use dense::DenseCopy;
 pub use heat::{Heat, heat_path_for};

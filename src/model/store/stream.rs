@@ -31,12 +31,12 @@ use std::time::Instant;
 use super::heat::ModelIdentity;
 use super::telemetry::{StoreCounters, StoreStats};
 use super::{ExpertStore, ExpertView, Lease, Place, Policy, busy};
+use crate::canonical::tensors::{ExpertTensor, TensorId};
 use crate::error::{Error, Result};
 use crate::format::reader::ColibriFile;
 use crate::io::{self, AlignedBuf, IoMode, read_full, round_up};
 use crate::kernels::Matrix;
 use crate::quant::DType;
-use crate::spec::tensors::{ExpertTensor, TensorId};
 
 const NONE: u32 = u32::MAX;
 
