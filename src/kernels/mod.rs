@@ -133,9 +133,10 @@ pub struct GroupKernels {
     pub direct: Option<Tiles>,
 }
 
-/// What a weight type's kernels multiply against.
+/// The form of the [`Input`] a weight type's kernels read: the activation
+/// rows as f32, or quantised to 8 bits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Activation {
+pub enum InputKind {
     /// The f32 rows as they are (element types).
     F32,
     /// The rows quantised to [`BlockQ8`] (block types). In every table this
@@ -167,8 +168,8 @@ pub enum Layout {
 /// One weight type's entry in a kernel table (ggml's `type_traits_cpu`).
 #[derive(Clone, Copy)]
 pub struct TypeKernels {
-    /// What the kernels multiply against.
-    pub activation: Activation,
+    /// The form of the input the kernels multiply against.
+    pub input: InputKind,
     /// The storage layout and its kernels.
     pub layout: Layout,
     /// Attention over rows of this type (the KV cache's types: f32 and f16;
@@ -337,7 +338,7 @@ fn check(w: &Matrix, k: &TypeKernels, inp: &Input, y: &[f32]) -> usize {
     assert_eq!(inp.cols, w.cols, "matmul: input width {} vs matrix cols {}", inp.cols, w.cols);
     let n = inp.rows();
     assert_eq!(y.len(), n * w.rows, "matmul: y is not [n, rows]");
-    let q8 = k.activation == Activation::Q8;
+    let q8 = k.input == InputKind::Q8;
     assert!(!q8 || inp.q.len() == n * w.cols / 32, "matmul: {} weights need a quantised input", w.dtype);
     n
 }

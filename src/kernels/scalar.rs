@@ -357,7 +357,7 @@ pub fn gemv8_kx8(kind: Kind, g: &[u8], a: &[BlockQ8]) -> [f32; ROWS] {
 // The scalar table: the same functions over raw row bytes, one entry per
 // weight type. The other tables fall back to these entries by name.
 
-use super::{Activation, DotFn, Gemv8Fn, GroupKernels, KvKernels, Layout, TypeKernels};
+use super::{DotFn, Gemv8Fn, GroupKernels, InputKind, KvKernels, Layout, TypeKernels};
 use crate::quant::DType;
 
 fn f32_row(row: &[u8], x: &[f32], _: &[BlockQ8]) -> f32 {
@@ -478,14 +478,14 @@ const F16_KV: KvKernels = KvKernels { dots: f16_dots, axpys: f16_axpys, pv: f16_
 /// The scalar kernels of `dtype`: one dot per row (no tiles) and one token
 /// per group call.
 pub(super) fn kernels(dtype: DType) -> TypeKernels {
-    use Activation::{F32, Q8};
-    let rows = |activation: Activation, dot: DotFn| TypeKernels {
-        activation,
+    use InputKind::{F32, Q8};
+    let rows = |input: InputKind, dot: DotFn| TypeKernels {
+        input,
         layout: Layout::Rows { dot, tile: None, dots: None },
         kv: None,
     };
     let group = |one: Gemv8Fn| TypeKernels {
-        activation: Q8,
+        input: Q8,
         layout: Layout::Groups(GroupKernels { one, many: None, tile: None, direct: None }),
         kv: None,
     };

@@ -140,8 +140,8 @@ fn every_table_has_an_entry_of_the_right_shape_for_every_type() {
     for table in tables() {
         for dtype in every_dtype() {
             let k = table.kernels(dtype);
-            let want = if dtype.is_quantized() { Activation::Q8 } else { Activation::F32 };
-            assert_eq!(k.activation, want, "{} {dtype}: Input::prepare goes by is_quantized", table.isa());
+            let want = if dtype.is_quantized() { InputKind::Q8 } else { InputKind::F32 };
+            assert_eq!(k.input, want, "{} {dtype}: Input::prepare goes by is_quantized", table.isa());
             let grouped = matches!(k.layout, Layout::Groups(_));
             assert_eq!(grouped, dtype.group_rows() > 1, "{} {dtype}: layout", table.isa());
             assert_eq!(k.kv.is_some(), matches!(dtype, DType::F32 | DType::F16), "{} {dtype}: kv", table.isa());

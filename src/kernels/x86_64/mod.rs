@@ -16,7 +16,7 @@ mod pairs;
 mod prim;
 
 use super::{
-    Activation, Dot4Fn, DotFn, DotsFn, Gemm8Fn, Gemv8Fn, GroupKernels, KvKernels, Layout, QuantizeFn, TileFn, Tiles,
+    Dot4Fn, DotFn, DotsFn, Gemm8Fn, Gemv8Fn, GroupKernels, InputKind, KvKernels, Layout, QuantizeFn, TileFn, Tiles,
     TypeKernels,
 };
 use crate::quant::DType;
@@ -117,19 +117,19 @@ impl Avx2 {
 
     /// The AVX2 kernels of `dtype`: every type has its own.
     pub fn kernels(self, dtype: DType) -> TypeKernels {
-        use Activation::{F32, Q8};
-        let rows = |activation: Activation, dot: DotFn, tile: Option<Dot4Fn>| TypeKernels {
-            activation,
+        use InputKind::{F32, Q8};
+        let rows = |input: InputKind, dot: DotFn, tile: Option<Dot4Fn>| TypeKernels {
+            input,
             layout: Layout::Rows { dot, tile, dots: None },
             kv: None,
         };
         let elems = |dot: DotFn, dots: DotsFn| TypeKernels {
-            activation: F32,
+            input: F32,
             layout: Layout::Rows { dot, tile: None, dots: Some(dots) },
             kv: None,
         };
         let group = |one: Gemv8Fn, many: Gemm8Fn| TypeKernels {
-            activation: Q8,
+            input: Q8,
             layout: Layout::Groups(GroupKernels { one, many: Some(many), tile: None, direct: None }),
             kv: None,
         };
@@ -183,7 +183,7 @@ impl AvxVnni {
     /// the results are the AVX2 table's bit for bit.
     pub fn kernels(self, dtype: DType) -> TypeKernels {
         let group = |one: Gemv8Fn, many: Gemm8Fn| TypeKernels {
-            activation: Activation::Q8,
+            input: InputKind::Q8,
             layout: Layout::Groups(GroupKernels { one, many: Some(many), tile: None, direct: None }),
             kv: None,
         };
