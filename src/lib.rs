@@ -45,6 +45,7 @@ pub mod convert;
 pub mod engine;
 pub mod error;
 pub mod format;
+#[cfg(any(test, feature = "testing"))]
 pub mod fuzzing;
 pub mod imatrix;
 pub mod io;
@@ -52,6 +53,7 @@ pub mod kernels;
 pub mod math;
 pub mod model;
 pub mod quant;
+#[cfg(any(test, feature = "testing"))]
 pub mod synth;
 pub mod threads;
 

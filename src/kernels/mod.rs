@@ -205,25 +205,6 @@ pub fn kernels(dtype: DType) -> TypeKernels {
     table().kernels(dtype)
 }
 
-/// The dot product the current table uses for a row-major `dtype`.
-///
-/// # Panics
-/// For the interleaved types, which have group kernels instead ([`group_fns`]).
-pub fn dot_fn(dtype: DType) -> DotFn {
-    match kernels(dtype).layout {
-        Layout::Rows { dot, .. } => dot,
-        Layout::Groups(_) => panic!("{dtype} is stored in groups of eight rows: it has no row dot"),
-    }
-}
-
-/// The 1×4 tile for `dtype`, if the active table has one.
-pub fn tile_fn(dtype: DType) -> Option<Dot4Fn> {
-    match kernels(dtype).layout {
-        Layout::Rows { tile, .. } => tile,
-        Layout::Groups(_) => None,
-    }
-}
-
 /// The attention kernels for a KV cache of `dtype` (f32 or f16; `None` for
 /// other types).
 pub fn kv_fns(dtype: DType) -> Option<KvKernels> {

@@ -281,11 +281,6 @@ impl Model {
         })
     }
 
-    /// True when routed experts stream from the file under a RAM budget.
-    pub fn streams(&self) -> bool {
-        self.dense.is_some()
-    }
-
     /// Routing telemetry since open: per MoE layer and expert, how often it
     /// was chosen (heat), utilisation entropy, top-1/top-2 margins.
     pub fn routing_stats(&self) -> RoutingStats {

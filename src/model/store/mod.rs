@@ -80,13 +80,6 @@ impl Default for Policy {
     }
 }
 
-impl Policy {
-    /// All eight combinations.
-    pub fn all() -> impl Iterator<Item = Policy> {
-        (0..8u8).map(|b| Policy { lru: b & 1 != 0, pin_hot: b & 2 != 0, prefetch: b & 4 != 0 })
-    }
-}
-
 /// Where routing heat is persisted.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum HeatFile {
@@ -201,33 +194,6 @@ pub trait ExpertStore: Send + Sync {
     /// expert is resident.
     fn residency(&self, _layer: usize, out: &mut String, experts: usize) {
         out.extend(std::iter::repeat_n('R', experts));
-    }
-}
-
-/// One expert held for as long as the guard lives.
-pub struct ExpertGuard<'a> {
-    store: &'a dyn ExpertStore,
-    lease: Lease,
-}
-
-impl ExpertGuard<'_> {
-    /// The expert's matrices (loaded when the guard was made, so this only
-    /// fails if the store breaks its contract).
-    pub fn view(&self) -> Result<ExpertView<'_>> {
-        self.store.view(&self.lease)
-    }
-}
-
-impl dyn ExpertStore + '_ {
-    /// Leases expert `e` of `layer`, waiting for a slot if needed, and loads
-    /// it. A convenience for code that uses one expert at a time; the MoE
-    /// block leases a whole wave of experts instead.
-    pub fn expert(&self, layer: usize, e: usize) -> Result<ExpertGuard<'_>> {
-        let lease = self.lease(layer, e, true)?.ok_or_else(|| {
-            Error::InvalidInput(format!("expert store returned no lease for expert {e} of layer {layer}"))
-        })?;
-        self.view(&lease)?;
-        Ok(ExpertGuard { store: self, lease })
     }
 }
 
