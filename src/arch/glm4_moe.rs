@@ -75,14 +75,12 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
                 groups,
                 ..Default::default()
             },
-            activation: Activation::Silu,
-            expert_bias: false,
             shared_expert: (shared > 0).then_some(SharedExpertSpec { ffn_dim: shared * f, sigmoid_gate: false }),
+            ..Default::default()
         }),
         layers: leading_dense_layers(n, dense, dense_ffn),
         tie_embeddings: c.bool_or("tie_word_embeddings", false)?,
-        lm_head_bias: false,
-        scales: Scales::default(),
+        ..Default::default()
     })
 }
 

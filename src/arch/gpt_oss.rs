@@ -61,15 +61,14 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
             },
             activation: Activation::ClampedSwiglu { alpha, limit },
             expert_bias: true,
-            shared_expert: None,
+            ..Default::default()
         }),
         layers: slides
             .iter()
             .map(|&s| LayerSpec { sliding_window: if s { window } else { None }, ffn: FfnSpec::Moe })
             .collect(),
         tie_embeddings: c.bool_or("tie_word_embeddings", false)?,
-        lm_head_bias: false,
-        scales: Scales::default(),
+        ..Default::default()
     })
 }
 

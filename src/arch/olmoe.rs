@@ -44,19 +44,14 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
             expert_ffn_dim: c.usize(&["intermediate_size"])?,
             router: RouterSpec {
                 top_k: c.usize(&["num_experts_per_tok"])?,
-                score: RouterScore::Softmax,
                 renormalize: c.bool_or("norm_topk_prob", false)?,
-                scale: 1.0,
                 ..Default::default()
             },
-            activation: Activation::Silu,
-            expert_bias: false,
-            shared_expert: None,
+            ..Default::default()
         }),
         layers: (0..n).map(|_| LayerSpec { sliding_window: None, ffn: FfnSpec::Moe }).collect(),
         tie_embeddings: c.bool_or("tie_word_embeddings", false)?,
-        lm_head_bias: false,
-        scales: Scales::default(),
+        ..Default::default()
     })
 }
 

@@ -51,14 +51,12 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
                 },
                 ..Default::default()
             },
-            activation: Activation::Silu,
-            expert_bias: false,
-            shared_expert: None,
+            ..Default::default()
         }),
         layers: (0..n).map(|_| LayerSpec { sliding_window: window, ffn: FfnSpec::Moe }).collect(),
         tie_embeddings: c.bool_or("tie_word_embeddings", false)?,
         lm_head_bias: c.bool_or("lm_head_bias", false)?,
-        scales: Scales::default(),
+        ..Default::default()
     })
 }
 
