@@ -624,3 +624,22 @@ impl ModelConfig {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The defaults are a model the loader accepts, dense and with the MoE
+    /// block switched on, so an adapter that keeps a default keeps a valid value.
+    #[test]
+    fn defaults_are_valid_models() {
+        let dense = ModelConfig::default();
+        dense.validate().unwrap();
+        let moe = ModelConfig {
+            moe: Some(MoeSpec::default()),
+            layers: vec![LayerSpec { sliding_window: None, ffn: FfnSpec::Moe }; 2],
+            ..Default::default()
+        };
+        moe.validate().unwrap();
+    }
+}
