@@ -12,7 +12,8 @@
 
 use std::time::Instant;
 
-use colibri::kernels::{BlockQ8, Input, Matrix, matmul, matmul_serial};
+use colibri::kernels::{Input, Matrix, matmul, matmul_serial};
+use colibri::quant::act::BlockQ8;
 use colibri::quant::{self, DType};
 
 fn arg(i: usize, default: usize) -> usize {

@@ -84,7 +84,7 @@ struct HeaderEntry {
 
 /// Most columns an entry may claim (the bound `ModelConfig::validate` puts
 /// on every size).
-const MAX_COLS: usize = crate::model::config::SIZE_LIMIT;
+const MAX_COLS: usize = crate::canonical::config::SIZE_LIMIT;
 
 impl Imatrix {
     /// Writes the file (into a temporary beside `path`, then renamed: a

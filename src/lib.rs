@@ -7,9 +7,10 @@
 //! ```
 //!
 //! Modules, in the order data flows: [`arch`] (Hugging Face adapters) and
-//! [`convert`] write the [`format`](mod@format); [`model`] loads it and runs the forward
-//! pass from [`model::config::ModelConfig`] alone, with matrix work in
-//! [`kernels`] and weight types in [`quant`]; [`engine`] holds sessions,
+//! [`convert`] write the [`format`](mod@format), all describing a model by
+//! the [`canonical`] config and tensor set; [`model`] loads it and runs the
+//! forward pass from [`canonical::config::ModelConfig`] alone, with matrix
+//! work in [`kernels`] and weight types in [`quant`]; [`engine`] holds sessions,
 //! sampling and generation; [`imatrix`] records the importance matrices the
 //! quantisers of [`convert`] can weight their errors by; `python` is the
 //! thin PyO3 layer.
@@ -38,17 +39,21 @@
 compile_error!("colibri reads little-endian files through typed views; big-endian targets are not supported");
 
 pub mod arch;
+pub mod canonical;
 pub mod capi;
 pub mod convert;
 pub mod engine;
 pub mod error;
 pub mod format;
+#[cfg(any(test, feature = "testing"))]
 pub mod fuzzing;
 pub mod imatrix;
+pub mod io;
 pub mod kernels;
 pub mod math;
 pub mod model;
 pub mod quant;
+#[cfg(any(test, feature = "testing"))]
 pub mod synth;
 pub mod threads;
 

@@ -4,10 +4,10 @@
 
 use std::path::Path;
 
+use crate::canonical::config::*;
+use crate::canonical::tensors::{TensorId, tensor_plan};
 use crate::format::writer::{ToPlace, Writer, layout};
 use crate::format::{FileMeta, SourceInfo};
-use crate::model::config::*;
-use crate::model::tensors::{TensorId, tensor_plan};
 use crate::quant::{self, DType};
 
 /// A small MoE config with awkward sizes: every feature of the canonical
@@ -22,35 +22,20 @@ pub fn tiny_config() -> ModelConfig {
         max_seq_len: 64,
         norm: NormSpec::rms(1e-5),
         rope: RopeSpec { theta: 10000.0, rotary_dim: 6, scaling: RopeScaling::None, interleaved: false },
-        attention: AttentionSpec {
-            qkv_bias: true,
-            o_bias: false,
-            qk_norm: QkNorm::PerHead,
-            clip_qkv: None,
-            ..Default::default()
-        },
+        attention: AttentionSpec { qkv_bias: true, qk_norm: QkNorm::PerHead, ..Default::default() },
         moe: Some(MoeSpec {
             num_experts: 5,
             expert_ffn_dim: 10,
-            router: RouterSpec {
-                top_k: 2,
-                score: RouterScore::Softmax,
-                renormalize: true,
-                scale: 1.0,
-                ..Default::default()
-            },
-            activation: Activation::Silu,
-            expert_bias: false,
+            router: RouterSpec { top_k: 2, renormalize: true, ..Default::default() },
             shared_expert: Some(SharedExpertSpec { ffn_dim: 7, sigmoid_gate: true }),
+            ..Default::default()
         }),
         layers: vec![
             LayerSpec { sliding_window: None, ffn: FfnSpec::Moe },
             LayerSpec { sliding_window: Some(5), ffn: FfnSpec::Dense { ffn_dim: 9 } },
             LayerSpec { sliding_window: None, ffn: FfnSpec::Moe },
         ],
-        tie_embeddings: false,
-        lm_head_bias: false,
-        scales: Scales::default(),
+        ..Default::default()
     }
 }
 
@@ -129,9 +114,9 @@ pub fn frontier_config() -> ModelConfig {
             LayerSpec { sliding_window: Some(5), ffn: FfnSpec::Moe },
             LayerSpec { sliding_window: None, ffn: FfnSpec::Moe },
         ],
-        tie_embeddings: false,
         lm_head_bias: true,
         scales: Scales { embedding: 2.0, residual: 0.7, logits_divisor: 3.0 },
+        ..Default::default()
     }
 }
 
@@ -226,31 +211,15 @@ pub fn olmoe_width(layers: usize) -> ModelConfig {
         max_seq_len: 4096,
         norm: NormSpec::rms(1e-5),
         rope: RopeSpec { theta: 10000.0, rotary_dim: 128, scaling: RopeScaling::None, interleaved: false },
-        attention: AttentionSpec {
-            qkv_bias: false,
-            o_bias: false,
-            qk_norm: QkNorm::Full,
-            clip_qkv: None,
-            ..Default::default()
-        },
+        attention: AttentionSpec { qk_norm: QkNorm::Full, ..Default::default() },
         moe: Some(MoeSpec {
             num_experts: 64,
             expert_ffn_dim: 1024,
-            router: RouterSpec {
-                top_k: 8,
-                score: RouterScore::Softmax,
-                renormalize: false,
-                scale: 1.0,
-                ..Default::default()
-            },
-            activation: Activation::Silu,
-            expert_bias: false,
-            shared_expert: None,
+            router: RouterSpec { top_k: 8, ..Default::default() },
+            ..Default::default()
         }),
         layers: vec![LayerSpec { sliding_window: None, ffn: FfnSpec::Moe }; layers],
-        tie_embeddings: false,
-        lm_head_bias: false,
-        scales: Scales::default(),
+        ..Default::default()
     }
 }
 
@@ -266,31 +235,15 @@ pub fn qwen3_30b_width(layers: usize) -> ModelConfig {
         max_seq_len: 4096,
         norm: NormSpec::rms(1e-6),
         rope: RopeSpec { theta: 1e6, rotary_dim: 128, scaling: RopeScaling::None, interleaved: false },
-        attention: AttentionSpec {
-            qkv_bias: false,
-            o_bias: false,
-            qk_norm: QkNorm::PerHead,
-            clip_qkv: None,
-            ..Default::default()
-        },
+        attention: AttentionSpec { qk_norm: QkNorm::PerHead, ..Default::default() },
         moe: Some(MoeSpec {
             num_experts: 128,
             expert_ffn_dim: 768,
-            router: RouterSpec {
-                top_k: 8,
-                score: RouterScore::Softmax,
-                renormalize: true,
-                scale: 1.0,
-                ..Default::default()
-            },
-            activation: Activation::Silu,
-            expert_bias: false,
-            shared_expert: None,
+            router: RouterSpec { top_k: 8, renormalize: true, ..Default::default() },
+            ..Default::default()
         }),
         layers: vec![LayerSpec { sliding_window: None, ffn: FfnSpec::Moe }; layers],
-        tie_embeddings: false,
-        lm_head_bias: false,
-        scales: Scales::default(),
+        ..Default::default()
     }
 }
 
@@ -321,9 +274,8 @@ pub fn deepseek_v2_lite_width(layers: usize) -> ModelConfig {
             num_experts: 64,
             expert_ffn_dim: 1408,
             router: RouterSpec { top_k: 6, ..Default::default() },
-            activation: Activation::Silu,
-            expert_bias: false,
             shared_expert: Some(SharedExpertSpec { ffn_dim: 2816, sigmoid_gate: false }),
+            ..Default::default()
         }),
         layers: (0..layers)
             .map(|l| LayerSpec {
@@ -331,9 +283,7 @@ pub fn deepseek_v2_lite_width(layers: usize) -> ModelConfig {
                 ffn: if l == 0 { FfnSpec::Dense { ffn_dim: 10944 } } else { FfnSpec::Moe },
             })
             .collect(),
-        tie_embeddings: false,
-        lm_head_bias: false,
-        scales: Scales::default(),
+        ..Default::default()
     }
 }
 
@@ -357,13 +307,11 @@ pub fn gpt_oss_20b_width(layers: usize) -> ModelConfig {
             router: RouterSpec { top_k: 4, score: RouterScore::SoftmaxSelected, bias: true, ..Default::default() },
             activation: Activation::ClampedSwiglu { alpha: 1.702, limit: 7.0 },
             expert_bias: true,
-            shared_expert: None,
+            ..Default::default()
         }),
         layers: (0..layers)
             .map(|l| LayerSpec { sliding_window: (l % 2 == 0).then_some(128), ffn: FfnSpec::Moe })
             .collect(),
-        tie_embeddings: false,
-        lm_head_bias: false,
-        scales: Scales::default(),
+        ..Default::default()
     }
 }

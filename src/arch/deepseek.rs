@@ -30,9 +30,9 @@
 //!   `model.layers.{num_hidden_layers}..`; they are skipped.
 
 use super::{Arch, HfConfig, Source, leading_dense_layers, llama_name, qwen_moe_name, shared_experts_name};
+use crate::canonical::config::*;
+use crate::canonical::tensors::{LayerTensor as L, TensorId};
 use crate::error::{Error, Result};
-use crate::model::config::*;
-use crate::model::tensors::{LayerTensor as L, TensorId};
 
 /// DeepSeek-V2 and V2-Lite.
 pub static V2: Arch = Arch {
@@ -63,14 +63,7 @@ fn config_v2(c: &HfConfig) -> Result<ModelConfig> {
             )));
         }
     };
-    let router = |k, groups| RouterSpec {
-        top_k: k,
-        score: RouterScore::Softmax,
-        renormalize: false,
-        scale: 1.0,
-        groups,
-        ..Default::default()
-    };
+    let router = |k, groups| RouterSpec { top_k: k, groups, ..Default::default() };
     config(c, groups, router, true)
 }
 
@@ -155,14 +148,12 @@ fn config(
             num_experts: e,
             expert_ffn_dim: f,
             router,
-            activation: Activation::Silu,
-            expert_bias: false,
             shared_expert: (shared > 0).then_some(SharedExpertSpec { ffn_dim: shared * f, sigmoid_gate: false }),
+            ..Default::default()
         }),
         layers: leading_dense_layers(n, dense, dense_ffn),
         tie_embeddings: c.bool_or("tie_word_embeddings", false)?,
-        lm_head_bias: false,
-        scales: Scales::default(),
+        ..Default::default()
     })
 }
 

@@ -16,9 +16,9 @@
 //! - the multi-token-prediction layers past `num_hidden_layers` are skipped.
 
 use super::{Arch, HfConfig, Source, leading_dense_layers, llama_name, qwen_moe_name, shared_experts_name};
+use crate::canonical::config::*;
+use crate::canonical::tensors::TensorId;
 use crate::error::Result;
-use crate::model::config::*;
-use crate::model::tensors::TensorId;
 
 pub static ARCH: Arch = Arch {
     hf_class: "Glm4MoeForCausalLM",
@@ -75,14 +75,12 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
                 groups,
                 ..Default::default()
             },
-            activation: Activation::Silu,
-            expert_bias: false,
             shared_expert: (shared > 0).then_some(SharedExpertSpec { ffn_dim: shared * f, sigmoid_gate: false }),
+            ..Default::default()
         }),
         layers: leading_dense_layers(n, dense, dense_ffn),
         tie_embeddings: c.bool_or("tie_word_embeddings", false)?,
-        lm_head_bias: false,
-        scales: Scales::default(),
+        ..Default::default()
     })
 }
 

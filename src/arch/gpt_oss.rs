@@ -20,9 +20,9 @@
 //! - RoPE rotates halves; YaRN by default (factor 32, `truncate: false`).
 
 use super::{Arch, HfConfig, Source, layer_types, llama_name};
+use crate::canonical::config::*;
+use crate::canonical::tensors::{ExpertTensor as X, LayerTensor as L, TensorId};
 use crate::error::{Error, Result};
-use crate::model::config::*;
-use crate::model::tensors::{ExpertTensor as X, LayerTensor as L, TensorId};
 
 pub static ARCH: Arch =
     Arch { hf_class: "GptOssForCausalLM", model_type: "gpt_oss", config, source, ignored: super::nothing_ignored };
@@ -61,15 +61,14 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
             },
             activation: Activation::ClampedSwiglu { alpha, limit },
             expert_bias: true,
-            shared_expert: None,
+            ..Default::default()
         }),
         layers: slides
             .iter()
             .map(|&s| LayerSpec { sliding_window: if s { window } else { None }, ffn: FfnSpec::Moe })
             .collect(),
         tie_embeddings: c.bool_or("tie_word_embeddings", false)?,
-        lm_head_bias: false,
-        scales: Scales::default(),
+        ..Default::default()
     })
 }
 

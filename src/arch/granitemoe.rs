@@ -12,9 +12,9 @@
 //! - routing: top-k of the logits, then a softmax over the k.
 
 use super::{Arch, HfConfig, Source, llama_name};
+use crate::canonical::config::*;
+use crate::canonical::tensors::{ExpertTensor as X, LayerTensor as L, TensorId};
 use crate::error::Result;
-use crate::model::config::*;
-use crate::model::tensors::{ExpertTensor as X, LayerTensor as L, TensorId};
 
 pub static ARCH: Arch = Arch {
     hf_class: "GraniteMoeForCausalLM",
@@ -55,18 +55,16 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
                 score: RouterScore::SoftmaxSelected,
                 ..Default::default()
             },
-            activation: Activation::Silu,
-            expert_bias: false,
-            shared_expert: None,
+            ..Default::default()
         }),
         layers: (0..n).map(|_| LayerSpec { sliding_window: None, ffn: FfnSpec::Moe }).collect(),
         tie_embeddings: c.bool_or("tie_word_embeddings", false)?,
-        lm_head_bias: false,
         scales: Scales {
             embedding: mult("embedding_multiplier")?,
             residual: mult("residual_multiplier")?,
             logits_divisor: mult("logits_scaling")?,
         },
+        ..Default::default()
     })
 }
 

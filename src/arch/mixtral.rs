@@ -10,9 +10,9 @@
 //! - `sliding_window` (null in the released checkpoints) masks every layer.
 
 use super::{Arch, HfConfig, Source, expert_part, llama_name};
+use crate::canonical::config::*;
+use crate::canonical::tensors::{LayerTensor, TensorId};
 use crate::error::Result;
-use crate::model::config::*;
-use crate::model::tensors::{LayerTensor, TensorId};
 
 pub static ARCH: Arch =
     Arch { hf_class: "MixtralForCausalLM", model_type: "mixtral", config, source, ignored: super::nothing_ignored };
@@ -33,31 +33,15 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
         max_seq_len: c.opt_usize("max_position_embeddings")?.unwrap_or(32768),
         norm: NormSpec::rms(c.opt_f64("rms_norm_eps")?.unwrap_or(1e-5)),
         rope: c.rope(head_dim, 1e6)?,
-        attention: AttentionSpec {
-            qkv_bias: false,
-            o_bias: false,
-            qk_norm: QkNorm::None,
-            clip_qkv: None,
-            ..Default::default()
-        },
         moe: Some(MoeSpec {
             num_experts: c.usize(&["num_local_experts", "num_experts"])?,
             expert_ffn_dim: c.usize(&["intermediate_size"])?,
-            router: RouterSpec {
-                top_k: c.usize(&["num_experts_per_tok"])?,
-                score: RouterScore::Softmax,
-                renormalize: true,
-                scale: 1.0,
-                ..Default::default()
-            },
-            activation: Activation::Silu,
-            expert_bias: false,
-            shared_expert: None,
+            router: RouterSpec { top_k: c.usize(&["num_experts_per_tok"])?, renormalize: true, ..Default::default() },
+            ..Default::default()
         }),
         layers: (0..n).map(|_| LayerSpec { sliding_window: window, ffn: FfnSpec::Moe }).collect(),
         tie_embeddings: c.bool_or("tie_word_embeddings", false)?,
-        lm_head_bias: false,
-        scales: Scales::default(),
+        ..Default::default()
     })
 }
 

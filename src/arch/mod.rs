@@ -22,9 +22,9 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
+use crate::canonical::config::{FfnSpec, LayerSpec, ModelConfig, RopeScaling, RopeSpec, SIZE_LIMIT};
+use crate::canonical::tensors::{ExpertTensor, LayerTensor, TensorId};
 use crate::error::{Error, Result};
-use crate::model::config::{FfnSpec, LayerSpec, ModelConfig, RopeScaling, RopeSpec, SIZE_LIMIT};
-use crate::model::tensors::{ExpertTensor, LayerTensor, TensorId};
 
 /// One supported Hugging Face architecture.
 pub struct Arch {

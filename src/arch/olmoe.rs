@@ -9,9 +9,9 @@
 //!   if `norm_topk_prob` (false in the released checkpoints).
 
 use super::{Arch, HfConfig, Source, llama_name, qwen_moe_name};
+use crate::canonical::config::*;
+use crate::canonical::tensors::TensorId;
 use crate::error::Result;
-use crate::model::config::*;
-use crate::model::tensors::TensorId;
 
 pub static ARCH: Arch =
     Arch { hf_class: "OlmoeForCausalLM", model_type: "olmoe", config, source, ignored: super::nothing_ignored };
@@ -44,19 +44,14 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
             expert_ffn_dim: c.usize(&["intermediate_size"])?,
             router: RouterSpec {
                 top_k: c.usize(&["num_experts_per_tok"])?,
-                score: RouterScore::Softmax,
                 renormalize: c.bool_or("norm_topk_prob", false)?,
-                scale: 1.0,
                 ..Default::default()
             },
-            activation: Activation::Silu,
-            expert_bias: false,
-            shared_expert: None,
+            ..Default::default()
         }),
         layers: (0..n).map(|_| LayerSpec { sliding_window: None, ffn: FfnSpec::Moe }).collect(),
         tie_embeddings: c.bool_or("tie_word_embeddings", false)?,
-        lm_head_bias: false,
-        scales: Scales::default(),
+        ..Default::default()
     })
 }
 

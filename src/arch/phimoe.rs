@@ -16,9 +16,9 @@
 //! - `sliding_window` masks every layer when set.
 
 use super::{Arch, HfConfig, Source, expert_part, llama_name};
+use crate::canonical::config::*;
+use crate::canonical::tensors::{LayerTensor as L, TensorId};
 use crate::error::Result;
-use crate::model::config::*;
-use crate::model::tensors::{LayerTensor as L, TensorId};
 
 pub static ARCH: Arch =
     Arch { hf_class: "PhimoeForCausalLM", model_type: "phimoe", config, source, ignored: super::nothing_ignored };
@@ -51,14 +51,12 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
                 },
                 ..Default::default()
             },
-            activation: Activation::Silu,
-            expert_bias: false,
-            shared_expert: None,
+            ..Default::default()
         }),
         layers: (0..n).map(|_| LayerSpec { sliding_window: window, ffn: FfnSpec::Moe }).collect(),
         tie_embeddings: c.bool_or("tie_word_embeddings", false)?,
         lm_head_bias: c.bool_or("lm_head_bias", false)?,
-        scales: Scales::default(),
+        ..Default::default()
     })
 }
 

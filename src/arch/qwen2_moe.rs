@@ -15,9 +15,9 @@
 //!   (transformers 5's `Qwen2MoeConfig.__post_init__`).
 
 use super::{Arch, HfConfig, Source, layer_types, llama_name, qwen_moe_name, qwen_sparse_layers};
+use crate::canonical::config::*;
+use crate::canonical::tensors::TensorId;
 use crate::error::Result;
-use crate::model::config::*;
-use crate::model::tensors::TensorId;
 
 pub static ARCH: Arch =
     Arch { hf_class: "Qwen2MoeForCausalLM", model_type: "qwen2_moe", config, source, ignored: super::nothing_ignored };
@@ -42,26 +42,17 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
         max_seq_len: c.opt_usize("max_position_embeddings")?.unwrap_or(8192),
         norm: NormSpec::rms(c.opt_f64("rms_norm_eps")?.unwrap_or(1e-6)),
         rope: c.rope(head_dim, 10000.0)?,
-        attention: AttentionSpec {
-            qkv_bias: true,
-            o_bias: false,
-            qk_norm: QkNorm::None,
-            clip_qkv: None,
-            ..Default::default()
-        },
+        attention: AttentionSpec { qkv_bias: true, ..Default::default() },
         moe: Some(MoeSpec {
             num_experts: e,
             expert_ffn_dim: c.usize(&["moe_intermediate_size"])?,
             router: RouterSpec {
                 top_k: c.usize(&["num_experts_per_tok"])?,
-                score: RouterScore::Softmax,
                 renormalize: c.bool_or("norm_topk_prob", false)?,
-                scale: 1.0,
                 ..Default::default()
             },
-            activation: Activation::Silu,
-            expert_bias: false,
             shared_expert: shared.map(|f| SharedExpertSpec { ffn_dim: f, sigmoid_gate: true }),
+            ..Default::default()
         }),
         layers: (0..n)
             .map(|l| LayerSpec {
@@ -70,8 +61,7 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
             })
             .collect(),
         tie_embeddings: c.bool_or("tie_word_embeddings", false)?,
-        lm_head_bias: false,
-        scales: Scales::default(),
+        ..Default::default()
     })
 }
 

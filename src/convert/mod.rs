@@ -25,11 +25,11 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::Value;
 
 use crate::arch::{self, HfConfig, Source};
+use crate::canonical::tensors::{PlannedTensor, Role, TensorId, tensor_plan};
 use crate::error::{Error, Result};
 use crate::format::writer::{ToPlace, Writer, layout};
 use crate::format::{FileMeta, SourceInfo, TensorEntry};
 use crate::imatrix::Imatrix;
-use crate::model::tensors::{PlannedTensor, Role, TensorId, tensor_plan};
 use crate::quant::{self, DType};
 pub use recipe::Recipe;
 use safetensors::{Checkpoint, SrcTensor};

@@ -29,8 +29,8 @@
 //! KL still below llama.cpp Q4_K_M's (q and o at q4k doubled the trained
 //! demo model's KL).
 
+use crate::canonical::tensors::TensorClass;
 use crate::error::{Error, Result};
-use crate::model::tensors::TensorClass;
 use crate::quant::DType;
 
 /// The named recipes: (name, spec, what it is for).

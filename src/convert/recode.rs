@@ -23,11 +23,11 @@ use std::io::Read;
 use std::path::Path;
 
 use super::{ConvertOptions, ConvertReport, Recipe, commit, coverage, load_imatrix, storage_dtype, write_staged};
+use crate::canonical::tensors::{TensorId, tensor_plan};
 use crate::error::{Error, Result};
 use crate::format::FileMeta;
 use crate::format::reader::ColibriFile;
 use crate::format::writer::{ToPlace, layout};
-use crate::model::tensors::{TensorId, tensor_plan};
 
 /// Re-encodes the `.colibri` file `src` into `dst` with the weight type
 /// `opts.recipe` (`None` keeps the source's types). `interrupted` is polled between

@@ -9,7 +9,7 @@ pub mod batch;
 pub mod generation;
 pub mod sampling;
 mod step;
-pub use crate::model::session;
+use crate::model::session;
 
 #[cfg(test)]
 mod tests;

@@ -10,7 +10,11 @@ fn engine(dtype: DType, threads: usize) -> (tempfile::TempDir, Engine) {
     engine_with(&config_for(dtype), dtype, threads)
 }
 
-fn engine_with(cfg: &crate::model::config::ModelConfig, dtype: DType, threads: usize) -> (tempfile::TempDir, Engine) {
+fn engine_with(
+    cfg: &crate::canonical::config::ModelConfig,
+    dtype: DType,
+    threads: usize,
+) -> (tempfile::TempDir, Engine) {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("m.colibri");
     write_random_model(&p, cfg, dtype, 9);

@@ -27,7 +27,7 @@ mod tests;
 
 use serde::{Deserialize, Serialize};
 
-use crate::model::config::ModelConfig;
+use crate::canonical::config::ModelConfig;
 use crate::quant::DType;
 
 /// First eight bytes of every `.colibri` file.
@@ -91,7 +91,7 @@ pub struct SourceInfo {
 /// One tensor.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TensorEntry {
-    /// Canonical name (see `model::tensors::TensorId`'s `Display`).
+    /// Canonical name (see `canonical::tensors::TensorId`'s `Display`).
     pub name: String,
     /// Storage type.
     pub dtype: DType,

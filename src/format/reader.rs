@@ -7,8 +7,9 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 
 use super::{FileMeta, HEADER_LEN, MAGIC, PAGE, TENSOR_ALIGN, VERSION};
+use crate::canonical::tensors::{Role, TensorId, tensor_plan};
 use crate::error::{Error, Result};
-use crate::model::tensors::{Role, TensorId, tensor_plan};
+use crate::io::{HUGE_PAGE, read_full};
 use crate::quant::DType;
 
 /// A borrowed view of one tensor's bytes inside the mapped file.
@@ -57,10 +58,6 @@ fn read_u32(b: &[u8], at: usize) -> u32 {
 fn read_u64(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
 }
-
-/// The size of a transparent huge page on x86_64 and (with 4 KiB base
-/// pages) aarch64 Linux.
-pub const HUGE_PAGE: usize = 2 << 20;
 
 /// A copy of a file's bytes in memory of the process's own (see
 /// [`ColibriFile::read_copy`]).
@@ -249,7 +246,7 @@ impl ColibriFile {
             if slabs.insert((s.layer, s.expert), i).is_some() {
                 return Err(bad(format!("expert slab ({}, {}) is listed twice", s.layer, s.expert)));
             }
-            use crate::model::tensors::ExpertTensor as X;
+            use crate::canonical::tensors::ExpertTensor as X;
             for which in X::ALL.into_iter().chain(X::BIASES) {
                 let name = TensorId::Expert(s.layer, s.expert, which).to_string();
                 let t = match by_name.get(&name) {
@@ -265,7 +262,7 @@ impl ColibriFile {
         }
         let want_slabs = plan
             .iter()
-            .filter(|p| matches!(p.id, TensorId::Expert(_, _, crate::model::tensors::ExpertTensor::Gate)))
+            .filter(|p| matches!(p.id, TensorId::Expert(_, _, crate::canonical::tensors::ExpertTensor::Gate)))
             .count();
         if slabs.len() != want_slabs {
             return Err(bad(format!("the file has {} expert slabs, the config implies {want_slabs}", slabs.len())));
@@ -377,7 +374,7 @@ impl ColibriFile {
             for (at, piece) in share {
                 let n = piece.len();
                 match source {
-                    Some(f) => crate::model::store::read_full(f, piece, at as u64, n)?,
+                    Some(f) => read_full(f, piece, at as u64, n)?,
                     None => piece.copy_from_slice(&mapped[at..at + n]),
                 }
                 let total = done.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed) + n as u64;

@@ -64,7 +64,7 @@ fn round_trip_keeps_metadata_and_bytes() {
 fn expert_slabs_hold_gate_up_down_adjacent() {
     let dir = tempfile::tempdir().unwrap();
     let (_, meta) = fresh(&dir, DType::Bf16);
-    let moe_layers = tiny_config().layers.iter().filter(|l| l.ffn == crate::model::config::FfnSpec::Moe).count();
+    let moe_layers = tiny_config().layers.iter().filter(|l| l.ffn == crate::canonical::config::FfnSpec::Moe).count();
     assert_eq!(meta.experts.len(), moe_layers * 5);
     for s in &meta.experts {
         let names = ["gate", "up", "down"].map(|w| format!("layers.{}.moe.experts.{}.{w}", s.layer, s.expert));
@@ -203,7 +203,7 @@ fn a_copy_in_memory_holds_the_same_bytes_and_refuses_a_file_that_changed_length(
     let mut seen = Vec::new();
     let copy = copied.read_copy_in(4096 + 64, &mut |done| seen.push(done)).unwrap();
     assert_eq!(copy.bytes(), mapped.bytes());
-    assert_eq!(copy.bytes().as_ptr() as usize % reader::HUGE_PAGE, 0, "the copy starts on a 2 MiB boundary");
+    assert_eq!(copy.bytes().as_ptr() as usize % crate::io::HUGE_PAGE, 0, "the copy starts on a 2 MiB boundary");
     assert_eq!(seen.last().copied(), Some(copied.file_len()), "progress ends at the file's length");
     assert!(seen.windows(2).all(|w| w[0] <= w[1]), "progress never goes back: {seen:?}");
     copied.use_copy(copy);

@@ -39,27 +39,7 @@ mod x86_64;
 use rayon::prelude::*;
 
 use crate::quant::DType;
-
-/// 32 activations quantised to signed bytes: `x ≈ d · qs`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct BlockQ8 {
-    /// Scale.
-    pub d: f32,
-    /// Σ qs (weight types with an offset, or codes stored unsigned, need it).
-    pub sum: i32,
-    /// Codes, in [-127, 127].
-    pub qs: [i8; 32],
-}
-
-impl BlockQ8 {
-    /// `d · Σ qs`: the block's sum in activation units.
-    #[inline(always)]
-    pub fn scaled_sum(&self) -> f32 {
-        self.d * self.sum as f32
-    }
-}
-const _: () = assert!(std::mem::size_of::<BlockQ8>() == 40);
+use crate::quant::act::BlockQ8;
 
 /// A dot product of one weight row (raw bytes of its dtype) with an
 /// activation row given both as f32 and, for block types, quantised.
@@ -154,9 +134,10 @@ pub struct GroupKernels {
     pub direct: Option<Tiles>,
 }
 
-/// What a weight type's kernels multiply against.
+/// The form of the [`Input`] a weight type's kernels read: the activation
+/// rows as f32, or quantised to 8 bits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Activation {
+pub enum InputKind {
     /// The f32 rows as they are (element types).
     F32,
     /// The rows quantised to [`BlockQ8`] (block types). In every table this
@@ -188,8 +169,8 @@ pub enum Layout {
 /// One weight type's entry in a kernel table (ggml's `type_traits_cpu`).
 #[derive(Clone, Copy)]
 pub struct TypeKernels {
-    /// What the kernels multiply against.
-    pub activation: Activation,
+    /// The form of the input the kernels multiply against.
+    pub input: InputKind,
     /// The storage layout and its kernels.
     pub layout: Layout,
     /// Attention over rows of this type (the KV cache's types: f32 and f16;
@@ -223,25 +204,6 @@ pub fn one_token_prefetch() -> Option<usize> {
 /// The kernels the current table has for `dtype`.
 pub fn kernels(dtype: DType) -> TypeKernels {
     table().kernels(dtype)
-}
-
-/// The dot product the current table uses for a row-major `dtype`.
-///
-/// # Panics
-/// For the interleaved types, which have group kernels instead ([`group_fns`]).
-pub fn dot_fn(dtype: DType) -> DotFn {
-    match kernels(dtype).layout {
-        Layout::Rows { dot, .. } => dot,
-        Layout::Groups(_) => panic!("{dtype} is stored in groups of eight rows: it has no row dot"),
-    }
-}
-
-/// The 1×4 tile for `dtype`, if the active table has one.
-pub fn tile_fn(dtype: DType) -> Option<Dot4Fn> {
-    match kernels(dtype).layout {
-        Layout::Rows { tile, .. } => tile,
-        Layout::Groups(_) => None,
-    }
 }
 
 /// The attention kernels for a KV cache of `dtype` (f32 or f16; `None` for
@@ -358,7 +320,7 @@ fn check(w: &Matrix, k: &TypeKernels, inp: &Input, y: &[f32]) -> usize {
     assert_eq!(inp.cols, w.cols, "matmul: input width {} vs matrix cols {}", inp.cols, w.cols);
     let n = inp.rows();
     assert_eq!(y.len(), n * w.rows, "matmul: y is not [n, rows]");
-    let q8 = k.activation == Activation::Q8;
+    let q8 = k.input == InputKind::Q8;
     assert!(!q8 || inp.q.len() == n * w.cols / 32, "matmul: {} weights need a quantised input", w.dtype);
     n
 }

@@ -86,40 +86,11 @@ pub fn axpy_f16(o: &mut [f32], a: f32, v: &[u16]) {
     }
 }
 
-use super::BlockQ8;
+use crate::quant::act::BlockQ8;
 use crate::quant::mxfp4::{BlockMxfp4, LUT2, half_scale};
 use crate::quant::q4_0::BlockQ4_0;
 use crate::quant::q4_1::BlockQ4_1;
 use crate::quant::q8_0::BlockQ8_0;
-
-/// `x.round() as i8` (half away from zero, saturating; NaN gives 0),
-/// without the libm call `round` costs on x86_64: clamp to the codes' range
-/// (so infinities saturate too), truncate, then step by the exact remainder.
-/// The SIMD quantisers (`x86_64::avx2::quantize_act`) do the same steps.
-#[inline(always)]
-pub fn round_i8(x: f32) -> i8 {
-    let x = if x.is_nan() { 0.0 } else { x.clamp(-128.0, 127.0) };
-    let t = x as i32;
-    let f = x - t as f32;
-    (t + (f >= 0.5) as i32 - (f <= -0.5) as i32).clamp(-128, 127) as i8
-}
-
-/// Quantises one activation row (a multiple of 32 long) to 8-bit blocks:
-/// `x ≈ d · q`, with the code sum `Σq` kept for offset types.
-pub fn quantize_act(x: &[f32], out: &mut [BlockQ8]) {
-    for (xs, b) in x.chunks_exact(32).zip(out.iter_mut()) {
-        let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-        let mut sum = 0i32;
-        for (q, v) in b.qs.iter_mut().zip(xs) {
-            *q = round_i8(v * id);
-            sum += *q as i32;
-        }
-        b.d = d;
-        b.sum = sum;
-    }
-}
 
 /// q8_0 weight row · quantised activation.
 pub fn dot_q8_0(w: &[BlockQ8_0], a: &[BlockQ8]) -> f32 {
@@ -252,8 +223,82 @@ pub fn gemv8_q4_1(g: &[BlockQ4_1x8], a: &[BlockQ8]) -> [f32; ROWS] {
     acc
 }
 
-use crate::quant::kquant::{Kind, QK, SUBS};
+use crate::quant::kquant::{
+    BlockQ4K, BlockQ5K, BlockQ6K, Kind, QK, SUBS, check_row, codes_q5k, codes_q6k, h2f, load, nibbles, spans,
+    unpack_scales,
+};
 use crate::quant::kx8;
+
+// ------------------------------------------------------------------
+// Super-block types (q4k, q5k, q6k), row-major.
+
+/// q4k row · quantised activation (`a.len()` blocks, one per sub-block), in
+/// the order the layout's docs give ([`crate::quant::kquant`]).
+pub fn dot_q4k(row: &[u8], a: &[BlockQ8]) -> f32 {
+    check_row(Kind::Q4K, row.len(), a.len() * QK);
+    let mut acc = [0f32; SUBS];
+    for (span, a) in spans(Kind::Q4K, a.len() * QK).zip(a.chunks(SUBS)) {
+        let b: BlockQ4K = load(&row[span.0]);
+        let (sc, m) = unpack_scales(&b.head.scales);
+        for (j, a) in a.iter().enumerate() {
+            acc[j] += affine_term(h2f(b.head.d), h2f(b.head.dmin), sc[j], m[j], &nibbles(&b.qs[j]), a);
+        }
+    }
+    reduce8(acc)
+}
+
+/// q5k row · quantised activation, as [`dot_q4k`].
+pub fn dot_q5k(row: &[u8], a: &[BlockQ8]) -> f32 {
+    check_row(Kind::Q5K, row.len(), a.len() * QK);
+    let mut acc = [0f32; SUBS];
+    for (span, a) in spans(Kind::Q5K, a.len() * QK).zip(a.chunks(SUBS)) {
+        let b: BlockQ5K = load(&row[span.0]);
+        let (sc, m) = unpack_scales(&b.head.scales);
+        for (j, a) in a.iter().enumerate() {
+            acc[j] += affine_term(h2f(b.head.d), h2f(b.head.dmin), sc[j], m[j], &codes_q5k(&b.subs[j]), a);
+        }
+    }
+    reduce8(acc)
+}
+
+/// q6k row · quantised activation, as [`dot_q4k`].
+pub fn dot_q6k(row: &[u8], a: &[BlockQ8]) -> f32 {
+    check_row(Kind::Q6K, row.len(), a.len() * QK);
+    let mut acc = [0f32; SUBS];
+    for (span, a) in spans(Kind::Q6K, a.len() * QK).zip(a.chunks(SUBS)) {
+        let b: BlockQ6K = load(&row[span.0]);
+        for (j, a) in a.iter().enumerate() {
+            let n = q6k_sub_sum(&codes_q6k(&b.subs[j]), [b.head.scales[2 * j], b.head.scales[2 * j + 1]], a);
+            acc[j] += h2f(b.head.d) * n as f32 * a.d;
+        }
+    }
+    reduce8(acc)
+}
+
+/// One q6k sub-block's integer `n = sc₀ · (p₀ − 32 · Σ₀) + sc₁ · (p₁ − 32 ·
+/// Σ₁)` of the module docs (`Σ (c − 32)·q` per half, exactly, each times its
+/// scale): the integer every q6k kernel computes, row-major or interleaved.
+pub(crate) fn q6k_sub_sum(codes: &[u8; QK], sc: [i8; 2], a: &BlockQ8) -> i32 {
+    let half = |h: usize| {
+        let r = 16 * h..16 * h + 16;
+        let p: i32 = codes[r.clone()].iter().zip(&a.qs[r.clone()]).map(|(&c, &q)| c as i32 * q as i32).sum();
+        let s: i32 = a.qs[r].iter().map(|&q| q as i32).sum();
+        sc[h] as i32 * (p - 32 * s)
+    };
+    half(0) + half(1)
+}
+
+/// `Σ c·q` over one sub-block.
+fn code_dot(codes: &[u8; QK], a: &BlockQ8) -> i32 {
+    codes.iter().zip(&a.qs).map(|(&c, &q)| c as i32 * q as i32).sum()
+}
+
+/// One affine sub-block's share of a dot: `(d·(sc·p) − dmin·(m·Σ)) · d_a`.
+fn affine_term(d: f32, dmin: f32, sc: u8, m: u8, codes: &[u8; QK], a: &BlockQ8) -> f32 {
+    let p = d * (sc as i32 * code_dot(codes, a)) as f32;
+    let r = dmin * (m as i32 * a.sum) as f32;
+    (p - r) * a.d
+}
 
 /// Eight interleaved super-block rows (one group of q4kx8, q5kx8 or q6kx8,
 /// [`crate::quant::kx8`]; its length gives the row length) · one quantised
@@ -294,7 +339,7 @@ pub fn gemv8_kx8(kind: Kind, g: &[u8], a: &[BlockQ8]) -> [f32; ROWS] {
                 let ba = &a[b * SUBS + j];
                 if kind == Kind::Q6K {
                     let sc = [head.sc[2 * j] as i8, head.sc[2 * j + 1] as i8];
-                    let u = ba.d * crate::quant::kquant::q6k_sub_sum(&codes, sc, ba) as f32;
+                    let u = ba.d * q6k_sub_sum(&codes, sc, ba) as f32;
                     *acc += h(head.d) * u;
                     continue;
                 }
@@ -312,7 +357,7 @@ pub fn gemv8_kx8(kind: Kind, g: &[u8], a: &[BlockQ8]) -> [f32; ROWS] {
 // The scalar table: the same functions over raw row bytes, one entry per
 // weight type. The other tables fall back to these entries by name.
 
-use super::{Activation, DotFn, Gemv8Fn, GroupKernels, KvKernels, Layout, TypeKernels};
+use super::{DotFn, Gemv8Fn, GroupKernels, InputKind, KvKernels, Layout, TypeKernels};
 use crate::quant::DType;
 
 fn f32_row(row: &[u8], x: &[f32], _: &[BlockQ8]) -> f32 {
@@ -334,13 +379,13 @@ fn q4_1_row(row: &[u8], _: &[f32], q: &[BlockQ8]) -> f32 {
     dot_q4_1(bytemuck::cast_slice(row), q)
 }
 fn q4k_row(row: &[u8], _: &[f32], q: &[BlockQ8]) -> f32 {
-    crate::quant::kquant::dot_q4k(row, q)
+    dot_q4k(row, q)
 }
 fn q5k_row(row: &[u8], _: &[f32], q: &[BlockQ8]) -> f32 {
-    crate::quant::kquant::dot_q5k(row, q)
+    dot_q5k(row, q)
 }
 fn q6k_row(row: &[u8], _: &[f32], q: &[BlockQ8]) -> f32 {
-    crate::quant::kquant::dot_q6k(row, q)
+    dot_q6k(row, q)
 }
 fn mxfp4_row(row: &[u8], _: &[f32], q: &[BlockQ8]) -> f32 {
     dot_mxfp4(bytemuck::cast_slice(row), q)
@@ -433,14 +478,14 @@ const F16_KV: KvKernels = KvKernels { dots: f16_dots, axpys: f16_axpys, pv: f16_
 /// The scalar kernels of `dtype`: one dot per row (no tiles) and one token
 /// per group call.
 pub(super) fn kernels(dtype: DType) -> TypeKernels {
-    use Activation::{F32, Q8};
-    let rows = |activation: Activation, dot: DotFn| TypeKernels {
-        activation,
+    use InputKind::{F32, Q8};
+    let rows = |input: InputKind, dot: DotFn| TypeKernels {
+        input,
         layout: Layout::Rows { dot, tile: None, dots: None },
         kv: None,
     };
     let group = |one: Gemv8Fn| TypeKernels {
-        activation: Q8,
+        input: Q8,
         layout: Layout::Groups(GroupKernels { one, many: None, tile: None, direct: None }),
         kv: None,
     };

@@ -18,6 +18,7 @@ use super::scalar;
 #[cfg(target_arch = "x86_64")]
 use super::x86_64;
 use crate::quant::DType;
+use crate::quant::act;
 
 /// An instruction set with a kernel table in this build.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -153,7 +154,7 @@ impl Table {
     #[inline]
     pub fn quantize_fn(self) -> super::QuantizeFn {
         match self.0 {
-            Chosen::Scalar => scalar::quantize_act,
+            Chosen::Scalar => act::quantize_act,
             #[cfg(target_arch = "x86_64")]
             Chosen::Avx2(t) => t.quantize_fn(),
             #[cfg(target_arch = "x86_64")]
@@ -163,7 +164,7 @@ impl Table {
             #[cfg(target_arch = "x86_64")]
             Chosen::Amx(t) => t.quantize_fn(),
             #[cfg(target_arch = "aarch64")]
-            Chosen::Neon(_) => scalar::quantize_act,
+            Chosen::Neon(_) => act::quantize_act,
         }
     }
 

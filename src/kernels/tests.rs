@@ -5,6 +5,7 @@
 
 use super::*;
 use crate::quant;
+use crate::quant::act;
 
 fn lcg(seed: &mut u64) -> f32 {
     *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
@@ -65,7 +66,7 @@ fn activation_quantisers_of_every_table_give_the_scalar_blocks() {
         for x in &rows {
             let mut want = vec![BlockQ8::default(); 2];
             let mut got = vec![BlockQ8::default(); 2];
-            scalar::quantize_act(x, &mut want);
+            act::quantize_act(x, &mut want);
             (table.quantize_fn())(x, &mut got);
             for (g, w) in got.iter().zip(&want) {
                 let what = format!("{}: {:?}", table.isa(), &x[..8]);
@@ -84,7 +85,53 @@ fn activation_rounding_is_round_half_away_from_zero() {
     for x in
         special.into_iter().chain(sweep).chain(halves).chain([f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 3e9, -3e9])
     {
-        assert_eq!(scalar::round_i8(x), x.round() as i8, "{x}");
+        assert_eq!(act::round_i8(x), x.round() as i8, "{x}");
+    }
+}
+
+/// The super-block types' scalar dots against the f64 product of the
+/// decoded weights and the decoded activation, and near the f32 product.
+#[test]
+fn kquant_dots_match_dequantize() {
+    use crate::quant::kquant::{Kind, QK, dequantize_row, quantize_row, row_bytes};
+    // Seeded N(0, σ²) samples (LCG + Box–Muller).
+    let gaussian = |n: usize, seed: u64, sigma: f32| -> Vec<f32> {
+        let mut s = seed;
+        let mut u = || {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+        };
+        (0..n).map(|_| ((-2.0 * u().ln()).sqrt() * (2.0 * std::f64::consts::PI * u()).cos()) as f32 * sigma).collect()
+    };
+    let dot = |kind: Kind, row: &[u8], a: &[BlockQ8]| match kind {
+        Kind::Q4K => scalar::dot_q4k(row, a),
+        Kind::Q5K => scalar::dot_q5k(row, a),
+        Kind::Q6K => scalar::dot_q6k(row, a),
+    };
+    for n in [32, 96, 288, 1408] {
+        let w = gaussian(n, 100 + n as u64, 0.02);
+        let a = gaussian(n, 200 + n as u64, 1.0);
+        let mut qa = vec![BlockQ8 { d: 0.0, sum: 0, qs: [0; 32] }; n / QK];
+        act::quantize_act(&a, &mut qa);
+        for kind in [Kind::Q4K, Kind::Q5K, Kind::Q6K] {
+            let mut row = vec![0u8; row_bytes(kind, n).unwrap()];
+            quantize_row(kind, &w, None, &mut row);
+            let mut y = vec![0f32; n];
+            dequantize_row(kind, &row, &mut y);
+            // The f64 dot of the decoded weights with the decoded activation.
+            let (mut want, mut l1) = (0f64, 0f64);
+            for (i, &y) in y.iter().enumerate() {
+                let b = &qa[i / QK];
+                let av = b.d as f64 * b.qs[i % QK] as f64;
+                want += y as f64 * av;
+                l1 += (y as f64 * av).abs();
+            }
+            let got = dot(kind, &row, &qa) as f64;
+            assert!((got - want).abs() <= 1e-5 * l1, "{kind:?} n={n}: {got} vs {want}");
+            // And near the f32 product (activation rounding only).
+            let exact: f64 = y.iter().zip(&a).map(|(&y, &a)| y as f64 * a as f64).sum();
+            assert!((got - exact).abs() <= 0.02 * l1, "{kind:?} n={n}: {got} vs {exact}");
+        }
     }
 }
 
@@ -93,8 +140,8 @@ fn every_table_has_an_entry_of_the_right_shape_for_every_type() {
     for table in tables() {
         for dtype in every_dtype() {
             let k = table.kernels(dtype);
-            let want = if dtype.is_quantized() { Activation::Q8 } else { Activation::F32 };
-            assert_eq!(k.activation, want, "{} {dtype}: Input::prepare goes by is_quantized", table.isa());
+            let want = if dtype.is_quantized() { InputKind::Q8 } else { InputKind::F32 };
+            assert_eq!(k.input, want, "{} {dtype}: Input::prepare goes by is_quantized", table.isa());
             let grouped = matches!(k.layout, Layout::Groups(_));
             assert_eq!(grouped, dtype.group_rows() > 1, "{} {dtype}: layout", table.isa());
             assert_eq!(k.kv.is_some(), matches!(dtype, DType::F32 | DType::F16), "{} {dtype}: kv", table.isa());

@@ -14,14 +14,15 @@
 //! a prompt is a few batched passes, decoding is a pass of one token.
 
 use super::blocks::attention::{Heads, attend};
-use super::blocks::ffn::{Mlp, MlpScratch, add_bias, gated_mlp};
+use super::blocks::ffn::{MlpScratch, add_bias, gated_mlp};
 use super::blocks::gqa::Gqa;
 use super::blocks::mla::{Mla, MlaQ};
 use super::blocks::moe::{MoeBlock, MoeLayer, moe_block, predict};
 use super::blocks::norm::norm_rows;
-use super::config::{Activation, QkNorm};
 use super::session::{Sequence, Session, Workspace};
-use super::{FfnRefs, LayerRefs, MlaQuery, MlpRefs, Model, NormRefs, QkvRefs, TensorRef};
+use super::weights::{Mlp, TensorRef};
+use super::{FfnRefs, LayerRefs, MlaQuery, MlpRefs, Model, NormRefs, QkvRefs};
+use crate::canonical::config::{Activation, QkNorm};
 use crate::error::{Error, Result};
 use crate::kernels::matmul;
 

@@ -5,33 +5,22 @@
 //! beside `Transformer`.
 
 pub mod blocks;
-pub mod config;
 pub mod forward;
 pub mod session;
 pub mod store;
-pub mod tensors;
+pub mod weights;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::error::{Error, Result};
+use crate::canonical::config::{self, FfnSpec, ModelConfig};
+use crate::canonical::tensors::{LayerTensor as L, TensorId};
+use crate::error::Result;
 use crate::format::reader::ColibriFile;
 use crate::kernels::Matrix;
-use config::{FfnSpec, ModelConfig};
 use store::telemetry::Telemetry;
 use store::{DenseCopy, ExpertStore, HeatState, RoutingStats, StoreOptions, StoreStats, WeightsBacking};
-use tensors::{LayerTensor as L, TensorId};
-
-/// Where a tensor lives in the mapped file; resolved to a view on use, which
-/// costs a bounds-checked slice and no allocation.
-#[derive(Clone, Copy, Debug)]
-pub struct TensorRef {
-    idx: usize,
-    /// Rows (1 for a vector).
-    pub rows: usize,
-    /// Columns.
-    pub cols: usize,
-}
+use weights::{TensorRef, matrix, tensor_ref};
 
 /// A dense gated MLP: `down(act(gate · x) * (up · x))`.
 #[derive(Clone, Copy, Debug)]
@@ -292,11 +281,6 @@ impl Model {
         })
     }
 
-    /// True when routed experts stream from the file under a RAM budget.
-    pub fn streams(&self) -> bool {
-        self.dense.is_some()
-    }
-
     /// Routing telemetry since open: per MoE layer and expert, how often it
     /// was chosen (heat), utilisation entropy, top-1/top-2 margins.
     pub fn routing_stats(&self) -> RoutingStats {
@@ -390,30 +374,4 @@ impl Drop for Model {
             eprintln!("colibri: warning: could not save routing heat: {e}");
         }
     }
-}
-
-/// Resolves a canonical tensor to a reference, checking it can be viewed.
-pub(crate) fn tensor_ref(file: &ColibriFile, id: TensorId) -> Result<TensorRef> {
-    let name = id.to_string();
-    let idx = file.index_of(&name).ok_or_else(|| Error::format(file.path(), format!("tensor {name} is missing")))?;
-    let t = &file.meta().tensors[idx];
-    let (rows, cols) = match t.shape.as_slice() {
-        [c] => (1, *c),
-        [r, c] => (*r, *c),
-        // Stacked per-head matrices ([H, rows, cols]) are viewed as one.
-        [h, r, c] => (*h * *r, *c),
-        s => return Err(Error::format(file.path(), format!("tensor {name}: expected 1 to 3 dimensions, got {s:?}"))),
-    };
-    let tr = TensorRef { idx, rows, cols };
-    let view = file.tensor_at(idx);
-    if Matrix::new(view.dtype, rows, cols, view.bytes).is_none() {
-        return Err(Error::format(file.path(), format!("tensor {name}: misaligned or wrongly sized data")));
-    }
-    Ok(tr)
-}
-
-/// The matrix view of a reference (validated when the reference was made).
-pub(crate) fn matrix(file: &ColibriFile, t: TensorRef) -> Matrix<'_> {
-    let view = file.tensor_at(t.idx);
-    Matrix::new(view.dtype, t.rows, t.cols, view.bytes).expect("validated at load")
 }

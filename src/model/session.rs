@@ -2,14 +2,14 @@
 //! once at creation so the forward pass never allocates. It lives beside the
 //! model (the engine wraps it) because the forward pass is its only user.
 
-use crate::kernels::BlockQ8;
+use crate::canonical::config::FfnSpec;
 use crate::model::Model;
 use crate::model::blocks::attention::KvView;
 use crate::model::blocks::mla::MlaScratch;
 use crate::model::blocks::moe::MoeScratch;
 use crate::model::blocks::{Inputs, q8_blocks};
-use crate::model::config::FfnSpec;
 use crate::quant::DType;
+use crate::quant::act::BlockQ8;
 
 /// Element type of a session's KV cache.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -17,10 +17,11 @@ use pyo3::types::{PyByteArray, PyDict};
 
 use crate::convert::{ConvertOptions, Recipe, convert};
 use crate::engine::batch::Canceller;
-use crate::engine::session::KvCacheType;
 use crate::engine::{BatchOptions, Engine, EngineOptions, GenerateOptions, SamplingParams, Scheduler, Ticket};
 use crate::error::Error;
-use crate::model::store::{Backing, HeatFile, IoMode, Policy, StoreOptions};
+use crate::io::IoMode;
+use crate::model::session::KvCacheType;
+use crate::model::store::{Backing, HeatFile, Policy, StoreOptions};
 use crate::quant::DType;
 
 /// The classes of `colibri/_errors.py`, each imported on first use and kept.
@@ -319,7 +320,7 @@ impl NativeEngine {
     /// embedding is `lm_head`).
     fn tensor_classes(&self) -> Vec<(String, &'static str)> {
         let cfg = &self.inner.model().config;
-        let plan = crate::model::tensors::tensor_plan(cfg);
+        let plan = crate::canonical::tensors::tensor_plan(cfg);
         plan.iter().filter_map(|p| Some((p.id.to_string(), p.id.class_in(cfg.tie_embeddings)?.name()))).collect()
     }
 
@@ -490,7 +491,7 @@ fn recipes() -> Vec<(&'static str, &'static str, &'static str)> {
 /// order `colibri info` lists them.
 #[pyfunction]
 fn weight_classes() -> Vec<&'static str> {
-    crate::model::tensors::TensorClass::ALL.iter().map(|c| c.name()).collect()
+    crate::canonical::tensors::TensorClass::ALL.iter().map(|c| c.name()).collect()
 }
 
 /// Weight types `convert` can write, by name.

@@ -1,12 +1,13 @@
-//! Super-block weight types q4k, q5k and q6k (issue 10): the layouts, the
-//! reference encoders and decoders, and the scalar dot products every SIMD
-//! kernel of these types is tested against.
+//! Super-block weight types q4k, q5k and q6k: the layouts, the reference
+//! encoders and decoders, and the order of the dot product whose scalar form
+//! (in `crate::kernels::scalar`) every SIMD kernel of these types is tested
+//! against.
 //!
 //! # Rows, super-blocks and sub-blocks
 //!
 //! A row of `n` values (`n` a multiple of 32) is stored as super-blocks of
 //! 256 values, each 8 sub-blocks of 32 (a sub-block lines up with one
-//! activation block, [`BlockQ8`]). A super-block holds a small header (f16
+//! activation block, [`BlockQ8`](super::act::BlockQ8)). A super-block holds a small header (f16
 //! scales and the eight sub-blocks' integer scales) and then the sub-blocks'
 //! codes, one chunk per sub-block. When `n` is not a multiple of 256 the row
 //! ends in a *partial* super-block of `s = (n mod 256) / 32` sub-blocks
@@ -79,8 +80,8 @@
 //! [`dequantize_q4k`] (and q5k) computes `(d · sc[j]) · c − dmin · m[j]`, q6k
 //! `(d · sc[h]) · (c − 32)`, each product rounded to f32 (d, dmin as f32).
 //!
-//! The dot products ([`dot_q4k`], [`dot_q5k`], [`dot_q6k`]) take the
-//! activation quantised to [`BlockQ8`]s (`d_a`, `Σ`, `qs`) and work in the
+//! The dot products (`dot_q4k`, `dot_q5k`, `dot_q6k` of the scalar kernels) take the
+//! activation quantised to [`BlockQ8`](super::act::BlockQ8)s (`d_a`, `Σ`, `qs`) and work in the
 //! integer form the SIMD kernels use. For sub-block `j` of every super-block:
 //!
 //! - `p = Σᵢ c[i] · qs[i]` (i32, exact);
@@ -97,7 +98,7 @@
 //! over the super-blocks in order (a partial super-block leaves lanes `s..8`
 //! alone, which is the same as adding +0: a lane that starts at +0 is never
 //! −0), then sum as `((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7))`, the
-//! tree of [`crate::kernels::scalar`]. An eight-lane SIMD kernel (one lane per
+//! tree of the scalar kernels. An eight-lane SIMD kernel (one lane per
 //! sub-block) reproduces this bit for bit.
 //!
 //! # The quantiser
@@ -155,8 +156,7 @@
 use bytemuck::{Pod, Zeroable};
 use half::f16;
 
-use crate::kernels::BlockQ8;
-use crate::kernels::scalar::round_i8;
+use crate::quant::act::round_i8;
 
 /// Values per sub-block: one activation block.
 pub const QK: usize = 32;
@@ -334,7 +334,7 @@ fn pack_nibbles(q: &[u8]) -> [u8; 16] {
 }
 
 /// The 32 nibbles of [`pack_nibbles`].
-fn nibbles(qs: &[u8; 16]) -> [u8; QK] {
+pub(crate) fn nibbles(qs: &[u8; 16]) -> [u8; QK] {
     std::array::from_fn(|i| if i < 16 { qs[i] & 0xF } else { qs[i - 16] >> 4 })
 }
 
@@ -345,7 +345,7 @@ fn pack_q5k_sub(q: &[u8]) -> SubQ5K {
 }
 
 /// The 32 codes of a q5k sub-block.
-fn codes_q5k(sub: &SubQ5K) -> [u8; QK] {
+pub(crate) fn codes_q5k(sub: &SubQ5K) -> [u8; QK] {
     let (low, h) = (nibbles(&sub.qs), u32::from_le_bytes(sub.qh));
     std::array::from_fn(|i| low[i] | (((h >> i) & 1) as u8) << 4)
 }
@@ -357,7 +357,7 @@ fn pack_q6k_sub(q: &[u8]) -> SubQ6K {
 }
 
 /// The 32 codes of a q6k sub-block.
-fn codes_q6k(sub: &SubQ6K) -> [u8; QK] {
+pub(crate) fn codes_q6k(sub: &SubQ6K) -> [u8; QK] {
     let low = nibbles(&sub.ql);
     std::array::from_fn(|i| low[i] | ((sub.qh[i % 8] >> (2 * (i / 8))) & 3) << 4)
 }
@@ -389,7 +389,7 @@ pub(crate) fn put_sub_codes(kind: Kind, codes: &[u8; QK], out: &mut [u8]) {
 
 /// The super-blocks of a row of `n` values: each one's byte range in the row
 /// and its number of sub-blocks (8 but for a partial last one).
-fn spans(kind: Kind, n: usize) -> impl Iterator<Item = (std::ops::Range<usize>, usize)> {
+pub(crate) fn spans(kind: Kind, n: usize) -> impl Iterator<Item = (std::ops::Range<usize>, usize)> {
     (0..n.div_ceil(QK_K)).map(move |b| {
         let subs = (n - b * QK_K).min(QK_K) / QK;
         let start = b * kind.block_bytes();
@@ -398,12 +398,12 @@ fn spans(kind: Kind, n: usize) -> impl Iterator<Item = (std::ops::Range<usize>, 
 }
 
 /// Panics unless `bytes` is exactly a row of `n` values.
-fn check_row(kind: Kind, bytes: usize, n: usize) {
+pub(crate) fn check_row(kind: Kind, bytes: usize, n: usize) {
     assert_eq!(Some(bytes), row_bytes(kind, n), "{kind:?}: {bytes} bytes for a row of {n} values");
 }
 
 /// A full super-block from its stored prefix (the rest zero).
-fn load<B: Pod>(bytes: &[u8]) -> B {
+pub(crate) fn load<B: Pod>(bytes: &[u8]) -> B {
     let mut b = B::zeroed();
     bytemuck::bytes_of_mut(&mut b)[..bytes.len()].copy_from_slice(bytes);
     b
@@ -415,7 +415,7 @@ fn store<B: Pod>(b: &B, out: &mut [u8]) {
 }
 
 /// f16 bits to f32.
-fn h2f(bits: u16) -> f32 {
+pub(crate) fn h2f(bits: u16) -> f32 {
     f16::from_bits(bits).to_f32()
 }
 
@@ -528,94 +528,12 @@ pub fn dequantize_row(kind: Kind, src: &[u8], dst: &mut [f32]) {
     }
 }
 
-/// A row of type `kind` · quantised activation.
-pub fn dot_row(kind: Kind, row: &[u8], a: &[BlockQ8]) -> f32 {
-    match kind {
-        Kind::Q4K => dot_q4k(row, a),
-        Kind::Q5K => dot_q5k(row, a),
-        Kind::Q6K => dot_q6k(row, a),
-    }
-}
-
 /// One affine sub-block's values: `(d · sc) · c − dmin · m`.
 fn affine_values(d: f32, dmin: f32, sc: u8, m: u8, codes: &[u8; QK], y: &mut [f32]) {
     let (s, o) = (d * sc as f32, dmin * m as f32);
     for (y, &c) in y.iter_mut().zip(codes) {
         *y = s * c as f32 - o;
     }
-}
-
-/// q4k row · quantised activation (`a.len()` blocks, one per sub-block), in
-/// the order of the module docs.
-pub fn dot_q4k(row: &[u8], a: &[BlockQ8]) -> f32 {
-    check_row(Kind::Q4K, row.len(), a.len() * QK);
-    let mut acc = [0f32; SUBS];
-    for (span, a) in spans(Kind::Q4K, a.len() * QK).zip(a.chunks(SUBS)) {
-        let b: BlockQ4K = load(&row[span.0]);
-        let (sc, m) = unpack_scales(&b.head.scales);
-        for (j, a) in a.iter().enumerate() {
-            acc[j] += affine_term(h2f(b.head.d), h2f(b.head.dmin), sc[j], m[j], &nibbles(&b.qs[j]), a);
-        }
-    }
-    reduce8(acc)
-}
-
-/// q5k row · quantised activation, as [`dot_q4k`].
-pub fn dot_q5k(row: &[u8], a: &[BlockQ8]) -> f32 {
-    check_row(Kind::Q5K, row.len(), a.len() * QK);
-    let mut acc = [0f32; SUBS];
-    for (span, a) in spans(Kind::Q5K, a.len() * QK).zip(a.chunks(SUBS)) {
-        let b: BlockQ5K = load(&row[span.0]);
-        let (sc, m) = unpack_scales(&b.head.scales);
-        for (j, a) in a.iter().enumerate() {
-            acc[j] += affine_term(h2f(b.head.d), h2f(b.head.dmin), sc[j], m[j], &codes_q5k(&b.subs[j]), a);
-        }
-    }
-    reduce8(acc)
-}
-
-/// q6k row · quantised activation, as [`dot_q4k`].
-pub fn dot_q6k(row: &[u8], a: &[BlockQ8]) -> f32 {
-    check_row(Kind::Q6K, row.len(), a.len() * QK);
-    let mut acc = [0f32; SUBS];
-    for (span, a) in spans(Kind::Q6K, a.len() * QK).zip(a.chunks(SUBS)) {
-        let b: BlockQ6K = load(&row[span.0]);
-        for (j, a) in a.iter().enumerate() {
-            let n = q6k_sub_sum(&codes_q6k(&b.subs[j]), [b.head.scales[2 * j], b.head.scales[2 * j + 1]], a);
-            acc[j] += h2f(b.head.d) * n as f32 * a.d;
-        }
-    }
-    reduce8(acc)
-}
-
-/// One q6k sub-block's integer `n = sc₀ · (p₀ − 32 · Σ₀) + sc₁ · (p₁ − 32 ·
-/// Σ₁)` of the module docs (`Σ (c − 32)·q` per half, exactly, each times its
-/// scale): the integer every q6k kernel computes, row-major or interleaved.
-pub(crate) fn q6k_sub_sum(codes: &[u8; QK], sc: [i8; 2], a: &BlockQ8) -> i32 {
-    let half = |h: usize| {
-        let r = 16 * h..16 * h + 16;
-        let p: i32 = codes[r.clone()].iter().zip(&a.qs[r.clone()]).map(|(&c, &q)| c as i32 * q as i32).sum();
-        let s: i32 = a.qs[r].iter().map(|&q| q as i32).sum();
-        sc[h] as i32 * (p - 32 * s)
-    };
-    half(0) + half(1)
-}
-
-/// `Σ c·q` over one sub-block.
-fn code_dot(codes: &[u8; QK], a: &BlockQ8) -> i32 {
-    codes.iter().zip(&a.qs).map(|(&c, &q)| c as i32 * q as i32).sum()
-}
-
-/// One affine sub-block's share of a dot: `(d·(sc·p) − dmin·(m·Σ)) · d_a`.
-fn affine_term(d: f32, dmin: f32, sc: u8, m: u8, codes: &[u8; QK], a: &BlockQ8) -> f32 {
-    let p = d * (sc as i32 * code_dot(codes, a)) as f32;
-    let r = dmin * (m as i32 * a.sum) as f32;
-    (p - r) * a.d
-}
-
-/// Sums eight lane accumulators in the tree order of the scalar kernels.
-fn reduce8(a: [f32; SUBS]) -> f32 {
-    ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]))
 }
 
 // ------------------------------------------------------------------
@@ -1115,7 +1033,6 @@ impl SymFit {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::scalar::quantize_act;
     use crate::quant::{q4_0, q4_1, q8_0};
 
     const KINDS: [Kind; 3] = [Kind::Q4K, Kind::Q5K, Kind::Q6K];
@@ -1446,33 +1363,6 @@ mod tests {
         let mut one = vec![0u8; out.len() / 2];
         quantize_q6k(&rows[..192], None, &mut one);
         assert_eq!(&out[..one.len()], &one[..]);
-    }
-
-    #[test]
-    fn dot_matches_dequantize() {
-        for n in [32, 96, 288, 1408] {
-            let w = gaussian(n, 100 + n as u64, 0.02);
-            let a = gaussian(n, 200 + n as u64, 1.0);
-            let mut qa = vec![BlockQ8 { d: 0.0, sum: 0, qs: [0; 32] }; n / QK];
-            quantize_act(&a, &mut qa);
-            for kind in KINDS {
-                let row = encode(kind, &w, None);
-                let y = decode(kind, &row, n);
-                // The f64 dot of the decoded weights with the decoded activation.
-                let (mut want, mut l1) = (0f64, 0f64);
-                for (i, &y) in y.iter().enumerate() {
-                    let b = &qa[i / QK];
-                    let av = b.d as f64 * b.qs[i % QK] as f64;
-                    want += y as f64 * av;
-                    l1 += (y as f64 * av).abs();
-                }
-                let got = dot_row(kind, &row, &qa) as f64;
-                assert!((got - want).abs() <= 1e-5 * l1, "{kind:?} n={n}: {got} vs {want}");
-                // And near the f32 product (activation rounding only).
-                let exact: f64 = y.iter().zip(&a).map(|(&y, &a)| y as f64 * a as f64).sum();
-                assert!((got - exact).abs() <= 0.02 * l1, "{kind:?} n={n}: {got} vs {exact}");
-            }
-        }
     }
 
     #[test]

@@ -6,6 +6,7 @@
 //! block-quantised types of the speed work plug in as new variants with their
 //! `#[repr(C)]` blocks in files beside this one.
 
+pub mod act;
 pub mod kquant;
 pub mod kx8;
 pub mod mxfp4;

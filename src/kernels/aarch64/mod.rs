@@ -5,8 +5,9 @@
 //! [`Neon::detect`]. Types without a NEON kernel use the scalar entry, named
 //! in the table so that each choice is visible.
 
-use super::{BlockQ8, DotFn, Gemv8Fn, GroupKernels, Layout, TypeKernels, scalar};
+use super::{DotFn, Gemv8Fn, GroupKernels, Layout, TypeKernels, scalar};
 use crate::quant::DType;
+use crate::quant::act::BlockQ8;
 
 mod neon;
 

@@ -8,7 +8,7 @@
 
 use std::arch::aarch64::*;
 
-use crate::kernels::BlockQ8;
+use crate::quant::act::BlockQ8;
 use crate::quant::mxfp4::{LUT2, half_scale};
 use crate::quant::q8_0::BlockQ8_0;
 use crate::quant::x8::{BlockMxfp4x8, BlockQ4_0x8, BlockQ4_1x8, BlockQ8_0x8};

@@ -26,7 +26,7 @@ use std::arch::asm;
 use std::arch::x86_64::*;
 
 use super::pack::{self, PACK, PACKED, Packed, ROWS, TileBlock};
-use crate::kernels::BlockQ8;
+use crate::quant::act::BlockQ8;
 
 /// Tokens per tile (the rows of an A tile).
 pub const TOKENS: usize = 16;

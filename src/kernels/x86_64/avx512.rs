@@ -23,10 +23,10 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2::{PREFETCH_AHEAD, prefetch_ahead_l2};
-use super::kx8::{self, KTile, Q4K, Q5K, Q6K};
+use super::kx8::{self, KTile};
 use super::pack::{self, GroupBlock, PACK, PACKED, Packed, ROWS, TileBlock};
-use crate::kernels::BlockQ8;
+use super::prim::{PREFETCH_AHEAD, Q4K, Q5K, Q6K, kind_of, prefetch_ahead_l2};
+use crate::quant::act::BlockQ8;
 use crate::quant::kquant::{QK, SUBS};
 use crate::quant::kx8 as qkx8;
 use crate::quant::x8::{BlockQ4_0x8, BlockQ4_1x8, BlockQ8_0x8};
@@ -399,7 +399,7 @@ impl<const K: u8> DirectKernel for KTile<K> {
         if K == Q6K {
             return q6k_run::<T>(pair, q, nb, out);
         }
-        let kind = kx8::kind_of(K);
+        let kind = kind_of(K);
         let (hb, sb) = (qkx8::header_bytes(kind), qkx8::sub_bytes(kind));
         let mut acc = [_mm512_setzero_ps(); T];
         for (c, (start, subs)) in qkx8::columns(kind, nb * QK).enumerate() {
@@ -432,7 +432,7 @@ impl<const K: u8> DirectKernel for KTile<K> {
 unsafe fn q6k_run<const T: usize>(pair: Pair, q: *const BlockQ8, nb: usize, out: *mut f32) {
     // `a | (b & c)`: the top bits (`b`, masked by `c`) into the codes.
     const OR_MASKED: i32 = 0xF8;
-    let kind = kx8::kind_of(Q6K);
+    let kind = kind_of(Q6K);
     let (hb, sb) = (qkx8::header_bytes(kind), qkx8::sub_bytes(kind));
     let nib = _mm512_set1_epi8(0x0F);
     let bits45 = _mm512_set1_epi8(0x30);

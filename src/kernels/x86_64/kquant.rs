@@ -16,8 +16,8 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2::{f16_to_f32, sum4_u8_i8, unpack_nibbles};
-use crate::kernels::BlockQ8;
+use super::prim::{f16_to_f32, sum4_u8_i8, unpack_nibbles};
+use crate::quant::act::BlockQ8;
 use crate::quant::kquant::{Kind, QK, SUBS, unpack_scales};
 
 /// Eight vectors of 8 i32 partial sums → one vector of their eight totals

@@ -76,7 +76,7 @@ impl Lanes for Ymm {
     }
     #[inline(always)]
     unsafe fn sum(self) -> f32 {
-        super::avx2::hsum(self.0)
+        super::prim::hsum(self.0)
     }
 }
 

@@ -36,28 +36,17 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2::{AVX_VNNI, MADD, act4, in_passes, prefetch_ahead, prefetch_by, store8, stream_ahead, vpdpbusd};
 use super::pack::{PACKED, Packed, ROWS, TileBlock};
-use super::pairs::{ZMM_VNNI, pair_sums};
-use crate::kernels::{BlockQ8, GEMM8_TOKENS};
-use crate::quant::kquant::{self, Kind, QK, SUBS};
+use super::pairs::pair_sums;
+use super::prim::{
+    AVX_VNNI, MADD, Q4K, Q5K, Q6K, ZMM_VNNI, act4, extra_words, in_passes, kind_of, prefetch_ahead, prefetch_by,
+    store8, stream_ahead, vpdpbusd,
+};
+use crate::kernels::GEMM8_TOKENS;
+use crate::quant::act::BlockQ8;
+use crate::quant::kquant::{self, QK, SUBS};
 use crate::quant::kx8;
 use crate::quant::x8::ROWS as GROUP;
-
-/// The kinds as const parameters.
-pub(super) const Q4K: u8 = 0;
-/// See [`Q4K`].
-pub(super) const Q5K: u8 = 1;
-/// See [`Q4K`].
-pub(super) const Q6K: u8 = 2;
-
-pub(super) const fn kind_of(k: u8) -> Kind {
-    match k {
-        Q4K => Kind::Q4K,
-        Q5K => Kind::Q5K,
-        _ => Kind::Q6K,
-    }
-}
 
 /// Runs of 16-bit partial sums (`maddubs` pairs) summed before widening to
 /// 32 bits, within the bound of the module docs.
@@ -112,18 +101,6 @@ unsafe fn run_codes<const K: u8>(sub: *const u8, r: usize, e0: __m256i, e1: __m2
             (_mm256_or_si256(lo, lo6), _mm256_or_si256(hi, hi6))
         }
         _ => (lo, hi),
-    }
-}
-
-/// The extra-bit words [`run_codes`] takes of the sub-block at `sub`: q5k's
-/// fifth bits; q6k's top bits of codes 0..16 and 16..32; zeros for q4k.
-#[inline(always)]
-pub(super) unsafe fn extra_words<const K: u8>(sub: *const u8) -> (__m256i, __m256i) {
-    let word = |at: usize| _mm256_loadu_si256(sub.add(at) as *const __m256i);
-    match K {
-        Q5K => (word(128), _mm256_setzero_si256()),
-        Q6K => (word(128), word(160)),
-        _ => (_mm256_setzero_si256(), _mm256_setzero_si256()),
     }
 }
 

@@ -13,12 +13,14 @@ mod kv;
 mod kx8;
 mod pack;
 mod pairs;
+mod prim;
 
 use super::{
-    Activation, BlockQ8, Dot4Fn, DotFn, DotsFn, Gemm8Fn, Gemv8Fn, GroupKernels, KvKernels, Layout, QuantizeFn, TileFn,
-    Tiles, TypeKernels,
+    Dot4Fn, DotFn, DotsFn, Gemm8Fn, Gemv8Fn, GroupKernels, InputKind, KvKernels, Layout, QuantizeFn, TileFn, Tiles,
+    TypeKernels,
 };
 use crate::quant::DType;
+use crate::quant::act::BlockQ8;
 use std::arch::x86_64::__cpuid;
 
 /// The prefetch distance of the light one-token weight streams (one-token
@@ -34,7 +36,7 @@ use std::arch::x86_64::__cpuid;
 /// thread, q4kx8 +7%. Not for every kernel: 2 KiB was the worst distance
 /// for these four (13.2-14.4 GB/s on one thread), and the heavier streams
 /// (mxfp4, q5k, q6k at one token, every pass of two tokens and more) read
-/// as fast or faster at 4-16 KiB, so they keep [`avx2::PREFETCH_AHEAD`]. So
+/// as fast or faster at 4-16 KiB, so they keep [`prim::PREFETCH_AHEAD`]. So
 /// do other CPUs (on the host where 16 KiB was chosen, 1 and 4 KiB were
 /// slower).
 const FAMILY_17H_ONE_TOKEN_AHEAD: usize = 1024;
@@ -45,24 +47,24 @@ const FAMILY_17H_ONE_TOKEN_AHEAD: usize = 1024;
 /// tests do, run at the default): `COLIBRI_PREFETCH` (bytes, or KiB with
 /// that suffix; 64 bytes to 1 MiB; `auto` or unset: the default) when
 /// given, else [`FAMILY_17H_ONE_TOKEN_AHEAD`] on AMD family 17h, else
-/// [`avx2::PREFETCH_AHEAD`]. Returns a note for stderr when the variable
+/// [`prim::PREFETCH_AHEAD`]. Returns a note for stderr when the variable
 /// could not be followed.
 pub fn tune_streams() -> Option<String> {
     let family_17h = amd_family() == Some(0x17);
     let (bytes, note) = one_token_ahead_for(std::env::var("COLIBRI_PREFETCH").ok().as_deref(), family_17h);
-    avx2::set_one_token_ahead(bytes);
+    prim::set_one_token_ahead(bytes);
     note
 }
 
 /// The distance of the light one-token streams in use (bytes).
 pub fn one_token_ahead() -> usize {
-    avx2::stream_ahead::<1>(true)
+    prim::stream_ahead::<1>(true)
 }
 
 /// The distance for a `COLIBRI_PREFETCH` value on a CPU that is (or is not)
 /// AMD family 17h, and a note when the value could not be followed.
 fn one_token_ahead_for(request: Option<&str>, family_17h: bool) -> (usize, Option<String>) {
-    let default = if family_17h { FAMILY_17H_ONE_TOKEN_AHEAD } else { avx2::PREFETCH_AHEAD };
+    let default = if family_17h { FAMILY_17H_ONE_TOKEN_AHEAD } else { prim::PREFETCH_AHEAD };
     let text = request.map(str::trim).unwrap_or_default();
     if text.is_empty() || text.eq_ignore_ascii_case("auto") {
         return (default, None);
@@ -115,19 +117,19 @@ impl Avx2 {
 
     /// The AVX2 kernels of `dtype`: every type has its own.
     pub fn kernels(self, dtype: DType) -> TypeKernels {
-        use Activation::{F32, Q8};
-        let rows = |activation: Activation, dot: DotFn, tile: Option<Dot4Fn>| TypeKernels {
-            activation,
+        use InputKind::{F32, Q8};
+        let rows = |input: InputKind, dot: DotFn, tile: Option<Dot4Fn>| TypeKernels {
+            input,
             layout: Layout::Rows { dot, tile, dots: None },
             kv: None,
         };
         let elems = |dot: DotFn, dots: DotsFn| TypeKernels {
-            activation: F32,
+            input: F32,
             layout: Layout::Rows { dot, tile: None, dots: Some(dots) },
             kv: None,
         };
         let group = |one: Gemv8Fn, many: Gemm8Fn| TypeKernels {
-            activation: Q8,
+            input: Q8,
             layout: Layout::Groups(GroupKernels { one, many: Some(many), tile: None, direct: None }),
             kv: None,
         };
@@ -181,7 +183,7 @@ impl AvxVnni {
     /// the results are the AVX2 table's bit for bit.
     pub fn kernels(self, dtype: DType) -> TypeKernels {
         let group = |one: Gemv8Fn, many: Gemm8Fn| TypeKernels {
-            activation: Activation::Q8,
+            input: InputKind::Q8,
             layout: Layout::Groups(GroupKernels { one, many: Some(many), tile: None, direct: None }),
             kv: None,
         };
@@ -309,7 +311,7 @@ impl Avx512 {
             // (`avx512::direct16`): level with or faster than the run pairs
             // and the tiles at every count from 4 to 128 tokens, in L2 and
             // streamed, and, since their prefetch goes to L2 only
-            // (`avx2::prefetch_ahead_l2`), at two and three tokens too, over
+            // (`prim::prefetch_ahead_l2`), at two and three tokens too, over
             // a streamed matrix 1.3-1.65x the run pairs' GB/s (Zen 4 EPYC,
             // one and two threads; docs/ARCHITECTURE.md), except q8_0x8,
             // whose pairs stay ahead at two tokens (48 against 40 GB/s, two
@@ -604,7 +606,7 @@ mod tests {
 
     #[test]
     fn colibri_prefetch_is_followed_or_refused_with_a_note() {
-        let d = avx2::PREFETCH_AHEAD;
+        let d = prim::PREFETCH_AHEAD;
         assert_eq!(one_token_ahead_for(None, false), (d, None));
         assert_eq!(one_token_ahead_for(None, true), (FAMILY_17H_ONE_TOKEN_AHEAD, None));
         assert_eq!(one_token_ahead_for(Some(" auto "), true), (FAMILY_17H_ONE_TOKEN_AHEAD, None));

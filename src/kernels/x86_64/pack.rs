@@ -13,7 +13,7 @@
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
-use crate::kernels::BlockQ8;
+use crate::quant::act::BlockQ8;
 use crate::quant::mxfp4::{LUT2, half_scale};
 use crate::quant::x8::{BlockMxfp4x8, BlockQ4_0x8, BlockQ4_1x8, BlockQ8_0x8, ROWS as GROUP};
 
@@ -210,7 +210,7 @@ unsafe fn pack_blocks<B: GroupBlock>(p: &mut Packed, blocks: &[B], nb: usize) {
         for (b, blk) in g.iter().enumerate() {
             // The packing is the first touch of the weights: ask for them
             // ahead, as the vector kernels do.
-            super::avx2::prefetch_ahead(blk as *const B as *const u8, std::mem::size_of::<B>());
+            super::prim::prefetch_ahead(blk as *const B as *const u8, std::mem::size_of::<B>());
             let at = ROWS * b + GROUP * h;
             let to = Dest {
                 w: p.w.as_mut_ptr().add(b * PACKED + 32 * h),

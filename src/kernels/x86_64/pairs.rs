@@ -16,13 +16,8 @@
 
 use std::arch::x86_64::*;
 
-use super::kx8::{Q5K, Q6K, extra_words};
-use crate::kernels::BlockQ8;
-
-/// The integer sums by 512-bit `vpdpbusd` over pairs of runs: a value of
-/// the group kernels' `VNNI` parameter beside `avx2::MADD`, `AVX_VNNI` and
-/// `EVEX_VNNI`.
-pub(super) const ZMM_VNNI: u8 = 3;
+use super::prim::{Q5K, Q6K, extra_words};
+use crate::quant::act::BlockQ8;
 
 /// `v` shifted per 32-bit lane by `lo` bits in the lower half and `hi` in
 /// the upper one (left for positive counts, right for negative ones; the
@@ -48,7 +43,7 @@ unsafe fn halves(a: i32, b: i32) -> __m512i {
     _mm512_inserti64x4::<1>(_mm512_set1_epi32(a), _mm256_set1_epi32(b))
 }
 
-/// Runs `r` and `r + 1` of a sub-block (`r` even), as [`run_codes`] gives
+/// Runs `r` and `r + 1` of a sub-block (`r` even), as `kx8::run_codes` gives
 /// each, in the lower and upper halves. `e0`, `e1`: the extra-bit words in
 /// both halves.
 #[inline(always)]

@@ -2,8 +2,10 @@
 //! shared experts alike: `down(act(gate · x + bg, up · x + bu)) + bd`, where
 //! `act` is `silu(g) · u` for most models (biases only where the model has them).
 
-use crate::kernels::{BlockQ8, Input, Matrix, matmul, matmul_many, matmul_serial};
-use crate::model::config::Activation;
+use crate::canonical::config::Activation;
+use crate::kernels::{Input, matmul, matmul_many, matmul_serial};
+use crate::model::weights::Mlp;
+use crate::quant::act::BlockQ8;
 
 /// x · sigmoid(x), written to saturate cleanly for large |x|; the
 /// experts' activation, so its e^x is the vectorisable polynomial
@@ -17,20 +19,6 @@ pub fn silu(x: f32) -> f32 {
 #[inline]
 pub fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + crate::math::expf(-x))
-}
-
-/// The three matrices of a gated MLP (a dense layer, a routed or shared
-/// expert) and their biases, if it has them.
-#[derive(Clone, Copy, Debug)]
-pub struct Mlp<'a> {
-    /// [F, D]
-    pub gate: Matrix<'a>,
-    /// [F, D]
-    pub up: Matrix<'a>,
-    /// [D, F]
-    pub down: Matrix<'a>,
-    /// `[F]`, `[F]`, `[D]`: gate, up and down biases.
-    pub bias: Option<[&'a [f32]; 3]>,
 }
 
 /// `act(g, u)` over one row pair, in place in `g`.

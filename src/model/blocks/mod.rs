@@ -10,7 +10,8 @@ pub mod moe;
 pub mod norm;
 pub mod rope;
 
-use crate::kernels::{BlockQ8, Input};
+use crate::kernels::Input;
+use crate::quant::act::BlockQ8;
 
 /// Activations per quantised block ([`BlockQ8`]): the one place model code
 /// learns the block size, for sizing and slicing quantised rows.

@@ -18,13 +18,15 @@
 //! resident model), otherwise as many as it can hold at a time. Each unique
 //! expert is leased, and so read, once per chunk for all of its tokens.
 
-use super::ffn::{Mlp, MlpScratch, add_bias, gated_mlp, gated_mlp_serial, sigmoid};
+use super::ffn::{MlpScratch, add_bias, gated_mlp, gated_mlp_serial, sigmoid};
 use super::q8_blocks;
+use crate::canonical::config::{Activation, GroupLimit, GroupScore, MAX_GROUPS, RouterScore, RouterSpec};
 use crate::error::{Error, Result};
-use crate::kernels::{BlockQ8, Input, Matrix, matmul};
-use crate::model::config::{Activation, GroupLimit, GroupScore, RouterScore, RouterSpec};
+use crate::kernels::{Input, Matrix, matmul};
 use crate::model::store::telemetry::LayerTelemetry;
 use crate::model::store::{Busy, ExpertStore, Lease, LeaseMode};
+use crate::model::weights::Mlp;
+use crate::quant::act::BlockQ8;
 
 /// Indices of the `k` largest `scores`, best first, by partial selection
 /// (O(E·K), no sort of all E). Ties go to the lower index.
@@ -191,9 +193,6 @@ fn limit_groups(sel: &mut [f32], g: &GroupLimit) {
         }
     }
 }
-
-/// Most expert groups a router may have (checked when the config is validated).
-pub const MAX_GROUPS: usize = 64;
 
 /// The router's scratch and its decisions for up to C tokens.
 pub struct Routes {

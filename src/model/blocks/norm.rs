@@ -1,6 +1,6 @@
 //! RMSNorm and LayerNorm.
 
-use crate::model::config::{NormKind, NormSpec};
+use crate::canonical::config::{NormKind, NormSpec};
 
 /// The model's norm of one row: RMSNorm, or LayerNorm when `bias` is given
 /// (LayerNorm always has one in the supported models).

@@ -2,7 +2,7 @@
 //! `rotate_half`): dimension i of a head pairs with dimension i + R/2, where R
 //! is the rotary width; dimensions past R pass through unchanged.
 
-use crate::model::config::{RopeScaling, RopeSpec};
+use crate::canonical::config::{RopeScaling, RopeSpec};
 
 /// Inverse frequencies and magnitude for one model, computed at load.
 #[derive(Clone, Debug)]

@@ -22,7 +22,8 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::error::{Error, Result};
-use crate::format::reader::{ColibriFile, FileCopy, HUGE_PAGE};
+use crate::format::reader::{ColibriFile, FileCopy};
+use crate::io::HUGE_PAGE;
 
 /// Where the weights of a model that fits in RAM should live.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -11,13 +11,13 @@
 
 use std::fs::File;
 
-use super::io::{AlignedBuf, read_full};
+use crate::canonical::tensors::{ExpertTensor, TensorId};
 use crate::error::{Error, Result};
 use crate::format::TENSOR_ALIGN;
 use crate::format::reader::ColibriFile;
+use crate::io::{AlignedBuf, read_full};
 use crate::kernels::Matrix;
-use crate::model::TensorRef;
-use crate::model::tensors::{ExpertTensor, TensorId};
+use crate::model::weights::TensorRef;
 
 /// Every non-expert tensor of a file, packed 64-byte aligned in one buffer.
 pub(crate) struct DenseCopy {

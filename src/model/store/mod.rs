@@ -25,7 +25,6 @@
 mod backing;
 mod dense;
 pub mod heat;
-mod io;
 pub mod plan;
 mod stream;
 pub mod telemetry;
@@ -38,17 +37,15 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use super::blocks::ffn::Mlp;
-use super::config::{FfnSpec, ModelConfig};
-use super::tensors::{ExpertTensor, TensorId};
-use super::{TensorRef, matrix, tensor_ref};
+use crate::canonical::config::{FfnSpec, ModelConfig};
+use crate::canonical::tensors::{ExpertTensor, TensorId};
 use crate::error::{Error, Result};
 use crate::format::reader::ColibriFile;
+use crate::io::{AlignedBuf, IoMode};
+use crate::model::weights::{Mlp, TensorRef, matrix, tensor_ref};
 pub use backing::{Backing, WeightsBacking};
 pub(crate) use dense::DenseCopy;
 pub use heat::{Heat, heat_path_for};
-use io::AlignedBuf;
-pub(crate) use io::read_full;
 pub use plan::{Plan, human, plan, plan_path};
 use stream::{StreamSetup, StreamStore};
 pub use telemetry::{LayerRouting, LayerStoreStats, RoutingStats, StoreStats};
@@ -80,39 +77,6 @@ impl Default for Policy {
         // (docs/benchmarks.md), each prefetched expert evicts one that some
         // later lookup needed, and it read more bytes than it saved.
         Policy { lru: true, pin_hot: true, prefetch: false }
-    }
-}
-
-impl Policy {
-    /// All eight combinations.
-    pub fn all() -> impl Iterator<Item = Policy> {
-        (0..8u8).map(|b| Policy { lru: b & 1 != 0, pin_hot: b & 2 != 0, prefetch: b & 4 != 0 })
-    }
-}
-
-/// How expert slabs are read from the file.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum IoMode {
-    /// Through the OS page cache (repeated reads may come from RAM the budget
-    /// does not count; the cache is reclaimable).
-    #[default]
-    Buffered,
-    /// Bypassing the page cache (O_DIRECT on Linux, F_NOCACHE on macOS,
-    /// FILE_FLAG_NO_BUFFERING on Windows): the budget is the whole story.
-    /// Whether it is faster depends on the drive; opening fails with a clear
-    /// error where the OS or filesystem refuses it.
-    Direct,
-}
-
-impl IoMode {
-    /// Parses "buffered" or "direct".
-    pub fn parse(s: &str) -> Result<IoMode> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "buffered" => Ok(IoMode::Buffered),
-            "direct" | "unbuffered" => Ok(IoMode::Direct),
-            _ => Err(Error::InvalidInput(format!("io mode {s:?} is not known: use \"buffered\" or \"direct\""))),
-        }
     }
 }
 
@@ -238,33 +202,6 @@ pub trait ExpertStore: Send + Sync {
     /// expert is resident.
     fn residency(&self, _layer: usize, out: &mut String, experts: usize) {
         out.extend(std::iter::repeat_n('R', experts));
-    }
-}
-
-/// One expert held for as long as the guard lives.
-pub struct ExpertGuard<'a> {
-    store: &'a dyn ExpertStore,
-    lease: Lease,
-}
-
-impl ExpertGuard<'_> {
-    /// The expert's matrices (loaded when the guard was made, so this only
-    /// fails if the store breaks its contract).
-    pub fn view(&self) -> Result<ExpertView<'_>> {
-        self.store.view(&self.lease)
-    }
-}
-
-impl dyn ExpertStore + '_ {
-    /// Leases expert `e` of `layer`, waiting for a slot if needed, and loads
-    /// it. A convenience for code that uses one expert at a time; the MoE
-    /// block leases a whole wave of experts instead.
-    pub fn expert(&self, layer: usize, e: usize) -> Result<ExpertGuard<'_>> {
-        let lease = self.lease(layer, e, LeaseMode::Wait)?.ok_or_else(|| {
-            Error::InvalidInput(format!("expert store returned no lease for expert {e} of layer {layer}"))
-        })?;
-        self.view(&lease)?;
-        Ok(ExpertGuard { store: self, lease })
     }
 }
 
@@ -420,7 +357,7 @@ pub(crate) fn place(file: &Arc<ColibriFile>, opts: &StoreOptions) -> Result<Plac
     let identity = heat::ModelIdentity::read(&handle, file.data_offset()).map_err(|e| Error::io(file.path(), e))?;
     // Everything from here on reads through `handle`: it must be the file
     // that was mapped and validated, not one renamed over it since.
-    if identity.file_len != file.file_len() || identity.head_hash != io::fnv1a(file.head_bytes()) {
+    if identity.file_len != file.file_len() || identity.head_hash != heat::fnv1a(file.head_bytes()) {
         return Err(Error::format(file.path(), "the file changed while it was being opened; try again"));
     }
     let heat_path = match &opts.heat_file {

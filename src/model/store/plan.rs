@@ -5,10 +5,10 @@
 use serde::Serialize;
 
 use super::heat::{Heat, heat_path_for, load_heat};
-use super::io::round_up;
+use crate::canonical::config::FfnSpec;
 use crate::error::{Error, Result};
 use crate::format::reader::ColibriFile;
-use crate::model::config::FfnSpec;
+use crate::io::round_up;
 
 /// Sizes of a model's parts that placement decisions need.
 #[derive(Clone, Copy, Debug)]

@@ -29,13 +29,13 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use super::heat::ModelIdentity;
-use super::io::{self, AlignedBuf, read_full, round_up};
 use super::telemetry::{StoreCounters, StoreStats};
-use super::{ExpertStore, ExpertView, IoMode, Lease, Place, Policy, busy};
+use super::{ExpertStore, ExpertView, Lease, Place, Policy, busy};
+use crate::canonical::tensors::{ExpertTensor, TensorId};
 use crate::error::{Error, Result};
 use crate::format::reader::ColibriFile;
+use crate::io::{self, AlignedBuf, IoMode, read_full, round_up};
 use crate::kernels::Matrix;
-use crate::model::tensors::{ExpertTensor, TensorId};
 use crate::quant::DType;
 
 const NONE: u32 = u32::MAX;

@@ -9,8 +9,9 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use serde::{Deserialize, Serialize};
 
-use super::{IoMode, Policy};
+use super::Policy;
 use crate::error::{Error, Result};
+use crate::io::IoMode;
 
 /// Buckets of the top-1/top-2 margin histogram, evenly spaced over [0, 1].
 pub const MARGIN_BUCKETS: usize = 10;

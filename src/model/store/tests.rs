@@ -14,6 +14,39 @@ use crate::model::session::Session;
 use crate::quant::DType;
 use crate::synth::{many_experts_config, write_random_model};
 
+impl Policy {
+    /// All eight combinations.
+    fn all() -> impl Iterator<Item = Policy> {
+        (0..8u8).map(|b| Policy { lru: b & 1 != 0, pin_hot: b & 2 != 0, prefetch: b & 4 != 0 })
+    }
+}
+
+/// One expert held for as long as the guard lives.
+struct ExpertGuard<'a> {
+    store: &'a dyn ExpertStore,
+    lease: Lease,
+}
+
+impl ExpertGuard<'_> {
+    /// The expert's matrices (loaded when the guard was made, so this only
+    /// fails if the store breaks its contract).
+    fn view(&self) -> Result<ExpertView<'_>> {
+        self.store.view(&self.lease)
+    }
+}
+
+impl dyn ExpertStore + '_ {
+    /// Leases expert `e` of `layer`, waiting for a slot if needed, and loads
+    /// it: one expert at a time, where the MoE block leases a whole wave.
+    fn expert(&self, layer: usize, e: usize) -> Result<ExpertGuard<'_>> {
+        let lease = self.lease(layer, e, LeaseMode::Wait)?.ok_or_else(|| {
+            Error::Internal(format!("expert store returned no lease for expert {e} of layer {layer}"))
+        })?;
+        self.view(&lease)?;
+        Ok(ExpertGuard { store: self, lease })
+    }
+}
+
 fn never() -> bool {
     false
 }
@@ -107,7 +140,7 @@ fn placement_never_changes_output() {
         for n in [of_experts(0.1), of_experts(0.3), of_experts(0.9)] {
             for policy in Policy::all() {
                 let m = Model::open_with(&path, &opts(Some(slots(&path, n)), policy)).unwrap();
-                assert!(m.streams());
+                assert!(m.streams_experts());
                 let got = run(&m, &p2, &toks, 6, 7).unwrap();
                 assert!(got == want, "{dtype}, {n} slots, {policy:?}: output differs from the resident model");
                 let st = m.store_stats();
@@ -121,7 +154,7 @@ fn placement_never_changes_output() {
         }
         // A budget that holds every expert is the resident path.
         let m = Model::open_with(&path, &opts(Some(g.expert_bytes), Policy::default())).unwrap();
-        assert!(!m.streams());
+        assert!(!m.streams_experts());
         assert!(run(&m, &p2, &toks, 6, 7).unwrap() == want);
     }
 }
@@ -179,7 +212,7 @@ fn direct_io_reads_the_same_bytes() {
             assert!(run(&m, &p, &toks, 4, 5).unwrap() == want);
             let st = m.store_stats();
             assert_eq!(st.io, IoMode::Direct);
-            assert_eq!(st.bytes_read % io::IO_ALIGN as u64, 0, "direct reads are whole pages");
+            assert_eq!(st.bytes_read % crate::io::IO_ALIGN as u64, 0, "direct reads are whole pages");
         }
         // Some filesystems refuse unbuffered reads; the error must say so.
         Err(e) => assert!(e.to_string().contains("io=direct"), "{e}"),
@@ -260,9 +293,9 @@ fn budgets_below_k_plus_one_experts_are_refused() {
     assert!(matches!(err, Error::InvalidInput(_)), "{err:?}");
     let msg = err.to_string();
     assert!(msg.contains("top_k + 1 = 4") && msg.contains("holds 3 expert"), "{msg}");
-    assert!(Model::open_with(&path, &opts(Some(min), Policy::default())).unwrap().streams());
-    assert!(!Model::open_with(&path, &opts(Some(g.expert_bytes), Policy::default())).unwrap().streams());
-    assert!(!Model::open_with(&path, &opts(None, Policy::default())).unwrap().streams());
+    assert!(Model::open_with(&path, &opts(Some(min), Policy::default())).unwrap().streams_experts());
+    assert!(!Model::open_with(&path, &opts(Some(g.expert_bytes), Policy::default())).unwrap().streams_experts());
+    assert!(!Model::open_with(&path, &opts(None, Policy::default())).unwrap().streams_experts());
     // plan refuses the same budgets with the same words.
     let file = ColibriFile::open(&path).unwrap();
     assert_eq!(plan(&file, Some(min - 1), None).unwrap_err().to_string(), msg);
@@ -575,7 +608,7 @@ fn streamed_experts_with_biases_and_the_new_paths_match_resident() {
         assert!(want.logits.iter().all(|b| f32::from_bits(*b).is_finite()), "{dtype}: non-finite logits");
         for policy in Policy::all() {
             let m = Model::open_with(&path, &opts(Some(slots(&path, 4)), policy)).unwrap();
-            assert!(m.streams());
+            assert!(m.streams_experts());
             assert!(run(&m, &p2, &toks, 5, 6).unwrap() == want, "{dtype} {policy:?}: streamed output differs");
         }
     }

@@ -21,6 +21,10 @@ fn is_default<T: Default + PartialEq>(v: &T) -> bool {
 /// `.colibri` header cannot make the loader allocate by its claim).
 pub const SIZE_LIMIT: usize = 1 << 24;
 
+/// Most expert groups a router may have: the router keeps its group scores
+/// on the stack, sized by this bound.
+pub const MAX_GROUPS: usize = 64;
+
 /// Everything the forward pass needs to know about a model's shape and maths.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ModelConfig {
@@ -302,10 +306,11 @@ pub struct RouterSpec {
 }
 
 /// How a gated FFN combines its gate and up projections.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Activation {
     /// `silu(gate) · up`, silu(x) = x · sigmoid(x).
+    #[default]
     Silu,
     /// GPT-OSS: `g = min(gate, limit)`, `u = clamp(up, −limit, limit)`,
     /// `(u + 1) · g · sigmoid(alpha · g)`.
@@ -364,6 +369,55 @@ pub struct LayerSpec {
     pub sliding_window: Option<usize>,
     /// Dense MLP or MoE block.
     pub ffn: FfnSpec,
+}
+
+impl Default for ModelConfig {
+    /// A plain dense model of Llama-2-7B's shape (32 layers of GQA without
+    /// biases, RMSNorm, plain RoPE, SiLU MLPs of width 11008): the base that
+    /// adapters and test configs override field by field, so a new field
+    /// needs a default here rather than an edit of every literal.
+    fn default() -> Self {
+        let head_dim = 128;
+        ModelConfig {
+            vocab_size: 32000,
+            hidden_size: 4096,
+            num_heads: 32,
+            num_kv_heads: 32,
+            head_dim,
+            max_seq_len: 4096,
+            norm: NormSpec::default(),
+            rope: RopeSpec { theta: 10000.0, rotary_dim: head_dim, scaling: RopeScaling::None, interleaved: false },
+            attention: AttentionSpec::default(),
+            moe: None,
+            layers: vec![LayerSpec { sliding_window: None, ffn: FfnSpec::Dense { ffn_dim: 11008 } }; 32],
+            tie_embeddings: false,
+            lm_head_bias: false,
+            scales: Scales::default(),
+        }
+    }
+}
+
+impl Default for NormSpec {
+    /// RMSNorm with epsilon 1e-5.
+    fn default() -> Self {
+        NormSpec::rms(1e-5)
+    }
+}
+
+impl Default for MoeSpec {
+    /// Eight SiLU experts of width 14336, two chosen per token by softmax,
+    /// no biases and no shared expert (Mixtral-8x7B's block without its
+    /// renormalisation): the base adapters override field by field.
+    fn default() -> Self {
+        MoeSpec {
+            num_experts: 8,
+            expert_ffn_dim: 14336,
+            router: RouterSpec { top_k: 2, ..RouterSpec::default() },
+            activation: Activation::default(),
+            expert_bias: false,
+            shared_expert: None,
+        }
+    }
 }
 
 impl Default for RouterSpec {
@@ -556,7 +610,7 @@ impl ModelConfig {
                     }
                     if let Some(g) = moe.router.groups
                         && (g.groups == 0
-                            || g.groups > crate::model::blocks::moe::MAX_GROUPS
+                            || g.groups > MAX_GROUPS
                             || !e.is_multiple_of(g.groups)
                             || g.top_groups == 0
                             || g.top_groups > g.groups
@@ -568,5 +622,24 @@ impl ModelConfig {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The defaults are a model the loader accepts, dense and with the MoE
+    /// block switched on, so an adapter that keeps a default keeps a valid value.
+    #[test]
+    fn defaults_are_valid_models() {
+        let dense = ModelConfig::default();
+        dense.validate().unwrap();
+        let moe = ModelConfig {
+            moe: Some(MoeSpec::default()),
+            layers: vec![LayerSpec { sliding_window: None, ffn: FfnSpec::Moe }; 2],
+            ..Default::default()
+        };
+        moe.validate().unwrap();
     }
 }

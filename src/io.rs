@@ -1,6 +1,7 @@
-//! The I/O boundary of the expert store: page-aligned buffers, opening the
-//! model file for positioned reads (buffered or unbuffered), and reading a
-//! byte range fully or failing with a clear error.
+//! Plain file I/O shared by the format reader and the expert store:
+//! page-aligned buffers, opening the model file for positioned reads
+//! (buffered or unbuffered), and reading a byte range fully or failing with a
+//! clear error.
 //!
 //! Positioned reads (`pread` on Unix, `seek_read` on Windows) share one file
 //! handle between threads without a seek position, so the background I/O
@@ -12,8 +13,39 @@ use std::io;
 use std::path::Path;
 use std::ptr::NonNull;
 
-use super::IoMode;
-use crate::format::reader::HUGE_PAGE;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// The size of a transparent huge page on x86_64 and (with 4 KiB base
+/// pages) aarch64 Linux.
+pub const HUGE_PAGE: usize = 2 << 20;
+
+/// How expert slabs are read from the file.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IoMode {
+    /// Through the OS page cache (repeated reads may come from RAM the budget
+    /// does not count; the cache is reclaimable).
+    #[default]
+    Buffered,
+    /// Bypassing the page cache (O_DIRECT on Linux, F_NOCACHE on macOS,
+    /// FILE_FLAG_NO_BUFFERING on Windows): the budget is the whole story.
+    /// Whether it is faster depends on the drive; opening fails with a clear
+    /// error where the OS or filesystem refuses it.
+    Direct,
+}
+
+impl IoMode {
+    /// Parses "buffered" or "direct".
+    pub fn parse(s: &str) -> Result<IoMode> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "buffered" => Ok(IoMode::Buffered),
+            "direct" | "unbuffered" => Ok(IoMode::Direct),
+            _ => Err(Error::InvalidInput(format!("io mode {s:?} is not known: use \"buffered\" or \"direct\""))),
+        }
+    }
+}
 
 /// Alignment and length granule of unbuffered reads (covers 512-byte and
 /// 4096-byte logical blocks).
@@ -186,21 +218,6 @@ pub(crate) fn read_full(f: &File, buf: &mut [u8], off: u64, need: usize) -> io::
         ));
     }
     Ok(())
-}
-
-/// 64-bit FNV-1a: a small, dependency-free hash for identities and
-/// checksums (it detects corruption, it is not meant to resist tampering).
-pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
-    fnv1a_more(0xcbf2_9ce4_8422_2325, bytes)
-}
-
-/// Continues an FNV-1a hash `h` over more bytes.
-pub(crate) fn fnv1a_more(mut h: u64, bytes: &[u8]) -> u64 {
-    for &b in bytes {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
 }
 
 #[cfg(test)]
