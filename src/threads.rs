@@ -8,7 +8,7 @@
 //! with another process busy on a core a pinned worker cannot move away from
 //! it, and the MoE block's even split then waits on the slowed worker. Rayon
 //! workers park after a short spin, so an unpinned pool shares the machine
-//! gracefully (see docs/benchmarks.md for the noisy-neighbour measurement).
+//! gracefully (docs/guide/tuning.md gives the noisy-neighbour figure).
 
 use crate::error::{Error, Result};
 

@@ -554,15 +554,6 @@ pub fn observe_matmuls(f: Option<std::sync::Arc<Observer>>) {
     OBSERVING.store(on, std::sync::atomic::Ordering::Release);
 }
 
-/// Shows the observer rows of `w`'s input that are not multiplied (the
-/// prompt positions whose logits are not wanted), as if they had been.
-#[inline]
-pub fn observe_unmultiplied(w: &Matrix, inp: &Input) {
-    if !inp.x.is_empty() {
-        observe(w, inp);
-    }
-}
-
 #[inline]
 fn observe(w: &Matrix, inp: &Input) {
     if OBSERVING.load(std::sync::atomic::Ordering::Relaxed) {

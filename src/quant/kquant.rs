@@ -1110,7 +1110,7 @@ mod tests {
     /// matrix, re-written from its description (`make_qkx2_quants` per
     /// sub-block with weights `rms(x) + |x|`, scales and minimums rounded
     /// against max/63, codes re-rounded), stored in our layout: the
-    /// baseline issue 10 sets out to beat on the same format.
+    /// baseline our quantisers are measured against on the same format.
     /// `uniform` swaps its weights for ours (the same objective, so the
     /// difference is the search alone).
     fn llama_like(kind: Kind, x: &[f32], uniform: bool) -> Vec<u8> {

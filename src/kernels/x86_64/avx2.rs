@@ -356,8 +356,7 @@ unsafe fn gemm8_q4_0<const T: usize, const VNNI: u8>(
         // off the widened sums. It is shifted in a vector register: written
         // as `set1(8 · sum)` it went through a general register and a move
         // into the vector unit per token and block, and the eight-token loop
-        // ran 4% slower (Zen 2, in L2). Until session 25 the AVX2 kernel
-        // seeded its 16-bit sums with `-8·Σq` instead, at the same cost.
+        // ran 4% slower (Zen 2, in L2).
         let sums = nibble_sums::<T, VNNI, false>(bw.qs.as_ptr(), ba);
         let sums =
             std::array::from_fn(|t| _mm256_sub_epi32(sums[t], _mm256_slli_epi32::<3>(_mm256_set1_epi32(ba[t].sum))));
@@ -440,7 +439,7 @@ macro_rules! group_kernels {
 // The last argument lists the token counts of one pass over the weights:
 // eight for the 4-bit types, four for q8_0, whose eight tokens' sums spill
 // out of the 16 registers and ran slower in one pass than in two
-// (docs/ARCHITECTURE.md, "For several tokens").
+// (docs/design/kernels.md).
 group_kernels!(gemv8_q8_0, gemm8xn_q8_0, gemm8_q8_0, BlockQ8_0x8, MADD, "avx2,fma,f16c", [1 2 3 4]);
 group_kernels!(gemv8_q4_0, gemm8xn_q4_0, gemm8_q4_0, BlockQ4_0x8, MADD, "avx2,fma,f16c", [1 2 3 4 5 6 7 8]);
 group_kernels!(gemv8_q4_1, gemm8xn_q4_1, gemm8_q4_1, BlockQ4_1x8, MADD, "avx2,fma,f16c", [1 2 3 4 5 6 7 8]);

@@ -338,7 +338,7 @@ macro_rules! kx8_kernels {
 }
 
 // Four tokens per pass over the weights: at eight the per-token state
-// spills, and one pass ran slower than two (docs/ARCHITECTURE.md).
+// spills, and one pass ran slower than two (docs/design/kernels.md).
 kx8_kernels!(gemv8_q4k, gemm8xn_q4k, Q4K, MADD, "avx2,fma,f16c", [1 2 3 4]);
 kx8_kernels!(gemv8_q5k, gemm8xn_q5k, Q5K, MADD, "avx2,fma,f16c", [1 2 3 4]);
 kx8_kernels!(gemv8_q6k, gemm8xn_q6k, Q6K, MADD, "avx2,fma,f16c", [1 2 3 4]);

@@ -303,7 +303,7 @@ impl Avx512 {
             DType::Q6Kx8 => Some((None, zmm_q6kx8_gemv, zmm_q6kx8_gemmn)),
         };
         // Run pairs take fewer instructions per weight than either 256-bit
-        // form (docs/ARCHITECTURE.md), so they replace AVX-VNNI's too.
+        // form (docs/design/kernels.md), so they replace AVX-VNNI's too.
         let pairs = !matches!(dtype, DType::Mxfp4x8);
         if let (Layout::Groups(g), Some((tiles, one, many)), true) = (&mut k.layout, vnni, self.vnni) {
             g.tile = tiles;
@@ -313,7 +313,7 @@ impl Avx512 {
             // streamed, and, since their prefetch goes to L2 only
             // (`prim::prefetch_ahead_l2`), at two and three tokens too, over
             // a streamed matrix 1.3-1.65x the run pairs' GB/s (Zen 4 EPYC,
-            // one and two threads; docs/ARCHITECTURE.md), except q8_0x8,
+            // one and two threads; docs/design/kernels.md), except q8_0x8,
             // whose pairs stay ahead at two tokens (48 against 40 GB/s, two
             // threads) and level at three: it keeps them below four. One
             // token stays on the 8-row kernels (level or ahead there).

@@ -16,9 +16,9 @@
 use super::Inputs;
 use super::norm::rmsnorm_rows_inplace;
 use super::rope::Rope;
+use crate::canonical::config::{MlaSpec, ModelConfig};
 use crate::kernels::heads::{HeadScratch, per_head_matmul};
 use crate::kernels::{Matrix, matmul, matmul_many};
-use crate::model::config::{MlaSpec, ModelConfig};
 
 /// The query path of one MLA layer.
 #[derive(Clone, Copy)]

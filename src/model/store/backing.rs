@@ -4,7 +4,7 @@
 //!
 //! The pages matter. Decode streams every weight once a token, and on 4 KiB
 //! pages each 4 KiB of a stream costs a TLB miss and a page walk. On the
-//! Zen 2 EPYC of docs/benchmarks.md the same OLMoE-width file decoded one
+//! Zen 2 EPYC (docs/design/store.md) the same OLMoE-width file decoded one
 //! sequence at 116 tok/s mapped on 4 KiB pages and 131 on 2 MiB ones (eight
 //! sequences: 210 and 223). A mapping gets 2 MiB pages only where the page
 //! cache holds the file in 2 MiB folios: on Linux with a file system that

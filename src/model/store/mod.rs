@@ -74,7 +74,7 @@ pub struct Policy {
 impl Default for Policy {
     fn default() -> Self {
         // Prefetch is off by default: measured on random and trained routing
-        // (docs/benchmarks.md), each prefetched expert evicts one that some
+        // (docs/design/store.md), each prefetched expert evicts one that some
         // later lookup needed, and it read more bytes than it saved.
         Policy { lru: true, pin_hot: true, prefetch: false }
     }
