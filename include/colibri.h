@@ -42,7 +42,8 @@ typedef enum {
   COLIBRI_STATUS_INTERRUPTED = 9,
   // BusyError.
   COLIBRI_STATUS_BUSY = 10,
-  // A bug in colibri (a caught panic); the message says where.
+  // A bug in colibri (a caught panic, or an engine invariant that did not
+  // hold); the message says where.
   COLIBRI_STATUS_INTERNAL = 11,
 } colibri_status;
 

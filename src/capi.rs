@@ -52,7 +52,8 @@ pub enum Status {
     Interrupted = 9,
     /// BusyError.
     Busy = 10,
-    /// A bug in colibri (a caught panic); the message says where.
+    /// A bug in colibri (a caught panic, or an engine invariant that did not
+    /// hold); the message says where.
     Internal = 11,
 }
 

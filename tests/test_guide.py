@@ -14,8 +14,6 @@ import contextlib
 import io
 import re
 import shutil
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -51,25 +49,15 @@ def test_the_guide_has_its_pages_and_examples():
 @contextlib.contextmanager
 def live_demo_server() -> Iterator[str]:
     """The demo model behind the OpenAI routes on a free loopback port; yields its URL."""
-    import uvicorn
+    from test_server import live
 
     from colibri.server import create_app
 
     engine = colibri.Engine.demo(threads=2)
-    config = uvicorn.Config(create_app(engine), host="127.0.0.1", port=0, log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        yield f"http://127.0.0.1:{port}"
+        with live(create_app(engine)) as url:
+            yield url
     finally:
-        server.should_exit = True
-        thread.join(10)
         engine.close()
 
 
