@@ -14,7 +14,9 @@ In the doc a table is a block between two markers::
     (generated: a caption with machine, date, commit, then the table)
     <!-- /render -->
 
-``python benches/render_results.py`` rewrites every block from its file;
+README.md's speed table is rendered the same way (its links start at the
+repository root). ``python benches/render_results.py`` rewrites every block of
+both docs from its file;
 ``--check`` changes nothing and fails when a block differs from what its
 file renders, when a file is malformed, or when a file is rendered nowhere
 (tests/test_bench_results.py runs it, so the doc and the files cannot drift).
@@ -37,6 +39,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 DOC = HERE.parent / "docs" / "benchmarks.md"
+# The README's speed table is rendered from the same files; links there start at the repository root.
+README = HERE.parent / "README.md"
 
 BLOCK = re.compile(r"<!-- render: (\S+) (\S+) -->\n(.*?)<!-- /render -->", re.S)
 FIELD = re.compile(r"\{([A-Za-z0-9_.]+)(?::([^}]*))?\}")
@@ -97,12 +101,17 @@ def load(name: str) -> dict[str, Any]:
     return data
 
 
-def render(name: str, view_name: str) -> str:
+def render(name: str, view_name: str, link: str = "../benches/results/") -> str:
     """The markdown one block shows: a caption, a blank line, the table."""
-    return render_data(name, load(name), view_name)
+    return render_data(name, load(name), view_name, link)
 
 
-def render_data(name: str, data: dict[str, Any], view_name: str) -> str:
+def link_base(doc: Path) -> str:
+    """How a doc links to the results files: from docs/, or from the repository root (README.md)."""
+    return "benches/results/" if doc.name == "README.md" else "../benches/results/"
+
+
+def render_data(name: str, data: dict[str, Any], view_name: str, link: str = "../benches/results/") -> str:
     """The markdown of one view of a results dict that is (or will be) the file `name`."""
     if view_name not in data["views"]:
         raise ValueError(f"{name}: no view {view_name!r} (has {', '.join(data['views'])})")
@@ -114,7 +123,7 @@ def render_data(name: str, data: dict[str, Any], view_name: str) -> str:
         raise ValueError(f"{name}: view {view_name!r} selects no rows")
     lines = [
         f"*{data['title']}.* Machine: {data['machine']['cpu']}. Date: {data['date']}. "
-        f"Commit: {data['commit']}. Data and method: [{name}](../benches/results/{name}).",
+        f"Commit: {data['commit']}. Data and method: [{name}]({link}{name}).",
         "",
         "| " + " | ".join(c["label"] for c in columns) + " |",
         "|" + "---|" * len(columns),
@@ -124,13 +133,14 @@ def render_data(name: str, data: dict[str, Any], view_name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def rendered(doc: str) -> tuple[str, set[str]]:
+def rendered(doc: str, link: str = "../benches/results/") -> tuple[str, set[str]]:
     """The doc with every block re-rendered, and the files it renders."""
     used: set[str] = set()
 
     def one(m: re.Match[str]) -> str:
         used.add(m.group(1))
-        return f"<!-- render: {m.group(1)} {m.group(2)} -->\n{render(m.group(1), m.group(2))}<!-- /render -->"
+        body = render(m.group(1), m.group(2), link)
+        return f"<!-- render: {m.group(1)} {m.group(2)} -->\n{body}<!-- /render -->"
 
     return BLOCK.sub(one, doc), used
 
@@ -176,28 +186,41 @@ def write(files: dict[Path, dict[str, Any]], force: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true", help="fail if the doc differs from the results files")
-    ap.add_argument("--doc", type=Path, default=DOC)
+    ap.add_argument("--check", action="store_true", help="fail if a doc differs from the results files")
+    ap.add_argument(
+        "--doc",
+        type=Path,
+        action="append",
+        help=f"a doc to render (repeatable; default {DOC.name} and {README.name})",
+    )
     args = ap.parse_args(argv)
-    doc = args.doc.read_text()
-    try:
-        new, used = rendered(doc)
-    except (ValueError, KeyError, json.JSONDecodeError, OSError) as e:
-        print(f"render_results: {e}", file=sys.stderr)
-        return 1
+    docs: list[Path] = args.doc or [DOC, README]
+    used: set[str] = set()
+    updates: dict[Path, str] = {}
+    for path in docs:
+        doc = path.read_text()
+        try:
+            new, seen = rendered(doc, link_base(path))
+        except (ValueError, KeyError, json.JSONDecodeError, OSError) as e:
+            print(f"render_results: {path}: {e}", file=sys.stderr)
+            return 1
+        used |= seen
+        if new != doc:
+            if args.check:
+                stale = [m.group(1) + " " + m.group(2) for m in BLOCK.finditer(doc) if m.group(0) not in new]
+                print(f"render_results: {path} is out of date: {', '.join(stale)}", file=sys.stderr)
+                print("run: python benches/render_results.py", file=sys.stderr)
+                return 1
+            updates[path] = new
     unused = sorted(p.name for p in RESULTS.glob("*.json") if p.name not in used)
     if unused:
-        print(f"render_results: rendered nowhere in {args.doc}: {', '.join(unused)}", file=sys.stderr)
+        print(
+            f"render_results: rendered nowhere in {', '.join(map(str, docs))}: {', '.join(unused)}",
+            file=sys.stderr,
+        )
         return 1
-    if args.check:
-        if new != doc:
-            stale = [m.group(1) + " " + m.group(2) for m in BLOCK.finditer(doc) if m.group(0) not in new]
-            print(f"render_results: {args.doc} is out of date: {', '.join(stale)}", file=sys.stderr)
-            print("run: python benches/render_results.py", file=sys.stderr)
-            return 1
-        return 0
-    if new != doc:
-        args.doc.write_text(new)
+    for path, new in updates.items():
+        path.write_text(new)
     return 0
 
 

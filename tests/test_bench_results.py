@@ -26,6 +26,13 @@ def test_doc_matches_the_results_files() -> None:
     assert r.returncode == 0, r.stderr
 
 
+def test_the_readme_speed_table_matches_the_results_files() -> None:
+    # Without --doc the script renders docs/benchmarks.md and README.md together.
+    r = subprocess.run([sys.executable, str(SCRIPT), "--check"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "<!-- render: xeon-2026-12-01-bench.json readme -->" in (ROOT / "README.md").read_text()
+
+
 def test_a_changed_figure_is_caught(tmp_path: Path) -> None:
     text = DOC.read_text()
     assert "857.5 / 257.7" in text
