@@ -276,7 +276,7 @@ fn attention(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n
     let c = &model.config;
     let lw = &model.layers[l];
     let (d, h, dh, half) = (c.hidden_size, c.num_heads, c.head_dim, c.rope.rotary_dim / 2);
-    let window = c.layers[l].sliding_window;
+    let window = c.layers[l].mixer.window();
     let sinks = model.opt_vec(lw.sinks);
     let ad = c.att_dim();
     // Over the q/k head width Dh (MLA: nope + rope, not the latent's width).
