@@ -534,16 +534,6 @@ impl ModelConfig {
         self.num_heads * self.v_head_dim()
     }
 
-    /// Values the KV cache holds per layer and token, as (keys, values): K
-    /// and V of every kv head (GQA), or the latent plus the rotated key and
-    /// no separate values, which are the latent (MLA).
-    pub fn kv_widths(&self) -> (usize, usize) {
-        match self.mla() {
-            Some(m) => (m.kv_lora_rank + m.qk_rope_dim, 0),
-            None => (self.kv_dim(), self.kv_dim()),
-        }
-    }
-
     /// Checks the internal consistency of the numbers, so later code can
     /// index without re-checking. `what` names the source in the message.
     pub fn validate(&self) -> Result<()> {

@@ -3,6 +3,7 @@
 //! model (the engine wraps it) because the forward pass is its only user.
 
 use crate::canonical::config::FfnSpec;
+use crate::canonical::state::LayerState;
 use crate::model::Model;
 use crate::model::blocks::attention::KvView;
 use crate::model::blocks::mla::MlaScratch;
@@ -75,15 +76,25 @@ impl Sequence {
     pub fn new(model: &Model, max_seq: usize, kv_dtype: DType) -> Sequence {
         let c = &model.config;
         let max_seq = max_seq.clamp(1, c.max_seq_len);
-        let (k_width, v_width) = c.kv_widths();
-        // MLA's latent is one "head" shared by all.
-        let heads = if v_width == 0 { 1 } else { c.num_kv_heads };
+        // Every layer has the model's attention kind, so one cache of one
+        // shape holds all layers.
+        let (heads, k_width, v_width) = cache_shape(c.layer_state(0));
         Sequence {
             max_seq,
             pos: 0,
             kv: KvCache::new(kv_dtype, c.num_layers(), max_seq, heads, k_width, v_width),
             logits: vec![0.0; c.vocab_size],
         }
+    }
+}
+
+/// A layer state's cache shape: (heads, key values, value values) per
+/// position over all heads. MLA's latent is one head whose values are read
+/// from its key rows, so it stores no separate values.
+fn cache_shape(state: LayerState) -> (usize, usize, usize) {
+    match state {
+        LayerState::Kv { heads, k_width, v_width, .. } => (heads, heads * k_width, heads * v_width),
+        LayerState::Latent { width, .. } => (1, width, 0),
     }
 }
 
@@ -146,7 +157,7 @@ impl Workspace {
         let logit_rows = logit_rows.clamp(1, chunk);
         let quantize = model.has_block_weights();
         let (d, kv) = (c.hidden_size, c.kv_dim());
-        let (k_width, _) = c.kv_widths();
+        let k_width = c.layer_states().into_iter().map(|st| cache_shape(st).1).max().unwrap_or(0);
         let mut fmax = 1;
         for layer in &c.layers {
             if let FfnSpec::Dense { ffn_dim } = layer.ffn {
