@@ -4,6 +4,7 @@
 
 use crate::canonical::config::FfnSpec;
 use crate::canonical::state::LayerState;
+use crate::error::{Error, Result};
 use crate::model::Model;
 use crate::model::blocks::attention::KvView;
 use crate::model::blocks::mla::MlaScratch;
@@ -87,6 +88,29 @@ impl Sequence {
         match &mut self.layers[l] {
             LayerCache::Kv(cache) => cache,
         }
+    }
+}
+
+impl Sequence {
+    /// Rolls the sequence back to its first `pos` tokens, so the next token
+    /// goes to position `pos` (how speculative decoding drops rejected
+    /// tokens). A KV layer only moves back its position: the rows past it are
+    /// overwritten before any query reads them, as positions fill again.
+    /// `logits` keeps the last processed token's row until the next pass.
+    pub fn truncate(&mut self, pos: usize) -> Result<()> {
+        if pos > self.pos {
+            return Err(Error::InvalidInput(format!(
+                "cannot truncate a sequence of {} tokens to {pos}: it can only go back",
+                self.pos
+            )));
+        }
+        for layer in &mut self.layers {
+            match layer {
+                LayerCache::Kv(_) => {}
+            }
+        }
+        self.pos = pos;
+        Ok(())
     }
 }
 
@@ -252,6 +276,11 @@ impl Session {
     /// `[V]` logits of the last token processed.
     pub fn logits(&self) -> &[f32] {
         &self.seq.logits
+    }
+
+    /// Rolls the sequence back to its first `pos` tokens ([`Sequence::truncate`]).
+    pub fn truncate(&mut self, pos: usize) -> Result<()> {
+        self.seq.truncate(pos)
     }
 
     /// Forgets the sequence (keeps the buffers).
