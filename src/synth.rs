@@ -31,9 +31,9 @@ pub fn tiny_config() -> ModelConfig {
             ..Default::default()
         }),
         layers: vec![
-            LayerSpec { sliding_window: None, ffn: FfnSpec::Moe },
-            LayerSpec { sliding_window: Some(5), ffn: FfnSpec::Dense { ffn_dim: 9 } },
-            LayerSpec { sliding_window: None, ffn: FfnSpec::Moe },
+            LayerSpec { mixer: MixerSpec::FULL_ATTENTION, ffn: FfnSpec::Moe },
+            LayerSpec { mixer: MixerSpec::Attention { window: Some(5) }, ffn: FfnSpec::Dense { ffn_dim: 9 } },
+            LayerSpec { mixer: MixerSpec::FULL_ATTENTION, ffn: FfnSpec::Moe },
         ],
         ..Default::default()
     }
@@ -110,9 +110,9 @@ pub fn frontier_config() -> ModelConfig {
             shared_expert: Some(SharedExpertSpec { ffn_dim: 32, sigmoid_gate: false }),
         }),
         layers: vec![
-            LayerSpec { sliding_window: None, ffn: FfnSpec::Dense { ffn_dim: 64 } },
-            LayerSpec { sliding_window: Some(5), ffn: FfnSpec::Moe },
-            LayerSpec { sliding_window: None, ffn: FfnSpec::Moe },
+            LayerSpec { mixer: MixerSpec::FULL_ATTENTION, ffn: FfnSpec::Dense { ffn_dim: 64 } },
+            LayerSpec { mixer: MixerSpec::Attention { window: Some(5) }, ffn: FfnSpec::Moe },
+            LayerSpec { mixer: MixerSpec::FULL_ATTENTION, ffn: FfnSpec::Moe },
         ],
         lm_head_bias: true,
         scales: Scales { embedding: 2.0, residual: 0.7, logits_divisor: 3.0 },
@@ -132,10 +132,10 @@ pub fn many_experts_config() -> ModelConfig {
         m.router.top_k = 3;
     }
     c.layers = vec![
-        LayerSpec { sliding_window: None, ffn: FfnSpec::Moe },
-        LayerSpec { sliding_window: Some(5), ffn: FfnSpec::Moe },
-        LayerSpec { sliding_window: None, ffn: FfnSpec::Dense { ffn_dim: 64 } },
-        LayerSpec { sliding_window: None, ffn: FfnSpec::Moe },
+        LayerSpec { mixer: MixerSpec::FULL_ATTENTION, ffn: FfnSpec::Moe },
+        LayerSpec { mixer: MixerSpec::Attention { window: Some(5) }, ffn: FfnSpec::Moe },
+        LayerSpec { mixer: MixerSpec::FULL_ATTENTION, ffn: FfnSpec::Dense { ffn_dim: 64 } },
+        LayerSpec { mixer: MixerSpec::FULL_ATTENTION, ffn: FfnSpec::Moe },
     ];
     c
 }
@@ -218,7 +218,7 @@ pub fn olmoe_width(layers: usize) -> ModelConfig {
             router: RouterSpec { top_k: 8, ..Default::default() },
             ..Default::default()
         }),
-        layers: vec![LayerSpec { sliding_window: None, ffn: FfnSpec::Moe }; layers],
+        layers: vec![LayerSpec { mixer: MixerSpec::FULL_ATTENTION, ffn: FfnSpec::Moe }; layers],
         ..Default::default()
     }
 }
@@ -242,7 +242,7 @@ pub fn qwen3_30b_width(layers: usize) -> ModelConfig {
             router: RouterSpec { top_k: 8, renormalize: true, ..Default::default() },
             ..Default::default()
         }),
-        layers: vec![LayerSpec { sliding_window: None, ffn: FfnSpec::Moe }; layers],
+        layers: vec![LayerSpec { mixer: MixerSpec::FULL_ATTENTION, ffn: FfnSpec::Moe }; layers],
         ..Default::default()
     }
 }
@@ -279,7 +279,7 @@ pub fn deepseek_v2_lite_width(layers: usize) -> ModelConfig {
         }),
         layers: (0..layers)
             .map(|l| LayerSpec {
-                sliding_window: None,
+                mixer: MixerSpec::FULL_ATTENTION,
                 ffn: if l == 0 { FfnSpec::Dense { ffn_dim: 10944 } } else { FfnSpec::Moe },
             })
             .collect(),
@@ -310,7 +310,10 @@ pub fn gpt_oss_20b_width(layers: usize) -> ModelConfig {
             ..Default::default()
         }),
         layers: (0..layers)
-            .map(|l| LayerSpec { sliding_window: (l % 2 == 0).then_some(128), ffn: FfnSpec::Moe })
+            .map(|l| LayerSpec {
+                mixer: MixerSpec::Attention { window: (l % 2 == 0).then_some(128) },
+                ffn: FfnSpec::Moe,
+            })
             .collect(),
         ..Default::default()
     }

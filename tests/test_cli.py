@@ -261,7 +261,8 @@ def test_info_tells_attention_kind_kv_bytes_and_source(tmp_path):
     assert f"latent {cfg['kv_lora_rank']}" in info["attention"]
     # The latent and the rotated key per layer, f32 (an unquantised model).
     width = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
-    assert info["kv_cache"] == {"dtype": "f32", "bytes_per_token": cfg["num_hidden_layers"] * width * 4}
+    per_token = cfg["num_hidden_layers"] * width * 4
+    assert info["kv_cache"] == {"dtype": "f32", "bytes_per_token": per_token, "bytes_per_sequence": 0}
     assert info["source_format"] == cfg.get("torch_dtype", cfg.get("dtype", "unknown"))
     # Every tensor is counted once; three of nine experts are active per MoE layer.
     assert info["parameters"]["total"] > info["parameters"]["active_per_token"]

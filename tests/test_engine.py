@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import numpy as np
 import pytest
 
 import colibri
+from conftest import GOLDEN
 
 
 def test_properties(mixtral):
@@ -168,3 +170,15 @@ def test_kv_cache_types(converted):
     np.testing.assert_array_equal(b, f16.logits(ids))
     with pytest.raises(colibri.InvalidInputError, match="kv_cache"):
         colibri.Engine(path, kv_cache_dtype="int8")
+
+
+def test_state_bytes_split_per_token_and_per_sequence(converted):
+    path = converted("mixtral")
+    cfg = json.loads((GOLDEN / "mixtral" / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    # Keys and values of every kv head in every layer, per token; nothing fixed per sequence.
+    values = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim
+    for dtype, size in (("f32", 4), ("f16", 2)):
+        e = colibri.Engine(path, threads=1, kv_cache_dtype=dtype)
+        assert e.state_bytes() == {"per_token": values * size, "per_sequence": 0}
+        assert e.kv_bytes_per_token == values * size

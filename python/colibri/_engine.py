@@ -360,6 +360,15 @@ class Engine:
         compressed latent and the rotated key."""
         return self._native.kv_bytes_per_token()
 
+    def state_bytes(self) -> dict[str, int]:
+        """State memory of one sequence over all layers, in two parts:
+        ``per_token`` grows with every token (the KV caches, the same number as
+        :attr:`kv_bytes_per_token`), ``per_sequence`` is fixed whatever the
+        length (0 for models whose every layer is attention). A sequence of
+        ``n`` tokens takes ``per_sequence + n * per_token`` bytes."""
+        per_token, per_sequence = self._native.state_bytes()
+        return {"per_token": per_token, "per_sequence": per_sequence}
+
     @property
     def vocab_size(self) -> int:
         """Number of token ids the model knows."""

@@ -181,7 +181,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
     all_tensors = engine.tensors()
     total, active = _params(cfg, all_tensors)
     kv_dtype = engine.kv_cache_dtype
-    kv_bytes = engine.kv_bytes_per_token
+    state = engine.state_bytes()
+    kv_bytes = state["per_token"]
     if args.json:
         out: dict[str, Any] = {
             "architecture": engine.architecture,
@@ -190,7 +191,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
             "context_length": engine.context_length,
             "parameters": {"total": total, "active_per_token": active},
             "attention": _attention(cfg),
-            "kv_cache": {"dtype": kv_dtype, "bytes_per_token": kv_bytes},
+            "kv_cache": {
+                "dtype": kv_dtype,
+                "bytes_per_token": kv_bytes,
+                "bytes_per_sequence": state["per_sequence"],
+            },
             "source_format": _source_format(engine),
             "tokenizer": engine.has_tokenizer,
             "chat_template": engine.chat_template is not None,
@@ -220,7 +225,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
         ),
         ("hidden", str(cfg["hidden_size"])),
         ("attention", _attention(cfg)),
-        ("KV cache", f"{kv_dtype}, {_human(kv_bytes)} per token ({_human(kv_bytes * 4096)} at 4k context)"),
+        (
+            "KV cache",
+            f"{kv_dtype}, {_human(kv_bytes)} per token + {_human(state['per_sequence'])} per sequence "
+            f"({_human(state['per_sequence'] + kv_bytes * 4096)} at 4k context)",
+        ),
         ("source", _source_format(engine)),
         ("context", str(engine.context_length)),
         ("vocabulary", str(engine.vocab_size)),

@@ -692,10 +692,12 @@ class _EngineCollector:
         yield _gauge(
             "colibri_kv_cache_tokens", "Positions held in running generations' KV caches.", b["kv_tokens"]
         )
+        # The state of running sequences: their positions' bytes plus each one's fixed part.
+        state = engine.state_bytes()
         yield _gauge(
             "colibri_kv_cache_bytes",
             "Bytes of KV cache those positions fill.",
-            b["kv_tokens"] * engine.kv_bytes_per_token,
+            b["kv_tokens"] * state["per_token"] + b["running"] * state["per_sequence"],
         )
         # Tokens per step as a histogram (the scheduler keeps the buckets).
         bounds, counts = b["step_token_buckets"], b["step_tokens"]

@@ -65,7 +65,10 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
         }),
         layers: slides
             .iter()
-            .map(|&s| LayerSpec { sliding_window: if s { window } else { None }, ffn: FfnSpec::Moe })
+            .map(|&s| LayerSpec {
+                mixer: MixerSpec::Attention { window: if s { window } else { None } },
+                ffn: FfnSpec::Moe,
+            })
             .collect(),
         tie_embeddings: c.bool_or("tie_word_embeddings", false)?,
         ..Default::default()

@@ -57,7 +57,7 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
             },
             ..Default::default()
         }),
-        layers: (0..n).map(|_| LayerSpec { sliding_window: None, ffn: FfnSpec::Moe }).collect(),
+        layers: (0..n).map(|_| LayerSpec { mixer: MixerSpec::FULL_ATTENTION, ffn: FfnSpec::Moe }).collect(),
         tie_embeddings: c.bool_or("tie_word_embeddings", false)?,
         scales: Scales {
             embedding: mult("embedding_multiplier")?,

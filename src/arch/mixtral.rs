@@ -39,7 +39,7 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
             router: RouterSpec { top_k: c.usize(&["num_experts_per_tok"])?, renormalize: true, ..Default::default() },
             ..Default::default()
         }),
-        layers: (0..n).map(|_| LayerSpec { sliding_window: window, ffn: FfnSpec::Moe }).collect(),
+        layers: (0..n).map(|_| LayerSpec { mixer: MixerSpec::Attention { window }, ffn: FfnSpec::Moe }).collect(),
         tie_embeddings: c.bool_or("tie_word_embeddings", false)?,
         ..Default::default()
     })

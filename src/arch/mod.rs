@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use crate::canonical::config::{FfnSpec, LayerSpec, ModelConfig, RopeScaling, RopeSpec, SIZE_LIMIT};
+use crate::canonical::config::{FfnSpec, LayerSpec, MixerSpec, ModelConfig, RopeScaling, RopeSpec, SIZE_LIMIT};
 use crate::canonical::tensors::{ExpertTensor, LayerTensor, TensorId};
 use crate::error::{Error, Result};
 
@@ -467,7 +467,7 @@ pub(crate) fn expert_part(t: ExpertTensor, [gate, up, down]: [&'static str; 3]) 
 pub(crate) fn leading_dense_layers(n: usize, dense: usize, dense_ffn: usize) -> Vec<LayerSpec> {
     (0..n)
         .map(|l| LayerSpec {
-            sliding_window: None,
+            mixer: MixerSpec::FULL_ATTENTION,
             ffn: if l < dense { FfnSpec::Dense { ffn_dim: dense_ffn } } else { FfnSpec::Moe },
         })
         .collect()

@@ -53,7 +53,7 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
             },
             ..Default::default()
         }),
-        layers: (0..n).map(|_| LayerSpec { sliding_window: window, ffn: FfnSpec::Moe }).collect(),
+        layers: (0..n).map(|_| LayerSpec { mixer: MixerSpec::Attention { window }, ffn: FfnSpec::Moe }).collect(),
         tie_embeddings: c.bool_or("tie_word_embeddings", false)?,
         lm_head_bias: c.bool_or("lm_head_bias", false)?,
         ..Default::default()

@@ -56,7 +56,7 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
         }),
         layers: (0..n)
             .map(|l| LayerSpec {
-                sliding_window: windows[l],
+                mixer: MixerSpec::Attention { window: windows[l] },
                 ffn: if sparse[l] { FfnSpec::Moe } else { FfnSpec::Dense { ffn_dim: dense_ffn } },
             })
             .collect(),

@@ -32,7 +32,7 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
     let dense_ffn = c.opt_usize("intermediate_size")?.unwrap_or(0);
     let layers = (0..n)
         .map(|l| LayerSpec {
-            sliding_window: windows[l],
+            mixer: MixerSpec::Attention { window: windows[l] },
             ffn: if sparse[l] { FfnSpec::Moe } else { FfnSpec::Dense { ffn_dim: dense_ffn } },
         })
         .collect();

@@ -362,13 +362,62 @@ pub enum FfnSpec {
     Moe,
 }
 
+/// The token mixer of one layer: the part that reads other positions. Its
+/// parameters shared by every layer of the kind live on the model
+/// (`ModelConfig::attention`); what differs per layer lives here.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MixerSpec {
+    /// Softmax attention over a KV cache, of the model's `AttentionSpec` kind.
+    Attention {
+        /// Keys older than this many positions are masked (sliding window); `None` = full.
+        window: Option<usize>,
+    },
+}
+
+impl MixerSpec {
+    /// Attention over every earlier position.
+    pub const FULL_ATTENTION: MixerSpec = MixerSpec::Attention { window: None };
+
+    /// The sliding window of an attention layer, `None` when it sees every position.
+    pub fn window(&self) -> Option<usize> {
+        match *self {
+            MixerSpec::Attention { window } => window,
+        }
+    }
+}
+
 /// One decoder layer.
+///
+/// Stored as `{"sliding_window": .., "ffn": ..}`, the form every `.colibri`
+/// file holds, so existing files read and write byte for byte as before.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(from = "LayerRepr", into = "LayerRepr")]
 pub struct LayerSpec {
-    /// Keys older than this many positions are masked (sliding window); `None` = full.
-    pub sliding_window: Option<usize>,
+    /// The token mixer: attention (optionally windowed).
+    pub mixer: MixerSpec,
     /// Dense MLP or MoE block.
     pub ffn: FfnSpec,
+}
+
+/// The stored form of a `LayerSpec`.
+#[derive(Serialize, Deserialize)]
+struct LayerRepr {
+    sliding_window: Option<usize>,
+    ffn: FfnSpec,
+}
+
+impl From<LayerRepr> for LayerSpec {
+    fn from(r: LayerRepr) -> Self {
+        LayerSpec { mixer: MixerSpec::Attention { window: r.sliding_window }, ffn: r.ffn }
+    }
+}
+
+impl From<LayerSpec> for LayerRepr {
+    fn from(l: LayerSpec) -> Self {
+        match l.mixer {
+            MixerSpec::Attention { window } => LayerRepr { sliding_window: window, ffn: l.ffn },
+        }
+    }
 }
 
 impl Default for ModelConfig {
@@ -389,7 +438,7 @@ impl Default for ModelConfig {
             rope: RopeSpec { theta: 10000.0, rotary_dim: head_dim, scaling: RopeScaling::None, interleaved: false },
             attention: AttentionSpec::default(),
             moe: None,
-            layers: vec![LayerSpec { sliding_window: None, ffn: FfnSpec::Dense { ffn_dim: 11008 } }; 32],
+            layers: vec![LayerSpec { mixer: MixerSpec::FULL_ATTENTION, ffn: FfnSpec::Dense { ffn_dim: 11008 } }; 32],
             tie_embeddings: false,
             lm_head_bias: false,
             scales: Scales::default(),
@@ -485,16 +534,6 @@ impl ModelConfig {
         self.num_heads * self.v_head_dim()
     }
 
-    /// Values the KV cache holds per layer and token, as (keys, values): K
-    /// and V of every kv head (GQA), or the latent plus the rotated key and
-    /// no separate values, which are the latent (MLA).
-    pub fn kv_widths(&self) -> (usize, usize) {
-        match self.mla() {
-            Some(m) => (m.kv_lora_rank + m.qk_rope_dim, 0),
-            None => (self.kv_dim(), self.kv_dim()),
-        }
-    }
-
     /// Checks the internal consistency of the numbers, so later code can
     /// index without re-checking. `what` names the source in the message.
     pub fn validate(&self) -> Result<()> {
@@ -581,7 +620,7 @@ impl ModelConfig {
             return bad(format!("scales {sc:?} must be finite with a non-zero logits divisor"));
         }
         for (i, l) in self.layers.iter().enumerate() {
-            if l.sliding_window == Some(0) {
+            if l.mixer.window() == Some(0) {
                 return bad(format!("layer {i}: sliding window of 0"));
             }
             match l.ffn {
@@ -637,9 +676,24 @@ mod tests {
         dense.validate().unwrap();
         let moe = ModelConfig {
             moe: Some(MoeSpec::default()),
-            layers: vec![LayerSpec { sliding_window: None, ffn: FfnSpec::Moe }; 2],
+            layers: vec![LayerSpec { mixer: MixerSpec::FULL_ATTENTION, ffn: FfnSpec::Moe }; 2],
             ..Default::default()
         };
         moe.validate().unwrap();
+    }
+
+    /// A layer is stored in the form every existing `.colibri` file holds:
+    /// the window under `sliding_window`, `null` when the layer sees everything.
+    #[test]
+    fn layer_json_keeps_the_stored_form() {
+        let full = LayerSpec { mixer: MixerSpec::FULL_ATTENTION, ffn: FfnSpec::Moe };
+        let windowed =
+            LayerSpec { mixer: MixerSpec::Attention { window: Some(5) }, ffn: FfnSpec::Dense { ffn_dim: 9 } };
+        let full_json = r#"{"sliding_window":null,"ffn":{"kind":"moe"}}"#;
+        let windowed_json = r#"{"sliding_window":5,"ffn":{"kind":"dense","ffn_dim":9}}"#;
+        assert_eq!(serde_json::to_string(&full).unwrap(), full_json);
+        assert_eq!(serde_json::to_string(&windowed).unwrap(), windowed_json);
+        assert_eq!(serde_json::from_str::<LayerSpec>(full_json).unwrap(), full);
+        assert_eq!(serde_json::from_str::<LayerSpec>(windowed_json).unwrap(), windowed);
     }
 }

@@ -4,4 +4,5 @@
 //! imports none of them.
 
 pub mod config;
+pub mod state;
 pub mod tensors;

@@ -17,6 +17,7 @@ mod tests;
 use std::path::Path;
 use std::sync::Arc;
 
+use crate::canonical::state::StateLayout;
 use crate::error::{Error, Result};
 use crate::model::Model;
 use crate::model::forward::{Capture, forward};
@@ -87,11 +88,15 @@ impl Engine {
         self.kv_dtype
     }
 
+    /// The state memory of one sequence of this engine: bytes per token
+    /// (the KV caches) and bytes per sequence, all layers, at its cache type.
+    pub fn state_layout(&self) -> StateLayout {
+        StateLayout::new(&self.model.config, self.kv_dtype.row_bytes(1).expect("an element type"))
+    }
+
     /// Bytes the KV cache of a session takes per token, all layers.
     pub fn kv_bytes_per_token(&self) -> usize {
-        let c = &self.model.config;
-        let (k, v) = c.kv_widths();
-        c.num_layers() * (k + v) * self.kv_dtype.row_bytes(1).expect("an element type")
+        self.state_layout().bytes_per_token
     }
 
     fn check_len(&self, n: usize) -> Result<()> {

@@ -46,6 +46,50 @@ fn prefill_then_decode_equals_one_full_forward() {
     }
 }
 
+/// A sequence rolled back and fed again gives the bits of one plain
+/// prefill: the same tokens again, or others in place of rejected ones, on
+/// GQA with sliding-window layers and on MLA, f32 and f16 caches.
+#[test]
+fn truncating_and_feeding_again_equals_a_plain_prefill() {
+    for cfg in [config_for(DType::F32), crate::synth::frontier_config()] {
+        let (_d, e) = engine_with(&cfg, DType::F32, 2);
+        let v = e.model().config.vocab_size;
+        let toks = ids(10);
+        let want = e.logits(&toks, &never).unwrap();
+        let rejected: Vec<u32> = toks.iter().map(|&t| (t + 5) % v as u32).collect();
+        for kv_dtype in [DType::F32, DType::F16] {
+            let want = if kv_dtype == DType::F32 {
+                want.clone()
+            } else {
+                let mut s = Session::with_kv(e.model(), 16, DEFAULT_CHUNK, kv_dtype);
+                let mut got = vec![0.0; toks.len() * v];
+                forward(e.model(), &mut s, &toks, Capture { logits: Some(&mut got), hidden: None }, None, &never)
+                    .unwrap();
+                got
+            };
+            for first in [&toks[6..], &rejected[6..]] {
+                let mut s = Session::with_kv(e.model(), 16, DEFAULT_CHUNK, kv_dtype);
+                e.run(&mut s, &toks[..6], Capture::default(), &never).unwrap();
+                e.run(&mut s, first, Capture::default(), &never).unwrap();
+                assert_eq!(s.pos(), 10);
+                s.truncate(6).unwrap();
+                assert_eq!(s.pos(), 6);
+                let mut got = vec![0.0; 4 * v];
+                let cap = Capture { logits: Some(&mut got), hidden: None };
+                e.run(&mut s, &toks[6..], cap, &never).unwrap();
+                assert_eq!(got, want[6 * v..], "{kv_dtype} cache, fed {first:?} before the rollback");
+            }
+            let mut s = Session::with_kv(e.model(), 16, DEFAULT_CHUNK, kv_dtype);
+            e.run(&mut s, &toks[..3], Capture::default(), &never).unwrap();
+            assert!(matches!(s.truncate(4), Err(Error::InvalidInput(_))), "only back");
+            assert_eq!(s.pos(), 3);
+            s.truncate(3).unwrap();
+            s.truncate(0).unwrap();
+            assert_eq!(s.pos(), 0);
+        }
+    }
+}
+
 #[test]
 fn chunked_prefill_equals_single_pass() {
     let (_d, e) = engine(DType::F32, 2);

@@ -276,7 +276,7 @@ fn attention(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n
     let c = &model.config;
     let lw = &model.layers[l];
     let (d, h, dh, half) = (c.hidden_size, c.num_heads, c.head_dim, c.rope.rotary_dim / 2);
-    let window = c.layers[l].sliding_window;
+    let window = c.layers[l].mixer.window();
     let sinks = model.opt_vec(lw.sinks);
     let ad = c.att_dim();
     // Over the q/k head width Dh (MLA: nope + rope, not the latent's width).
@@ -293,8 +293,9 @@ fn attention(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n
             each_segment(segs, 0, ad, att, order, &|r0, g, att, order| {
                 let (m, pos0) = (g.tokens.len(), g.seq.pos);
                 let r = r0..r0 + m;
-                g.seq.kv.store(l, pos0, &k[r.start * kvd..r.end * kvd], &v[r.start * kvd..r.end * kvd]);
-                attend(&q[r.start * qd..r.end * qd], g.seq.kv.view(l, pos0 + m), pos0, heads, order, att); // [m, H·Dh]
+                let cache = g.seq.kv(l);
+                cache.store(pos0, &k[r.start * kvd..r.end * kvd], &v[r.start * kvd..r.end * kvd]);
+                attend(&q[r.start * qd..r.end * qd], cache.view(pos0 + m), pos0, heads, order, att); // [m, H·Dh]
             });
         }
         QkvRefs::Mla { q, wkv_a, kv_a_norm, wk_b, wv_b } => {
@@ -310,9 +311,10 @@ fn attention(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n
             let (o_lat, order) = (&mut s.mla.o_lat[..n * ow], &mut s.att_order[..n * ow]);
             each_segment(segs, 0, ow, o_lat, order, &|r0, g, o_lat, order| {
                 let (t, pos0) = (g.tokens.len(), g.seq.pos);
-                g.seq.kv.store(l, pos0, &k[r0 * (r + dr)..(r0 + t) * (r + dr)], &[]);
+                let cache = g.seq.kv(l);
+                cache.store(pos0, &k[r0 * (r + dr)..(r0 + t) * (r + dr)], &[]);
                 let qa = &q_abs[r0 * qw..(r0 + t) * qw];
-                attend(qa, g.seq.kv.view(l, pos0 + t), pos0, heads, order, o_lat); // [t, H·R]
+                attend(qa, cache.view(pos0 + t), pos0, heads, order, o_lat); // [t, H·R]
             });
             block.expand(n, &mut s.mla, &mut s.att); // att: [T, H·Dv]
         }

@@ -3,6 +3,8 @@
 //! model (the engine wraps it) because the forward pass is its only user.
 
 use crate::canonical::config::FfnSpec;
+use crate::canonical::state::LayerState;
+use crate::error::{Error, Result};
 use crate::model::Model;
 use crate::model::blocks::attention::KvView;
 use crate::model::blocks::mla::MlaScratch;
@@ -63,8 +65,8 @@ pub struct Sequence {
     pub max_seq: usize,
     /// Tokens already in the cache (the next token's position).
     pub pos: usize,
-    /// Keys and values of every layer and position.
-    pub kv: KvCache,
+    /// One state per layer, of the layer's kind; reached through [`Sequence::kv`].
+    layers: Vec<LayerCache>,
     /// `[V]` logits of the last token processed.
     pub logits: Vec<f32>,
 }
@@ -75,15 +77,64 @@ impl Sequence {
     pub fn new(model: &Model, max_seq: usize, kv_dtype: DType) -> Sequence {
         let c = &model.config;
         let max_seq = max_seq.clamp(1, c.max_seq_len);
-        let (k_width, v_width) = c.kv_widths();
-        // MLA's latent is one "head" shared by all.
-        let heads = if v_width == 0 { 1 } else { c.num_kv_heads };
-        Sequence {
-            max_seq,
-            pos: 0,
-            kv: KvCache::new(kv_dtype, c.num_layers(), max_seq, heads, k_width, v_width),
-            logits: vec![0.0; c.vocab_size],
+        let layers = c.layer_states().into_iter().map(|st| LayerCache::new(st, kv_dtype, max_seq)).collect();
+        Sequence { max_seq, pos: 0, layers, logits: vec![0.0; c.vocab_size] }
+    }
+
+    /// Layer `l`'s key/value cache. This is the one place that turns a
+    /// layer's state into the view its mixer reads; every layer keeps a KV
+    /// cache today.
+    pub fn kv(&mut self, l: usize) -> &mut KvCache {
+        match &mut self.layers[l] {
+            LayerCache::Kv(cache) => cache,
         }
+    }
+}
+
+impl Sequence {
+    /// Rolls the sequence back to its first `pos` tokens, so the next token
+    /// goes to position `pos` (how speculative decoding drops rejected
+    /// tokens). A KV layer only moves back its position: the rows past it are
+    /// overwritten before any query reads them, as positions fill again.
+    /// `logits` keeps the last processed token's row until the next pass.
+    pub fn truncate(&mut self, pos: usize) -> Result<()> {
+        if pos > self.pos {
+            return Err(Error::InvalidInput(format!(
+                "cannot truncate a sequence of {} tokens to {pos}: it can only go back",
+                self.pos
+            )));
+        }
+        for layer in &mut self.layers {
+            match layer {
+                LayerCache::Kv(_) => {}
+            }
+        }
+        self.pos = pos;
+        Ok(())
+    }
+}
+
+/// The state one layer keeps for a sequence, of the layer's kind.
+enum LayerCache {
+    /// Keys and values (or MLA's latent) of every position.
+    Kv(KvCache),
+}
+
+impl LayerCache {
+    /// The empty state of `state`'s kind for up to `max_seq` positions.
+    fn new(state: LayerState, kv_dtype: DType, max_seq: usize) -> LayerCache {
+        let (heads, k_width, v_width) = cache_shape(state);
+        LayerCache::Kv(KvCache::new(kv_dtype, max_seq, heads, k_width, v_width))
+    }
+}
+
+/// A layer state's cache shape: (heads, key values, value values) per
+/// position over all heads. MLA's latent is one head whose values are read
+/// from its key rows, so it stores no separate values.
+fn cache_shape(state: LayerState) -> (usize, usize, usize) {
+    match state {
+        LayerState::Kv { heads, k_width, v_width, .. } => (heads, heads * k_width, heads * v_width),
+        LayerState::Latent { width, .. } => (1, width, 0),
     }
 }
 
@@ -146,7 +197,7 @@ impl Workspace {
         let logit_rows = logit_rows.clamp(1, chunk);
         let quantize = model.has_block_weights();
         let (d, kv) = (c.hidden_size, c.kv_dim());
-        let (k_width, _) = c.kv_widths();
+        let k_width = c.layer_states().into_iter().map(|st| cache_shape(st).1).max().unwrap_or(0);
         let mut fmax = 1;
         for layer in &c.layers {
             if let FfnSpec::Dense { ffn_dim } = layer.ffn {
@@ -227,15 +278,20 @@ impl Session {
         &self.seq.logits
     }
 
+    /// Rolls the sequence back to its first `pos` tokens ([`Sequence::truncate`]).
+    pub fn truncate(&mut self, pos: usize) -> Result<()> {
+        self.seq.truncate(pos)
+    }
+
     /// Forgets the sequence (keeps the buffers).
     pub fn reset(&mut self) {
         self.seq.pos = 0;
     }
 }
 
-/// Keys and values in f32 or f16, head by head: `[L, Hkv, S, Dk]` keys and
-/// `[L, Hkv, S, Dv]` values for GQA (Wk = Hkv·Dk values per position); for
-/// MLA one "head" of the latent and the rotated key, `[L, S, R + Dr]`, and
+/// One layer's keys and values in f32 or f16, head by head: `[Hkv, S, Dk]`
+/// keys and `[Hkv, S, Dv]` values for GQA (Wk = Hkv·Dk values per position);
+/// for MLA one "head" of the latent and the rotated key, `[S, R + Dr]`, and
 /// no separate values (Wv = 0: they are the latent). A head's rows follow
 /// one another, so attention reads each head's keys and values as one
 /// stream, which the hardware prefetcher follows; rows position-major (all
@@ -245,11 +301,11 @@ impl Session {
 pub struct KvCache {
     /// Element type (f32 or f16).
     pub dtype: DType,
-    /// S: positions per layer.
+    /// S: positions.
     max_seq: usize,
     /// Hkv: heads (1 for MLA).
     heads: usize,
-    /// Values per position of one layer, all heads, keys and values.
+    /// Values per position, all heads, keys and values.
     k_width: usize,
     v_width: usize,
     /// Keys (after norm and RoPE) as `dtype` values; f32 storage only for
@@ -260,19 +316,19 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    fn new(dtype: DType, layers: usize, max_seq: usize, heads: usize, k_width: usize, v_width: usize) -> KvCache {
+    fn new(dtype: DType, max_seq: usize, heads: usize, k_width: usize, v_width: usize) -> KvCache {
         assert!(matches!(dtype, DType::F32 | DType::F16), "the KV cache holds f32 or f16, not {dtype}");
         assert!(heads >= 1 && k_width.is_multiple_of(heads) && v_width.is_multiple_of(heads), "whole heads");
         let es = dtype.row_bytes(1).expect("an element type");
         // Zeroed allocations: pages are only committed as positions fill.
-        let words = |w: usize| (layers * max_seq * w * es).div_ceil(4);
+        let words = |w: usize| (max_seq * w * es).div_ceil(4);
         let (k, v) = (vec![0.0; words(k_width)], vec![0.0; words(v_width)]);
         KvCache { dtype, max_seq, heads, k_width, v_width, k, v }
     }
 
     /// Stores the keys (`[n, Wk]` f32) and values (`[n, Wv]`; empty for MLA)
-    /// of positions `pos0..pos0+n` of layer `l`, converted to the cache's type.
-    pub fn store(&mut self, l: usize, pos0: usize, k: &[f32], v: &[f32]) {
+    /// of positions `pos0..pos0+n`, converted to the cache's type.
+    pub fn store(&mut self, pos0: usize, k: &[f32], v: &[f32]) {
         let es = self.dtype.row_bytes(1).expect("an element type");
         let (s, hs) = (self.max_seq, self.heads);
         for (buf, w, x) in [(&mut self.k, self.k_width, k), (&mut self.v, self.v_width, v)] {
@@ -283,32 +339,28 @@ impl KvCache {
             let b: &mut [u8] = bytemuck::cast_slice_mut(buf);
             for (t, row) in x.chunks_exact(w).enumerate() {
                 for (g, part) in row.chunks_exact(dh).enumerate() {
-                    let at = (((l * hs + g) * s) + pos0 + t) * dh * es;
+                    let at = ((g * s) + pos0 + t) * dh * es;
                     crate::quant::encode(self.dtype, part, dh, &mut b[at..at + dh * es]);
                 }
             }
         }
     }
 
-    /// Layer `l`'s keys and values of positions `0..len`.
-    pub fn view(&self, l: usize, len: usize) -> KvView<'_> {
+    /// The keys and values of positions `0..len`.
+    pub fn view(&self, len: usize) -> KvView<'_> {
         let es = self.dtype.row_bytes(1).expect("an element type");
         let (s, hs) = (self.max_seq, self.heads);
         let (kb, vb): (&[u8], &[u8]) = (bytemuck::cast_slice(&self.k), bytemuck::cast_slice(&self.v));
         // Head g's rows start g·S rows in; the last head's end after `len`.
-        let layer = |w: usize| {
-            let dh = w / hs;
-            let at = l * hs * s * dh * es;
-            at..at + (((hs - 1) * s) + len) * dh * es
-        };
-        let k = &kb[layer(self.k_width)];
+        let rows = |w: usize| 0..(((hs - 1) * s) + len) * (w / hs) * es;
+        let k = &kb[rows(self.k_width)];
         let dk = self.k_width / hs;
         if self.v_width == 0 {
             // MLA: the values are the first R values of each key row.
             return KvView { dtype: self.dtype, k, v: k, k_row: dk, v_row: dk, k_head: s * dk, v_head: s * dk };
         }
         let dv = self.v_width / hs;
-        let v = &vb[layer(self.v_width)];
+        let v = &vb[rows(self.v_width)];
         KvView { dtype: self.dtype, k, v, k_row: dk, v_row: dv, k_head: s * dk, v_head: s * dv }
     }
 }
@@ -332,14 +384,14 @@ mod tests {
         for (h, hkv, dh, mla) in [(6, 3, 8, false), (4, 4, 5, false), (3, 1, 7, true)] {
             let (kw, vw) = (hkv * dh, if mla { 0 } else { hkv * dh });
             for dtype in [DType::F32, DType::F16] {
-                let mut cache = KvCache::new(dtype, layers, max_seq, hkv, kw, vw);
+                let mut caches: Vec<KvCache> = (0..layers).map(|_| KvCache::new(dtype, max_seq, hkv, kw, vw)).collect();
                 let per_layer: Vec<(Vec<f32>, Vec<f32>)> = (0..layers)
                     .map(|_| ((0..n * kw).map(|_| rnd()).collect(), (0..n * vw).map(|_| rnd()).collect()))
                     .collect();
                 // (MLA's values are empty: vw is 0.)
                 for (l, (k, v)) in per_layer.iter().enumerate() {
-                    cache.store(l, 0, &k[..split * kw], &v[..split * vw]);
-                    cache.store(l, split, &k[split * kw..], &v[split * vw..]);
+                    caches[l].store(0, &k[..split * kw], &v[..split * vw]);
+                    caches[l].store(split, &k[split * kw..], &v[split * vw..]);
                 }
                 let dv = if mla { dh - 2 } else { dh };
                 let hd = Heads { h, hkv, dk: dh, dv, window: None, scale: 0.4, sinks: None };
@@ -356,7 +408,7 @@ mod tests {
                     let flat = KvView { dtype, k: &kb, v: &vb, k_row: kw, v_row: vr, k_head: dh, v_head: dh };
                     let (mut want, mut got) = (vec![0f32; h * dv], vec![0f32; h * dv]);
                     attend(&q, flat, n - 1, hd, &mut vec![0.0; h * dv], &mut want);
-                    attend(&q, cache.view(l, n), n - 1, hd, &mut vec![0.0; h * dv], &mut got);
+                    attend(&q, caches[l].view(n), n - 1, hd, &mut vec![0.0; h * dv], &mut got);
                     assert_eq!(got, want, "{dtype} layer {l}, {h}/{hkv} heads of {dh}, mla {mla}");
                 }
             }

@@ -162,6 +162,12 @@ impl NativeEngine {
         self.inner.kv_bytes_per_token()
     }
 
+    /// State memory of one sequence: (bytes per token, bytes per sequence), all layers.
+    fn state_bytes(&self) -> (usize, usize) {
+        let layout = self.inner.state_layout();
+        (layout.bytes_per_token, layout.bytes_per_sequence)
+    }
+
     /// Routing statistics as JSON text: counts since the file was opened, or
     /// since `since` (the JSON of an earlier snapshot of this model), up to
     /// now or to `until` (the JSON of a later snapshot).

@@ -1,0 +1,178 @@
+//! What a sequence keeps per layer between forward passes, derived from the
+//! config: the shape of each layer's state and the bytes it takes, split into
+//! the part that grows with every token and the part fixed per sequence.
+
+use crate::canonical::config::{MixerSpec, ModelConfig};
+
+/// Which positions a KV layer keeps rows for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rows {
+    /// Every position of the sequence.
+    Full,
+    /// Attention reads only the last `w` positions. The cache still holds a
+    /// row for every position, so this layer's bytes grow per token; a ring
+    /// of `w` rows would make them fixed per sequence.
+    Window(usize),
+}
+
+/// The state one layer keeps for a sequence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerState {
+    /// Keys and values of every kv head (grouped-query attention): each
+    /// position adds `heads · (k_width + v_width)` values.
+    Kv {
+        /// Hkv: kv heads.
+        heads: usize,
+        /// Key values per head and position.
+        k_width: usize,
+        /// Value values per head and position.
+        v_width: usize,
+        /// Which positions are kept.
+        rows: Rows,
+    },
+    /// Multi-head latent attention: one row per position shared by every
+    /// head, the compressed key/value latent followed by the rotated key;
+    /// keys and values are recovered from it, so nothing else is stored.
+    Latent {
+        /// Values per position: latent rank plus rotated-key width.
+        width: usize,
+        /// Which positions are kept.
+        rows: Rows,
+    },
+}
+
+impl LayerState {
+    /// Cached values each new position adds.
+    pub fn values_per_token(&self) -> usize {
+        match *self {
+            LayerState::Kv { heads, k_width, v_width, .. } => heads * (k_width + v_width),
+            LayerState::Latent { width, .. } => width,
+        }
+    }
+
+    /// Values kept per sequence whatever its length (none for the KV kinds).
+    pub fn values_per_sequence(&self) -> usize {
+        0
+    }
+}
+
+/// A model's state memory per sequence for one cache element size.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StateLayout {
+    /// Bytes every token of a sequence adds, over all layers.
+    pub bytes_per_token: usize,
+    /// Bytes a sequence takes whatever its length, over all layers.
+    pub bytes_per_sequence: usize,
+}
+
+impl StateLayout {
+    /// The layout of `cfg`'s layer states with `elem_bytes` bytes per cached value.
+    pub fn new(cfg: &ModelConfig, elem_bytes: usize) -> StateLayout {
+        let states = cfg.layer_states();
+        StateLayout {
+            bytes_per_token: states.iter().map(|s| s.values_per_token()).sum::<usize>() * elem_bytes,
+            bytes_per_sequence: states.iter().map(|s| s.values_per_sequence()).sum::<usize>() * elem_bytes,
+        }
+    }
+
+    /// Bytes of one sequence of `tokens` tokens.
+    pub fn bytes_for(&self, tokens: usize) -> usize {
+        self.bytes_per_sequence + tokens * self.bytes_per_token
+    }
+}
+
+impl ModelConfig {
+    /// The state layer `l` keeps per sequence.
+    pub fn layer_state(&self, l: usize) -> LayerState {
+        match self.layers[l].mixer {
+            MixerSpec::Attention { window } => {
+                let rows = window.map_or(Rows::Full, Rows::Window);
+                match self.mla() {
+                    Some(m) => LayerState::Latent { width: m.kv_lora_rank + m.qk_rope_dim, rows },
+                    None => LayerState::Kv {
+                        heads: self.num_kv_heads,
+                        k_width: self.head_dim,
+                        v_width: self.head_dim,
+                        rows,
+                    },
+                }
+            }
+        }
+    }
+
+    /// Every layer's state, in order.
+    pub fn layer_states(&self) -> Vec<LayerState> {
+        (0..self.num_layers()).map(|l| self.layer_state(l)).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::canonical::config::{AttentionKind, AttentionSpec, FfnSpec, LayerSpec, MlaSpec};
+
+    fn layers(windows: &[Option<usize>]) -> Vec<LayerSpec> {
+        windows
+            .iter()
+            .map(|&window| LayerSpec { mixer: MixerSpec::Attention { window }, ffn: FfnSpec::Dense { ffn_dim: 64 } })
+            .collect()
+    }
+
+    /// Grouped-query attention: keys and values of every kv head, per layer.
+    #[test]
+    fn gqa_layout_counts_keys_and_values_of_every_kv_head() {
+        let cfg = ModelConfig {
+            num_heads: 8,
+            num_kv_heads: 2,
+            head_dim: 16,
+            layers: layers(&[None; 3]),
+            ..Default::default()
+        };
+        assert_eq!(cfg.layer_state(1), LayerState::Kv { heads: 2, k_width: 16, v_width: 16, rows: Rows::Full });
+        // 3 layers · 2 heads · (16 + 16) values · 4 bytes.
+        assert_eq!(StateLayout::new(&cfg, 4), StateLayout { bytes_per_token: 3 * 2 * 32 * 4, bytes_per_sequence: 0 });
+        // f16: 3 · 2 · 32 · 2.
+        assert_eq!(StateLayout::new(&cfg, 2).bytes_per_token, 384);
+        assert_eq!(StateLayout::new(&cfg, 2).bytes_for(10), 3840);
+    }
+
+    /// MLA: one latent row (rank + rotated key) per layer and position.
+    #[test]
+    fn mla_layout_counts_one_latent_row() {
+        let mla = MlaSpec {
+            q_lora_rank: None,
+            kv_lora_rank: 32,
+            qk_nope_dim: 12,
+            qk_rope_dim: 4,
+            v_head_dim: 10,
+            latent_eps: 1e-6,
+        };
+        let cfg = ModelConfig {
+            num_heads: 4,
+            num_kv_heads: 4,
+            head_dim: 16,
+            attention: AttentionSpec { kind: AttentionKind::Mla(mla), ..Default::default() },
+            layers: layers(&[None; 2]),
+            ..Default::default()
+        };
+        assert_eq!(cfg.layer_state(0), LayerState::Latent { width: 36, rows: Rows::Full });
+        // 2 layers · (32 + 4) values · 2 bytes.
+        assert_eq!(StateLayout::new(&cfg, 2), StateLayout { bytes_per_token: 144, bytes_per_sequence: 0 });
+    }
+
+    /// A sliding-window layer still keeps a row per position, so it counts per token.
+    #[test]
+    fn sliding_window_layers_count_per_token() {
+        let cfg = ModelConfig {
+            num_heads: 4,
+            num_kv_heads: 1,
+            head_dim: 8,
+            layers: layers(&[Some(5), None, Some(5), None]),
+            ..Default::default()
+        };
+        assert_eq!(cfg.layer_state(0), LayerState::Kv { heads: 1, k_width: 8, v_width: 8, rows: Rows::Window(5) });
+        assert_eq!(cfg.layer_state(1), LayerState::Kv { heads: 1, k_width: 8, v_width: 8, rows: Rows::Full });
+        // 4 layers · 1 head · (8 + 8) values · 4 bytes.
+        assert_eq!(StateLayout::new(&cfg, 4), StateLayout { bytes_per_token: 256, bytes_per_sequence: 0 });
+    }
+}
