@@ -28,6 +28,12 @@ pub fn exp(x: f64) -> f64 {
     libm::exp(x)
 }
 
+/// ln(1 + x) (f32), accurate for small x.
+#[inline]
+pub fn ln_1pf(x: f32) -> f32 {
+    libm::log1pf(x)
+}
+
 /// The natural logarithm.
 #[inline]
 pub fn ln(x: f64) -> f64 {

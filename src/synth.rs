@@ -120,6 +120,33 @@ pub fn frontier_config() -> ModelConfig {
     }
 }
 
+/// A hybrid of linear-attention and gated full-attention layers in widths
+/// whole blocks fit (Qwen3-Next's switches): Gated DeltaNet layers with two
+/// value heads per key head and key and value heads of different widths,
+/// attention with an output gate, per-head q/k norms and partial RoPE, a
+/// shared expert with its gate and a dense layer among the MoE ones.
+pub fn hybrid_config() -> ModelConfig {
+    let mut c = tiny_config_blocks();
+    c.attention = AttentionSpec { qk_norm: QkNorm::PerHead, output_gate: true, ..Default::default() };
+    c.rope.rotary_dim = 4;
+    c.linear = Some(LinearSpec {
+        kind: LinearKind::GatedDeltaNet,
+        k_heads: 2,
+        v_heads: 4,
+        k_head_dim: 16,
+        v_head_dim: 8,
+        conv_kernel: 4,
+    });
+    c.layers = vec![
+        LayerSpec { mixer: MixerSpec::Linear, ffn: FfnSpec::Moe },
+        LayerSpec { mixer: MixerSpec::FULL_ATTENTION, ffn: FfnSpec::Moe },
+        LayerSpec { mixer: MixerSpec::Linear, ffn: FfnSpec::Dense { ffn_dim: 64 } },
+        LayerSpec { mixer: MixerSpec::Linear, ffn: FfnSpec::Moe },
+        LayerSpec { mixer: MixerSpec::FULL_ATTENTION, ffn: FfnSpec::Moe },
+    ];
+    c
+}
+
 /// More experts than the tiny configs (3 MoE layers of 16, top-3, a dense
 /// layer between them, a shared expert), every width a multiple of 32 so
 /// every dtype applies: small enough for tests, large enough that a budget of

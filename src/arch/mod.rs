@@ -17,6 +17,7 @@ mod olmoe;
 mod phimoe;
 mod qwen2_moe;
 mod qwen3_moe;
+mod qwen3_next;
 
 use std::path::{Path, PathBuf};
 
@@ -63,6 +64,13 @@ pub struct Source {
     pub rows: Option<RowPick>,
     /// Transpose each `[len, cols]` block that `rows` picked into `[cols, len]`.
     pub transpose_blocks: bool,
+    /// Add 1 to every value, in f32 after decoding: a zero-centred norm
+    /// scale (`x · (1 + w)`, Qwen3-Next) stored as the plain scale `1 + w`.
+    pub add_one: bool,
+    /// Where the tensor is when the checkpoint has no tensor `name` (a
+    /// family whose checkpoints come in two layouts, e.g. per-expert and
+    /// stacked experts).
+    pub otherwise: Option<Box<Source>>,
 }
 
 /// Rows `r` with `r % period` in `offset..offset + len`, in order: every other
@@ -81,7 +89,15 @@ pub struct RowPick {
 impl Source {
     /// The Hub tensor as it is.
     pub fn tensor(name: impl Into<String>) -> Source {
-        Source { name: name.into(), index: None, transpose: false, rows: None, transpose_blocks: false }
+        Source {
+            name: name.into(),
+            index: None,
+            transpose: false,
+            rows: None,
+            transpose_blocks: false,
+            add_one: false,
+            otherwise: None,
+        }
     }
 
     /// Slice `i` of a stacked tensor.
@@ -99,9 +115,35 @@ impl Source {
         Source { rows: Some(RowPick { period, offset, len }), ..self }
     }
 
+    /// With 1 added to every value.
+    pub fn plus_one(self) -> Source {
+        Source { add_one: true, ..self }
+    }
+
+    /// Falling back to `alt` when the checkpoint has no tensor of this name.
+    pub fn or(self, alt: Source) -> Source {
+        Source { otherwise: Some(Box::new(alt)), ..self }
+    }
+
+    /// The first of this source and its fallbacks whose tensor `exists`
+    /// (this one when none does, so a missing tensor is reported by its
+    /// first name).
+    pub fn resolve(self, exists: impl Fn(&str) -> bool) -> Source {
+        let mut s = &self;
+        loop {
+            if exists(&s.name) {
+                return Source { otherwise: None, ..s.clone() };
+            }
+            match &s.otherwise {
+                Some(alt) => s = alt,
+                None => return self,
+            }
+        }
+    }
+
     /// True when the tensor is used exactly as stored.
     pub fn is_whole(&self) -> bool {
-        self.index.is_none() && !self.transpose && self.rows.is_none() && !self.transpose_blocks
+        self.index.is_none() && !self.transpose && self.rows.is_none() && !self.transpose_blocks && !self.add_one
     }
 }
 
@@ -117,6 +159,9 @@ pub static REGISTRY: &[&Arch] = &[
     &glm4_moe::ARCH,
     &granitemoe::ARCH,
     &phimoe::ARCH,
+    &qwen3_next::NEXT,
+    &qwen3_next::QWEN3_5,
+    &qwen3_next::QWEN3_5_VL,
 ];
 
 /// Comma-separated class names, for error messages and docs.

@@ -48,6 +48,10 @@ pub struct ModelConfig {
     pub attention: AttentionSpec,
     /// The MoE block, shared by every MoE layer; `None` for a dense model.
     pub moe: Option<MoeSpec>,
+    /// The linear-attention layers' shape (hybrid models); `None` when every
+    /// layer attends.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub linear: Option<LinearSpec>,
     /// One entry per decoder layer, in order.
     pub layers: Vec<LayerSpec>,
     /// lm_head shares the embedding matrix.
@@ -206,6 +210,11 @@ pub struct AttentionSpec {
     /// The attention score scale; `None` = 1/√(q/k head width).
     #[serde(default, skip_serializing_if = "is_default")]
     pub softmax_scale: Option<f32>,
+    /// The query projection also emits a gate per query value: the
+    /// attention output is multiplied by `sigmoid(gate)` before the output
+    /// projection (Qwen3-Next, Qwen3.5).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub output_gate: bool,
 }
 
 /// How queries, keys and values are formed and cached.
@@ -364,7 +373,8 @@ pub enum FfnSpec {
 
 /// The token mixer of one layer: the part that reads other positions. Its
 /// parameters shared by every layer of the kind live on the model
-/// (`ModelConfig::attention`); what differs per layer lives here.
+/// (`ModelConfig::attention`, `ModelConfig::linear`); what differs per layer
+/// lives here.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MixerSpec {
     /// Softmax attention over a KV cache, of the model's `AttentionSpec` kind.
@@ -372,6 +382,57 @@ pub enum MixerSpec {
         /// Keys older than this many positions are masked (sliding window); `None` = full.
         window: Option<usize>,
     },
+    /// Linear attention with a fixed state per sequence, of the model's
+    /// [`LinearSpec`] kind.
+    Linear,
+}
+
+/// The linear-attention layers of a hybrid model: a short causal
+/// convolution over the query/key/value stream, then a gated delta rule
+/// whose float32 state per value head is a `[Dk, Dv]` matrix.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LinearSpec {
+    /// Which rule and gates.
+    pub kind: LinearKind,
+    /// Query/key heads.
+    pub k_heads: usize,
+    /// Value heads (a multiple of the key heads; each key head serves
+    /// `v_heads / k_heads` consecutive value heads).
+    pub v_heads: usize,
+    /// Dk: width of a query/key head.
+    pub k_head_dim: usize,
+    /// Dv: width of a value head.
+    pub v_head_dim: usize,
+    /// Taps of the depthwise causal convolution (the state keeps `kernel - 1` inputs).
+    pub conv_kernel: usize,
+}
+
+/// The linear-attention rule.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LinearKind {
+    /// Gated DeltaNet (Qwen3-Next, Qwen3.5): one decay per value head and
+    /// token, `-exp(A_log)·softplus(a + dt_bias)`; output RMSNorm per value
+    /// head times `silu(z)`.
+    #[default]
+    GatedDeltaNet,
+}
+
+impl LinearSpec {
+    /// Hk·Dk: width of the query (and of the key) projection.
+    pub fn key_dim(&self) -> usize {
+        self.k_heads * self.k_head_dim
+    }
+
+    /// Hv·Dv: width of the value projection and of the layer's output.
+    pub fn value_dim(&self) -> usize {
+        self.v_heads * self.v_head_dim
+    }
+
+    /// Channels of the convolution: queries, keys and values side by side.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
 }
 
 impl MixerSpec {
@@ -382,6 +443,7 @@ impl MixerSpec {
     pub fn window(&self) -> Option<usize> {
         match *self {
             MixerSpec::Attention { window } => window,
+            MixerSpec::Linear => None,
         }
     }
 }
@@ -389,7 +451,8 @@ impl MixerSpec {
 /// One decoder layer.
 ///
 /// Stored as `{"sliding_window": .., "ffn": ..}`, the form every `.colibri`
-/// file holds, so existing files read and write byte for byte as before.
+/// file holds, so existing files read and write byte for byte as before; a
+/// linear-attention layer adds `"mixer": "linear"`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(from = "LayerRepr", into = "LayerRepr")]
 pub struct LayerSpec {
@@ -402,20 +465,38 @@ pub struct LayerSpec {
 /// The stored form of a `LayerSpec`.
 #[derive(Serialize, Deserialize)]
 struct LayerRepr {
+    #[serde(default, skip_serializing_if = "is_default")]
+    mixer: MixerKind,
     sliding_window: Option<usize>,
     ffn: FfnSpec,
 }
 
+/// The stored name of a layer's mixer kind (absent: attention).
+#[derive(Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum MixerKind {
+    #[default]
+    Attention,
+    Linear,
+}
+
 impl From<LayerRepr> for LayerSpec {
     fn from(r: LayerRepr) -> Self {
-        LayerSpec { mixer: MixerSpec::Attention { window: r.sliding_window }, ffn: r.ffn }
+        let mixer = match r.mixer {
+            MixerKind::Attention => MixerSpec::Attention { window: r.sliding_window },
+            MixerKind::Linear => MixerSpec::Linear,
+        };
+        LayerSpec { mixer, ffn: r.ffn }
     }
 }
 
 impl From<LayerSpec> for LayerRepr {
     fn from(l: LayerSpec) -> Self {
         match l.mixer {
-            MixerSpec::Attention { window } => LayerRepr { sliding_window: window, ffn: l.ffn },
+            MixerSpec::Attention { window } => {
+                LayerRepr { mixer: MixerKind::Attention, sliding_window: window, ffn: l.ffn }
+            }
+            MixerSpec::Linear => LayerRepr { mixer: MixerKind::Linear, sliding_window: None, ffn: l.ffn },
         }
     }
 }
@@ -438,6 +519,7 @@ impl Default for ModelConfig {
             rope: RopeSpec { theta: 10000.0, rotary_dim: head_dim, scaling: RopeScaling::None, interleaved: false },
             attention: AttentionSpec::default(),
             moe: None,
+            linear: None,
             layers: vec![LayerSpec { mixer: MixerSpec::FULL_ATTENTION, ffn: FfnSpec::Dense { ffn_dim: 11008 } }; 32],
             tie_embeddings: false,
             lm_head_bias: false,
@@ -619,9 +701,24 @@ impl ModelConfig {
         if [sc.embedding, sc.residual, sc.logits_divisor].iter().any(|v| !v.is_finite()) || sc.logits_divisor == 0.0 {
             return bad(format!("scales {sc:?} must be finite with a non-zero logits divisor"));
         }
+        if let Some(lin) = &self.linear {
+            let dims = [lin.k_heads, lin.v_heads, lin.k_head_dim, lin.v_head_dim, lin.conv_kernel];
+            if dims.iter().any(|&x| x == 0 || x > SIZE_LIMIT) {
+                return bad(format!("linear attention dimensions {lin:?} out of range (each must be >= 1)"));
+            }
+            if !lin.v_heads.is_multiple_of(lin.k_heads) {
+                return bad(format!(
+                    "linear attention: {} value heads are not a multiple of {} key heads",
+                    lin.v_heads, lin.k_heads
+                ));
+            }
+        }
         for (i, l) in self.layers.iter().enumerate() {
             if l.mixer.window() == Some(0) {
                 return bad(format!("layer {i}: sliding window of 0"));
+            }
+            if l.mixer == MixerSpec::Linear && self.linear.is_none() {
+                return bad(format!("layer {i} is a linear-attention layer but the config has no linear spec"));
             }
             match l.ffn {
                 FfnSpec::Dense { ffn_dim } => {

@@ -39,7 +39,20 @@ pub enum LayerState {
         /// Which positions are kept.
         rows: Rows,
     },
+    /// Linear attention: a fixed float32 state whatever the sequence's
+    /// length, the last `kernel − 1` inputs of the causal convolution and
+    /// one `[Dk, Dv]` matrix per value head.
+    Recurrent {
+        /// Convolution inputs kept: (kernel − 1) · channels.
+        conv: usize,
+        /// Recurrent-state values: Hv · Dk · Dv.
+        matrix: usize,
+    },
 }
+
+/// Bytes of one recurrent-state value: linear attention keeps its state in
+/// float32 whatever the KV cache's element type, as transformers does.
+pub const RECURRENT_VALUE_BYTES: usize = 4;
 
 impl LayerState {
     /// Cached values each new position adds.
@@ -47,12 +60,16 @@ impl LayerState {
         match *self {
             LayerState::Kv { heads, k_width, v_width, .. } => heads * (k_width + v_width),
             LayerState::Latent { width, .. } => width,
+            LayerState::Recurrent { .. } => 0,
         }
     }
 
-    /// Values kept per sequence whatever its length (none for the KV kinds).
-    pub fn values_per_sequence(&self) -> usize {
-        0
+    /// Bytes kept per sequence whatever its length (none for the KV kinds).
+    pub fn bytes_per_sequence(&self) -> usize {
+        match *self {
+            LayerState::Kv { .. } | LayerState::Latent { .. } => 0,
+            LayerState::Recurrent { conv, matrix } => (conv + matrix) * RECURRENT_VALUE_BYTES,
+        }
     }
 }
 
@@ -66,12 +83,13 @@ pub struct StateLayout {
 }
 
 impl StateLayout {
-    /// The layout of `cfg`'s layer states with `elem_bytes` bytes per cached value.
+    /// The layout of `cfg`'s layer states with `elem_bytes` bytes per cached
+    /// KV value (recurrent states are float32 whatever it is).
     pub fn new(cfg: &ModelConfig, elem_bytes: usize) -> StateLayout {
         let states = cfg.layer_states();
         StateLayout {
             bytes_per_token: states.iter().map(|s| s.values_per_token()).sum::<usize>() * elem_bytes,
-            bytes_per_sequence: states.iter().map(|s| s.values_per_sequence()).sum::<usize>() * elem_bytes,
+            bytes_per_sequence: states.iter().map(|s| s.bytes_per_sequence()).sum::<usize>(),
         }
     }
 
@@ -95,6 +113,13 @@ impl ModelConfig {
                         v_width: self.head_dim,
                         rows,
                     },
+                }
+            }
+            MixerSpec::Linear => {
+                let lin = self.linear.expect("validated: a linear layer has a linear spec");
+                LayerState::Recurrent {
+                    conv: (lin.conv_kernel - 1) * lin.conv_dim(),
+                    matrix: lin.v_heads * lin.k_head_dim * lin.v_head_dim,
                 }
             }
         }
@@ -158,6 +183,39 @@ mod tests {
         assert_eq!(cfg.layer_state(0), LayerState::Latent { width: 36, rows: Rows::Full });
         // 2 layers · (32 + 4) values · 2 bytes.
         assert_eq!(StateLayout::new(&cfg, 2), StateLayout { bytes_per_token: 144, bytes_per_sequence: 0 });
+    }
+
+    /// A hybrid model: attention layers grow per token, linear-attention
+    /// layers keep a fixed float32 state whatever the cache's element type.
+    #[test]
+    fn linear_layers_count_per_sequence_in_f32() {
+        use crate::canonical::config::{LinearKind, LinearSpec};
+        let mut ls = layers(&[None; 4]);
+        ls[0].mixer = MixerSpec::Linear;
+        ls[2].mixer = MixerSpec::Linear;
+        let cfg = ModelConfig {
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 8,
+            linear: Some(LinearSpec {
+                kind: LinearKind::GatedDeltaNet,
+                k_heads: 2,
+                v_heads: 4,
+                k_head_dim: 6,
+                v_head_dim: 5,
+                conv_kernel: 4,
+            }),
+            layers: ls,
+            ..Default::default()
+        };
+        cfg.validate().unwrap();
+        // conv: 3 · (2·12 + 20) = 132 values; matrices 4 · 6 · 5 = 120.
+        assert_eq!(cfg.layer_state(0), LayerState::Recurrent { conv: 132, matrix: 120 });
+        // Per token: 2 attention layers · 2 heads · 16 values; per sequence 2 · 252 f32 values.
+        for elem in [2, 4] {
+            let want = StateLayout { bytes_per_token: 2 * 2 * 16 * elem, bytes_per_sequence: 2 * 252 * 4 };
+            assert_eq!(StateLayout::new(&cfg, elem), want);
+        }
     }
 
     /// A sliding-window layer still keeps a row per position, so it counts per token.

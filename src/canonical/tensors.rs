@@ -6,7 +6,7 @@
 //!
 //! Matrices are `[out, in]`, row-major, one output per row (as `nn.Linear`).
 
-use super::config::{FfnSpec, ModelConfig, NormKind, QkNorm};
+use super::config::{FfnSpec, MixerSpec, ModelConfig, NormKind, QkNorm};
 
 /// Which tensor of a layer's attention or FFN.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -56,6 +56,29 @@ pub enum LayerTensor {
     WkB,
     /// MLA [H, Dv, R]: each head's value up-projection.
     WvB,
+    /// [H·Dh, D] the attention output gate (with `output_gate`).
+    Wg,
+    /// Linear attention [Hk·Dk, D] queries.
+    LinQ,
+    /// Linear attention [Hk·Dk, D] keys.
+    LinK,
+    /// Linear attention [Hv·Dv, D] values.
+    LinV,
+    /// Linear attention [Hv·Dv, D] the output norm's gate (`z`).
+    LinZ,
+    /// Linear attention [Hv, D] the update strength before its sigmoid (`b`).
+    LinB,
+    /// Linear attention [Hv, D] the decay's input (`a`).
+    LinA,
+    /// Linear attention [2·Hk·Dk + Hv·Dv, Kc] the depthwise convolution,
+    /// one row of taps per channel of queries, keys and values, oldest tap first.
+    LinConv,
+    /// Linear attention `[Hv]` log of the decay rate (`A_log`).
+    LinALog,
+    /// Linear attention `[Hv]` the decay's bias (`dt_bias`).
+    LinDtBias,
+    /// Linear attention `[Dv]` scale of the output RMSNorm (per value head).
+    LinNorm,
     /// Dense MLP [F, D]
     Gate,
     /// Dense MLP [F, D]
@@ -145,6 +168,17 @@ impl std::fmt::Display for TensorId {
                     L::WvB => "attn.wv_b",
                     L::RouterBias => "moe.router.bias",
                     L::RouterCorrection => "moe.router.correction",
+                    L::Wg => "attn.wg",
+                    L::LinQ => "linear.wq",
+                    L::LinK => "linear.wk",
+                    L::LinV => "linear.wv",
+                    L::LinZ => "linear.wz",
+                    L::LinB => "linear.wb",
+                    L::LinA => "linear.wa",
+                    L::LinConv => "linear.conv",
+                    L::LinALog => "linear.a_log",
+                    L::LinDtBias => "linear.dt_bias",
+                    L::LinNorm => "linear.norm",
                     L::Wq => "attn.wq",
                     L::Wk => "attn.wk",
                     L::Wv => "attn.wv",
@@ -262,8 +296,9 @@ impl TensorId {
             TensorId::Embed => Some(TensorClass::Embed),
             TensorId::LmHead => Some(TensorClass::LmHead),
             TensorId::Layer(_, t) => match t {
-                L::Wq | L::Wo | L::WqA | L::WqB => Some(TensorClass::Attention),
+                L::Wq | L::Wo | L::WqA | L::WqB | L::Wg => Some(TensorClass::Attention),
                 L::Wk | L::Wv | L::WkvA | L::WkB | L::WvB => Some(TensorClass::AttentionKv),
+                L::LinQ | L::LinK | L::LinV | L::LinZ => Some(TensorClass::Attention),
                 L::Gate | L::Up | L::Down => Some(TensorClass::Ffn),
                 L::SharedGate | L::SharedUp | L::SharedDown => Some(TensorClass::Shared),
                 _ => None,
@@ -315,50 +350,72 @@ pub fn tensor_plan(cfg: &ModelConfig) -> Vec<PlannedTensor> {
         if layer_norm {
             push(t(L::AttnNormBias), vec![d], Role::Small);
         }
-        match cfg.mla() {
-            None => {
-                push(t(L::Wq), vec![q, d], Role::Matrix);
-                push(t(L::Wk), vec![kv, d], Role::Matrix);
-                push(t(L::Wv), vec![kv, d], Role::Matrix);
-            }
-            Some(m) => {
-                match m.q_lora_rank {
-                    None => push(t(L::Wq), vec![q, d], Role::Matrix),
-                    Some(rq) => {
-                        push(t(L::WqA), vec![rq, d], Role::Matrix);
-                        push(t(L::QANorm), vec![rq], Role::Small);
-                        push(t(L::WqB), vec![q, rq], Role::Matrix);
+        match layer.mixer {
+            MixerSpec::Attention { .. } => {
+                match cfg.mla() {
+                    None => {
+                        push(t(L::Wq), vec![q, d], Role::Matrix);
+                        push(t(L::Wk), vec![kv, d], Role::Matrix);
+                        push(t(L::Wv), vec![kv, d], Role::Matrix);
+                    }
+                    Some(m) => {
+                        match m.q_lora_rank {
+                            None => push(t(L::Wq), vec![q, d], Role::Matrix),
+                            Some(rq) => {
+                                push(t(L::WqA), vec![rq, d], Role::Matrix);
+                                push(t(L::QANorm), vec![rq], Role::Small);
+                                push(t(L::WqB), vec![q, rq], Role::Matrix);
+                            }
+                        }
+                        let r = m.kv_lora_rank;
+                        push(t(L::WkvA), vec![r + m.qk_rope_dim, d], Role::Matrix);
+                        push(t(L::KvANorm), vec![r], Role::Small);
+                        push(t(L::WkB), vec![h, r, m.qk_nope_dim], Role::Matrix);
+                        push(t(L::WvB), vec![h, m.v_head_dim, r], Role::Matrix);
                     }
                 }
-                let r = m.kv_lora_rank;
-                push(t(L::WkvA), vec![r + m.qk_rope_dim, d], Role::Matrix);
-                push(t(L::KvANorm), vec![r], Role::Small);
-                push(t(L::WkB), vec![h, r, m.qk_nope_dim], Role::Matrix);
-                push(t(L::WvB), vec![h, m.v_head_dim, r], Role::Matrix);
+                push(t(L::Wo), vec![d, cfg.att_dim()], Role::Matrix);
+                if cfg.attention.output_gate {
+                    push(t(L::Wg), vec![q, d], Role::Matrix);
+                }
+                if cfg.attention.qkv_bias {
+                    push(t(L::Bq), vec![q], Role::Small);
+                    push(t(L::Bk), vec![kv], Role::Small);
+                    push(t(L::Bv), vec![kv], Role::Small);
+                }
+                if cfg.attention.o_bias {
+                    push(t(L::Bo), vec![d], Role::Small);
+                }
+                match cfg.attention.qk_norm {
+                    QkNorm::None => {}
+                    QkNorm::PerHead => {
+                        push(t(L::QNorm), vec![dh], Role::Small);
+                        push(t(L::KNorm), vec![dh], Role::Small);
+                    }
+                    QkNorm::Full => {
+                        push(t(L::QNorm), vec![q], Role::Small);
+                        push(t(L::KNorm), vec![kv], Role::Small);
+                    }
+                }
+                if cfg.attention.sinks {
+                    push(t(L::Sinks), vec![h], Role::Small);
+                }
             }
-        }
-        push(t(L::Wo), vec![d, cfg.att_dim()], Role::Matrix);
-        if cfg.attention.qkv_bias {
-            push(t(L::Bq), vec![q], Role::Small);
-            push(t(L::Bk), vec![kv], Role::Small);
-            push(t(L::Bv), vec![kv], Role::Small);
-        }
-        if cfg.attention.o_bias {
-            push(t(L::Bo), vec![d], Role::Small);
-        }
-        match cfg.attention.qk_norm {
-            QkNorm::None => {}
-            QkNorm::PerHead => {
-                push(t(L::QNorm), vec![dh], Role::Small);
-                push(t(L::KNorm), vec![dh], Role::Small);
+            MixerSpec::Linear => {
+                let lin = cfg.linear.expect("validated: a linear layer has a linear spec");
+                let (hv, kd, vd) = (lin.v_heads, lin.key_dim(), lin.value_dim());
+                push(t(L::LinQ), vec![kd, d], Role::Matrix);
+                push(t(L::LinK), vec![kd, d], Role::Matrix);
+                push(t(L::LinV), vec![vd, d], Role::Matrix);
+                push(t(L::LinZ), vec![vd, d], Role::Matrix);
+                push(t(L::LinB), vec![hv, d], Role::Small);
+                push(t(L::LinA), vec![hv, d], Role::Small);
+                push(t(L::LinConv), vec![lin.conv_dim(), lin.conv_kernel], Role::Small);
+                push(t(L::LinALog), vec![hv], Role::Small);
+                push(t(L::LinDtBias), vec![hv], Role::Small);
+                push(t(L::LinNorm), vec![lin.v_head_dim], Role::Small);
+                push(t(L::Wo), vec![d, vd], Role::Matrix);
             }
-            QkNorm::Full => {
-                push(t(L::QNorm), vec![q], Role::Small);
-                push(t(L::KNorm), vec![kv], Role::Small);
-            }
-        }
-        if cfg.attention.sinks {
-            push(t(L::Sinks), vec![h], Role::Small);
         }
         push(t(L::FfnNorm), vec![d], Role::Small);
         if layer_norm {

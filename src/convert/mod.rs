@@ -267,6 +267,7 @@ fn derived_shape(s: &Source, shape: &[usize]) -> std::result::Result<Vec<usize>,
         }
         shape.remove(0);
     }
+    let mut shape = squeeze_middle(shape);
     if s.transpose || s.rows.is_some() || s.transpose_blocks {
         // A vector takes row picks as a column (e.g. half of a stacked gate/up bias).
         let vector = shape.len() == 1 && !s.transpose && !s.transpose_blocks;
@@ -301,6 +302,10 @@ fn materialize<'a>(ck: &'a Checkpoint, s: &Source, t: &SrcTensor) -> Result<(DTy
         return Ok((d, Cow::Borrowed(b)));
     }
     let (shape, mut v) = ck.decode_f32(&s.name, t, s.index)?;
+    let shape = squeeze_middle(shape);
+    if s.add_one {
+        v.iter_mut().for_each(|x| *x += 1.0);
+    }
     if s.transpose || s.rows.is_some() || s.transpose_blocks {
         let (mut r, mut c) = (shape[0], shape.get(1).copied().unwrap_or(1));
         if s.transpose {
@@ -325,6 +330,15 @@ fn materialize<'a>(ck: &'a Checkpoint, s: &Source, t: &SrcTensor) -> Result<(DTy
         debug_assert_eq!(v.len(), r * c);
     }
     Ok((DType::F32, Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect())))
+}
+
+/// `[r, 1, c]` → `[r, c]`: a depthwise convolution's `[channels, 1, taps]`
+/// weight is a matrix of taps per channel.
+fn squeeze_middle(shape: Vec<usize>) -> Vec<usize> {
+    match shape[..] {
+        [r, 1, c] => vec![r, c],
+        _ => shape,
+    }
 }
 
 /// `[r, c]` → `[c, r]`.
@@ -380,7 +394,7 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
     let mut sources: Vec<(&_, Source, &SrcTensor)> = Vec::with_capacity(plan.len());
     let mut missing = Vec::new();
     for p in &plan {
-        let s = (arch.source)(&hf, &cfg, p.id);
+        let s = (arch.source)(&hf, &cfg, p.id).resolve(|n| ck.get(n).is_some());
         match ck.get(&s.name) {
             None => missing.push(format!("{} (shape {:?})", s.name, p.shape)),
             Some(t) => {

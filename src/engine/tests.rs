@@ -29,8 +29,12 @@ fn ids(n: usize) -> Vec<u32> {
 #[test]
 fn prefill_then_decode_equals_one_full_forward() {
     let frontier = crate::synth::frontier_config();
-    let cases =
-        DType::ALL.map(|dt| (dt, config_for(dt))).into_iter().chain(DType::ALL.map(|dt| (dt, frontier.clone())));
+    let hybrid = crate::synth::hybrid_config();
+    let cases = DType::ALL
+        .map(|dt| (dt, config_for(dt)))
+        .into_iter()
+        .chain(DType::ALL.map(|dt| (dt, frontier.clone())))
+        .chain(DType::ALL.map(|dt| (dt, hybrid.clone())));
     for (dt, cfg) in cases {
         let (_d, e) = engine_with(&cfg, dt, 2);
         let toks = ids(29);
@@ -92,22 +96,54 @@ fn truncating_and_feeding_again_equals_a_plain_prefill() {
 
 #[test]
 fn chunked_prefill_equals_single_pass() {
-    let (_d, e) = engine(DType::F32, 2);
-    let toks = ids(40);
-    let v = e.model().config.vocab_size;
-    let want = e.logits(&toks, &never).unwrap();
-    for chunk in [1, 3, 7, 40] {
-        let mut s = session::Session::new(e.model(), toks.len(), chunk);
-        let mut got = vec![0.0; toks.len() * v];
-        forward(e.model(), &mut s, &toks, Capture { logits: Some(&mut got), hidden: None }, None, &never).unwrap();
-        assert_eq!(got, want, "chunk size {chunk}");
+    for (cfg, dt) in [(config_for(DType::F32), DType::F32), (crate::synth::hybrid_config(), DType::Q8_0)] {
+        let (_d, e) = engine_with(&cfg, dt, 2);
+        let toks = ids(40);
+        let v = e.model().config.vocab_size;
+        let want = e.logits(&toks, &never).unwrap();
+        for chunk in [1, 3, 7, 40] {
+            let mut s = session::Session::new(e.model(), toks.len(), chunk);
+            let mut got = vec![0.0; toks.len() * v];
+            forward(e.model(), &mut s, &toks, Capture { logits: Some(&mut got), hidden: None }, None, &never).unwrap();
+            assert_eq!(got, want, "{dt} chunk size {chunk}");
+        }
     }
+}
+
+/// A linear-attention model rolls back only to its start (the recurrent
+/// state keeps no per-position history), and a sequence that starts again
+/// from 0 starts from the zero state: the same logits as a fresh session.
+#[test]
+fn a_hybrid_sequence_goes_back_only_to_its_start() {
+    let (_d, e) = engine_with(&crate::synth::hybrid_config(), DType::F32, 2);
+    let toks = ids(12);
+    let want = e.logits(&toks, &never).unwrap();
+    let mut s = e.session(16);
+    e.run(&mut s, &toks[..7], Capture::default(), &never).unwrap();
+    assert!(matches!(s.truncate(3), Err(Error::InvalidInput(_))));
+    assert_eq!(s.pos(), 7);
+    s.truncate(7).unwrap();
+    s.truncate(0).unwrap();
+    let mut got = vec![0.0; want.len()];
+    e.run(&mut s, &toks, Capture { logits: Some(&mut got), hidden: None }, &never).unwrap();
+    assert_eq!(got, want);
+    s.reset();
+    e.run(&mut s, &toks[..5], Capture::default(), &never).unwrap();
+    let v = e.model().config.vocab_size;
+    assert_eq!(s.seq.logits, want[4 * v..5 * v]);
 }
 
 #[test]
 fn thread_count_does_not_change_a_single_bit() {
     let toks = ids(23);
-    for (cfg, dt) in [(crate::synth::frontier_config(), DType::Q4_1), (crate::synth::frontier_config(), DType::F32)] {
+    let hybrid = crate::synth::hybrid_config();
+    let cases = [
+        (crate::synth::frontier_config(), DType::Q4_1),
+        (crate::synth::frontier_config(), DType::F32),
+        (hybrid.clone(), DType::F32),
+        (hybrid, DType::Q4_0),
+    ];
+    for (cfg, dt) in cases {
         let (_a, one) = engine_with(&cfg, dt, 1);
         let (_b, three) = engine_with(&cfg, dt, 3);
         assert_eq!(three.logits(&toks, &never).unwrap(), one.logits(&toks, &never).unwrap(), "frontier {dt}");
@@ -341,8 +377,12 @@ fn a_batch_of_sequences_gives_each_the_bits_it_gets_alone() {
     use crate::model::forward::{Segment, forward_batch};
     use session::{Sequence, Workspace};
     let frontier = crate::synth::frontier_config();
-    let cases =
-        DType::ALL.map(|dt| (dt, config_for(dt))).into_iter().chain(DType::ALL.map(|dt| (dt, frontier.clone())));
+    let hybrid = crate::synth::hybrid_config();
+    let cases = DType::ALL
+        .map(|dt| (dt, config_for(dt)))
+        .into_iter()
+        .chain(DType::ALL.map(|dt| (dt, frontier.clone())))
+        .chain(DType::ALL.map(|dt| (dt, hybrid.clone())));
     for (dt, cfg) in cases {
         let (_d, e) = engine_with(&cfg, dt, 2);
         let m = e.model();

@@ -14,7 +14,8 @@
 //! a prompt is a few batched passes, decoding is a pass of one token.
 
 use super::blocks::attention::{Heads, attend};
-use super::blocks::ffn::{MlpScratch, add_bias, gated_mlp};
+use super::blocks::delta::{Delta, DeltaRefs};
+use super::blocks::ffn::{MlpScratch, add_bias, gated_mlp, sigmoid};
 use super::blocks::gqa::Gqa;
 use super::blocks::mla::{Mla, MlaQ};
 use super::blocks::moe::{MoeBlock, MoeLayer, moe_block, predict};
@@ -286,7 +287,8 @@ fn attention(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n
         QkvRefs::Gqa { wq, wk, wv } => {
             let (qd, kvd) = (c.q_dim(), c.kv_dim());
             let (q, k, v) = (&mut s.q[..n * qd], &mut s.k[..n * kvd], &mut s.v[..n * kvd]);
-            gqa(model, lw, [wq, wk, wv]).project(xn, &mut s.xq, cos, sin, q, k, v); // q: [T, H·Dh], k, v: [T, Hkv·Dh]
+            let gate = &mut s.gate[..if lw.wg.is_some() { n * qd } else { 0 }];
+            gqa(model, lw, [wq, wk, wv]).project(xn, &mut s.xq, cos, sin, q, k, v, gate); // q: [T, H·Dh], k, v: [T, Hkv·Dh]
             let heads = Heads { h, hkv: c.num_kv_heads, dk: dh, dv: dh, window, scale, sinks };
             let (q, k, v) = (&s.q, &s.k, &s.v);
             let (att, order) = (&mut s.att[..n * ad], &mut s.att_order[..n * ad]);
@@ -297,6 +299,14 @@ fn attention(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n
                 cache.store(pos0, &k[r.start * kvd..r.end * kvd], &v[r.start * kvd..r.end * kvd]);
                 attend(&q[r.start * qd..r.end * qd], cache.view(pos0 + m), pos0, heads, order, att); // [m, H·Dh]
             });
+            if lw.wg.is_some() {
+                // att · sigmoid(gate), before the output projection.
+                s.att[..n * ad].iter_mut().zip(&s.gate[..n * qd]).for_each(|(a, &g)| *a *= sigmoid(g));
+            }
+        }
+        QkvRefs::Delta(refs) => {
+            linear_attention(model, l, refs, s, segs, n);
+            return;
         }
         QkvRefs::Mla { q, wkv_a, kv_a_norm, wk_b, wv_b } => {
             let block = mla(model, q, wkv_a, kv_a_norm, wk_b, wv_b);
@@ -326,6 +336,43 @@ fn attention(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n
     }
 }
 
+/// `proj = W_o · delta_rule(xn)`: a linear-attention layer over each
+/// sequence's recurrent state.
+fn linear_attention(model: &Model, l: usize, refs: DeltaRefs, s: &mut Workspace, segs: &mut [Segment], n: usize) {
+    let c = &model.config;
+    let d = c.hidden_size;
+    let block = Delta {
+        wq: model.mat(refs.wq),
+        wk: model.mat(refs.wk),
+        wv: model.mat(refs.wv),
+        wz: model.mat(refs.wz),
+        wb: model.mat(refs.wb),
+        wa: model.mat(refs.wa),
+        conv: model.vec(refs.conv),
+        a_log: model.vec(refs.a_log),
+        dt_bias: model.vec(refs.dt_bias),
+        norm: model.vec(refs.norm),
+        spec: c.linear.expect("validated: a linear layer has a linear spec"),
+        eps: c.norm.eps,
+    };
+    block.project(&s.xn[..n * d], &mut s.xq, &mut s.delta); // q | k | v, z, b, a
+    // The convolution of every sequence first (cheap, serial), then the rule
+    // of each sequence side by side, its value heads in parallel inside.
+    let mut r0 = 0;
+    for g in segs.iter_mut() {
+        let m = g.tokens.len();
+        block.conv(&mut s.delta, n, r0, m, g.seq.pos, g.seq.delta(l));
+        r0 += m;
+    }
+    let vd = block.spec.value_dim();
+    let (rows, by_head, out) = s.delta.split(n);
+    each_segment(segs, 0, vd, out, by_head, &|r0, g, out, by_head| {
+        block.rule(&rows, r0, g.seq.delta(l), by_head, out); // [m, Hv·Dv]
+    });
+    let wo = model.mat(model.layers[l].wo);
+    matmul(&wo, &s.xq.prepare(s.delta.out(n), vd), &mut s.proj[..n * d]); // [T, D]
+}
+
 /// Layer `lw`'s GQA projections.
 fn gqa<'a>(model: &'a Model, lw: &LayerRefs, [wq, wk, wv]: [TensorRef; 3]) -> Gqa<'a> {
     let c = &model.config;
@@ -335,6 +382,7 @@ fn gqa<'a>(model: &'a Model, lw: &LayerRefs, [wq, wk, wv]: [TensorRef; 3]) -> Gq
         wq: model.mat(wq),
         wk: model.mat(wk),
         wv: model.mat(wv),
+        wg: lw.wg.map(|t| model.mat(t)),
         bias: lw.qkv_bias.map(|b| b.map(|t| model.vec(t))),
         qk_norm,
         eps: c.norm.eps,

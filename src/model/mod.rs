@@ -13,11 +13,12 @@ pub mod weights;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::canonical::config::{self, FfnSpec, ModelConfig};
+use crate::canonical::config::{self, FfnSpec, MixerSpec, ModelConfig};
 use crate::canonical::tensors::{LayerTensor as L, TensorId};
 use crate::error::Result;
 use crate::format::reader::ColibriFile;
 use crate::kernels::Matrix;
+use blocks::delta::DeltaRefs;
 use store::telemetry::Telemetry;
 use store::{DenseCopy, ExpertStore, HeatState, RoutingStats, StoreOptions, StoreStats, WeightsBacking};
 use weights::{TensorRef, matrix, tensor_ref};
@@ -88,6 +89,8 @@ pub enum QkvRefs {
         /// [H·Dv, R] per-head value up-projections.
         wv_b: TensorRef,
     },
+    /// Linear attention by the gated delta rule (its output projection is `wo`).
+    Delta(DeltaRefs),
 }
 
 /// The query path of MLA.
@@ -116,6 +119,8 @@ pub struct LayerRefs {
     pub qk_norm: Option<[TensorRef; 2]>,
     /// `[H]` attention sink logits.
     pub sinks: Option<TensorRef>,
+    /// [H·Dh, D] the attention output gate.
+    pub wg: Option<TensorRef>,
     /// Norm before the FFN.
     pub ffn_norm: NormRefs,
     /// Dense MLP or MoE.
@@ -209,7 +214,20 @@ impl Model {
                     shared_gate: has_shared.filter(|s| s.sigmoid_gate).map(|_| t(L::SharedExpertGate)).transpose()?,
                 },
             };
+            let attends = spec.mixer != MixerSpec::Linear;
             let qkv = match cfg.mla() {
+                _ if !attends => QkvRefs::Delta(DeltaRefs {
+                    wq: t(L::LinQ)?,
+                    wk: t(L::LinK)?,
+                    wv: t(L::LinV)?,
+                    wz: t(L::LinZ)?,
+                    wb: t(L::LinB)?,
+                    wa: t(L::LinA)?,
+                    conv: t(L::LinConv)?,
+                    a_log: t(L::LinALog)?,
+                    dt_bias: t(L::LinDtBias)?,
+                    norm: t(L::LinNorm)?,
+                }),
                 None => QkvRefs::Gqa { wq: t(L::Wq)?, wk: t(L::Wk)?, wv: t(L::Wv)? },
                 Some(m) => QkvRefs::Mla {
                     q: match m.q_lora_rank {
@@ -226,13 +244,19 @@ impl Model {
                 attn_norm: norm(L::AttnNorm, L::AttnNormBias)?,
                 qkv,
                 wo: t(L::Wo)?,
-                qkv_bias: if cfg.attention.qkv_bias { Some([t(L::Bq)?, t(L::Bk)?, t(L::Bv)?]) } else { None },
-                o_bias: opt(cfg.attention.o_bias, L::Bo)?,
+                qkv_bias: if attends && cfg.attention.qkv_bias {
+                    Some([t(L::Bq)?, t(L::Bk)?, t(L::Bv)?])
+                } else {
+                    None
+                },
+                o_bias: opt(attends && cfg.attention.o_bias, L::Bo)?,
                 qk_norm: match cfg.attention.qk_norm {
+                    _ if !attends => None,
                     config::QkNorm::None => None,
                     _ => Some([t(L::QNorm)?, t(L::KNorm)?]),
                 },
-                sinks: opt(cfg.attention.sinks, L::Sinks)?,
+                sinks: opt(attends && cfg.attention.sinks, L::Sinks)?,
+                wg: opt(attends && cfg.attention.output_gate, L::Wg)?,
                 ffn_norm: norm(L::FfnNorm, L::FfnNormBias)?,
                 ffn,
             });

@@ -2,11 +2,12 @@
 //! once at creation so the forward pass never allocates. It lives beside the
 //! model (the engine wraps it) because the forward pass is its only user.
 
-use crate::canonical::config::FfnSpec;
+use crate::canonical::config::{FfnSpec, ModelConfig};
 use crate::canonical::state::LayerState;
 use crate::error::{Error, Result};
 use crate::model::Model;
 use crate::model::blocks::attention::KvView;
+use crate::model::blocks::delta::{DeltaScratch, DeltaState};
 use crate::model::blocks::mla::MlaScratch;
 use crate::model::blocks::moe::MoeScratch;
 use crate::model::blocks::{Inputs, q8_blocks};
@@ -77,7 +78,7 @@ impl Sequence {
     pub fn new(model: &Model, max_seq: usize, kv_dtype: DType) -> Sequence {
         let c = &model.config;
         let max_seq = max_seq.clamp(1, c.max_seq_len);
-        let layers = c.layer_states().into_iter().map(|st| LayerCache::new(st, kv_dtype, max_seq)).collect();
+        let layers = c.layer_states().into_iter().map(|st| LayerCache::new(c, st, kv_dtype, max_seq)).collect();
         Sequence { max_seq, pos: 0, layers, logits: vec![0.0; c.vocab_size] }
     }
 
@@ -87,6 +88,15 @@ impl Sequence {
     pub fn kv(&mut self, l: usize) -> &mut KvCache {
         match &mut self.layers[l] {
             LayerCache::Kv(cache) => cache,
+            LayerCache::Delta(_) => panic!("layer {l} is a linear-attention layer: it keeps no KV cache"),
+        }
+    }
+
+    /// Layer `l`'s linear-attention state.
+    pub fn delta(&mut self, l: usize) -> &mut DeltaState {
+        match &mut self.layers[l] {
+            LayerCache::Delta(state) => state,
+            LayerCache::Kv(_) => panic!("layer {l} is an attention layer: it keeps no recurrent state"),
         }
     }
 }
@@ -96,6 +106,9 @@ impl Sequence {
     /// goes to position `pos` (how speculative decoding drops rejected
     /// tokens). A KV layer only moves back its position: the rows past it are
     /// overwritten before any query reads them, as positions fill again.
+    /// A linear-attention layer's state holds no per-position history, so
+    /// such a model goes back only to the start (its next pass begins from
+    /// the zero state) or nowhere; anything else is an error.
     /// `logits` keeps the last processed token's row until the next pass.
     pub fn truncate(&mut self, pos: usize) -> Result<()> {
         if pos > self.pos {
@@ -107,6 +120,14 @@ impl Sequence {
         for layer in &mut self.layers {
             match layer {
                 LayerCache::Kv(_) => {}
+                LayerCache::Delta(_) if pos == 0 || pos == self.pos => {}
+                LayerCache::Delta(_) => {
+                    return Err(Error::InvalidInput(format!(
+                        "cannot truncate a sequence of {} tokens to {pos}: its linear-attention layers keep \
+                         a running state without per-position history (only 0 or {} are possible)",
+                        self.pos, self.pos
+                    )));
+                }
             }
         }
         self.pos = pos;
@@ -118,23 +139,29 @@ impl Sequence {
 enum LayerCache {
     /// Keys and values (or MLA's latent) of every position.
     Kv(KvCache),
+    /// A linear-attention layer's convolution inputs and recurrent matrices.
+    Delta(DeltaState),
 }
 
 impl LayerCache {
     /// The empty state of `state`'s kind for up to `max_seq` positions.
-    fn new(state: LayerState, kv_dtype: DType, max_seq: usize) -> LayerCache {
-        let (heads, k_width, v_width) = cache_shape(state);
-        LayerCache::Kv(KvCache::new(kv_dtype, max_seq, heads, k_width, v_width))
+    fn new(c: &ModelConfig, state: LayerState, kv_dtype: DType, max_seq: usize) -> LayerCache {
+        match cache_shape(state) {
+            Some((heads, k_width, v_width)) => LayerCache::Kv(KvCache::new(kv_dtype, max_seq, heads, k_width, v_width)),
+            None => LayerCache::Delta(DeltaState::new(c.linear.as_ref().expect("a recurrent state has a linear spec"))),
+        }
     }
 }
 
-/// A layer state's cache shape: (heads, key values, value values) per
-/// position over all heads. MLA's latent is one head whose values are read
-/// from its key rows, so it stores no separate values.
-fn cache_shape(state: LayerState) -> (usize, usize, usize) {
+/// A KV layer state's cache shape: (heads, key values, value values) per
+/// position over all heads (`None` for a recurrent state). MLA's latent is
+/// one head whose values are read from its key rows, so it stores no
+/// separate values.
+fn cache_shape(state: LayerState) -> Option<(usize, usize, usize)> {
     match state {
-        LayerState::Kv { heads, k_width, v_width, .. } => (heads, heads * k_width, heads * v_width),
-        LayerState::Latent { width, .. } => (1, width, 0),
+        LayerState::Kv { heads, k_width, v_width, .. } => Some((heads, heads * k_width, heads * v_width)),
+        LayerState::Latent { width, .. } => Some((1, width, 0)),
+        LayerState::Recurrent { .. } => None,
     }
 }
 
@@ -163,6 +190,10 @@ pub struct Workspace {
     pub att_order: Vec<f32>,
     /// MLA buffers (empty for GQA).
     pub mla: MlaScratch,
+    /// Linear-attention buffers (empty when every layer attends).
+    pub delta: DeltaScratch,
+    /// [C, H·Dh] attention output gates (empty without them).
+    pub gate: Vec<f32>,
     /// [C, D] block output before the residual add.
     pub proj: Vec<f32>,
     /// [C, D] shared expert output.
@@ -197,7 +228,8 @@ impl Workspace {
         let logit_rows = logit_rows.clamp(1, chunk);
         let quantize = model.has_block_weights();
         let (d, kv) = (c.hidden_size, c.kv_dim());
-        let k_width = c.layer_states().into_iter().map(|st| cache_shape(st).1).max().unwrap_or(0);
+        let k_width = c.layer_states().into_iter().filter_map(|st| cache_shape(st).map(|s| s.1)).max().unwrap_or(0);
+        let linear_out = c.linear.as_ref().map_or(0, |l| l.value_dim());
         let mut fmax = 1;
         for layer in &c.layers {
             if let FfnSpec::Dense { ffn_dim } = layer.ffn {
@@ -225,11 +257,13 @@ impl Workspace {
             att: vec![0.0; chunk * c.att_dim()],
             att_order: vec![0.0; chunk * c.att_dim().max(c.num_heads * c.mla().map_or(0, |m| m.kv_lora_rank))],
             mla: MlaScratch::new(c, chunk, quantize),
+            delta: DeltaScratch::new(c.linear.as_ref(), chunk),
+            gate: vec![0.0; if c.attention.output_gate { chunk * c.q_dim() } else { 0 }],
             proj: vec![0.0; chunk * d],
             shared: vec![0.0; chunk * d],
             g: vec![0.0; chunk * fmax],
             u: vec![0.0; chunk * fmax],
-            xq: Inputs::new(quantize, chunk * d.max(c.q_dim()).max(c.att_dim())),
+            xq: Inputs::new(quantize, chunk * d.max(c.q_dim()).max(c.att_dim()).max(linear_out)),
             hq: vec![BlockQ8::default(); q8_blocks(chunk * fmax)],
             cos: vec![0.0; chunk * half],
             sin: vec![0.0; chunk * half],

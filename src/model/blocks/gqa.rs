@@ -4,6 +4,7 @@
 //!
 //! ```text
 //! q, k, v = Wq·x + bq, Wk·x + bk, Wv·x + bv    [T, H·Dh], [T, Hkv·Dh] ×2 (biases if any)
+//! gate = Wg·x                                   [T, H·Dh] (if the layer gates its output)
 //! q, k = norm(q), norm(k)                       per head or over the whole row (if any)
 //! q, k, v = clip(q), clip(k), clip(v)           (if the model clips)
 //! q, k = rope(q), rope(k)                       every head
@@ -23,6 +24,8 @@ pub struct Gqa<'a> {
     pub wk: Matrix<'a>,
     /// [Hkv·Dh, D]
     pub wv: Matrix<'a>,
+    /// [H·Dh, D] the output gate, if the model has one.
+    pub wg: Option<Matrix<'a>>,
     /// `[H·Dh]`, `[Hkv·Dh]`, `[Hkv·Dh]` q, k and v biases.
     pub bias: Option<[&'a [f32]; 3]>,
     /// RMSNorm weights of q and k: `[Dh]` each per head, or whole rows.
@@ -39,7 +42,8 @@ pub struct Gqa<'a> {
 
 impl Gqa<'_> {
     /// q, k, v of the T rows of `x` ([T, D]), with the RoPE angles of their
-    /// positions (`cos`, `sin`: [T, R/2]).
+    /// positions (`cos`, `sin`: [T, R/2]), and the output gate's
+    /// pre-activations into `gate` ([T, H·Dh]) when the layer has one.
     #[allow(clippy::too_many_arguments)]
     pub fn project(
         &self,
@@ -50,12 +54,19 @@ impl Gqa<'_> {
         q: &mut [f32],
         k: &mut [f32],
         v: &mut [f32],
+        gate: &mut [f32],
     ) {
         let (d, qd, kvd, dh) = (self.wq.cols, self.wq.rows, self.wk.rows, self.dh);
         let n = x.len() / d;
         let half = cos.len() / n.max(1);
-        let inp = inputs.prepare(x, d); // quantised once for q, k and v
-        matmul_many(&mut [(self.wq, &mut *q), (self.wk, &mut *k), (self.wv, &mut *v)], &inp); // [T, H·Dh], [T, Hkv·Dh] ×2
+        let inp = inputs.prepare(x, d); // quantised once for q, k, v and the gate
+        match self.wg {
+            // [T, H·Dh], [T, Hkv·Dh] ×2, [T, H·Dh]
+            Some(wg) => {
+                matmul_many(&mut [(self.wq, &mut *q), (self.wk, &mut *k), (self.wv, &mut *v), (wg, gate)], &inp)
+            }
+            None => matmul_many(&mut [(self.wq, &mut *q), (self.wk, &mut *k), (self.wv, &mut *v)], &inp),
+        }
         if let Some([bq, bk, bv]) = self.bias {
             add_bias(q, bq);
             add_bias(k, bk);

@@ -1,0 +1,324 @@
+//! Linear attention by the gated delta rule (Gated DeltaNet: Qwen3-Next,
+//! Qwen3.5): instead of a cache that grows by a row per token, each value
+//! head keeps one float32 `[Dk, Dv]` matrix S per sequence, and the layer's
+//! short causal convolution keeps its last `Kc − 1` inputs.
+//!
+//! ```text
+//! q, k, v, z = Wq·x, Wk·x, Wv·x, Wz·x                 [T, Hk·Dk] ×2, [T, Hv·Dv] ×2
+//! b, a = Wb·x, Wa·x                                   [T, Hv] each
+//! q, k, v = silu(conv(q, k, v))                       depthwise, causal, over the last Kc inputs
+//! per value head h (its key head h / (Hv/Hk)) and token t, in order:
+//!     q, k = l2norm(q)·Dk^-½, l2norm(k)
+//!     β = sigmoid(b),  decay = exp(−exp(A_log)·softplus(a + dt_bias))
+//!     S = decay·S;  S += k ⊗ (v − Sᵀk)·β;  o = Sᵀq      (`kernels::delta_fn`)
+//! o = rmsnorm(o per head)·w · silu(z)                [T, Hv·Dv]
+//! proj = Wo·o                                         [T, D]
+//! ```
+//!
+//! Prefill and decode both run the recurrence token by token. transformers
+//! computes prefill in a chunked form instead (algebraically equal, rounded
+//! differently: its logits differ from its own token-by-token decode by
+//! about 1e-6); the recurrence is a few percent of a layer's arithmetic at
+//! Qwen3.6's width, and one form means a prompt fed at once and token by
+//! token give the same bits, whatever the chunking.
+
+use rayon::prelude::*;
+
+use super::Inputs;
+use super::ffn::{sigmoid, silu};
+use crate::canonical::config::LinearSpec;
+use crate::kernels::{Input, Matrix, matmul_many};
+use crate::model::weights::TensorRef;
+
+/// One linear-attention layer's tensors in the file.
+#[derive(Clone, Copy, Debug)]
+pub struct DeltaRefs {
+    /// [Hk·Dk, D] queries.
+    pub wq: TensorRef,
+    /// [Hk·Dk, D] keys.
+    pub wk: TensorRef,
+    /// [Hv·Dv, D] values.
+    pub wv: TensorRef,
+    /// [Hv·Dv, D] the output gate's input `z`.
+    pub wz: TensorRef,
+    /// [Hv, D] update strengths before their sigmoid (f32).
+    pub wb: TensorRef,
+    /// [Hv, D] the decays' input (f32).
+    pub wa: TensorRef,
+    /// [2·Hk·Dk + Hv·Dv, Kc] convolution taps, oldest first (f32).
+    pub conv: TensorRef,
+    /// `[Hv]` A_log.
+    pub a_log: TensorRef,
+    /// `[Hv]` dt_bias.
+    pub dt_bias: TensorRef,
+    /// `[Dv]` output RMSNorm scale.
+    pub norm: TensorRef,
+}
+
+/// One linear-attention layer's weights, as views.
+pub struct Delta<'a> {
+    /// [Hk·Dk, D]
+    pub wq: Matrix<'a>,
+    /// [Hk·Dk, D]
+    pub wk: Matrix<'a>,
+    /// [Hv·Dv, D]
+    pub wv: Matrix<'a>,
+    /// [Hv·Dv, D]
+    pub wz: Matrix<'a>,
+    /// [Hv, D]
+    pub wb: Matrix<'a>,
+    /// [Hv, D]
+    pub wa: Matrix<'a>,
+    /// [C, Kc] convolution taps over the channels q | k | v.
+    pub conv: &'a [f32],
+    /// `[Hv]`
+    pub a_log: &'a [f32],
+    /// `[Hv]`
+    pub dt_bias: &'a [f32],
+    /// `[Dv]`
+    pub norm: &'a [f32],
+    /// The layer's shape.
+    pub spec: LinearSpec,
+    /// Epsilon of the output RMSNorm.
+    pub eps: f32,
+}
+
+/// What one linear-attention layer keeps for a sequence: fixed in size.
+/// Zero at position 0; [`Delta::mix`] clears it when a sequence starts
+/// again from position 0 (a reset or a truncation to nothing), so no other
+/// code has to.
+pub struct DeltaState {
+    /// [Kc − 1, C] the last inputs of the convolution, oldest first.
+    conv: Vec<f32>,
+    /// [Hv, Dk, Dv] each value head's matrix.
+    s: Vec<f32>,
+}
+
+impl DeltaState {
+    /// The zero state of a layer of `spec`'s shape.
+    pub fn new(spec: &LinearSpec) -> DeltaState {
+        DeltaState {
+            conv: vec![0.0; (spec.conv_kernel - 1) * spec.conv_dim()],
+            s: vec![0.0; spec.v_heads * spec.k_head_dim * spec.v_head_dim],
+        }
+    }
+
+    fn clear(&mut self) {
+        self.conv.fill(0.0);
+        self.s.fill(0.0);
+    }
+}
+
+/// Buffers of the linear-attention layers for up to C tokens (empty when
+/// the model has none).
+#[derive(Default)]
+pub struct DeltaScratch {
+    conv_dim: usize,
+    value_dim: usize,
+    v_heads: usize,
+    /// [C, C_conv] projected q | k | v, before the convolution.
+    raw: Vec<f32>,
+    /// [C, C_conv] after the convolution and SiLU.
+    mixed: Vec<f32>,
+    /// [C, Hv·Dv] output gates.
+    z: Vec<f32>,
+    /// [C, Hv] update strengths.
+    b: Vec<f32>,
+    /// [C, Hv] decay inputs.
+    a: Vec<f32>,
+    /// [Hv, C, Dv] the rule's outputs, head by head (each head's thread
+    /// writes its own rows).
+    by_head: Vec<f32>,
+    /// [C, Hv·Dv] the gated, normed output: the output projection's input.
+    out: Vec<f32>,
+}
+
+impl DeltaScratch {
+    /// Buffers for up to `chunk` tokens of layers of `spec`'s shape.
+    pub fn new(spec: Option<&LinearSpec>, chunk: usize) -> DeltaScratch {
+        let Some(s) = spec else { return DeltaScratch::default() };
+        let (c, vd, hv) = (s.conv_dim(), s.value_dim(), s.v_heads);
+        DeltaScratch {
+            conv_dim: c,
+            value_dim: vd,
+            v_heads: hv,
+            raw: vec![0.0; chunk * c],
+            mixed: vec![0.0; chunk * c],
+            z: vec![0.0; chunk * vd],
+            b: vec![0.0; chunk * hv],
+            a: vec![0.0; chunk * hv],
+            by_head: vec![0.0; chunk * vd],
+            out: vec![0.0; chunk * vd],
+        }
+    }
+}
+
+/// The projections of a chunk after the convolution: what the rule and the
+/// output gate read, shared by every sequence of the chunk.
+pub struct DeltaRows<'a> {
+    /// [n, C] q | k | v per row, after the convolution and SiLU.
+    mixed: &'a [f32],
+    /// [n, Hv·Dv]
+    z: &'a [f32],
+    /// [n, Hv]
+    b: &'a [f32],
+    /// [n, Hv]
+    a: &'a [f32],
+}
+
+impl DeltaScratch {
+    /// The chunk's `n` rows as the rule reads them, and the rule's two
+    /// output buffers (`by_head` and `out` of [`Delta::rule`]), `[n, Hv·Dv]` each.
+    pub fn split(&mut self, n: usize) -> (DeltaRows<'_>, &mut [f32], &mut [f32]) {
+        let (c, vd, hv) = (self.conv_dim, self.value_dim, self.v_heads);
+        let rows =
+            DeltaRows { mixed: &self.mixed[..n * c], z: &self.z[..n * vd], b: &self.b[..n * hv], a: &self.a[..n * hv] };
+        (rows, &mut self.by_head[..n * vd], &mut self.out[..n * vd])
+    }
+
+    /// `[n, Hv·Dv]` the output of the chunk's `n` rows (after [`Delta::rule`]).
+    pub fn out(&self, n: usize) -> &[f32] {
+        &self.out[..n * self.value_dim]
+    }
+}
+
+impl Delta<'_> {
+    /// Projects the `n` rows of `x` ([n, D]) into q | k | v, z, b and a.
+    pub fn project(&self, x: &[f32], inputs: &mut Inputs, s: &mut DeltaScratch) {
+        let d = self.wq.cols;
+        let n = x.len() / d;
+        let (kd, vd, hv) = (self.spec.key_dim(), self.spec.value_dim(), self.spec.v_heads);
+        // Written part by part ([n, Hk·Dk] queries, then keys, then values);
+        // the convolution reads them back by channel.
+        let raw = &mut s.raw[..n * self.spec.conv_dim()];
+        let (q, rest) = raw.split_at_mut(n * kd);
+        let (k, v) = rest.split_at_mut(n * kd);
+        let inp = inputs.prepare(x, d); // quantised once for the four
+        matmul_many(&mut [(self.wq, q), (self.wk, k), (self.wv, v), (self.wz, &mut s.z[..n * vd])], &inp);
+        let plain = Input::plain(x, d); // b and a are f32
+        matmul_many(&mut [(self.wb, &mut s.b[..n * hv]), (self.wa, &mut s.a[..n * hv])], &plain);
+    }
+
+    /// The causal convolution of one sequence's rows `r0..r0 + m` of the
+    /// chunk's `n`, continuing `state` at position `pos0` (a sequence that
+    /// starts again at 0 starts from the zero state):
+    /// `mixed[t][c] = silu(Σ_j w[c][j] · in[t − (Kc−1) + j][c])`, inputs
+    /// before the first row coming from the state, which then keeps the
+    /// last Kc − 1 inputs.
+    pub fn conv(&self, s: &mut DeltaScratch, n: usize, r0: usize, m: usize, pos0: usize, state: &mut DeltaState) {
+        if pos0 == 0 {
+            state.clear();
+        }
+        let (c, kc, kd, vd) = (self.spec.conv_dim(), self.spec.conv_kernel, self.spec.key_dim(), self.spec.value_dim());
+        let keep = kc - 1;
+        let st = &mut state.conv;
+        // (first channel, width, start in `raw`) of queries, keys, values.
+        for (c0, w, base) in [(0, kd, 0), (kd, kd, n * kd), (2 * kd, vd, 2 * n * kd)] {
+            let input = |t: usize, ch: usize| s.raw[base + (r0 + t) * w + ch];
+            for t in 0..m {
+                let out = &mut s.mixed[(r0 + t) * c + c0..(r0 + t) * c + c0 + w];
+                for (ch, o) in out.iter_mut().enumerate() {
+                    let taps = &self.conv[(c0 + ch) * kc..(c0 + ch + 1) * kc];
+                    let mut acc = 0.0f32;
+                    for (j, &wj) in taps.iter().enumerate() {
+                        // Tap j reads the input t − keep + j rows back from
+                        // the first: the state's row keep + (t + j − keep).
+                        let x = if t + j < keep { st[(t + j) * c + c0 + ch] } else { input(t + j - keep, ch) };
+                        acc += wj * x;
+                    }
+                    *o = silu(acc);
+                }
+            }
+            // The state keeps the last `keep` inputs of (state ++ rows).
+            for j in 0..keep {
+                // Row j of the new state is input m + j (counting the state's
+                // rows first, from −keep): from the rows, or an older state row.
+                for ch in 0..w {
+                    let i = m + j; // index into (state ++ rows)
+                    st[j * c + c0 + ch] = if i >= keep { input(i - keep, ch) } else { st[i * c + c0 + ch] };
+                }
+            }
+        }
+    }
+
+    /// The gated delta rule over one sequence's rows `r0..r0 + m` (after
+    /// [`Delta::conv`]) and the gated norm of its output into `out`
+    /// (`[m, Hv·Dv]`); `by_head` is scratch of the same size. The value
+    /// heads run in parallel, each on its own state, so the bits do not
+    /// depend on the thread count.
+    pub fn rule(&self, x: &DeltaRows, r0: usize, state: &mut DeltaState, by_head: &mut [f32], out: &mut [f32]) {
+        let sp = self.spec;
+        let (dk, dv, c, kd, vd) = (sp.k_head_dim, sp.v_head_dim, sp.conv_dim(), sp.key_dim(), sp.value_dim());
+        let (hv, per_key) = (sp.v_heads, sp.v_heads / sp.k_heads);
+        let m = out.len() / vd;
+        let step = delta_step_placeholder;
+        let scale = 1.0 / (dk as f32).sqrt();
+        let heads = state.s.par_chunks_mut(dk * dv).zip(by_head.par_chunks_mut(m * dv));
+        heads.enumerate().for_each(|(h, (sh, oh))| {
+            let kh = h / per_key;
+            let (mut q, mut k) = ([0f32; MAX_DK], [0f32; MAX_DK]);
+            let rate = -crate::math::expf(self.a_log[h]);
+            for t in 0..m {
+                let r = r0 + t;
+                let row = &x.mixed[r * c..(r + 1) * c];
+                l2norm(&row[kh * dk..(kh + 1) * dk], &mut q[..dk]);
+                l2norm(&row[kd + kh * dk..kd + (kh + 1) * dk], &mut k[..dk]);
+                q[..dk].iter_mut().for_each(|v| *v *= scale);
+                let v = &row[2 * kd + h * dv..2 * kd + (h + 1) * dv];
+                let beta = sigmoid(x.b[r * hv + h]);
+                let decay = [crate::math::expf(rate * softplus(x.a[r * hv + h] + self.dt_bias[h]))];
+                step(sh, &decay, &k[..dk], v, beta, &q[..dk], &mut oh[t * dv..(t + 1) * dv]);
+            }
+        });
+        // out[t, h] = rmsnorm(o[h, t]) · w · silu(z[t, h])
+        for t in 0..m {
+            for h in 0..hv {
+                let o = &by_head[(h * m + t) * dv..(h * m + t + 1) * dv];
+                let z = &x.z[(r0 + t) * vd + h * dv..(r0 + t) * vd + (h + 1) * dv];
+                let y = &mut out[t * vd + h * dv..t * vd + (h + 1) * dv];
+                let ms = o.iter().map(|&v| v * v).sum::<f32>() / dv as f32;
+                let inv = 1.0 / (ms + self.eps).sqrt();
+                for (((y, &o), &w), &z) in y.iter_mut().zip(o).zip(self.norm).zip(z) {
+                    *y = w * (o * inv) * silu(z);
+                }
+            }
+        }
+    }
+}
+
+/// Widest query/key head the rule takes (the real models use 128).
+pub const MAX_DK: usize = 256;
+
+/// `out = x / sqrt(Σx² + 1e-6)`: the l2 norm transformers applies to
+/// queries and keys inside the rule.
+fn l2norm(x: &[f32], out: &mut [f32]) {
+    let ss = x.iter().map(|&v| v * v).sum::<f32>();
+    let inv = 1.0 / (ss + 1e-6).sqrt();
+    out.iter_mut().zip(x).for_each(|(o, &v)| *o = v * inv);
+}
+
+/// `ln(1 + e^x)`, and x itself above 20 (torch's threshold).
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 { x } else { crate::math::ln_1pf(crate::math::expf(x)) }
+}
+
+/// Stand-in for the kernel-table step until it lands.
+fn delta_step_placeholder(s: &mut [f32], decay: &[f32], k: &[f32], v: &[f32], beta: f32, q: &[f32], out: &mut [f32]) {
+    let (dk, dv) = (k.len(), v.len());
+    let mut kv = [0f32; 512];
+    for i in 0..dk {
+        let di = if decay.len() == 1 { decay[0] } else { decay[i] };
+        for j in 0..dv {
+            s[i * dv + j] *= di;
+            kv[j] += s[i * dv + j] * k[i];
+        }
+    }
+    out.fill(0.0);
+    for i in 0..dk {
+        for j in 0..dv {
+            let delta = (v[j] - kv[j]) * beta;
+            s[i * dv + j] += k[i] * delta;
+            out[j] += s[i * dv + j] * q[i];
+        }
+    }
+}
