@@ -339,6 +339,13 @@ class Engine:
         return source
 
     @property
+    def skipped_parts(self) -> list[str]:
+        """Parts of the source checkpoint the engine does not run and the
+        converter left out, e.g. ``["model.visual.* (24 tensors)"]`` for a
+        vision tower or a multi-token-prediction layer (empty for most models)."""
+        return [str(p) for p in self._meta.get("skipped") or []]
+
+    @property
     def architecture(self) -> str:
         """The Hugging Face class the model was converted from, e.g. ``MixtralForCausalLM``."""
         return str(self._meta["architecture"])

@@ -158,7 +158,21 @@ def _attention(cfg: dict[str, Any]) -> str:
         text += f", sliding window {'/'.join(map(str, windows))} on {sliding} of {len(cfg['layers'])} layers"
     if att.get("sinks"):
         text += ", sinks"
+    if att.get("output_gate"):
+        text += ", gated output"
+    linear = cfg.get("linear")
+    n_linear = sum(1 for layer in cfg["layers"] if layer.get("mixer") == "linear")
+    if linear and n_linear:
+        text = (
+            f"{_linear_kind(linear['kind'])} on {n_linear} of {len(cfg['layers'])} layers "
+            f"({linear['k_heads']} key heads x {linear['k_head_dim']}, {linear['v_heads']} value heads "
+            f"x {linear['v_head_dim']}, conv {linear['conv_kernel']}); the others {text}"
+        )
     return text
+
+
+def _linear_kind(kind: str) -> str:
+    return {"gated_delta_net": "Gated DeltaNet"}.get(kind, kind)
 
 
 def _source_format(engine: Engine) -> str:
@@ -197,6 +211,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
                 "bytes_per_sequence": state["per_sequence"],
             },
             "source_format": _source_format(engine),
+            "not_converted": engine.skipped_parts,
             "tokenizer": engine.has_tokenizer,
             "chat_template": engine.chat_template is not None,
             "kernels": kernels(),
@@ -231,6 +246,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
             f"({_human(state['per_sequence'] + kv_bytes * 4096)} at 4k context)",
         ),
         ("source", _source_format(engine)),
+        *([("not converted", ", ".join(engine.skipped_parts))] if engine.skipped_parts else []),
         ("context", str(engine.context_length)),
         ("vocabulary", str(engine.vocab_size)),
         ("tokenizer", "yes" if engine.has_tokenizer else "no (token ids only)"),

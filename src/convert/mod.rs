@@ -332,6 +332,17 @@ fn materialize<'a>(ck: &'a Checkpoint, s: &Source, t: &SrcTensor) -> Result<(DTy
     Ok((DType::F32, Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect())))
 }
 
+/// The tensors an adapter skipped, grouped by their first two name parts
+/// (`model.visual.* (24 tensors)`, `mtp.layers.* (9 tensors)`), in name order.
+fn skipped_parts<'a>(names: impl Iterator<Item = &'a str>) -> Vec<String> {
+    let mut groups: std::collections::BTreeMap<String, usize> = Default::default();
+    for n in names {
+        let prefix: Vec<&str> = n.split('.').take(2).collect();
+        *groups.entry(prefix.join(".")).or_default() += 1;
+    }
+    groups.into_iter().map(|(p, k)| format!("{p}.* ({k} tensor{})", if k == 1 { "" } else { "s" })).collect()
+}
+
 /// `[r, 1, c]` → `[r, c]`: a depthwise convolution's `[channels, 1, taps]`
 /// weight is a matrix of taps per channel.
 fn squeeze_middle(shape: Vec<usize>) -> Vec<usize> {
@@ -497,6 +508,7 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
         tokenizer_config: tok_cfg,
         chat_template,
         generation_config: read_json(&src.join("generation_config.json"))?,
+        skipped: skipped_parts(ck.names().filter(|n| !used.contains(n) && (arch.ignored)(&hf, n))),
     };
     let meta = FileMeta {
         architecture: arch.hf_class.to_string(),

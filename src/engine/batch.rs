@@ -44,11 +44,17 @@ pub struct BatchOptions {
     /// Most requests waiting for a place; a submission beyond it is refused
     /// with [`Error::Busy`]. `0` = unbounded.
     pub max_queue: usize,
+    /// Most bytes of sequence state (KV caches and recurrent states) the
+    /// running sequences may hold together, each counted at its full length
+    /// (prompt plus `max_new_tokens`, within the context): a request that
+    /// would pass it waits for running ones to finish, and one that alone
+    /// needs more is refused. `0` = unbounded.
+    pub max_state_bytes: usize,
 }
 
 impl Default for BatchOptions {
     fn default() -> Self {
-        BatchOptions { max_batch: 16, step_tokens: DEFAULT_CHUNK, max_queue: 0 }
+        BatchOptions { max_batch: 16, step_tokens: DEFAULT_CHUNK, max_queue: 0, max_state_bytes: 0 }
     }
 }
 
@@ -106,6 +112,9 @@ struct Running {
     /// Where the time of its next token runs from: the start of its first
     /// step, then the moment its last token was chosen.
     since: Option<Instant>,
+    /// The state bytes it holds at its longest, counted against
+    /// [`BatchOptions::max_state_bytes`].
+    state_bytes: usize,
 }
 
 #[derive(Default)]
@@ -213,6 +222,16 @@ impl Scheduler {
         };
         if ticket.finish.is_some() {
             return Ok(ticket);
+        }
+        let need = state_bytes(&self.engine, prompt.len(), decoder.max_new_tokens());
+        if self.opts.max_state_bytes > 0 && need > self.opts.max_state_bytes {
+            return Err(Error::ContextOverflow(format!(
+                "this generation needs {need} bytes of sequence state (prompt of {} tokens plus up to {} new), \
+                 more than the scheduler's whole budget of {} bytes",
+                prompt.len(),
+                decoder.max_new_tokens(),
+                self.opts.max_state_bytes
+            )));
         }
         let req = Request { prompt: prompt.to_vec(), decoder, tx, cancel };
         let mut q = self.shared.queue();
@@ -398,6 +417,13 @@ impl Running {
     }
 }
 
+/// The state bytes a generation of `prompt` tokens plus up to `new` more
+/// holds at its longest (capped at the model's context).
+fn state_bytes(engine: &Engine, prompt: usize, new: usize) -> usize {
+    let len = prompt.saturating_add(new).min(engine.model().config.max_seq_len);
+    engine.state_layout().bytes_for(len)
+}
+
 /// The scheduling thread: admit, step, deliver, until shut down.
 fn run(engine: Engine, opts: BatchOptions, shared: Arc<Shared>) {
     let model = engine.model();
@@ -420,11 +446,18 @@ fn run(engine: Engine, opts: BatchOptions, shared: Arc<Shared>) {
             // Requests cancelled while they waited leave the queue now, not
             // when a place frees for them.
             q.waiting.retain(|r| !r.cancel.load(Ordering::Relaxed));
+            let mut held: usize = running.iter().map(|r| r.state_bytes).sum();
             while running.len() < opts.max_batch {
-                let Some(req) = q.waiting.pop_front() else { break };
+                let Some(req) = q.waiting.front() else { break };
+                let need = state_bytes(&engine, req.prompt.len(), req.decoder.max_new_tokens());
+                if opts.max_state_bytes > 0 && !running.is_empty() && held + need > opts.max_state_bytes {
+                    break; // first come, first served: it waits for memory to free
+                }
+                let req = q.waiting.pop_front().expect("peeked");
                 let max_seq = req.prompt.len().saturating_add(req.decoder.max_new_tokens());
                 let seq = Sequence::new(model, max_seq, engine.kv_dtype());
-                running.push(Running { req, seq, fed: 0, since: None });
+                held += need;
+                running.push(Running { req, seq, fed: 0, since: None, state_bytes: need });
             }
         }
         let before = running.len();

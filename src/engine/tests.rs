@@ -450,7 +450,7 @@ fn batched_generations_give_the_tokens_each_gives_alone() {
     for (dt, cfg) in cases {
         let (_d, e) = engine_with(&cfg, dt, 2);
         // A small step budget, so prompts are fed in pieces beside decoders.
-        let sched = Scheduler::new(&e, BatchOptions { max_batch: 4, step_tokens: 8, max_queue: 0 }).unwrap();
+        let sched = Scheduler::new(&e, BatchOptions { max_batch: 4, step_tokens: 8, ..Default::default() }).unwrap();
         let prompts: Vec<Vec<u32>> =
             (0..8u32).map(|k| (0..1 + 3 * k).map(|i| (i * 29 + k * 7 + 3) % 53).collect()).collect();
         let opts = |k: usize| GenerateOptions {
@@ -514,7 +514,8 @@ fn token_logprobs_are_a_normalised_log_softmax() {
 #[test]
 fn a_scheduler_refuses_bad_requests_and_survives_cancellation() {
     let (_d, e) = engine(DType::Q8_0, 2);
-    let sched = Scheduler::new(&e, BatchOptions { max_batch: 2, step_tokens: 16, max_queue: 2 }).unwrap();
+    let sched =
+        Scheduler::new(&e, BatchOptions { max_batch: 2, step_tokens: 16, max_queue: 2, ..Default::default() }).unwrap();
     let long = GenerateOptions { max_new_tokens: 40, ..GenerateOptions::default() };
     // Refused at submission: empty prompt, id out of range, bad sampling.
     assert!(matches!(sched.submit(&[], &long), Err(Error::InvalidInput(_))));
@@ -559,4 +560,26 @@ fn a_scheduler_refuses_bad_requests_and_survives_cancellation() {
         r = left.next_token(&never);
     }
     assert!(r.is_err(), "{r:?}");
+}
+
+/// The scheduler admits by state bytes: under a budget one sequence fills,
+/// sequences run one after another (never two decoding in one step) and
+/// give the tokens they give alone; one that alone needs more is refused.
+#[test]
+fn a_state_budget_admits_sequences_by_their_bytes() {
+    let (_d, e) = engine_with(&crate::synth::hybrid_config(), DType::F32, 2);
+    let opts = GenerateOptions { max_new_tokens: 5, ..GenerateOptions::default() };
+    let layout = e.state_layout();
+    assert!(layout.bytes_per_sequence > 0 && layout.bytes_per_token > 0);
+    let one = layout.bytes_for(6 + 5);
+    let budget = BatchOptions { max_batch: 4, max_state_bytes: one + one / 2, ..Default::default() };
+    let sched = Scheduler::new(&e, budget).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..3).map(|k| ids(6).iter().map(|t| (t + k) % 53).collect()).collect();
+    let mut tickets: Vec<Ticket> = prompts.iter().map(|p| sched.submit(p, &opts).unwrap()).collect();
+    for (p, t) in prompts.iter().zip(&mut tickets) {
+        assert_eq!(collect(t), e.generate(p, &opts, &never, &mut |_| true).unwrap());
+    }
+    assert!(sched.stats().step_sequences[2..].iter().all(|&n| n == 0), "{:?}", sched.stats().step_sequences);
+    let long = GenerateOptions { max_new_tokens: 40, ..opts };
+    assert!(matches!(sched.submit(&ids(6), &long), Err(Error::ContextOverflow(_))));
 }

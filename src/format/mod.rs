@@ -86,6 +86,11 @@ pub struct SourceInfo {
     /// Dtype of the source weights as config.json states it.
     #[serde(default)]
     pub dtype: Option<String>,
+    /// Parts of the checkpoint the engine does not run and the converter
+    /// left out, as `prefix.* (N tensors)` (a vision tower, a
+    /// multi-token-prediction layer).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skipped: Vec<String>,
 }
 
 /// One tensor.

@@ -299,6 +299,7 @@ impl NativeEngine {
             "weight_dtype": meta.weight_dtype,
             "source_config": src.config,
             "source_dtype": src.dtype,
+            "skipped": src.skipped,
             "generation_config": src.generation_config,
             "tokenizer_config": src.tokenizer_config,
             "chat_template": src.chat_template,
