@@ -127,7 +127,7 @@ pub fn frontier_config() -> ModelConfig {
 /// shared expert with its gate and a dense layer among the MoE ones.
 pub fn hybrid_config() -> ModelConfig {
     let mut c = tiny_config_blocks();
-    c.attention = AttentionSpec { qk_norm: QkNorm::PerHead, output_gate: true, ..Default::default() };
+    c.attention = AttentionSpec { qkv_bias: true, qk_norm: QkNorm::PerHead, output_gate: true, ..Default::default() };
     c.rope.rotary_dim = 4;
     c.linear = Some(LinearSpec {
         kind: LinearKind::GatedDeltaNet,

@@ -1,5 +1,7 @@
 """Parity with Hugging Face transformers on every golden case.
 
+Also: prefill then decode gives the logits of one full forward.
+
 Tolerances: f32 logits within 1e-4 * max(1, max|logit|) of transformers (the
 engine computes in f32 with a different summation order, which costs ~1e-6
 here); argmax equal at every position; the 12-token greedy continuation
@@ -52,6 +54,23 @@ def test_greedy_continuation_matches_transformers(case, converted, golden):
     g = golden(case)
     got = colibri.Engine(converted(case)).generate(g["greedy_prompt"], max_new_tokens=12)
     assert got == g["greedy_new"].tolist()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_prefill_then_decode_equals_one_full_forward(case, converted, golden):
+    """The greedy continuation's log-probabilities, computed by decode steps
+    after a prefill, are those of one forward over prompt and continuation
+    (the engine gives both the same logits bits, whatever the mixer kind)."""
+    g = golden(case)
+    engine = colibri.Engine(converted(case))
+    prompt = g["greedy_prompt"].tolist()
+    out = engine.generate(prompt, max_new_tokens=12, logprobs=0)
+    full = engine.logits(prompt + list(out)[:-1]).astype(np.float64)
+    rows = full[len(prompt) - 1 :]
+    lse = rows.max(-1) + np.log(np.exp(rows - rows.max(-1, keepdims=True)).sum(-1))
+    want = rows[np.arange(len(out)), list(out)] - lse
+    got = np.array([lp.logprob for lp in out.logprobs])
+    assert np.abs(got - want).max() <= 1e-5, f"{case}: {np.abs(got - want).max():.2e}"
 
 
 @pytest.mark.parametrize("case", CASES)

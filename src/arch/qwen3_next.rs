@@ -206,6 +206,7 @@ fn source(hf: &HfConfig, cfg: &ModelConfig, id: TensorId) -> Source {
         // Per head: the query's Dh rows, then the gate's.
         TensorId::Layer(_, L::Wq | L::Bq) => plain(id).rows(2 * dh, 0, dh),
         TensorId::Layer(l, L::Wg) => Source::tensor(layer(l, "self_attn.q_proj.weight")).rows(2 * dh, dh, dh),
+        TensorId::Layer(l, L::Bg) => Source::tensor(layer(l, "self_attn.q_proj.bias")).rows(2 * dh, dh, dh),
         TensorId::Layer(l, t @ (L::LinQ | L::LinK | L::LinV | L::LinZ | L::LinB | L::LinA)) if fused(hf) => {
             // Per key head: q (Dk), k (Dk), v and z of its value heads.
             let group = 2 * dk + 2 * dv * per_key;

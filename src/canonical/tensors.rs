@@ -58,6 +58,8 @@ pub enum LayerTensor {
     WvB,
     /// [H·Dh, D] the attention output gate (with `output_gate`).
     Wg,
+    /// `[H·Dh]` the output gate's bias (with `output_gate` and `qkv_bias`).
+    Bg,
     /// Linear attention [Hk·Dk, D] queries.
     LinQ,
     /// Linear attention [Hk·Dk, D] keys.
@@ -66,7 +68,7 @@ pub enum LayerTensor {
     LinV,
     /// Linear attention [Hv·Dv, D] the output norm's gate (`z`).
     LinZ,
-    /// Linear attention [Hv, D] the update strength before its sigmoid (`b`).
+    /// Linear attention [Hv, D] the update strengths before their sigmoid (`b`).
     LinB,
     /// Linear attention [Hv, D] the decay's input (`a`).
     LinA,
@@ -169,6 +171,7 @@ impl std::fmt::Display for TensorId {
                     L::RouterBias => "moe.router.bias",
                     L::RouterCorrection => "moe.router.correction",
                     L::Wg => "attn.wg",
+                    L::Bg => "attn.bg",
                     L::LinQ => "linear.wq",
                     L::LinK => "linear.wk",
                     L::LinV => "linear.wv",
@@ -298,7 +301,7 @@ impl TensorId {
             TensorId::Layer(_, t) => match t {
                 L::Wq | L::Wo | L::WqA | L::WqB | L::Wg => Some(TensorClass::Attention),
                 L::Wk | L::Wv | L::WkvA | L::WkB | L::WvB => Some(TensorClass::AttentionKv),
-                L::LinQ | L::LinK | L::LinV | L::LinZ => Some(TensorClass::Attention),
+                L::LinQ | L::LinK | L::LinV | L::LinZ | L::LinB | L::LinA => Some(TensorClass::Attention),
                 L::Gate | L::Up | L::Down => Some(TensorClass::Ffn),
                 L::SharedGate | L::SharedUp | L::SharedDown => Some(TensorClass::Shared),
                 _ => None,
@@ -377,6 +380,9 @@ pub fn tensor_plan(cfg: &ModelConfig) -> Vec<PlannedTensor> {
                 push(t(L::Wo), vec![d, cfg.att_dim()], Role::Matrix);
                 if cfg.attention.output_gate {
                     push(t(L::Wg), vec![q, d], Role::Matrix);
+                    if cfg.attention.qkv_bias {
+                        push(t(L::Bg), vec![q], Role::Small);
+                    }
                 }
                 if cfg.attention.qkv_bias {
                     push(t(L::Bq), vec![q], Role::Small);
@@ -408,8 +414,8 @@ pub fn tensor_plan(cfg: &ModelConfig) -> Vec<PlannedTensor> {
                 push(t(L::LinK), vec![kd, d], Role::Matrix);
                 push(t(L::LinV), vec![vd, d], Role::Matrix);
                 push(t(L::LinZ), vec![vd, d], Role::Matrix);
-                push(t(L::LinB), vec![hv, d], Role::Small);
-                push(t(L::LinA), vec![hv, d], Role::Small);
+                push(t(L::LinB), vec![hv, d], Role::Matrix);
+                push(t(L::LinA), vec![hv, d], Role::Matrix);
                 push(t(L::LinConv), vec![lin.conv_dim(), lin.conv_kernel], Role::Small);
                 push(t(L::LinALog), vec![hv], Role::Small);
                 push(t(L::LinDtBias), vec![hv], Role::Small);

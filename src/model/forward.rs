@@ -383,6 +383,7 @@ fn gqa<'a>(model: &'a Model, lw: &LayerRefs, [wq, wk, wv]: [TensorRef; 3]) -> Gq
         wk: model.mat(wk),
         wv: model.mat(wv),
         wg: lw.wg.map(|t| model.mat(t)),
+        bg: model.opt_vec(lw.bg),
         bias: lw.qkv_bias.map(|b| b.map(|t| model.vec(t))),
         qk_norm,
         eps: c.norm.eps,

@@ -121,6 +121,8 @@ pub struct LayerRefs {
     pub sinks: Option<TensorRef>,
     /// [H·Dh, D] the attention output gate.
     pub wg: Option<TensorRef>,
+    /// `[H·Dh]` its bias.
+    pub bg: Option<TensorRef>,
     /// Norm before the FFN.
     pub ffn_norm: NormRefs,
     /// Dense MLP or MoE.
@@ -257,6 +259,7 @@ impl Model {
                 },
                 sinks: opt(attends && cfg.attention.sinks, L::Sinks)?,
                 wg: opt(attends && cfg.attention.output_gate, L::Wg)?,
+                bg: opt(attends && cfg.attention.output_gate && cfg.attention.qkv_bias, L::Bg)?,
                 ffn_norm: norm(L::FfnNorm, L::FfnNormBias)?,
                 ffn,
             });

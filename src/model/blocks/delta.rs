@@ -27,7 +27,7 @@ use rayon::prelude::*;
 use super::Inputs;
 use super::ffn::{sigmoid, silu};
 use crate::canonical::config::LinearSpec;
-use crate::kernels::{Input, Matrix, matmul_many};
+use crate::kernels::{Matrix, matmul_many};
 use crate::model::weights::TensorRef;
 
 /// One linear-attention layer's tensors in the file.
@@ -41,9 +41,9 @@ pub struct DeltaRefs {
     pub wv: TensorRef,
     /// [Hv·Dv, D] the output gate's input `z`.
     pub wz: TensorRef,
-    /// [Hv, D] update strengths before their sigmoid (f32).
+    /// [Hv, D] update strengths before their sigmoid.
     pub wb: TensorRef,
-    /// [Hv, D] the decays' input (f32).
+    /// [Hv, D] the decays' input.
     pub wa: TensorRef,
     /// [2·Hk·Dk + Hv·Dv, Kc] convolution taps, oldest first (f32).
     pub conv: TensorRef,
@@ -195,8 +195,7 @@ impl Delta<'_> {
         let (k, v) = rest.split_at_mut(n * kd);
         let inp = inputs.prepare(x, d); // quantised once for the four
         matmul_many(&mut [(self.wq, q), (self.wk, k), (self.wv, v), (self.wz, &mut s.z[..n * vd])], &inp);
-        let plain = Input::plain(x, d); // b and a are f32
-        matmul_many(&mut [(self.wb, &mut s.b[..n * hv]), (self.wa, &mut s.a[..n * hv])], &plain);
+        matmul_many(&mut [(self.wb, &mut s.b[..n * hv]), (self.wa, &mut s.a[..n * hv])], &inp);
     }
 
     /// The causal convolution of one sequence's rows `r0..r0 + m` of the

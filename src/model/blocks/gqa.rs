@@ -26,6 +26,8 @@ pub struct Gqa<'a> {
     pub wv: Matrix<'a>,
     /// [H·Dh, D] the output gate, if the model has one.
     pub wg: Option<Matrix<'a>>,
+    /// `[H·Dh]` its bias.
+    pub bg: Option<&'a [f32]>,
     /// `[H·Dh]`, `[Hkv·Dh]`, `[Hkv·Dh]` q, k and v biases.
     pub bias: Option<[&'a [f32]; 3]>,
     /// RMSNorm weights of q and k: `[Dh]` each per head, or whole rows.
@@ -71,6 +73,9 @@ impl Gqa<'_> {
             add_bias(q, bq);
             add_bias(k, bk);
             add_bias(v, bv);
+        }
+        if let Some(bg) = self.bg {
+            add_bias(gate, bg);
         }
         if let Some([wqn, wkn]) = self.qk_norm {
             // Per head: rows of Dh; full: rows of the whole projection.
