@@ -147,6 +147,29 @@ pub fn hybrid_config() -> ModelConfig {
     c
 }
 
+/// Kimi-Linear's switches on the frontier config: Kimi delta attention
+/// layers (a decay per key channel, low-rank gates) between layers of latent
+/// attention without RoPE.
+pub fn kda_hybrid_config() -> ModelConfig {
+    let mut c = frontier_config();
+    c.attention.no_rope = true;
+    c.linear = Some(LinearSpec {
+        kind: LinearKind::Kda { gate_rank: 16 },
+        k_heads: 3,
+        v_heads: 3,
+        k_head_dim: 16,
+        v_head_dim: 16,
+        conv_kernel: 3,
+    });
+    c.layers = vec![
+        LayerSpec { mixer: MixerSpec::Linear, ffn: FfnSpec::Dense { ffn_dim: 64 } },
+        LayerSpec { mixer: MixerSpec::FULL_ATTENTION, ffn: FfnSpec::Moe },
+        LayerSpec { mixer: MixerSpec::Linear, ffn: FfnSpec::Moe },
+        LayerSpec { mixer: MixerSpec::FULL_ATTENTION, ffn: FfnSpec::Moe },
+    ];
+    c
+}
+
 /// More experts than the tiny configs (3 MoE layers of 16, top-3, a dense
 /// layer between them, a shared expert), every width a multiple of 32 so
 /// every dtype applies: small enough for tests, large enough that a budget of

@@ -16,9 +16,7 @@ import pytest
 import colibri
 
 GOLDEN = Path(__file__).parent / "fixtures" / "golden"
-# Cases of families the engine does not run yet: their fixtures exist, their parity waits.
-PENDING = {"kimi_linear"}
-CASES = sorted(p.name for p in GOLDEN.iterdir() if (p / "golden.npz").exists() and p.name not in PENDING)
+CASES = sorted(p.name for p in GOLDEN.iterdir() if (p / "golden.npz").exists())
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 

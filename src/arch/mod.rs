@@ -12,6 +12,7 @@ mod deepseek;
 mod glm4_moe;
 mod gpt_oss;
 mod granitemoe;
+mod kimi_linear;
 mod mixtral;
 mod olmoe;
 mod phimoe;
@@ -162,6 +163,7 @@ pub static REGISTRY: &[&Arch] = &[
     &qwen3_next::NEXT,
     &qwen3_next::QWEN3_5,
     &qwen3_next::QWEN3_5_VL,
+    &kimi_linear::ARCH,
 ];
 
 /// Comma-separated class names, for error messages and docs.

@@ -233,7 +233,16 @@ fn source(hf: &HfConfig, cfg: &ModelConfig, id: TensorId) -> Source {
         TensorId::Layer(l, L::LinZ) => Source::tensor(layer(l, "linear_attn.in_proj_z.weight")),
         TensorId::Layer(l, L::LinB) => Source::tensor(layer(l, "linear_attn.in_proj_b.weight")),
         TensorId::Layer(l, L::LinA) => Source::tensor(layer(l, "linear_attn.in_proj_a.weight")),
-        TensorId::Layer(l, L::LinConv) => Source::tensor(layer(l, "linear_attn.conv1d.weight")),
+        // One [2·Hk·Dk + Hv·Dv, 1, Kc] convolution over q | k | v.
+        TensorId::Layer(l, t @ (L::LinConvQ | L::LinConvK | L::LinConvV)) => {
+            let conv = Source::tensor(layer(l, "linear_attn.conv1d.weight"));
+            let all = 2 * kd + vd;
+            match t {
+                L::LinConvQ => conv.rows(all, 0, kd),
+                L::LinConvK => conv.rows(all, kd, kd),
+                _ => conv.rows(all, 2 * kd, vd),
+            }
+        }
         TensorId::Layer(l, L::LinALog) => Source::tensor(layer(l, "linear_attn.A_log")),
         TensorId::Layer(l, L::LinDtBias) => Source::tensor(layer(l, "linear_attn.dt_bias")),
         TensorId::Layer(l, L::LinNorm) => Source::tensor(layer(l, "linear_attn.norm.weight")),

@@ -215,6 +215,10 @@ pub struct AttentionSpec {
     /// projection (Qwen3-Next, Qwen3.5).
     #[serde(default, skip_serializing_if = "is_default")]
     pub output_gate: bool,
+    /// Queries and keys carry no position: no RoPE anywhere (Kimi-Linear's
+    /// latent attention, whose shared "rotary" key part stays unrotated).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub no_rope: bool,
 }
 
 /// How queries, keys and values are formed and cached.
@@ -412,10 +416,17 @@ pub struct LinearSpec {
 #[serde(rename_all = "snake_case")]
 pub enum LinearKind {
     /// Gated DeltaNet (Qwen3-Next, Qwen3.5): one decay per value head and
-    /// token, `-exp(A_log)·softplus(a + dt_bias)`; output RMSNorm per value
-    /// head times `silu(z)`.
+    /// token, `exp(−exp(A_log)·softplus(a + dt_bias))` with `a` projected
+    /// from the input; output RMSNorm per value head times `silu(z)`.
     #[default]
     GatedDeltaNet,
+    /// Kimi Delta Attention (Kimi-Linear): one decay per key channel, from a
+    /// low-rank projection `f_b·f_a·x` plus a bias per channel; output
+    /// RMSNorm per head times `sigmoid(g_b·g_a·x)`; as many key as value heads.
+    Kda {
+        /// Width of the low-rank forget and output gates (`f_a`, `g_a` rows).
+        gate_rank: usize,
+    },
 }
 
 impl LinearSpec {
@@ -692,6 +703,9 @@ impl ModelConfig {
                 return bad(format!("MLA rotary_dim {rd} differs from qk_rope_head_dim {}", m.qk_rope_dim));
             }
         }
+        if self.attention.no_rope && self.mla().is_none() {
+            return bad("attention without RoPE (`no_rope`) is only supported with latent attention".into());
+        }
         if let Some(s) = self.attention.softmax_scale
             && !(s.is_finite() && s > 0.0)
         {
@@ -705,6 +719,13 @@ impl ModelConfig {
             let dims = [lin.k_heads, lin.v_heads, lin.k_head_dim, lin.v_head_dim, lin.conv_kernel];
             if dims.iter().any(|&x| x == 0 || x > SIZE_LIMIT) {
                 return bad(format!("linear attention dimensions {lin:?} out of range (each must be >= 1)"));
+            }
+            if let LinearKind::Kda { gate_rank } = lin.kind
+                && (gate_rank == 0 || gate_rank > SIZE_LIMIT || lin.k_heads != lin.v_heads)
+            {
+                return bad(format!(
+                    "Kimi delta attention needs a gate rank >= 1 and as many key as value heads, got {lin:?}"
+                ));
             }
             if !lin.v_heads.is_multiple_of(lin.k_heads) {
                 return bad(format!(

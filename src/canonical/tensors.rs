@@ -6,7 +6,7 @@
 //!
 //! Matrices are `[out, in]`, row-major, one output per row (as `nn.Linear`).
 
-use super::config::{FfnSpec, MixerSpec, ModelConfig, NormKind, QkNorm};
+use super::config::{FfnSpec, LinearKind, MixerSpec, ModelConfig, NormKind, QkNorm};
 
 /// Which tensor of a layer's attention or FFN.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -72,12 +72,25 @@ pub enum LayerTensor {
     LinB,
     /// Linear attention [Hv, D] the decay's input (`a`).
     LinA,
-    /// Linear attention [2·Hk·Dk + Hv·Dv, Kc] the depthwise convolution,
-    /// one row of taps per channel of queries, keys and values, oldest tap first.
-    LinConv,
+    /// Linear attention [Hk·Dk, Kc] the depthwise convolution of the
+    /// queries, one row of taps per channel, oldest tap first.
+    LinConvQ,
+    /// Linear attention [Hk·Dk, Kc] the convolution of the keys.
+    LinConvK,
+    /// Linear attention [Hv·Dv, Kc] the convolution of the values.
+    LinConvV,
+    /// Kimi delta attention [Rg, D] the forget gate's first factor (`f_a`).
+    LinFa,
+    /// Kimi delta attention [H·Dk, Rg] its second factor (`f_b`).
+    LinFb,
+    /// Kimi delta attention [Rg, D] the output gate's first factor (`g_a`).
+    LinGa,
+    /// Kimi delta attention [H·Dv, Rg] its second factor (`g_b`).
+    LinGb,
     /// Linear attention `[Hv]` log of the decay rate (`A_log`).
     LinALog,
-    /// Linear attention `[Hv]` the decay's bias (`dt_bias`).
+    /// Linear attention: the decay's bias (`dt_bias`), `[Hv]`, or `[H·Dk]`
+    /// for Kimi delta attention.
     LinDtBias,
     /// Linear attention `[Dv]` scale of the output RMSNorm (per value head).
     LinNorm,
@@ -178,7 +191,13 @@ impl std::fmt::Display for TensorId {
                     L::LinZ => "linear.wz",
                     L::LinB => "linear.wb",
                     L::LinA => "linear.wa",
-                    L::LinConv => "linear.conv",
+                    L::LinConvQ => "linear.conv_q",
+                    L::LinConvK => "linear.conv_k",
+                    L::LinConvV => "linear.conv_v",
+                    L::LinFa => "linear.f_a",
+                    L::LinFb => "linear.f_b",
+                    L::LinGa => "linear.g_a",
+                    L::LinGb => "linear.g_b",
                     L::LinALog => "linear.a_log",
                     L::LinDtBias => "linear.dt_bias",
                     L::LinNorm => "linear.norm",
@@ -302,6 +321,7 @@ impl TensorId {
                 L::Wq | L::Wo | L::WqA | L::WqB | L::Wg => Some(TensorClass::Attention),
                 L::Wk | L::Wv | L::WkvA | L::WkB | L::WvB => Some(TensorClass::AttentionKv),
                 L::LinQ | L::LinK | L::LinV | L::LinZ | L::LinB | L::LinA => Some(TensorClass::Attention),
+                L::LinFa | L::LinFb | L::LinGa | L::LinGb => Some(TensorClass::Attention),
                 L::Gate | L::Up | L::Down => Some(TensorClass::Ffn),
                 L::SharedGate | L::SharedUp | L::SharedDown => Some(TensorClass::Shared),
                 _ => None,
@@ -413,12 +433,26 @@ pub fn tensor_plan(cfg: &ModelConfig) -> Vec<PlannedTensor> {
                 push(t(L::LinQ), vec![kd, d], Role::Matrix);
                 push(t(L::LinK), vec![kd, d], Role::Matrix);
                 push(t(L::LinV), vec![vd, d], Role::Matrix);
-                push(t(L::LinZ), vec![vd, d], Role::Matrix);
                 push(t(L::LinB), vec![hv, d], Role::Matrix);
-                push(t(L::LinA), vec![hv, d], Role::Matrix);
-                push(t(L::LinConv), vec![lin.conv_dim(), lin.conv_kernel], Role::Small);
+                match lin.kind {
+                    LinearKind::GatedDeltaNet => {
+                        push(t(L::LinZ), vec![vd, d], Role::Matrix);
+                        push(t(L::LinA), vec![hv, d], Role::Matrix);
+                    }
+                    LinearKind::Kda { gate_rank: r } => {
+                        push(t(L::LinFa), vec![r, d], Role::Matrix);
+                        push(t(L::LinFb), vec![kd, r], Role::Matrix);
+                        push(t(L::LinGa), vec![r, d], Role::Matrix);
+                        push(t(L::LinGb), vec![vd, r], Role::Matrix);
+                    }
+                }
+                let kc = lin.conv_kernel;
+                push(t(L::LinConvQ), vec![kd, kc], Role::Small);
+                push(t(L::LinConvK), vec![kd, kc], Role::Small);
+                push(t(L::LinConvV), vec![vd, kc], Role::Small);
                 push(t(L::LinALog), vec![hv], Role::Small);
-                push(t(L::LinDtBias), vec![hv], Role::Small);
+                let per_channel = matches!(lin.kind, LinearKind::Kda { .. });
+                push(t(L::LinDtBias), vec![if per_channel { kd } else { hv }], Role::Small);
                 push(t(L::LinNorm), vec![lin.v_head_dim], Role::Small);
                 push(t(L::Wo), vec![d, vd], Role::Matrix);
             }

@@ -410,7 +410,13 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
             None => missing.push(format!("{} (shape {:?})", s.name, p.shape)),
             Some(t) => {
                 let got = derived_shape(&s, &t.shape).map_err(|m| Error::checkpoint(ck.file_of(t), m))?;
-                let fits = if s.is_whole() { got == p.shape } else { as_matrix(&got) == as_matrix(&p.shape) };
+                // A whole tensor may carry extra unit axes (Kimi's `A_log` is [1, 1, H, 1]).
+                let unit_free = |v: &[usize]| v.iter().copied().filter(|&x| x != 1).collect::<Vec<_>>();
+                let fits = if s.is_whole() {
+                    got == p.shape || unit_free(&got) == unit_free(&p.shape)
+                } else {
+                    as_matrix(&got) == as_matrix(&p.shape)
+                };
                 if !fits {
                     let what = if s.is_whole() { String::new() } else { format!(" (taken as {s:?})") };
                     return Err(Error::checkpoint(

@@ -30,11 +30,13 @@ fn ids(n: usize) -> Vec<u32> {
 fn prefill_then_decode_equals_one_full_forward() {
     let frontier = crate::synth::frontier_config();
     let hybrid = crate::synth::hybrid_config();
+    let kda = crate::synth::kda_hybrid_config();
     let cases = DType::ALL
         .map(|dt| (dt, config_for(dt)))
         .into_iter()
         .chain(DType::ALL.map(|dt| (dt, frontier.clone())))
-        .chain(DType::ALL.map(|dt| (dt, hybrid.clone())));
+        .chain(DType::ALL.map(|dt| (dt, hybrid.clone())))
+        .chain(DType::ALL.map(|dt| (dt, kda.clone())));
     for (dt, cfg) in cases {
         let (_d, e) = engine_with(&cfg, dt, 2);
         let toks = ids(29);
@@ -96,7 +98,12 @@ fn truncating_and_feeding_again_equals_a_plain_prefill() {
 
 #[test]
 fn chunked_prefill_equals_single_pass() {
-    for (cfg, dt) in [(config_for(DType::F32), DType::F32), (crate::synth::hybrid_config(), DType::Q8_0)] {
+    let cases = [
+        (config_for(DType::F32), DType::F32),
+        (crate::synth::hybrid_config(), DType::Q8_0),
+        (crate::synth::kda_hybrid_config(), DType::F32),
+    ];
+    for (cfg, dt) in cases {
         let (_d, e) = engine_with(&cfg, dt, 2);
         let toks = ids(40);
         let v = e.model().config.vocab_size;
@@ -142,6 +149,7 @@ fn thread_count_does_not_change_a_single_bit() {
         (crate::synth::frontier_config(), DType::F32),
         (hybrid.clone(), DType::F32),
         (hybrid, DType::Q4_0),
+        (crate::synth::kda_hybrid_config(), DType::Q8_0),
     ];
     for (cfg, dt) in cases {
         let (_a, one) = engine_with(&cfg, dt, 1);
@@ -378,11 +386,13 @@ fn a_batch_of_sequences_gives_each_the_bits_it_gets_alone() {
     use session::{Sequence, Workspace};
     let frontier = crate::synth::frontier_config();
     let hybrid = crate::synth::hybrid_config();
+    let kda = crate::synth::kda_hybrid_config();
     let cases = DType::ALL
         .map(|dt| (dt, config_for(dt)))
         .into_iter()
         .chain(DType::ALL.map(|dt| (dt, frontier.clone())))
-        .chain(DType::ALL.map(|dt| (dt, hybrid.clone())));
+        .chain(DType::ALL.map(|dt| (dt, hybrid.clone())))
+        .chain(DType::ALL.map(|dt| (dt, kda.clone())));
     for (dt, cfg) in cases {
         let (_d, e) = engine_with(&cfg, dt, 2);
         let m = e.model();

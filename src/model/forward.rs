@@ -14,7 +14,7 @@
 //! a prompt is a few batched passes, decoding is a pass of one token.
 
 use super::blocks::attention::{Heads, attend};
-use super::blocks::delta::{Delta, DeltaRefs};
+use super::blocks::delta::{Delta, DeltaRefs, GateRefs, Gates};
 use super::blocks::ffn::{MlpScratch, add_bias, gated_mlp, sigmoid};
 use super::blocks::gqa::Gqa;
 use super::blocks::mla::{Mla, MlaQ};
@@ -345,10 +345,14 @@ fn linear_attention(model: &Model, l: usize, refs: DeltaRefs, s: &mut Workspace,
         wq: model.mat(refs.wq),
         wk: model.mat(refs.wk),
         wv: model.mat(refs.wv),
-        wz: model.mat(refs.wz),
         wb: model.mat(refs.wb),
-        wa: model.mat(refs.wa),
-        conv: model.vec(refs.conv),
+        gates: match refs.gates {
+            GateRefs::Direct { wa, wz } => Gates::Direct(model.mat(wa), model.mat(wz)),
+            GateRefs::LowRank { f: [fa, fb], g: [ga, gb] } => {
+                Gates::LowRank([model.mat(fa), model.mat(fb), model.mat(ga), model.mat(gb)])
+            }
+        },
+        conv: refs.conv.map(|t| model.vec(t)),
         a_log: model.vec(refs.a_log),
         dt_bias: model.vec(refs.dt_bias),
         norm: model.vec(refs.norm),
@@ -415,7 +419,7 @@ fn mla<'a>(
         spec: *c.mla().expect("MLA weights imply an MLA config"),
         h: c.num_heads,
         dh: c.head_dim,
-        rope: &model.rope,
+        rope: (!c.attention.no_rope).then_some(&model.rope),
     }
 }
 

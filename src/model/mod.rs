@@ -18,7 +18,7 @@ use crate::canonical::tensors::{LayerTensor as L, TensorId};
 use crate::error::Result;
 use crate::format::reader::ColibriFile;
 use crate::kernels::Matrix;
-use blocks::delta::DeltaRefs;
+use blocks::delta::{DeltaRefs, GateRefs};
 use store::telemetry::Telemetry;
 use store::{DenseCopy, ExpertStore, HeatState, RoutingStats, StoreOptions, StoreStats, WeightsBacking};
 use weights::{TensorRef, matrix, tensor_ref};
@@ -222,10 +222,14 @@ impl Model {
                     wq: t(L::LinQ)?,
                     wk: t(L::LinK)?,
                     wv: t(L::LinV)?,
-                    wz: t(L::LinZ)?,
                     wb: t(L::LinB)?,
-                    wa: t(L::LinA)?,
-                    conv: t(L::LinConv)?,
+                    gates: match cfg.linear.map(|lin| lin.kind) {
+                        Some(config::LinearKind::Kda { .. }) => {
+                            GateRefs::LowRank { f: [t(L::LinFa)?, t(L::LinFb)?], g: [t(L::LinGa)?, t(L::LinGb)?] }
+                        }
+                        _ => GateRefs::Direct { wa: t(L::LinA)?, wz: t(L::LinZ)? },
+                    },
+                    conv: [t(L::LinConvQ)?, t(L::LinConvK)?, t(L::LinConvV)?],
                     a_log: t(L::LinALog)?,
                     dt_bias: t(L::LinDtBias)?,
                     norm: t(L::LinNorm)?,

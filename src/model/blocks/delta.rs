@@ -1,33 +1,37 @@
-//! Linear attention by the gated delta rule (Gated DeltaNet: Qwen3-Next,
-//! Qwen3.5): instead of a cache that grows by a row per token, each value
-//! head keeps one float32 `[Dk, Dv]` matrix S per sequence, and the layer's
-//! short causal convolution keeps its last `Kc − 1` inputs.
+//! Linear attention by the gated delta rule: Gated DeltaNet (Qwen3-Next,
+//! Qwen3.5) and Kimi Delta Attention (Kimi-Linear). Instead of a cache that
+//! grows by a row per token, each value head keeps one float32 `[Dk, Dv]`
+//! matrix S per sequence, and the layer's short causal convolution keeps its
+//! last `Kc − 1` inputs.
 //!
 //! ```text
-//! q, k, v, z = Wq·x, Wk·x, Wv·x, Wz·x                 [T, Hk·Dk] ×2, [T, Hv·Dv] ×2
-//! b, a = Wb·x, Wa·x                                   [T, Hv] each
-//! q, k, v = silu(conv(q, k, v))                       depthwise, causal, over the last Kc inputs
+//! q, k, v, b = Wq·x, Wk·x, Wv·x, Wb·x                 [T, Hk·Dk] ×2, [T, Hv·Dv], [T, Hv]
+//! GDN: a, z = Wa·x, Wz·x                              [T, Hv], [T, Hv·Dv]
+//! KDA: a, z = Wf_b·Wf_a·x, Wg_b·Wg_a·x                [T, H·Dk], [T, H·Dv]  (low rank)
+//! q, k, v = silu(conv(q)), silu(conv(k)), silu(conv(v))   depthwise, causal, over the last Kc inputs
 //! per value head h (its key head h / (Hv/Hk)) and token t, in order:
 //!     q, k = l2norm(q)·Dk^-½, l2norm(k)
-//!     β = sigmoid(b),  decay = exp(−exp(A_log)·softplus(a + dt_bias))
-//!     S = decay·S;  S += k ⊗ (v − Sᵀk)·β;  o = Sᵀq      (`kernels::delta_fn`)
-//! o = rmsnorm(o per head)·w · silu(z)                [T, Hv·Dv]
-//! proj = Wo·o                                         [T, D]
+//!     β = sigmoid(b)
+//!     decay = exp(−exp(A_log[h])·softplus(a + dt_bias))  one per head (GDN) or per key channel (KDA)
+//!     S = decay·S;  S += k ⊗ (v − Sᵀk)·β;  o = Sᵀq        (`kernels::delta_fn`)
+//! o = rmsnorm(o per head)·w · silu(z) (GDN) or · sigmoid(z) (KDA)   [T, Hv·Dv]
+//! proj = Wo·o                                          [T, D]
 //! ```
 //!
 //! Prefill and decode both run the recurrence token by token. transformers
 //! computes prefill in a chunked form instead (algebraically equal, rounded
-//! differently: its logits differ from its own token-by-token decode by
-//! about 1e-6); the recurrence is a few percent of a layer's arithmetic at
-//! Qwen3.6's width, and one form means a prompt fed at once and token by
-//! token give the same bits, whatever the chunking.
+//! differently: on the golden fixtures its full-forward logits and its own
+//! token-by-token decode differ by up to 4e-5); the recurrence is a few
+//! percent of a layer's arithmetic at Qwen3.6's width, and one form means a
+//! prompt fed at once and token by token give the same bits, whatever the
+//! chunking.
 
 use rayon::prelude::*;
 
 use super::Inputs;
 use super::ffn::{sigmoid, silu};
-use crate::canonical::config::LinearSpec;
-use crate::kernels::{Matrix, matmul_many};
+use crate::canonical::config::{LinearKind, LinearSpec};
+use crate::kernels::{Matrix, matmul, matmul_many};
 use crate::model::weights::TensorRef;
 
 /// One linear-attention layer's tensors in the file.
@@ -39,20 +43,45 @@ pub struct DeltaRefs {
     pub wk: TensorRef,
     /// [Hv·Dv, D] values.
     pub wv: TensorRef,
-    /// [Hv·Dv, D] the output gate's input `z`.
-    pub wz: TensorRef,
     /// [Hv, D] update strengths before their sigmoid.
     pub wb: TensorRef,
-    /// [Hv, D] the decays' input.
-    pub wa: TensorRef,
-    /// [2·Hk·Dk + Hv·Dv, Kc] convolution taps, oldest first (f32).
-    pub conv: TensorRef,
+    /// The decay's input and the output gate's, by kind.
+    pub gates: GateRefs,
+    /// [Hk·Dk, Kc], [Hk·Dk, Kc], [Hv·Dv, Kc] convolution taps of q, k, v, oldest first.
+    pub conv: [TensorRef; 3],
     /// `[Hv]` A_log.
     pub a_log: TensorRef,
-    /// `[Hv]` dt_bias.
+    /// `[Hv]` (GDN) or `[H·Dk]` (KDA) dt_bias.
     pub dt_bias: TensorRef,
     /// `[Dv]` output RMSNorm scale.
     pub norm: TensorRef,
+}
+
+/// Where a layer's decay input `a` and output gate `z` come from.
+#[derive(Clone, Copy, Debug)]
+pub enum GateRefs {
+    /// Gated DeltaNet: `a` = [Hv, D], `z` = [Hv·Dv, D].
+    Direct {
+        /// [Hv, D]
+        wa: TensorRef,
+        /// [Hv·Dv, D]
+        wz: TensorRef,
+    },
+    /// Kimi delta attention: two low-rank products.
+    LowRank {
+        /// [Rg, D], [H·Dk, Rg]: the forget gate's factors.
+        f: [TensorRef; 2],
+        /// [Rg, D], [H·Dv, Rg]: the output gate's factors.
+        g: [TensorRef; 2],
+    },
+}
+
+/// The gate matrices as views, as [`GateRefs`].
+pub enum Gates<'a> {
+    /// `a` = [Hv, D], `z` = [Hv·Dv, D].
+    Direct(Matrix<'a>, Matrix<'a>),
+    /// `f_a`, `f_b`, `g_a`, `g_b`.
+    LowRank([Matrix<'a>; 4]),
 }
 
 /// One linear-attention layer's weights, as views.
@@ -63,17 +92,15 @@ pub struct Delta<'a> {
     pub wk: Matrix<'a>,
     /// [Hv·Dv, D]
     pub wv: Matrix<'a>,
-    /// [Hv·Dv, D]
-    pub wz: Matrix<'a>,
     /// [Hv, D]
     pub wb: Matrix<'a>,
-    /// [Hv, D]
-    pub wa: Matrix<'a>,
-    /// [C, Kc] convolution taps over the channels q | k | v.
-    pub conv: &'a [f32],
+    /// The decay's and the output gate's projections.
+    pub gates: Gates<'a>,
+    /// Convolution taps of q, k, v: `[Hk·Dk, Kc]`, `[Hk·Dk, Kc]`, `[Hv·Dv, Kc]`.
+    pub conv: [&'a [f32]; 3],
     /// `[Hv]`
     pub a_log: &'a [f32],
-    /// `[Hv]`
+    /// `[Hv]` or `[H·Dk]`
     pub dt_bias: &'a [f32],
     /// `[Dv]`
     pub norm: &'a [f32],
@@ -116,6 +143,7 @@ pub struct DeltaScratch {
     conv_dim: usize,
     value_dim: usize,
     v_heads: usize,
+    a_width: usize,
     /// [C, C_conv] projected q | k | v, before the convolution.
     raw: Vec<f32>,
     /// [C, C_conv] after the convolution and SiLU.
@@ -124,8 +152,10 @@ pub struct DeltaScratch {
     z: Vec<f32>,
     /// [C, Hv] update strengths.
     b: Vec<f32>,
-    /// [C, Hv] decay inputs.
+    /// [C, Hv] (GDN) or [C, H·Dk] (KDA) decay inputs.
     a: Vec<f32>,
+    /// [C, Rg] a low-rank gate's first product (KDA; empty for GDN).
+    low: Vec<f32>,
     /// [Hv, C, Dv] the rule's outputs, head by head (each head's thread
     /// writes its own rows).
     by_head: Vec<f32>,
@@ -138,15 +168,21 @@ impl DeltaScratch {
     pub fn new(spec: Option<&LinearSpec>, chunk: usize) -> DeltaScratch {
         let Some(s) = spec else { return DeltaScratch::default() };
         let (c, vd, hv) = (s.conv_dim(), s.value_dim(), s.v_heads);
+        let (a_width, rank) = match s.kind {
+            LinearKind::GatedDeltaNet => (hv, 0),
+            LinearKind::Kda { gate_rank } => (s.key_dim(), gate_rank),
+        };
         DeltaScratch {
             conv_dim: c,
             value_dim: vd,
             v_heads: hv,
+            a_width,
             raw: vec![0.0; chunk * c],
             mixed: vec![0.0; chunk * c],
             z: vec![0.0; chunk * vd],
             b: vec![0.0; chunk * hv],
-            a: vec![0.0; chunk * hv],
+            a: vec![0.0; chunk * a_width],
+            low: vec![0.0; chunk * rank],
             by_head: vec![0.0; chunk * vd],
             out: vec![0.0; chunk * vd],
         }
@@ -162,7 +198,7 @@ pub struct DeltaRows<'a> {
     z: &'a [f32],
     /// [n, Hv]
     b: &'a [f32],
-    /// [n, Hv]
+    /// [n, Hv] or [n, H·Dk]
     a: &'a [f32],
 }
 
@@ -170,9 +206,9 @@ impl DeltaScratch {
     /// The chunk's `n` rows as the rule reads them, and the rule's two
     /// output buffers (`by_head` and `out` of [`Delta::rule`]), `[n, Hv·Dv]` each.
     pub fn split(&mut self, n: usize) -> (DeltaRows<'_>, &mut [f32], &mut [f32]) {
-        let (c, vd, hv) = (self.conv_dim, self.value_dim, self.v_heads);
+        let (c, vd, hv, aw) = (self.conv_dim, self.value_dim, self.v_heads, self.a_width);
         let rows =
-            DeltaRows { mixed: &self.mixed[..n * c], z: &self.z[..n * vd], b: &self.b[..n * hv], a: &self.a[..n * hv] };
+            DeltaRows { mixed: &self.mixed[..n * c], z: &self.z[..n * vd], b: &self.b[..n * hv], a: &self.a[..n * aw] };
         (rows, &mut self.by_head[..n * vd], &mut self.out[..n * vd])
     }
 
@@ -183,7 +219,7 @@ impl DeltaScratch {
 }
 
 impl Delta<'_> {
-    /// Projects the `n` rows of `x` ([n, D]) into q | k | v, z, b and a.
+    /// Projects the `n` rows of `x` ([n, D]) into q | k | v, b, a and z.
     pub fn project(&self, x: &[f32], inputs: &mut Inputs, s: &mut DeltaScratch) {
         let d = self.wq.cols;
         let n = x.len() / d;
@@ -193,9 +229,20 @@ impl Delta<'_> {
         let raw = &mut s.raw[..n * self.spec.conv_dim()];
         let (q, rest) = raw.split_at_mut(n * kd);
         let (k, v) = rest.split_at_mut(n * kd);
-        let inp = inputs.prepare(x, d); // quantised once for the four
-        matmul_many(&mut [(self.wq, q), (self.wk, k), (self.wv, v), (self.wz, &mut s.z[..n * vd])], &inp);
-        matmul_many(&mut [(self.wb, &mut s.b[..n * hv]), (self.wa, &mut s.a[..n * hv])], &inp);
+        let (b, a, z) = (&mut s.b[..n * hv], &mut s.a[..n * s.a_width], &mut s.z[..n * vd]);
+        let inp = inputs.prepare(x, d); // quantised once for every projection of x
+        matmul_many(&mut [(self.wq, q), (self.wk, k), (self.wv, v), (self.wb, b)], &inp);
+        match self.gates {
+            Gates::Direct(wa, wz) => matmul_many(&mut [(wa, a), (wz, z)], &inp), // [n, Hv], [n, Hv·Dv]
+            Gates::LowRank([fa, fb, ga, gb]) => {
+                let r = fa.rows;
+                let low = &mut s.low[..n * r];
+                matmul(&fa, &inp, low); // [n, Rg]
+                matmul(&fb, &inputs.prepare(low, r), a); // [n, H·Dk]
+                matmul(&ga, &inputs.prepare(x, d), low);
+                matmul(&gb, &inputs.prepare(low, r), z); // [n, H·Dv]
+            }
+        }
     }
 
     /// The causal convolution of one sequence's rows `r0..r0 + m` of the
@@ -211,13 +258,14 @@ impl Delta<'_> {
         let (c, kc, kd, vd) = (self.spec.conv_dim(), self.spec.conv_kernel, self.spec.key_dim(), self.spec.value_dim());
         let keep = kc - 1;
         let st = &mut state.conv;
-        // (first channel, width, start in `raw`) of queries, keys, values.
-        for (c0, w, base) in [(0, kd, 0), (kd, kd, n * kd), (2 * kd, vd, 2 * n * kd)] {
+        // (first channel, width, start in `raw`, taps) of queries, keys, values.
+        let parts = [(0, kd, 0, self.conv[0]), (kd, kd, n * kd, self.conv[1]), (2 * kd, vd, 2 * n * kd, self.conv[2])];
+        for (c0, w, base, conv) in parts {
             let input = |t: usize, ch: usize| s.raw[base + (r0 + t) * w + ch];
             for t in 0..m {
                 let out = &mut s.mixed[(r0 + t) * c + c0..(r0 + t) * c + c0 + w];
                 for (ch, o) in out.iter_mut().enumerate() {
-                    let taps = &self.conv[(c0 + ch) * kc..(c0 + ch + 1) * kc];
+                    let taps = &conv[ch * kc..(ch + 1) * kc];
                     let mut acc = 0.0f32;
                     for (j, &wj) in taps.iter().enumerate() {
                         // Tap j reads the input t − keep + j rows back from
@@ -253,20 +301,28 @@ impl Delta<'_> {
         let step = delta_step_placeholder;
         let scale = 1.0 / (dk as f32).sqrt();
         let heads = state.s.par_chunks_mut(dk * dv).zip(by_head.par_chunks_mut(m * dv));
+        let kda = matches!(sp.kind, LinearKind::Kda { .. });
+        // Qwen's l2 norm multiplies by 1/√, Kimi's divides by √ (as each reference does).
+        let norm = if kda { l2norm_div } else { l2norm };
+        let per = if kda { dk } else { 1 }; // decays per head and token
         heads.enumerate().for_each(|(h, (sh, oh))| {
             let kh = h / per_key;
-            let (mut q, mut k) = ([0f32; MAX_DK], [0f32; MAX_DK]);
+            let (mut q, mut k, mut decay) = ([0f32; MAX_DK], [0f32; MAX_DK], [0f32; MAX_DK]);
             let rate = -crate::math::expf(self.a_log[h]);
+            let bias = &self.dt_bias[h * per..(h + 1) * per];
             for t in 0..m {
                 let r = r0 + t;
                 let row = &x.mixed[r * c..(r + 1) * c];
-                l2norm(&row[kh * dk..(kh + 1) * dk], &mut q[..dk]);
-                l2norm(&row[kd + kh * dk..kd + (kh + 1) * dk], &mut k[..dk]);
+                norm(&row[kh * dk..(kh + 1) * dk], &mut q[..dk]);
+                norm(&row[kd + kh * dk..kd + (kh + 1) * dk], &mut k[..dk]);
                 q[..dk].iter_mut().for_each(|v| *v *= scale);
                 let v = &row[2 * kd + h * dv..2 * kd + (h + 1) * dv];
                 let beta = sigmoid(x.b[r * hv + h]);
-                let decay = [crate::math::expf(rate * softplus(x.a[r * hv + h] + self.dt_bias[h]))];
-                step(sh, &decay, &k[..dk], v, beta, &q[..dk], &mut oh[t * dv..(t + 1) * dv]);
+                let a = &x.a[(r * hv + h) * per..(r * hv + h + 1) * per];
+                for ((g, &a), &bias) in decay.iter_mut().zip(a).zip(bias) {
+                    *g = crate::math::expf(rate * softplus(a + bias));
+                }
+                step(sh, &decay[..per], &k[..dk], v, beta, &q[..dk], &mut oh[t * dv..(t + 1) * dv]);
             }
         });
         // out[t, h] = rmsnorm(o[h, t]) · w · silu(z[t, h])
@@ -278,7 +334,7 @@ impl Delta<'_> {
                 let ms = o.iter().map(|&v| v * v).sum::<f32>() / dv as f32;
                 let inv = 1.0 / (ms + self.eps).sqrt();
                 for (((y, &o), &w), &z) in y.iter_mut().zip(o).zip(self.norm).zip(z) {
-                    *y = w * (o * inv) * silu(z);
+                    *y = w * (o * inv) * if kda { sigmoid(z) } else { silu(z) };
                 }
             }
         }
@@ -294,6 +350,12 @@ fn l2norm(x: &[f32], out: &mut [f32]) {
     let ss = x.iter().map(|&v| v * v).sum::<f32>();
     let inv = 1.0 / (ss + 1e-6).sqrt();
     out.iter_mut().zip(x).for_each(|(o, &v)| *o = v * inv);
+}
+
+/// `out = x / sqrt(Σx² + 1e-6)`: Kimi's form of [`l2norm`].
+fn l2norm_div(x: &[f32], out: &mut [f32]) {
+    let n = (x.iter().map(|&v| v * v).sum::<f32>() + 1e-6).sqrt();
+    out.iter_mut().zip(x).for_each(|(o, &v)| *o = v / n);
 }
 
 /// `ln(1 + e^x)`, and x itself above 20 (torch's threshold).

@@ -47,8 +47,9 @@ pub struct Mla<'a> {
     pub h: usize,
     /// Dh = Dn + Dr: a query head's width.
     pub dh: usize,
-    /// The rotary embedding.
-    pub rope: &'a Rope,
+    /// The rotary embedding (`None`: positions are not encoded, as in
+    /// Kimi-Linear, and the "rotated" parts stay as projected).
+    pub rope: Option<&'a Rope>,
 }
 
 /// Buffers of multi-head latent attention for up to C tokens.
@@ -114,10 +115,11 @@ impl Mla<'_> {
         for t in 0..n {
             let row = &mut kv[t * kw..(t + 1) * kw];
             rmsnorm_rows_inplace(&mut row[..m.kv_lora_rank], self.kv_a_norm, m.latent_eps); // the latent, [R]
+            let Some(rope) = self.rope else { continue };
             let (cs, sn) = (&cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
-            self.rope.rotate(&mut row[m.kv_lora_rank..], cs, sn); // k_pe, [Dr]
+            rope.rotate(&mut row[m.kv_lora_rank..], cs, sn); // k_pe, [Dr]
             for head in q[t * qd..(t + 1) * qd].chunks_exact_mut(dh) {
-                self.rope.rotate(&mut head[m.qk_nope_dim..], cs, sn); // q_pe, [Dr]
+                rope.rotate(&mut head[m.qk_nope_dim..], cs, sn); // q_pe, [Dr]
             }
         }
     }
