@@ -250,3 +250,54 @@ def test_recode_from_the_command_line(tmp_path):
     assert "q4_0" in r.stdout and colibri.Engine(out).dtype == "q4_0"
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "already exists" in r.stderr and "Traceback" not in r.stderr
+
+
+# ---------------------------------------------------------------------------
+# Hybrid linear-attention checkpoints: bad configs and tensors name what is wrong
+
+
+def _hybrid_copy(tmp_path, case, edit=None, drop=None):
+    from conftest import copy_case_single_file, load_tensors, write_safetensors
+
+    src = copy_case_single_file(case, tmp_path / "src")
+    if edit is not None:
+        cfg = json.loads((src / "config.json").read_text())
+        edit(cfg)
+        (src / "config.json").write_text(json.dumps(cfg))
+    if drop is not None:
+        tensors = {n: t for n, t in load_tensors(src).items() if n != drop}
+        write_safetensors(src / "model.safetensors", tensors)
+    return src
+
+
+@pytest.mark.parametrize(
+    "case, edit, drop, needle",
+    [
+        ("qwen3_5_moe", lambda c: c.update(layer_types=c["layer_types"][:3]), None, "layer_types"),
+        ("qwen3_5_moe", lambda c: c["layer_types"].__setitem__(1, "mamba"), None, r"layer_types\[1\]"),
+        ("qwen3_next", lambda c: c.update(linear_conv_kernel_dim=0), None, "linear_conv_kernel_dim"),
+        ("qwen3_next", lambda c: c.update(linear_num_value_heads=5), None, "linear_num_value_heads"),
+        ("qwen3_next", lambda c: c.update(full_attention_interval=0), None, "full_attention_interval"),
+        ("qwen3_next", None, "model.layers.0.linear_attn.A_log", "linear_attn.A_log"),
+        ("qwen3_5_moe", None, "model.layers.1.linear_attn.dt_bias", "linear_attn.dt_bias"),
+        ("qwen3_5_moe", lambda c: c.update(linear_value_head_dim=16), None, "in_proj_qkv.*config.json"),
+        ("kimi_linear", lambda c: c["linear_attn_config"].update(kda_layers=[1, 5]), None, "kda_layers"),
+        ("kimi_linear", lambda c: c["linear_attn_config"].update(kda_layers=[1]), None, "layer 3"),
+        ("kimi_linear", lambda c: c["linear_attn_config"].update(short_conv_kernel_size=0), None, "short_conv"),
+        ("kimi_linear", None, "model.layers.0.self_attn.A_log", "self_attn.A_log"),
+    ],
+)
+def test_bad_hybrid_checkpoints_are_checkpoint_errors_naming_the_key(tmp_path, case, edit, drop, needle):
+    src = _hybrid_copy(tmp_path, case, edit, drop)
+    with pytest.raises(colibri.CheckpointError, match=needle):
+        colibri.convert(src, tmp_path / "o.colibri", progress=False)
+    assert not (tmp_path / "o.colibri").exists()
+
+
+def test_the_vision_tower_and_mtp_layer_are_skipped_and_named(tmp_path):
+    out = tmp_path / "vl.colibri"
+    colibri.convert(GOLDEN / "qwen3_5_moe_vl", out, progress=False)
+    parts = colibri.Engine(out).skipped_parts
+    assert any(p.startswith("model.visual.* (") for p in parts), parts
+    assert any(p.startswith("mtp.") for p in parts), parts
+    assert colibri.Engine(tmp_path / "vl.colibri").state_bytes()["per_sequence"] > 0

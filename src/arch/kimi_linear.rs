@@ -149,10 +149,16 @@ impl LinearCfg {
                 Error::checkpoint(&c.path, format!("config.json has no `linear_attn_config.{inner}` (or `{flat}`)"))
             })
         };
+        let at_least_one = |inner: &str, flat: &str| -> Result<usize> {
+            match get(inner, flat)? {
+                0 => Err(Error::checkpoint(&c.path, format!("`linear_attn_config.{inner}` must be at least 1, got 0"))),
+                x => Ok(x),
+            }
+        };
         Ok(LinearCfg {
-            heads: get("num_heads", "linear_num_heads")?,
-            head_dim: get("head_dim", "linear_head_dim")?,
-            conv_kernel: get("short_conv_kernel_size", "linear_conv_kernel_dim")?,
+            heads: at_least_one("num_heads", "linear_num_heads")?,
+            head_dim: at_least_one("head_dim", "linear_head_dim")?,
+            conv_kernel: at_least_one("short_conv_kernel_size", "linear_conv_kernel_dim")?,
         })
     }
 }

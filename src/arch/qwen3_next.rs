@@ -128,14 +128,7 @@ fn config(hf: &HfConfig) -> Result<ModelConfig> {
             shared_expert: shared.map(|f| SharedExpertSpec { ffn_dim: f, sigmoid_gate: true }),
             ..Default::default()
         }),
-        linear: Some(LinearSpec {
-            kind: LinearKind::GatedDeltaNet,
-            k_heads: c.usize(&["linear_num_key_heads"])?,
-            v_heads: c.usize(&["linear_num_value_heads"])?,
-            k_head_dim: c.usize(&["linear_key_head_dim"])?,
-            v_head_dim: c.usize(&["linear_value_head_dim"])?,
-            conv_kernel: c.usize(&["linear_conv_kernel_dim"])?,
-        }),
+        linear: Some(linear_spec(c)?),
         layers: (0..n)
             .map(|l| LayerSpec {
                 mixer: if linear[l] { MixerSpec::Linear } else { MixerSpec::FULL_ATTENTION },
@@ -145,6 +138,33 @@ fn config(hf: &HfConfig) -> Result<ModelConfig> {
         tie_embeddings: c.bool_or("tie_word_embeddings", false)?,
         ..Default::default()
     })
+}
+
+/// The Gated DeltaNet layers' shape, every size at least 1 and the value
+/// heads a multiple of the key heads, or an error naming the key.
+fn linear_spec(c: &HfConfig) -> Result<LinearSpec> {
+    let keys = [
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_conv_kernel_dim",
+    ];
+    let mut v = [0; 5];
+    for (x, key) in v.iter_mut().zip(keys) {
+        *x = c.usize(&[key])?;
+        if *x == 0 {
+            return Err(Error::checkpoint(&c.path, format!("config field `{key}` must be at least 1, got 0")));
+        }
+    }
+    let [k_heads, v_heads, k_head_dim, v_head_dim, conv_kernel] = v;
+    if !v_heads.is_multiple_of(k_heads) {
+        return Err(Error::checkpoint(
+            &c.path,
+            format!("`linear_num_value_heads` {v_heads} is not a multiple of `linear_num_key_heads` {k_heads}"),
+        ));
+    }
+    Ok(LinearSpec { kind: LinearKind::GatedDeltaNet, k_heads, v_heads, k_head_dim, v_head_dim, conv_kernel })
 }
 
 /// Whether the config gives a partial rotary factor anywhere (else the

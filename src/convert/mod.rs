@@ -280,7 +280,11 @@ fn derived_shape(s: &Source, shape: &[usize]) -> std::result::Result<Vec<usize>,
         let mut len = r;
         if let Some(p) = s.rows {
             if p.period == 0 || !r.is_multiple_of(p.period) || p.offset + p.len > p.period {
-                return Err(format!("tensor {} has {r} rows, which {p:?} cannot split", s.name));
+                return Err(format!(
+                    "tensor {} has {r} rows, which do not split into the groups of {} rows config.json implies \
+                     (the checkpoint and its config disagree)",
+                    s.name, p.period
+                ));
             }
             len = p.len;
             r = r / p.period * p.len;
