@@ -117,27 +117,47 @@ fn chunked_prefill_equals_single_pass() {
     }
 }
 
-/// A linear-attention model rolls back only to its start (the recurrent
-/// state keeps no per-position history), and a sequence that starts again
-/// from 0 starts from the zero state: the same logits as a fresh session.
+/// A linear-attention model rolls back to its start (the zero state), to
+/// its checkpoint (the saved states) or nowhere: the recurrent state keeps
+/// no per-position history. Fed again from there, the logits are those of a
+/// plain prefill, whatever was fed (and dropped) in between.
 #[test]
-fn a_hybrid_sequence_goes_back_only_to_its_start() {
-    let (_d, e) = engine_with(&crate::synth::hybrid_config(), DType::F32, 2);
-    let toks = ids(12);
-    let want = e.logits(&toks, &never).unwrap();
-    let mut s = e.session(16);
-    e.run(&mut s, &toks[..7], Capture::default(), &never).unwrap();
-    assert!(matches!(s.truncate(3), Err(Error::InvalidInput(_))));
-    assert_eq!(s.pos(), 7);
-    s.truncate(7).unwrap();
-    s.truncate(0).unwrap();
-    let mut got = vec![0.0; want.len()];
-    e.run(&mut s, &toks, Capture { logits: Some(&mut got), hidden: None }, &never).unwrap();
-    assert_eq!(got, want);
-    s.reset();
-    e.run(&mut s, &toks[..5], Capture::default(), &never).unwrap();
-    let v = e.model().config.vocab_size;
-    assert_eq!(s.seq.logits, want[4 * v..5 * v]);
+fn a_hybrid_sequence_goes_back_to_its_start_or_its_checkpoint() {
+    for cfg in [crate::synth::hybrid_config(), crate::synth::kda_hybrid_config()] {
+        let (_d, e) = engine_with(&cfg, DType::F32, 2);
+        let v = e.model().config.vocab_size;
+        let toks = ids(12);
+        let want = e.logits(&toks, &never).unwrap();
+        let mut s = e.session(16);
+        e.run(&mut s, &toks[..7], Capture::default(), &never).unwrap();
+        assert!(matches!(s.truncate(3), Err(Error::InvalidInput(_))));
+        assert_eq!(s.pos(), 7);
+        s.truncate(7).unwrap();
+        s.truncate(0).unwrap();
+        let mut got = vec![0.0; want.len()];
+        e.run(&mut s, &toks, Capture { logits: Some(&mut got), hidden: None }, &never).unwrap();
+        assert_eq!(got, want);
+        s.reset();
+        e.run(&mut s, &toks[..5], Capture::default(), &never).unwrap();
+        assert_eq!(s.seq.logits, want[4 * v..5 * v]);
+        // Checkpoint at 5, feed drafts (the right ones, then wrong ones),
+        // go back to 5 each time and feed the right ones.
+        s.checkpoint();
+        let wrong: Vec<u32> = toks[5..9].iter().map(|&t| (t + 7) % v as u32).collect();
+        for drafts in [&toks[5..9], &wrong[..]] {
+            e.run(&mut s, drafts, Capture::default(), &never).unwrap();
+            assert!(matches!(s.truncate(6), Err(Error::InvalidInput(_))), "only to the checkpoint");
+            s.truncate(5).unwrap();
+            let mut got = vec![0.0; 7 * v];
+            e.run(&mut s, &toks[5..], Capture { logits: Some(&mut got), hidden: None }, &never).unwrap();
+            assert_eq!(got, want[5 * v..], "after dropping {drafts:?}");
+            s.truncate(5).unwrap();
+        }
+        // Going back before the checkpoint forgets it.
+        s.truncate(0).unwrap();
+        e.run(&mut s, &toks[..6], Capture::default(), &never).unwrap();
+        assert!(matches!(s.truncate(5), Err(Error::InvalidInput(_))));
+    }
 }
 
 #[test]

@@ -70,6 +70,9 @@ pub struct Sequence {
     layers: Vec<LayerCache>,
     /// `[V]` logits of the last token processed.
     pub logits: Vec<f32>,
+    /// The position of the last [`Sequence::checkpoint`], while it is still
+    /// at or before `pos`.
+    checkpoint: Option<usize>,
 }
 
 impl Sequence {
@@ -79,7 +82,7 @@ impl Sequence {
         let c = &model.config;
         let max_seq = max_seq.clamp(1, c.max_seq_len);
         let layers = c.layer_states().into_iter().map(|st| LayerCache::new(c, st, kv_dtype, max_seq)).collect();
-        Sequence { max_seq, pos: 0, layers, logits: vec![0.0; c.vocab_size] }
+        Sequence { max_seq, pos: 0, layers, logits: vec![0.0; c.vocab_size], checkpoint: None }
     }
 
     /// Layer `l`'s key/value cache. This is the one place that turns a
@@ -106,9 +109,10 @@ impl Sequence {
     /// goes to position `pos` (how speculative decoding drops rejected
     /// tokens). A KV layer only moves back its position: the rows past it are
     /// overwritten before any query reads them, as positions fill again.
-    /// A linear-attention layer's state holds no per-position history, so
-    /// such a model goes back only to the start (its next pass begins from
-    /// the zero state) or nowhere; anything else is an error.
+    /// A linear-attention layer's state holds no per-position history: such
+    /// a sequence goes back to its start (its next pass begins from the zero
+    /// state), to the position of its last [`Sequence::checkpoint`] (the
+    /// saved states come back), or nowhere; anything else is an error.
     /// `logits` keeps the last processed token's row until the next pass.
     pub fn truncate(&mut self, pos: usize) -> Result<()> {
         if pos > self.pos {
@@ -117,21 +121,45 @@ impl Sequence {
                 self.pos
             )));
         }
-        for layer in &mut self.layers {
-            match layer {
-                LayerCache::Kv(_) => {}
-                LayerCache::Delta(_) if pos == 0 || pos == self.pos => {}
-                LayerCache::Delta(_) => {
-                    return Err(Error::InvalidInput(format!(
-                        "cannot truncate a sequence of {} tokens to {pos}: its linear-attention layers keep \
-                         a running state without per-position history (only 0 or {} are possible)",
-                        self.pos, self.pos
-                    )));
+        let recurrent = self.layers.iter().any(|l| matches!(l, LayerCache::Delta(_)));
+        if recurrent && pos != 0 && pos != self.pos {
+            if self.checkpoint != Some(pos) {
+                let saved = self.checkpoint.map_or("none".to_string(), |p| p.to_string());
+                return Err(Error::InvalidInput(format!(
+                    "cannot truncate a sequence of {} tokens to {pos}: its linear-attention layers keep a \
+                     running state, which goes back only to 0 or to a checkpoint (saved at: {saved})",
+                    self.pos
+                )));
+            }
+            for layer in &mut self.layers {
+                if let LayerCache::Delta(state) = layer {
+                    state.restore();
                 }
             }
         }
+        if self.checkpoint.is_some_and(|c| c > pos) {
+            self.checkpoint = None;
+        }
         self.pos = pos;
         Ok(())
+    }
+
+    /// Saves every linear-attention layer's state at the current position,
+    /// so [`Sequence::truncate`] can come back to it (one checkpoint per
+    /// sequence: a new one replaces the old). Copies the recurrent states
+    /// (their bytes are [`StateLayout::bytes_per_sequence`]); KV layers need
+    /// nothing. How speculative decoding can reject drafted tokens on these
+    /// models: checkpoint, verify, truncate to the checkpoint and feed the
+    /// accepted tokens again.
+    ///
+    /// [`StateLayout::bytes_per_sequence`]: crate::canonical::state::StateLayout
+    pub fn checkpoint(&mut self) {
+        for layer in &mut self.layers {
+            if let LayerCache::Delta(state) = layer {
+                state.save();
+            }
+        }
+        self.checkpoint = Some(self.pos);
     }
 }
 
@@ -317,9 +345,15 @@ impl Session {
         self.seq.truncate(pos)
     }
 
+    /// Saves the linear-attention states at the current position ([`Sequence::checkpoint`]).
+    pub fn checkpoint(&mut self) {
+        self.seq.checkpoint()
+    }
+
     /// Forgets the sequence (keeps the buffers).
     pub fn reset(&mut self) {
         self.seq.pos = 0;
+        self.seq.checkpoint = None;
     }
 }
 

@@ -119,6 +119,8 @@ pub struct DeltaState {
     conv: Vec<f32>,
     /// [Hv, Dk, Dv] each value head's matrix.
     s: Vec<f32>,
+    /// A copy of `conv` and `s` from [`DeltaState::save`] (empty until then).
+    saved: Vec<f32>,
 }
 
 impl DeltaState {
@@ -127,12 +129,29 @@ impl DeltaState {
         DeltaState {
             conv: vec![0.0; (spec.conv_kernel - 1) * spec.conv_dim()],
             s: vec![0.0; spec.v_heads * spec.k_head_dim * spec.v_head_dim],
+            saved: Vec::new(),
         }
     }
 
     fn clear(&mut self) {
         self.conv.fill(0.0);
         self.s.fill(0.0);
+    }
+
+    /// Keeps a copy of the state, for [`DeltaState::restore`] (the copy's
+    /// buffer is allocated by the first save).
+    pub fn save(&mut self) {
+        self.saved.clear();
+        self.saved.extend_from_slice(&self.conv);
+        self.saved.extend_from_slice(&self.s);
+    }
+
+    /// Goes back to the state of the last [`DeltaState::save`] (which stays
+    /// saved).
+    pub fn restore(&mut self) {
+        let (conv, s) = self.saved.split_at(self.conv.len());
+        self.conv.copy_from_slice(conv);
+        self.s.copy_from_slice(s);
     }
 }
 
