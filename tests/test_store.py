@@ -68,11 +68,27 @@ def test_plan_adds_up(olmoe):
     assert small["streamed_bytes"] > 0 and small["expected_bytes_per_token"] > 0
 
 
+@pytest.mark.parametrize("case", ["qwen3_5_moe", "kimi_linear"])
+def test_a_hybrid_streams_its_experts_and_plans_its_state(case, converted):
+    """A linear-attention hybrid under the smallest budget gives the logits it
+    gives with every expert resident, and the plan counts its state as the
+    engine does: a fixed part per sequence besides the per-token KV."""
+    path = converted(case)
+    p = colibri.plan(path, None)
+    e = colibri.Engine(path)
+    assert p["state_bytes_per_token"] == e.state_bytes()["per_token"] > 0
+    assert p["state_bytes_per_sequence"] == e.state_bytes()["per_sequence"] > 0
+    ids = list(range(3, 40))
+    streamed = colibri.Engine(path, ram_budget=colibri.plan(path, None)["min_budget"])
+    assert streamed.store_stats()["streaming"]
+    assert np.array_equal(streamed.logits(ids), e.logits(ids))
+
+
 def test_cli_plan_and_stats(olmoe):
     run = [sys.executable, "-m", "colibri"]
     r = subprocess.run([*run, "plan", str(olmoe), "--ram", "60KB"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert "dense part" in r.stdout and "read per token" in r.stdout
+    assert "dense part" in r.stdout and "read per token" in r.stdout and "per sequence" in r.stdout
     r = subprocess.run([*run, "plan", str(olmoe), "--ram", "1KB"], capture_output=True, text=True)
     assert r.returncode == 1 and "top_k + 1" in r.stderr and "Traceback" not in r.stderr
 

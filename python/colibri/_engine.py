@@ -111,7 +111,9 @@ def plan(path: PathLike, ram_budget: int | str | None = None) -> Plan:
     ``min_budget`` (the smallest budget that runs: top_k + 1 experts),
     ``expected_hit_rate`` and ``expected_bytes_per_token`` when decoding
     (from the routing heat file beside the model when there is one, else
-    assuming uniform routing), and ``warnings``.
+    assuming uniform routing), ``state_bytes_per_token`` and
+    ``state_bytes_per_sequence`` (what each sequence adds on top, with the
+    default KV cache type), and ``warnings``.
     """
     result: Plan = json.loads(_colibri.plan_json(os.fspath(path), _budget_bytes(ram_budget)))
     return result

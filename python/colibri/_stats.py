@@ -143,6 +143,8 @@ class Plan(TypedDict):
     expected_bytes_per_token: float
     estimate: str
     warnings: list[str]
+    state_bytes_per_token: int
+    state_bytes_per_sequence: int
 
 
 __all__ = [

@@ -451,6 +451,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         ]
     else:
         rows += [("resident", f"everything ({h(p['resident_bytes'])}); nothing streams")]
+    per_tok, per_seq = p["state_bytes_per_token"], p["state_bytes_per_sequence"]
+    rows.append(
+        (
+            "sequence state",
+            f"{h(per_tok)} per token + {h(per_seq)} per sequence, on top "
+            f"({h(per_seq + 4096 * per_tok)} for one sequence of 4k tokens)",
+        )
+    )
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")

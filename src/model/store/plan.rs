@@ -141,6 +141,12 @@ pub struct Plan {
     pub estimate: String,
     /// Notes (e.g. an ignored heat file).
     pub warnings: Vec<String>,
+    /// Sequence state every token adds (KV caches, with the default cache
+    /// type: f16 for block-quantised weights, else f32), over all layers.
+    pub state_bytes_per_token: u64,
+    /// Sequence state fixed per sequence whatever its length (the
+    /// linear-attention layers' recurrent states; 0 for attention-only models).
+    pub state_bytes_per_sequence: u64,
 }
 
 /// The plan for `file` under `budget` (bytes of RAM for routed experts).
@@ -153,7 +159,12 @@ pub fn plan(file: &ColibriFile, budget: Option<u64>, heat: Option<&Heat>) -> Res
         Some(b) => g.slots_for(b)?,
         None => None,
     };
+    let cfg = &file.meta().config;
+    let kv_bytes = if file.meta().tensors.iter().any(|t| t.dtype.is_quantized()) { 2 } else { 4 };
+    let state = crate::canonical::state::StateLayout::new(cfg, kv_bytes);
     let mut p = Plan {
+        state_bytes_per_token: state.bytes_per_token as u64,
+        state_bytes_per_sequence: state.bytes_per_sequence as u64,
         budget,
         streams: slots.is_some(),
         file_bytes: file.file_len(),
@@ -194,7 +205,6 @@ pub fn plan(file: &ColibriFile, budget: Option<u64>, heat: Option<&Heat>) -> Res
             g.top_k as u64 * g.moe_layers as u64 * g.slot_bytes
         ));
     }
-    let cfg = &file.meta().config;
     let mut hit_sum = 0.0;
     let mut bytes = 0.0;
     let heat = heat.filter(|h| h.layers == cfg.num_layers() && h.experts == g.experts_per_layer);
