@@ -1,6 +1,7 @@
 """Builds tests/c/capi_check.c against the C library and compares what it
 prints with the Python API on the demo model: logits bit for bit, greedy,
-seeded, streamed and stop-id-stopped tokens and the end-of-sequence ids exactly.
+seeded, streamed and stop-id-stopped tokens and the end-of-sequence ids exactly;
+then the same on a linear-attention hybrid (the kimi_linear fixture).
 
     python tests/c/check.py LIBDIR    (LIBDIR holds libcolibri.so: target/debug)
 
@@ -26,7 +27,19 @@ ROOT = HERE.parent.parent
 def main() -> int:
     libdir = Path(sys.argv[1]).resolve()
     engine = colibri.Engine.demo(threads=2)
-    ids = engine.tokenize("Once upon a time, a small bird")
+    failed = check(libdir, engine, engine.tokenize("Once upon a time, a small bird"))
+    # A hybrid of linear and latent attention (Kimi-Linear's fixture): the
+    # recurrent state kind behind the same C calls.
+    with tempfile.TemporaryDirectory() as d:
+        hybrid = Path(d) / "kimi_linear.colibri"
+        colibri.convert(ROOT / "tests" / "fixtures" / "golden" / "kimi_linear", hybrid, progress=False)
+        failed += check(libdir, colibri.Engine(hybrid, threads=2), [(7 * i + 3) % 120 for i in range(19)])
+    return 1 if failed else 0
+
+
+def check(libdir: Path, engine: colibri.Engine, ids: list[int]) -> int:
+    """Runs the C program on `engine`'s model; the number of checks that failed."""
+    name = Path(engine.path).name
     with tempfile.TemporaryDirectory() as d:
         exe = Path(d) / "capi_check"
         subprocess.run(
@@ -56,7 +69,7 @@ def main() -> int:
         )
     sys.stderr.write(run.stderr)
     if run.returncode != 0:
-        print(f"capi: the C program failed (exit {run.returncode})")
+        print(f"capi: the C program failed on {name} (exit {run.returncode})")
         return 1
     lines = run.stdout.splitlines()
     t, v = map(int, lines[0].split()[1:])
@@ -91,9 +104,9 @@ def main() -> int:
     checks += [(k, got.get(k) == w) for k, w in want.items()]
     failed = [k for k, ok in checks if not ok]
     for k in failed:
-        print(f"capi: {k} differs: C {got.get(k)!r:.200}, Python {want.get(k)!r:.200}")
-    print(f"{len(checks) - len(failed)} passed, {len(failed)} failed")
-    return 1 if failed else 0
+        print(f"capi: {name}: {k} differs: C {got.get(k)!r:.200}, Python {want.get(k)!r:.200}")
+    print(f"{name}: {len(checks) - len(failed)} passed, {len(failed)} failed")
+    return len(failed)
 
 
 if __name__ == "__main__":
