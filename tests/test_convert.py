@@ -283,7 +283,12 @@ def _hybrid_copy(tmp_path, case, edit=None, drop=None):
         ("qwen3_5_moe", lambda c: c.update(linear_value_head_dim=16), None, "in_proj_qkv.*config.json"),
         ("kimi_linear", lambda c: c["linear_attn_config"].update(kda_layers=[1, 5]), None, "kda_layers"),
         ("kimi_linear", lambda c: c["linear_attn_config"].update(kda_layers=[1]), None, "layer 3"),
-        ("kimi_linear", lambda c: c["linear_attn_config"].update(short_conv_kernel_size=0), None, "short_conv"),
+        (
+            "kimi_linear",
+            lambda c: c["linear_attn_config"].update(short_conv_kernel_size=0),
+            None,
+            "short_conv",
+        ),
         ("kimi_linear", None, "model.layers.0.self_attn.A_log", "self_attn.A_log"),
     ],
 )
