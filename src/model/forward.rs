@@ -14,7 +14,7 @@
 //! a prompt is a few batched passes, decoding is a pass of one token.
 
 use super::blocks::attention::{Heads, attend};
-use super::blocks::delta::{Delta, DeltaRefs, GateRefs, Gates};
+use super::blocks::delta::{Delta, DeltaRefs};
 use super::blocks::ffn::{MlpScratch, add_bias, gated_mlp, sigmoid};
 use super::blocks::gqa::Gqa;
 use super::blocks::mla::{Mla, MlaQ};
@@ -341,24 +341,8 @@ fn attention(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n
 fn linear_attention(model: &Model, l: usize, refs: DeltaRefs, s: &mut Workspace, segs: &mut [Segment], n: usize) {
     let c = &model.config;
     let d = c.hidden_size;
-    let block = Delta {
-        wq: model.mat(refs.wq),
-        wk: model.mat(refs.wk),
-        wv: model.mat(refs.wv),
-        wb: model.mat(refs.wb),
-        gates: match refs.gates {
-            GateRefs::Direct { wa, wz } => Gates::Direct(model.mat(wa), model.mat(wz)),
-            GateRefs::LowRank { f: [fa, fb], g: [ga, gb] } => {
-                Gates::LowRank([model.mat(fa), model.mat(fb), model.mat(ga), model.mat(gb)])
-            }
-        },
-        conv: refs.conv.map(|t| model.vec(t)),
-        a_log: model.vec(refs.a_log),
-        dt_bias: model.vec(refs.dt_bias),
-        norm: model.vec(refs.norm),
-        spec: c.linear.expect("validated: a linear layer has a linear spec"),
-        eps: c.norm.eps,
-    };
+    let spec = c.linear.expect("validated: a linear layer has a linear spec");
+    let block = Delta::new(&refs, spec, c.norm.eps, |t| model.mat(t), |t| model.vec(t));
     block.project(&s.xn[..n * d], &mut s.xq, &mut s.delta); // q | k | v, z, b, a
     // The convolution of every sequence first (cheap, serial), then the rule
     // of each sequence side by side, its value heads in parallel inside.

@@ -18,7 +18,7 @@ use crate::canonical::tensors::{LayerTensor as L, TensorId};
 use crate::error::Result;
 use crate::format::reader::ColibriFile;
 use crate::kernels::Matrix;
-use blocks::delta::{DeltaRefs, GateRefs};
+use blocks::delta::DeltaRefs;
 use store::telemetry::Telemetry;
 use store::{DenseCopy, ExpertStore, HeatState, RoutingStats, StoreOptions, StoreStats, WeightsBacking};
 use weights::{TensorRef, matrix, tensor_ref};
@@ -218,22 +218,7 @@ impl Model {
             };
             let attends = spec.mixer != MixerSpec::Linear;
             let qkv = match cfg.mla() {
-                _ if !attends => QkvRefs::Delta(DeltaRefs {
-                    wq: t(L::LinQ)?,
-                    wk: t(L::LinK)?,
-                    wv: t(L::LinV)?,
-                    wb: t(L::LinB)?,
-                    gates: match cfg.linear.map(|lin| lin.kind) {
-                        Some(config::LinearKind::Kda { .. }) => {
-                            GateRefs::LowRank { f: [t(L::LinFa)?, t(L::LinFb)?], g: [t(L::LinGa)?, t(L::LinGb)?] }
-                        }
-                        _ => GateRefs::Direct { wa: t(L::LinA)?, wz: t(L::LinZ)? },
-                    },
-                    conv: [t(L::LinConvQ)?, t(L::LinConvK)?, t(L::LinConvV)?],
-                    a_log: t(L::LinALog)?,
-                    dt_bias: t(L::LinDtBias)?,
-                    norm: t(L::LinNorm)?,
-                }),
+                _ if !attends => QkvRefs::Delta(DeltaRefs::load(cfg.linear.as_ref(), t)?),
                 None => QkvRefs::Gqa { wq: t(L::Wq)?, wk: t(L::Wk)?, wv: t(L::Wv)? },
                 Some(m) => QkvRefs::Mla {
                     q: match m.q_lora_rank {

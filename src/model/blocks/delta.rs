@@ -31,6 +31,8 @@ use rayon::prelude::*;
 use super::Inputs;
 use super::ffn::{sigmoid, silu};
 use crate::canonical::config::{LinearKind, LinearSpec};
+use crate::canonical::tensors::LayerTensor;
+use crate::error::{Error, Result};
 use crate::kernels::{Matrix, matmul, matmul_many};
 use crate::model::weights::TensorRef;
 
@@ -108,6 +110,62 @@ pub struct Delta<'a> {
     pub spec: LinearSpec,
     /// Epsilon of the output RMSNorm.
     pub eps: f32,
+}
+
+impl DeltaRefs {
+    /// The references of a layer of `spec`'s kind, `t` finding each of the
+    /// layer's tensors in the file.
+    pub fn load(spec: Option<&LinearSpec>, t: impl Fn(LayerTensor) -> Result<TensorRef>) -> Result<DeltaRefs> {
+        use LayerTensor as L;
+        let kind = spec
+            .map(|s| s.kind)
+            .ok_or_else(|| Error::Internal("a linear-attention layer in a model without a linear spec".into()))?;
+        Ok(DeltaRefs {
+            wq: t(L::LinQ)?,
+            wk: t(L::LinK)?,
+            wv: t(L::LinV)?,
+            wb: t(L::LinB)?,
+            gates: match kind {
+                LinearKind::GatedDeltaNet => GateRefs::Direct { wa: t(L::LinA)?, wz: t(L::LinZ)? },
+                LinearKind::Kda { .. } => {
+                    GateRefs::LowRank { f: [t(L::LinFa)?, t(L::LinFb)?], g: [t(L::LinGa)?, t(L::LinGb)?] }
+                }
+            },
+            conv: [t(L::LinConvQ)?, t(L::LinConvK)?, t(L::LinConvV)?],
+            a_log: t(L::LinALog)?,
+            dt_bias: t(L::LinDtBias)?,
+            norm: t(L::LinNorm)?,
+        })
+    }
+}
+
+impl<'a> Delta<'a> {
+    /// The layer's weights as views: `mat` gives a matrix, `vec` an f32
+    /// vector of the model's storage.
+    pub fn new(
+        refs: &DeltaRefs,
+        spec: LinearSpec,
+        eps: f32,
+        mat: impl Fn(TensorRef) -> Matrix<'a>,
+        vec: impl Fn(TensorRef) -> &'a [f32],
+    ) -> Delta<'a> {
+        Delta {
+            wq: mat(refs.wq),
+            wk: mat(refs.wk),
+            wv: mat(refs.wv),
+            wb: mat(refs.wb),
+            gates: match refs.gates {
+                GateRefs::Direct { wa, wz } => Gates::Direct(mat(wa), mat(wz)),
+                GateRefs::LowRank { f: [fa, fb], g: [ga, gb] } => Gates::LowRank([mat(fa), mat(fb), mat(ga), mat(gb)]),
+            },
+            conv: refs.conv.map(&vec),
+            a_log: vec(refs.a_log),
+            dt_bias: vec(refs.dt_bias),
+            norm: vec(refs.norm),
+            spec,
+            eps,
+        }
+    }
 }
 
 /// What one linear-attention layer keeps for a sequence: fixed in size.
