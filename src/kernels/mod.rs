@@ -91,9 +91,9 @@ pub struct KvKernels {
 /// (written back into `s`), `out = Sᵀ q`. `decay` holds one multiplier for
 /// the whole head (Gated DeltaNet) or one per key channel (KDA), already
 /// `exp(g)`; `k` and `q` come l2-normalised (q also scaled), `beta` after
-/// its sigmoid. The state is read from memory once and written once; every
-/// sum runs over the key channels in order, so the result depends on the
-/// inputs only (the caller runs heads in parallel).
+/// its sigmoid. The state is read from memory once and written once; the
+/// sums run over the key channels in a fixed order, so the result depends
+/// on the inputs only (the caller runs heads in parallel).
 pub type DeltaFn = fn(s: &mut [f32], decay: &[f32], k: &[f32], v: &[f32], beta: f32, q: &[f32], out: &mut [f32]);
 
 /// Eight interleaved rows (one group of an interleaved type) against one

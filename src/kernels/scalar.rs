@@ -360,9 +360,11 @@ pub fn gemv8_kx8(kind: Kind, g: &[u8], a: &[BlockQ8]) -> [f32; ROWS] {
 /// [`super::DeltaFn`]; steps as in `kernels::delta`'s docs), in the order
 /// transformers' recurrent form computes it: the state decays row by row
 /// (`S' = S · d_i`, stored), `kv = S'ᵀ k`, `delta = (v − kv) · beta`,
-/// `S = S' + k ⊗ delta`, `out = Sᵀ q`. Each sum runs over the key channels
-/// from the first, by plain multiply and add; the columns go in strips of
-/// 16 so the sums and deltas live on the stack, not in a scratch buffer.
+/// `S = S' + k ⊗ delta`, `out = Sᵀ q`, by plain multiply and add. `kv`
+/// sums over the key channels from the first, `out` from the last (the
+/// SIMD tables' order, which there keeps the rows just read in L1); the
+/// columns go in strips of 16 so the sums and deltas live on the stack,
+/// not in a scratch buffer.
 pub fn delta_step(s: &mut [f32], decay: &[f32], k: &[f32], v: &[f32], beta: f32, q: &[f32], out: &mut [f32]) {
     const W: usize = 16;
     let (dk, dv) = super::delta::check(s, decay, k, v, q, out);
@@ -382,7 +384,7 @@ pub fn delta_step(s: &mut [f32], decay: &[f32], k: &[f32], v: &[f32], beta: f32,
             *e = (vj - a) * beta;
         }
         let mut o = [0f32; W];
-        for i in 0..dk {
+        for i in (0..dk).rev() {
             let (ki, qi) = (k[i], q[i]);
             for ((x, e), o) in s[i * dv + j0..i * dv + j0 + w].iter_mut().zip(&delta).zip(&mut o) {
                 *x += ki * e;

@@ -99,7 +99,8 @@ impl Lanes for __m512 {
     }
 }
 
-/// The step on eight lanes, strips of four registers (32 columns).
+/// The step on eight lanes, strips of eight registers (64 columns; sixteen
+/// would not fit in the sixteen registers with their sums and deltas).
 ///
 /// # Safety
 /// The CPU must have AVX2 and FMA.
@@ -113,10 +114,11 @@ pub unsafe fn ymm_delta_step(
     q: &[f32],
     out: &mut [f32],
 ) {
-    step::<__m256, 4>(s, decay, k, v, beta, q, out)
+    step::<__m256, 8>(s, decay, k, v, beta, q, out)
 }
 
-/// The step on sixteen lanes, strips of four registers (64 columns).
+/// The step on sixteen lanes, strips of eight registers (128 columns: a
+/// whole row at Qwen3.6's width).
 ///
 /// # Safety
 /// The CPU must have AVX-512F, AVX2 and FMA.
@@ -130,5 +132,5 @@ pub unsafe fn zmm_delta_step(
     q: &[f32],
     out: &mut [f32],
 ) {
-    step::<__m512, 4>(s, decay, k, v, beta, q, out)
+    step::<__m512, 8>(s, decay, k, v, beta, q, out)
 }
