@@ -10,6 +10,13 @@
 //! multiply-adds per second and weight bytes per second.
 //! The matrix lies on 2 MiB pages where the OS gives them (Linux), as the
 //! engine's weights do; a stream over 4 KiB pages is slower.
+//!
+//! DTYPE `delta` times the gated delta rule's recurrent step instead:
+//! ROWS heads (default 32) of COLS × COLS state (default 128: Qwen3.6's
+//! 32 value heads of 128, 2 MiB), one after another on one thread, with one
+//! decay per head and one per key channel; it reports ns per head-step and
+//! the state bytes read and written per second, beside a copy of the same
+//! footprint (half of it to the other half) as the memory system's pace.
 
 use std::time::Instant;
 
@@ -22,6 +29,11 @@ fn main() {
     let cols: usize = std::env::args().nth(5).and_then(|s| s.parse().ok()).unwrap_or(2048);
     assert!(cols > 0 && cols.is_multiple_of(32), "COLS must be a positive multiple of 32, got {cols}");
     let n: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(1);
+    if std::env::args().nth(2).as_deref() == Some("delta") {
+        let heads = std::env::args().nth(3).and_then(|s| s.parse().ok()).unwrap_or(32);
+        let width = std::env::args().nth(5).and_then(|s| s.parse().ok()).unwrap_or(128);
+        return delta_speed(heads, width);
+    }
     let prefetch = colibri::kernels::one_token_prefetch().map(|b| format!(", one-token streams prefetch {b} B ahead"));
     eprintln!("kernels: {}, {n} token(s){}", colibri::kernels::isa(), prefetch.unwrap_or_default());
     // A tall matrix repeats one encoded tile of up to 256 rows (the speed
@@ -76,4 +88,57 @@ fn main() {
             (nbytes * reps) as f64 / best / 1e9
         );
     }
+}
+
+/// The delta-rule step over `heads` heads of `[width, width]` state: the
+/// best of many short windows (a few ms each), so a busy machine's
+/// preemptions fall in the windows that are thrown away.
+fn delta_speed(heads: usize, width: usize) {
+    const WINDOWS: usize = 40;
+    let step = colibri::kernels::delta_fn();
+    eprintln!("kernels: {}, delta rule: {heads} heads of {width} x {width}", colibri::kernels::isa());
+    let hs = width * width;
+    let mut state: Vec<f32> = (0..heads * hs).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1).collect();
+    let unit = |seed: usize, scale: f32| -> Vec<f32> {
+        let x: Vec<f32> = (0..width).map(|i| ((i * 31 + seed * 17) % 100) as f32 / 50.0 - 1.0).collect();
+        let norm = x.iter().map(|a| a * a).sum::<f32>().sqrt();
+        x.iter().map(|a| a / norm * scale).collect()
+    };
+    let (k, q) = (unit(1, 1.0), unit(2, 1.0 / (width as f32).sqrt()));
+    let v: Vec<f32> = (0..width).map(|i| (i * 13 % 100) as f32 / 50.0 - 1.0).collect();
+    let mut out = vec![0f32; width];
+    let bytes = (2 * heads * hs * 4) as f64; // the state read and written once per step
+    let reps = (8 * 1024 * 1024 / (heads * hs * 4)).max(2);
+    for (name, decay) in [("one decay per head", vec![0.97f32]), ("one per key channel", vec![0.97f32; width])] {
+        let mut best = f64::MAX;
+        for _ in 0..WINDOWS {
+            let t = Instant::now();
+            for _ in 0..reps {
+                for s in state.chunks_exact_mut(hs) {
+                    step(s, &decay, &k, &v, 0.5, &q, &mut out);
+                }
+            }
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        let per = best / (reps * heads) as f64;
+        println!(
+            "  delta ({name}): {:.0} ns / head-step, {:.1} GB/s of state (read + write)",
+            per * 1e9,
+            bytes * reps as f64 / best / 1e9
+        );
+    }
+    let half = heads * hs / 2;
+    let mut best = f64::MAX;
+    for _ in 0..WINDOWS {
+        let t = Instant::now();
+        for r in 0..reps {
+            let (a, b) = state.split_at_mut(half);
+            if r % 2 == 0 { b[..half].copy_from_slice(a) } else { a.copy_from_slice(&b[..half]) }
+        }
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    println!(
+        "  copy of the same footprint: {:.1} GB/s (read + write)",
+        (2 * half * 4) as f64 * reps as f64 / best / 1e9
+    );
 }

@@ -30,6 +30,7 @@
 
 #[cfg(target_arch = "aarch64")]
 mod aarch64;
+mod delta;
 pub mod heads;
 pub mod scalar;
 mod table;
@@ -82,6 +83,18 @@ pub struct KvKernels {
     /// Value accumulation, a run of keys every query sees.
     pub pv: PvFn,
 }
+
+/// One token of the gated delta rule for one head (Gated DeltaNet; KDA):
+/// with `dk = k.len() = q.len()`, `dv = v.len() = out.len()` and the head's
+/// f32 state `s` row-major `[dk, dv]` (row `i` is key channel `i`),
+/// `S' = S · decay_i`, `delta = (v − S'ᵀ k) · beta`, `S = S' + k ⊗ delta`
+/// (written back into `s`), `out = Sᵀ q`. `decay` holds one multiplier for
+/// the whole head (Gated DeltaNet) or one per key channel (KDA), already
+/// `exp(g)`; `k` and `q` come l2-normalised (q also scaled), `beta` after
+/// its sigmoid. The state is read from memory once and written once; the
+/// sums run over the key channels in a fixed order, so the result depends
+/// on the inputs only (the caller runs heads in parallel).
+pub type DeltaFn = fn(s: &mut [f32], decay: &[f32], k: &[f32], v: &[f32], beta: f32, q: &[f32], out: &mut [f32]);
 
 /// Eight interleaved rows (one group of an interleaved type) against one
 /// activation row: the eight outputs.
@@ -204,6 +217,11 @@ pub fn one_token_prefetch() -> Option<usize> {
 /// The kernels the current table has for `dtype`.
 pub fn kernels(dtype: DType) -> TypeKernels {
     table().kernels(dtype)
+}
+
+/// The active table's delta-rule step (see [`DeltaFn`]).
+pub fn delta_fn() -> DeltaFn {
+    table().delta_fn()
 }
 
 /// The attention kernels for a KV cache of `dtype` (f32 or f16; `None` for

@@ -354,6 +354,48 @@ pub fn gemv8_kx8(kind: Kind, g: &[u8], a: &[BlockQ8]) -> [f32; ROWS] {
 }
 
 // ------------------------------------------------------------------
+// The gated delta rule's recurrent step.
+
+/// One token of the gated delta rule for one head (the oracle of
+/// [`super::DeltaFn`]; steps as in `kernels::delta`'s docs), in the order
+/// transformers' recurrent form computes it: the state decays row by row
+/// (`S' = S · d_i`, stored), `kv = S'ᵀ k`, `delta = (v − kv) · beta`,
+/// `S = S' + k ⊗ delta`, `out = Sᵀ q`, by plain multiply and add. `kv`
+/// sums over the key channels from the first, `out` from the last (the
+/// SIMD tables' order, which there keeps the rows just read in L1); the
+/// columns go in strips of 16 so the sums and deltas live on the stack,
+/// not in a scratch buffer.
+pub fn delta_step(s: &mut [f32], decay: &[f32], k: &[f32], v: &[f32], beta: f32, q: &[f32], out: &mut [f32]) {
+    const W: usize = 16;
+    let (dk, dv) = super::delta::check(s, decay, k, v, q, out);
+    let ds = usize::from(decay.len() > 1);
+    for j0 in (0..dv).step_by(W) {
+        let w = W.min(dv - j0);
+        let mut kv = [0f32; W];
+        for i in 0..dk {
+            let (d, ki) = (decay[i * ds], k[i]);
+            for (x, a) in s[i * dv + j0..i * dv + j0 + w].iter_mut().zip(&mut kv) {
+                *x *= d;
+                *a += *x * ki;
+            }
+        }
+        let mut delta = [0f32; W];
+        for ((e, vj), a) in delta.iter_mut().zip(&v[j0..j0 + w]).zip(&kv) {
+            *e = (vj - a) * beta;
+        }
+        let mut o = [0f32; W];
+        for i in (0..dk).rev() {
+            let (ki, qi) = (k[i], q[i]);
+            for ((x, e), o) in s[i * dv + j0..i * dv + j0 + w].iter_mut().zip(&delta).zip(&mut o) {
+                *x += ki * e;
+                *o += *x * qi;
+            }
+        }
+        out[j0..j0 + w].copy_from_slice(&o[..w]);
+    }
+}
+
+// ------------------------------------------------------------------
 // The scalar table: the same functions over raw row bytes, one entry per
 // weight type. The other tables fall back to these entries by name.
 

@@ -168,6 +168,24 @@ impl Table {
         }
     }
 
+    /// This table's step of the gated delta rule (see [`super::DeltaFn`]).
+    #[inline]
+    pub fn delta_fn(self) -> super::DeltaFn {
+        match self.0 {
+            Chosen::Scalar => scalar::delta_step,
+            #[cfg(target_arch = "x86_64")]
+            Chosen::Avx2(t) => t.delta_fn(),
+            #[cfg(target_arch = "x86_64")]
+            Chosen::AvxVnni(t) => t.delta_fn(),
+            #[cfg(target_arch = "x86_64")]
+            Chosen::Avx512(t) => t.delta_fn(),
+            #[cfg(target_arch = "x86_64")]
+            Chosen::Amx(t) => t.delta_fn(),
+            #[cfg(target_arch = "aarch64")]
+            Chosen::Neon(t) => t.delta_fn(),
+        }
+    }
+
     /// The kernels of `dtype` in this table.
     #[inline]
     pub fn kernels(self, dtype: DType) -> TypeKernels {

@@ -5,10 +5,11 @@
 //! [`Neon::detect`]. Types without a NEON kernel use the scalar entry, named
 //! in the table so that each choice is visible.
 
-use super::{DotFn, Gemv8Fn, GroupKernels, Layout, TypeKernels, scalar};
+use super::{DeltaFn, DotFn, Gemv8Fn, GroupKernels, Layout, TypeKernels, scalar};
 use crate::quant::DType;
 use crate::quant::act::BlockQ8;
 
+mod delta;
 mod neon;
 
 /// Proof that this CPU runs the NEON table: only [`Neon::detect`] makes one.
@@ -19,6 +20,11 @@ impl Neon {
     /// `Some` when this CPU has NEON.
     pub fn detect() -> Option<Neon> {
         std::arch::is_aarch64_feature_detected!("neon").then_some(Neon(()))
+    }
+
+    /// The NEON step of the gated delta rule.
+    pub fn delta_fn(self) -> DeltaFn {
+        delta_step
     }
 
     /// The NEON kernels of `dtype` (row dots one token at a time, group
@@ -118,4 +124,9 @@ fn q5kx8_gemv(group: &[u8], q: &[BlockQ8]) -> [f32; 8] {
 fn q6kx8_gemv(group: &[u8], q: &[BlockQ8]) -> [f32; 8] {
     // SAFETY: NEON was detected (see above).
     unsafe { neon::gemv8_q6k(group, q) }
+}
+
+fn delta_step(s: &mut [f32], decay: &[f32], k: &[f32], v: &[f32], beta: f32, q: &[f32], out: &mut [f32]) {
+    // SAFETY: NEON was detected (see above).
+    unsafe { delta::delta_step(s, decay, k, v, beta, q, out) }
 }

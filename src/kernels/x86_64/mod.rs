@@ -8,6 +8,7 @@
 mod amx;
 mod avx2;
 mod avx512;
+mod delta;
 mod kquant;
 mod kv;
 mod kx8;
@@ -16,8 +17,8 @@ mod pairs;
 mod prim;
 
 use super::{
-    Dot4Fn, DotFn, DotsFn, Gemm8Fn, Gemv8Fn, GroupKernels, InputKind, KvKernels, Layout, QuantizeFn, TileFn, Tiles,
-    TypeKernels,
+    DeltaFn, Dot4Fn, DotFn, DotsFn, Gemm8Fn, Gemv8Fn, GroupKernels, InputKind, KvKernels, Layout, QuantizeFn, TileFn,
+    Tiles, TypeKernels,
 };
 use crate::quant::DType;
 use crate::quant::act::BlockQ8;
@@ -115,6 +116,11 @@ impl Avx2 {
         quantize_act
     }
 
+    /// The AVX2 step of the gated delta rule.
+    pub fn delta_fn(self) -> DeltaFn {
+        ymm_delta
+    }
+
     /// The AVX2 kernels of `dtype`: every type has its own.
     pub fn kernels(self, dtype: DType) -> TypeKernels {
         use InputKind::{F32, Q8};
@@ -176,6 +182,11 @@ impl AvxVnni {
     /// The AVX2 activation quantiser.
     pub fn quantize_fn(self) -> QuantizeFn {
         quantize_act
+    }
+
+    /// The AVX2 step of the gated delta rule (no integer sums in it).
+    pub fn delta_fn(self) -> DeltaFn {
+        self.0.delta_fn()
     }
 
     /// The AVX2 kernels of `dtype`, with `vpdpbusd` in the group kernels
@@ -265,6 +276,11 @@ impl Avx512 {
     /// The AVX2 activation quantiser.
     pub fn quantize_fn(self) -> QuantizeFn {
         quantize_act
+    }
+
+    /// The sixteen-lane step of the gated delta rule.
+    pub fn delta_fn(self) -> DeltaFn {
+        zmm_delta
     }
 
     /// The base table's kernels, with sixteen-lane attention kernels for the
@@ -386,6 +402,11 @@ impl Amx {
     /// The AVX2 activation quantiser.
     pub fn quantize_fn(self) -> QuantizeFn {
         quantize_act
+    }
+
+    /// The AVX-512 table's step of the gated delta rule (no tiles in it).
+    pub fn delta_fn(self) -> DeltaFn {
+        self.0.delta_fn()
     }
 
     /// The AVX-512 table's kernels, with int8 tiles for prefill in the interleaved
@@ -599,6 +620,18 @@ safe_kv!(Avx2: f32_dots, f32_axpys, f32_pv, kv::ymm_dots_f32, kv::ymm_axpys_f32,
 safe_kv!(Avx2: f16_dots, f16_axpys, f16_pv, kv::ymm_dots_f16, kv::ymm_axpys_f16, kv::ymm_pv_f16);
 safe_kv!(Avx512: z_f32_dots, z_f32_axpys, z_f32_pv, kv::zmm_dots_f32, kv::zmm_axpys_f32, kv::zmm_pv_f32);
 safe_kv!(Avx512: z_f16_dots, z_f16_axpys, z_f16_pv, kv::zmm_dots_f16, kv::zmm_axpys_f16, kv::zmm_pv_f16);
+
+fn ymm_delta(s: &mut [f32], decay: &[f32], k: &[f32], v: &[f32], beta: f32, q: &[f32], out: &mut [f32]) {
+    // SAFETY: reachable only through `Avx2::delta_fn` (and the tables built
+    // on it), which needs an `Avx2`, made only once AVX2, FMA and F16C were seen.
+    unsafe { delta::ymm_delta_step(s, decay, k, v, beta, q, out) }
+}
+
+fn zmm_delta(s: &mut [f32], decay: &[f32], k: &[f32], v: &[f32], beta: f32, q: &[f32], out: &mut [f32]) {
+    // SAFETY: reachable only through `Avx512::delta_fn` (and `Amx`'s), which
+    // needs an `Avx512`, made only once AVX-512F, AVX2, FMA and F16C were seen.
+    unsafe { delta::zmm_delta_step(s, decay, k, v, beta, q, out) }
+}
 
 #[cfg(test)]
 mod tests {
