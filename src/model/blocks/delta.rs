@@ -375,7 +375,7 @@ impl Delta<'_> {
         let (dk, dv, c, kd, vd) = (sp.k_head_dim, sp.v_head_dim, sp.conv_dim(), sp.key_dim(), sp.value_dim());
         let (hv, per_key) = (sp.v_heads, sp.v_heads / sp.k_heads);
         let m = out.len() / vd;
-        let step = delta_step_placeholder;
+        let step = crate::kernels::delta_fn();
         let scale = 1.0 / (dk as f32).sqrt();
         let heads = state.s.par_chunks_mut(dk * dv).zip(by_head.par_chunks_mut(m * dv));
         let kda = matches!(sp.kind, LinearKind::Kda { .. });
@@ -438,25 +438,4 @@ fn l2norm_div(x: &[f32], out: &mut [f32]) {
 /// `ln(1 + e^x)`, and x itself above 20 (torch's threshold).
 fn softplus(x: f32) -> f32 {
     if x > 20.0 { x } else { crate::math::ln_1pf(crate::math::expf(x)) }
-}
-
-/// Stand-in for the kernel-table step until it lands.
-fn delta_step_placeholder(s: &mut [f32], decay: &[f32], k: &[f32], v: &[f32], beta: f32, q: &[f32], out: &mut [f32]) {
-    let (dk, dv) = (k.len(), v.len());
-    let mut kv = [0f32; 512];
-    for i in 0..dk {
-        let di = if decay.len() == 1 { decay[0] } else { decay[i] };
-        for j in 0..dv {
-            s[i * dv + j] *= di;
-            kv[j] += s[i * dv + j] * k[i];
-        }
-    }
-    out.fill(0.0);
-    for i in 0..dk {
-        for j in 0..dv {
-            let delta = (v[j] - kv[j]) * beta;
-            s[i * dv + j] += k[i] * delta;
-            out[j] += s[i * dv + j] * q[i];
-        }
-    }
 }
