@@ -35,7 +35,7 @@ fn main() {
     let (k_row, k_head) = if std::env::var_os("POSITION_MAJOR").is_some() { (row, dh) } else { (dh, ctx * dh) };
     let kv = |c: usize| {
         let (k, v) = cache[2 * c * bytes..2 * (c + 1) * bytes].split_at(bytes);
-        KvView { dtype: DType::F16, k, v, k_row, v_row: k_row, k_head, v_head: k_head }
+        KvView { dtype: DType::F16, k, v, k_row, v_row: k_row, k_head, v_head: k_head, base: 0 }
     };
     let q: Vec<f32> = (0..t * h * dh).map(|i| (i * 31 % 100) as f32 / 50.0 - 1.0).collect();
     let (mut scratch, mut out) = (vec![0f32; t * h * dh], vec![0f32; t * h * dh]);

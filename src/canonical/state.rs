@@ -9,10 +9,21 @@ use crate::canonical::config::{MixerSpec, ModelConfig};
 pub enum Rows {
     /// Every position of the sequence.
     Full,
-    /// Attention reads only the last `w` positions. The cache still holds a
-    /// row for every position, so this layer's bytes grow per token; a ring
-    /// of `w` rows would make them fixed per sequence.
+    /// Attention reads only the last `w` positions: the cache keeps a
+    /// sliding buffer of [`window_rows`] rows, fixed per sequence.
     Window(usize),
+}
+
+/// Positions a sliding-window cache keeps beyond its window, so a sequence
+/// can go back that many tokens (speculative decoding's rejected drafts).
+pub const ROLLBACK: usize = 32;
+
+/// Rows of a sliding-window cache of window `w` fed up to `chunk` tokens a
+/// pass: the `w − 1 + ROLLBACK` rows kept when it slides, room for a pass,
+/// and as many again, so it slides once per `w + ROLLBACK` decoded tokens,
+/// not at every one.
+pub fn window_rows(w: usize, chunk: usize) -> usize {
+    2 * (w + ROLLBACK) + chunk
 }
 
 /// The state one layer keeps for a sequence.
@@ -55,8 +66,8 @@ pub enum LayerState {
 pub const RECURRENT_VALUE_BYTES: usize = 4;
 
 impl LayerState {
-    /// Cached values each new position adds.
-    pub fn values_per_token(&self) -> usize {
+    /// Cached values one position takes (KV kinds; 0 for a recurrent state).
+    fn values_per_row(&self) -> usize {
         match *self {
             LayerState::Kv { heads, k_width, v_width, .. } => heads * (k_width + v_width),
             LayerState::Latent { width, .. } => width,
@@ -64,9 +75,25 @@ impl LayerState {
         }
     }
 
-    /// Bytes kept per sequence whatever its length (none for the KV kinds).
-    pub fn bytes_per_sequence(&self) -> usize {
+    /// Cached values each new position adds (0 for a sliding window's
+    /// cache and a recurrent state, which are fixed in size).
+    pub fn values_per_token(&self) -> usize {
         match *self {
+            LayerState::Kv { rows: Rows::Full, .. } | LayerState::Latent { rows: Rows::Full, .. } => {
+                self.values_per_row()
+            }
+            _ => 0,
+        }
+    }
+
+    /// Bytes kept per sequence whatever its length: a recurrent state, or a
+    /// sliding window's rows for passes of up to `chunk` tokens with
+    /// `elem_bytes` per cached value (none for a cache of every position).
+    pub fn bytes_per_sequence(&self, elem_bytes: usize, chunk: usize) -> usize {
+        match *self {
+            LayerState::Kv { rows: Rows::Window(w), .. } | LayerState::Latent { rows: Rows::Window(w), .. } => {
+                window_rows(w, chunk) * self.values_per_row() * elem_bytes
+            }
             LayerState::Kv { .. } | LayerState::Latent { .. } => 0,
             LayerState::Recurrent { conv, matrix } => (conv + matrix) * RECURRENT_VALUE_BYTES,
         }
@@ -84,16 +111,18 @@ pub struct StateLayout {
 
 impl StateLayout {
     /// The layout of `cfg`'s layer states with `elem_bytes` bytes per cached
-    /// KV value (recurrent states are float32 whatever it is).
-    pub fn new(cfg: &ModelConfig, elem_bytes: usize) -> StateLayout {
+    /// KV value (recurrent states are float32 whatever it is), for passes of
+    /// up to `chunk` tokens (which sizes sliding windows' caches).
+    pub fn new(cfg: &ModelConfig, elem_bytes: usize, chunk: usize) -> StateLayout {
         let states = cfg.layer_states();
         StateLayout {
             bytes_per_token: states.iter().map(|s| s.values_per_token()).sum::<usize>() * elem_bytes,
-            bytes_per_sequence: states.iter().map(|s| s.bytes_per_sequence()).sum::<usize>(),
+            bytes_per_sequence: states.iter().map(|s| s.bytes_per_sequence(elem_bytes, chunk)).sum::<usize>(),
         }
     }
 
-    /// Bytes of one sequence of `tokens` tokens.
+    /// Bytes of one sequence of `tokens` tokens (at most: a sequence shorter
+    /// than a sliding window's cache allocates only its own length of it).
     pub fn bytes_for(&self, tokens: usize) -> usize {
         self.bytes_per_sequence + tokens * self.bytes_per_token
     }
@@ -155,10 +184,13 @@ mod tests {
         };
         assert_eq!(cfg.layer_state(1), LayerState::Kv { heads: 2, k_width: 16, v_width: 16, rows: Rows::Full });
         // 3 layers · 2 heads · (16 + 16) values · 4 bytes.
-        assert_eq!(StateLayout::new(&cfg, 4), StateLayout { bytes_per_token: 3 * 2 * 32 * 4, bytes_per_sequence: 0 });
+        assert_eq!(
+            StateLayout::new(&cfg, 4, 512),
+            StateLayout { bytes_per_token: 3 * 2 * 32 * 4, bytes_per_sequence: 0 }
+        );
         // f16: 3 · 2 · 32 · 2.
-        assert_eq!(StateLayout::new(&cfg, 2).bytes_per_token, 384);
-        assert_eq!(StateLayout::new(&cfg, 2).bytes_for(10), 3840);
+        assert_eq!(StateLayout::new(&cfg, 2, 512).bytes_per_token, 384);
+        assert_eq!(StateLayout::new(&cfg, 2, 512).bytes_for(10), 3840);
     }
 
     /// MLA: one latent row (rank + rotated key) per layer and position.
@@ -182,7 +214,7 @@ mod tests {
         };
         assert_eq!(cfg.layer_state(0), LayerState::Latent { width: 36, rows: Rows::Full });
         // 2 layers · (32 + 4) values · 2 bytes.
-        assert_eq!(StateLayout::new(&cfg, 2), StateLayout { bytes_per_token: 144, bytes_per_sequence: 0 });
+        assert_eq!(StateLayout::new(&cfg, 2, 512), StateLayout { bytes_per_token: 144, bytes_per_sequence: 0 });
     }
 
     /// A hybrid model: attention layers grow per token, linear-attention
@@ -208,19 +240,19 @@ mod tests {
             layers: ls,
             ..Default::default()
         };
-        cfg.validate().unwrap();
         // conv: 3 · (2·12 + 20) = 132 values; matrices 4 · 6 · 5 = 120.
         assert_eq!(cfg.layer_state(0), LayerState::Recurrent { conv: 132, matrix: 120 });
         // Per token: 2 attention layers · 2 heads · 16 values; per sequence 2 · 252 f32 values.
         for elem in [2, 4] {
             let want = StateLayout { bytes_per_token: 2 * 2 * 16 * elem, bytes_per_sequence: 2 * 252 * 4 };
-            assert_eq!(StateLayout::new(&cfg, elem), want);
+            assert_eq!(StateLayout::new(&cfg, elem, 512), want);
         }
     }
 
-    /// A sliding-window layer still keeps a row per position, so it counts per token.
+    /// A sliding-window layer keeps a fixed buffer: its window, the rollback
+    /// reach and a pass, twice; it counts per sequence, not per token.
     #[test]
-    fn sliding_window_layers_count_per_token() {
+    fn sliding_window_layers_count_per_sequence() {
         let cfg = ModelConfig {
             num_heads: 4,
             num_kv_heads: 1,
@@ -230,7 +262,11 @@ mod tests {
         };
         assert_eq!(cfg.layer_state(0), LayerState::Kv { heads: 1, k_width: 8, v_width: 8, rows: Rows::Window(5) });
         assert_eq!(cfg.layer_state(1), LayerState::Kv { heads: 1, k_width: 8, v_width: 8, rows: Rows::Full });
-        // 4 layers · 1 head · (8 + 8) values · 4 bytes.
-        assert_eq!(StateLayout::new(&cfg, 4), StateLayout { bytes_per_token: 256, bytes_per_sequence: 0 });
+        // 2 full layers · 1 head · (8 + 8) values · 4 bytes per token; 2 windowed
+        // layers of (2 · (5 + 32) + 7) rows of 16 values, 4 bytes each.
+        let rows = 2 * (5 + ROLLBACK) + 7;
+        assert_eq!(window_rows(5, 7), rows);
+        let want = StateLayout { bytes_per_token: 2 * 16 * 4, bytes_per_sequence: 2 * rows * 16 * 4 };
+        assert_eq!(StateLayout::new(&cfg, 4, 7), want);
     }
 }

@@ -455,7 +455,7 @@ fn run(engine: Engine, opts: BatchOptions, shared: Arc<Shared>) {
                 }
                 let req = q.waiting.pop_front().expect("peeked");
                 let max_seq = req.prompt.len().saturating_add(req.decoder.max_new_tokens());
-                let seq = Sequence::new(model, max_seq, engine.kv_dtype());
+                let seq = Sequence::new(model, max_seq, opts.step_tokens, engine.kv_dtype());
                 held += need;
                 running.push(Running { req, seq, fed: 0, since: None, state_bytes: need });
             }

@@ -91,7 +91,7 @@ impl Engine {
     /// The state memory of one sequence of this engine: bytes per token
     /// (the KV caches) and bytes per sequence, all layers, at its cache type.
     pub fn state_layout(&self) -> StateLayout {
-        StateLayout::new(&self.model.config, self.kv_dtype.row_bytes(1).expect("an element type"))
+        StateLayout::new(&self.model.config, self.kv_dtype.row_bytes(1).expect("an element type"), DEFAULT_CHUNK)
     }
 
     /// Bytes the KV cache of a session takes per token, all layers.

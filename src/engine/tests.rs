@@ -421,7 +421,7 @@ fn a_batch_of_sequences_gives_each_the_bits_it_gets_alone() {
         let streams: Vec<Vec<u32>> =
             (0..4u32).map(|k| (0..24u32).map(|i| (i * 31 + k * 17 + 5) % 53).collect()).collect();
         let alone: Vec<Vec<f32>> = streams.iter().map(|t| e.logits(t, &never).unwrap()).collect();
-        let mut seqs: Vec<Sequence> = (0..4).map(|_| Sequence::new(m, 24, e.kv_dtype())).collect();
+        let mut seqs: Vec<Sequence> = (0..4).map(|_| Sequence::new(m, 24, 12, e.kv_dtype())).collect();
         let mut ws = Workspace::new(m, 12, 4);
         // Steps of (tokens per sequence, logits wanted): prompts of unequal
         // lengths fed over several passes beside sequences that decode.
@@ -450,7 +450,7 @@ fn a_batch_of_sequences_gives_each_the_bits_it_gets_alone() {
             }
         }
         // A batch larger than the workspace is refused, not run.
-        let mut big = Sequence::new(m, 24, e.kv_dtype());
+        let mut big = Sequence::new(m, 24, 12, e.kv_dtype());
         let toks = ids(13);
         let err = forward_batch(
             m,
@@ -612,4 +612,40 @@ fn a_state_budget_admits_sequences_by_their_bytes() {
     assert!(sched.stats().step_sequences[2..].iter().all(|&n| n == 0), "{:?}", sched.stats().step_sequences);
     let long = GenerateOptions { max_new_tokens: 40, ..opts };
     assert!(matches!(sched.submit(&ids(6), &long), Err(Error::ContextOverflow(_))));
+}
+
+/// A sliding-window layer's cache keeps only its window (and a rollback
+/// reach) and slides as the sequence grows: fed in small passes or token
+/// by token it gives the bits of one pass over a cache of every position,
+/// on GQA and on MLA, and it goes back only as far as it still holds.
+#[test]
+fn a_sliding_window_cache_slides_and_gives_the_bits_of_a_full_one() {
+    for mut cfg in [config_for(DType::F32), crate::synth::frontier_config()] {
+        cfg.max_seq_len = 400;
+        let (_d, e) = engine_with(&cfg, DType::F32, 2);
+        let v = e.model().config.vocab_size;
+        let toks = ids(300);
+        // One pass: the window's cache holds all 300 rows and never slides.
+        let want = e.logits(&toks, &never).unwrap();
+        for chunk in [1, 7, 64] {
+            let mut s = session::Session::new(e.model(), toks.len(), chunk);
+            let mut got = vec![0.0; toks.len() * v];
+            forward(e.model(), &mut s, &toks, Capture { logits: Some(&mut got), hidden: None }, None, &never).unwrap();
+            assert_eq!(got, want, "chunk {chunk}");
+        }
+        // Back within the rollback reach, and fed again: the same bits.
+        let mut s = session::Session::new(e.model(), toks.len(), 7);
+        e.run(&mut s, &toks[..250], Capture::default(), &never).unwrap();
+        s.truncate(250 - crate::canonical::state::ROLLBACK).unwrap();
+        let at = s.pos();
+        let mut got = vec![0.0; (toks.len() - at) * v];
+        e.run(&mut s, &toks[at..], Capture { logits: Some(&mut got), hidden: None }, &never).unwrap();
+        assert_eq!(got, want[at * v..]);
+        // Beyond it: an error, and the sequence is unchanged.
+        assert!(matches!(s.truncate(100), Err(Error::InvalidInput(m)) if m.contains("sliding-window")));
+        assert_eq!(s.pos(), 300);
+        s.reset();
+        e.run(&mut s, &toks[..5], Capture::default(), &never).unwrap();
+        assert_eq!(s.seq.logits, want[4 * v..5 * v], "after a reset");
+    }
 }

@@ -3,7 +3,7 @@
 //! model (the engine wraps it) because the forward pass is its only user.
 
 use crate::canonical::config::{FfnSpec, ModelConfig};
-use crate::canonical::state::LayerState;
+use crate::canonical::state::{LayerState, ROLLBACK, Rows, window_rows};
 use crate::error::{Error, Result};
 use crate::model::Model;
 use crate::model::blocks::attention::KvView;
@@ -77,11 +77,13 @@ pub struct Sequence {
 
 impl Sequence {
     /// A sequence of up to `max_seq` tokens (capped at the model's context)
-    /// with a KV cache of `kv_dtype` (f32 or f16).
-    pub fn new(model: &Model, max_seq: usize, kv_dtype: DType) -> Sequence {
+    /// fed at most `chunk` tokens per pass, with a KV cache of `kv_dtype`
+    /// (f32 or f16).
+    pub fn new(model: &Model, max_seq: usize, chunk: usize, kv_dtype: DType) -> Sequence {
         let c = &model.config;
         let max_seq = max_seq.clamp(1, c.max_seq_len);
-        let layers = c.layer_states().into_iter().map(|st| LayerCache::new(c, st, kv_dtype, max_seq)).collect();
+        let layers =
+            c.layer_states().into_iter().map(|st| LayerCache::new(c, st, kv_dtype, max_seq, chunk.max(1))).collect();
         Sequence { max_seq, pos: 0, layers, logits: vec![0.0; c.vocab_size], checkpoint: None }
     }
 
@@ -118,6 +120,13 @@ impl Sequence {
         if pos > self.pos {
             return Err(Error::InvalidInput(format!(
                 "cannot truncate a sequence of {} tokens to {pos}: it can only go back",
+                self.pos
+            )));
+        }
+        if let Some(l) = self.layers.iter().position(|l| matches!(l, LayerCache::Kv(c) if !c.can_resume_at(pos))) {
+            return Err(Error::InvalidInput(format!(
+                "cannot truncate a sequence of {} tokens to {pos}: layer {l}'s sliding-window cache keeps only \
+                 its window and {ROLLBACK} more positions",
                 self.pos
             )));
         }
@@ -172,11 +181,24 @@ enum LayerCache {
 }
 
 impl LayerCache {
-    /// The empty state of `state`'s kind for up to `max_seq` positions.
-    fn new(c: &ModelConfig, state: LayerState, kv_dtype: DType, max_seq: usize) -> LayerCache {
-        match cache_shape(state) {
-            Some((heads, k_width, v_width)) => LayerCache::Kv(KvCache::new(kv_dtype, max_seq, heads, k_width, v_width)),
-            None => LayerCache::Delta(DeltaState::new(c.linear.as_ref().expect("a recurrent state has a linear spec"))),
+    /// The empty state of `state`'s kind for up to `max_seq` positions fed
+    /// at most `chunk` at a time.
+    fn new(c: &ModelConfig, state: LayerState, kv_dtype: DType, max_seq: usize, chunk: usize) -> LayerCache {
+        let window = match state {
+            LayerState::Kv { rows, .. } | LayerState::Latent { rows, .. } => rows,
+            LayerState::Recurrent { .. } => Rows::Full,
+        };
+        match (cache_shape(state), window) {
+            (Some((heads, k_width, v_width)), Rows::Full) => {
+                LayerCache::Kv(KvCache::new(kv_dtype, max_seq, heads, k_width, v_width, None))
+            }
+            (Some((heads, k_width, v_width)), Rows::Window(w)) => {
+                let rows = window_rows(w, chunk).min(max_seq);
+                LayerCache::Kv(KvCache::new(kv_dtype, rows, heads, k_width, v_width, Some(w)))
+            }
+            (None, _) => {
+                LayerCache::Delta(DeltaState::new(c.linear.as_ref().expect("a recurrent state has a linear spec")))
+            }
         }
     }
 }
@@ -320,8 +342,9 @@ impl Session {
 
     /// As [`Session::new`], with the KV cache's element type (f32 or f16) given.
     pub fn with_kv(model: &Model, max_seq: usize, chunk: usize, kv_dtype: DType) -> Session {
-        let seq = Sequence::new(model, max_seq, kv_dtype);
-        let ws = Workspace::new(model, chunk.clamp(1, seq.max_seq), 1);
+        let chunk = chunk.clamp(1, max_seq.clamp(1, model.config.max_seq_len));
+        let seq = Sequence::new(model, max_seq, chunk, kv_dtype);
+        let ws = Workspace::new(model, chunk, 1);
         Session { seq, ws }
     }
 
@@ -352,8 +375,7 @@ impl Session {
 
     /// Forgets the sequence (keeps the buffers).
     pub fn reset(&mut self) {
-        self.seq.pos = 0;
-        self.seq.checkpoint = None;
+        self.seq.truncate(0).expect("any sequence goes back to its start");
     }
 }
 
@@ -369,8 +391,12 @@ impl Session {
 pub struct KvCache {
     /// Element type (f32 or f16).
     pub dtype: DType,
-    /// S: positions.
+    /// S: rows per head (every position, or a sliding window's recent ones).
     max_seq: usize,
+    /// The position of row 0 (moves forward as a sliding window slides).
+    base: usize,
+    /// The sliding window, if the layer has one.
+    window: Option<usize>,
     /// Hkv: heads (1 for MLA).
     heads: usize,
     /// Values per position, all heads, keys and values.
@@ -384,21 +410,65 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    fn new(dtype: DType, max_seq: usize, heads: usize, k_width: usize, v_width: usize) -> KvCache {
+    /// A cache of `rows` rows per head (`k_width`, `v_width` key and value
+    /// values per position over the `heads`); with a `window`, one that
+    /// slides (see [`KvCache::slide`]).
+    fn new(dtype: DType, rows: usize, heads: usize, k_width: usize, v_width: usize, window: Option<usize>) -> KvCache {
         assert!(matches!(dtype, DType::F32 | DType::F16), "the KV cache holds f32 or f16, not {dtype}");
         assert!(heads >= 1 && k_width.is_multiple_of(heads) && v_width.is_multiple_of(heads), "whole heads");
         let es = dtype.row_bytes(1).expect("an element type");
         // Zeroed allocations: pages are only committed as positions fill.
-        let words = |w: usize| (max_seq * w * es).div_ceil(4);
+        let words = |w: usize| (rows * w * es).div_ceil(4);
         let (k, v) = (vec![0.0; words(k_width)], vec![0.0; words(v_width)]);
-        KvCache { dtype, max_seq, heads, k_width, v_width, k, v }
+        KvCache { dtype, max_seq: rows, base: 0, window, heads, k_width, v_width, k, v }
+    }
+
+    /// Whether the next pass may start at `pos`: the cache still holds
+    /// every row its first query reads (always, for a cache of every position).
+    fn can_resume_at(&self, pos: usize) -> bool {
+        self.window.is_none_or(|w| pos == 0 || (pos + 1).saturating_sub(w) >= self.base)
+    }
+
+    /// Makes room for positions `pos0..pos0+n` in a sliding window's cache:
+    /// when they would run past the last row, the `w − 1 + ROLLBACK` rows
+    /// before `pos0` move to the front (every head's keys and values), so
+    /// row 0 becomes that many positions before `pos0`. A sequence that
+    /// starts again at 0 starts at row 0.
+    fn slide(&mut self, pos0: usize, n: usize) {
+        let Some(w) = self.window else { return };
+        let keep = w - 1 + ROLLBACK;
+        if pos0 == 0 {
+            self.base = 0;
+        }
+        if pos0 + n - self.base <= self.max_seq {
+            return;
+        }
+        let new_base = pos0.saturating_sub(keep).max(self.base);
+        assert!(
+            pos0 + n - new_base <= self.max_seq,
+            "a pass of {n} tokens does not fit a sliding-window cache of {} rows keeping {keep}",
+            self.max_seq
+        );
+        let es = self.dtype.row_bytes(1).expect("an element type");
+        let (s, hs, shift, kept) = (self.max_seq, self.heads, new_base - self.base, pos0 - new_base);
+        for (buf, w) in [(&mut self.k, self.k_width), (&mut self.v, self.v_width)] {
+            let row = w / hs * es;
+            let b: &mut [u8] = bytemuck::cast_slice_mut(buf);
+            for g in 0..hs {
+                let head = g * s * row;
+                b.copy_within(head + shift * row..head + (shift + kept) * row, head);
+            }
+        }
+        self.base = new_base;
     }
 
     /// Stores the keys (`[n, Wk]` f32) and values (`[n, Wv]`; empty for MLA)
     /// of positions `pos0..pos0+n`, converted to the cache's type.
     pub fn store(&mut self, pos0: usize, k: &[f32], v: &[f32]) {
+        let n = k.len().checked_div(self.k_width).unwrap_or(0);
+        self.slide(pos0, n);
         let es = self.dtype.row_bytes(1).expect("an element type");
-        let (s, hs) = (self.max_seq, self.heads);
+        let (s, hs, pos0) = (self.max_seq, self.heads, pos0 - self.base);
         for (buf, w, x) in [(&mut self.k, self.k_width, k), (&mut self.v, self.v_width, v)] {
             if w == 0 {
                 continue;
@@ -414,10 +484,11 @@ impl KvCache {
         }
     }
 
-    /// The keys and values of positions `0..len`.
+    /// The keys and values of positions `0..len` (of `base..len` for a
+    /// sliding window's cache, which holds no older ones).
     pub fn view(&self, len: usize) -> KvView<'_> {
         let es = self.dtype.row_bytes(1).expect("an element type");
-        let (s, hs) = (self.max_seq, self.heads);
+        let (s, hs, base, len) = (self.max_seq, self.heads, self.base, len - self.base);
         let (kb, vb): (&[u8], &[u8]) = (bytemuck::cast_slice(&self.k), bytemuck::cast_slice(&self.v));
         // Head g's rows start g·S rows in; the last head's end after `len`.
         let rows = |w: usize| 0..(((hs - 1) * s) + len) * (w / hs) * es;
@@ -425,11 +496,11 @@ impl KvCache {
         let dk = self.k_width / hs;
         if self.v_width == 0 {
             // MLA: the values are the first R values of each key row.
-            return KvView { dtype: self.dtype, k, v: k, k_row: dk, v_row: dk, k_head: s * dk, v_head: s * dk };
+            return KvView { dtype: self.dtype, k, v: k, k_row: dk, v_row: dk, k_head: s * dk, v_head: s * dk, base };
         }
         let dv = self.v_width / hs;
         let v = &vb[rows(self.v_width)];
-        KvView { dtype: self.dtype, k, v, k_row: dk, v_row: dv, k_head: s * dk, v_head: s * dv }
+        KvView { dtype: self.dtype, k, v, k_row: dk, v_row: dv, k_head: s * dk, v_head: s * dv, base }
     }
 }
 
@@ -452,7 +523,8 @@ mod tests {
         for (h, hkv, dh, mla) in [(6, 3, 8, false), (4, 4, 5, false), (3, 1, 7, true)] {
             let (kw, vw) = (hkv * dh, if mla { 0 } else { hkv * dh });
             for dtype in [DType::F32, DType::F16] {
-                let mut caches: Vec<KvCache> = (0..layers).map(|_| KvCache::new(dtype, max_seq, hkv, kw, vw)).collect();
+                let mut caches: Vec<KvCache> =
+                    (0..layers).map(|_| KvCache::new(dtype, max_seq, hkv, kw, vw, None)).collect();
                 let per_layer: Vec<(Vec<f32>, Vec<f32>)> = (0..layers)
                     .map(|_| ((0..n * kw).map(|_| rnd()).collect(), (0..n * vw).map(|_| rnd()).collect()))
                     .collect();
@@ -473,7 +545,7 @@ mod tests {
                     let kb = enc(k, kw);
                     // MLA's values are the key rows' first dv.
                     let (vb, vr) = if mla { (kb.clone(), kw) } else { (enc(v, vw), vw) };
-                    let flat = KvView { dtype, k: &kb, v: &vb, k_row: kw, v_row: vr, k_head: dh, v_head: dh };
+                    let flat = KvView { dtype, k: &kb, v: &vb, k_row: kw, v_row: vr, k_head: dh, v_head: dh, base: 0 };
                     let (mut want, mut got) = (vec![0f32; h * dv], vec![0f32; h * dv]);
                     attend(&q, flat, n - 1, hd, &mut vec![0.0; h * dv], &mut want);
                     attend(&q, caches[l].view(n), n - 1, hd, &mut vec![0.0; h * dv], &mut got);

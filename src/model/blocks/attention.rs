@@ -60,6 +60,10 @@ pub struct KvView<'a> {
     pub k_head: usize,
     /// Values from one kv head's values to the next's.
     pub v_head: usize,
+    /// The position of the first row in `k` and `v` (a sliding-window
+    /// cache keeps only recent rows; 0 for a cache of every position).
+    /// Attention never reads a key before it.
+    pub base: usize,
 }
 
 /// Keys scored together before their values are accumulated; blocks start
@@ -83,7 +87,7 @@ pub fn attend(q: &[f32], kv: KvView, pos0: usize, hd: Heads, scratch: &mut [f32]
     let t_n = q.len() / (h * dk);
     debug_assert_eq!(q.len() / dk, out.len() / dv);
     let es = kv.dtype.row_bytes(1).expect("an element type");
-    debug_assert!(t_n == 0 || kv.k.len() >= ((hkv - 1) * kv.k_head + (pos0 + t_n - 1) * kv.k_row + dk) * es);
+    debug_assert!(t_n == 0 || kv.k.len() >= ((hkv - 1) * kv.k_head + (pos0 + t_n - 1 - kv.base) * kv.k_row + dk) * es);
     // The SIMD kernels of the table (chosen once).
     let kk = crate::kernels::kv_fns(kv.dtype).expect("the KV cache is f32 or f16");
     // Query i of kv head g is token i / group, head g·group + i % group:
@@ -189,7 +193,8 @@ impl<'a> Batch<'a> {
         let Some(a) = (0..n).find(|&i| live(i)) else { return };
         let z = (0..n).rev().find(|&i| live(i)).expect("one is live") + 1;
         let (jlo, jhi) = (lo[a], hi[z - 1]);
-        let k0 = (jlo * kv.k_row + kvh * kv.k_head) * es;
+        debug_assert!(jlo >= kv.base, "a key before the cache's first row");
+        let k0 = ((jlo - kv.base) * kv.k_row + kvh * kv.k_head) * es;
         let flat = &mut scores.as_flattened_mut()[a * KEY_BLOCK + jlo - b0..];
         (kk.dots)(&kv.k[k0..], kv.k_row, jhi - jlo, &self.qs[a..z], flat, KEY_BLOCK);
         for i in a..z {
@@ -214,7 +219,7 @@ impl<'a> Batch<'a> {
         let mut j = jlo;
         while j < jhi {
             if j == ilo && ilo < ihi {
-                let v0 = (ilo * kv.v_row + kvh * kv.v_head) * es;
+                let v0 = ((ilo - kv.base) * kv.v_row + kvh * kv.v_head) * es;
                 let p = &scores.as_flattened()[a * KEY_BLOCK + ilo - b0..(z - 1) * KEY_BLOCK + ihi - b0];
                 (kk.pv)(&mut self.o[a * dv..z * dv], p, KEY_BLOCK, &kv.v[v0..], kv.v_row, ihi - ilo);
                 j = ihi;
@@ -227,7 +232,7 @@ impl<'a> Batch<'a> {
                 for i in qa..qb {
                     p[i] = scores[i][j - b0];
                 }
-                let at = (j * kv.v_row + kvh * kv.v_head) * es;
+                let at = ((j - kv.base) * kv.v_row + kvh * kv.v_head) * es;
                 (kk.axpys)(&mut self.o[qa * dv..qb * dv], &p[qa..qb], &kv.v[at..at + dv * es]);
             }
             j += 1;
@@ -341,6 +346,7 @@ mod tests {
                 v_row: vr,
                 k_head: dh,
                 v_head: dh,
+                base: 0,
             };
             attend(&q, kv, pos0, hd, &mut vec![0.0; out.len()], &mut out);
             let want = naive(&q, &k, &v, pos0, hd);
@@ -359,6 +365,7 @@ mod tests {
                 v_row: vr,
                 k_head: dh,
                 v_head: dh,
+                base: 0,
             };
             attend(&q, kv, pos0, hd, &mut vec![0.0; out.len()], &mut out);
             let want = naive(&q, &back(&k16), &back(&v16), pos0, hd);
@@ -396,7 +403,8 @@ mod tests {
                 (DType::F32, bytemuck::cast_slice::<f32, u8>(&k), bytemuck::cast_slice::<f32, u8>(&v)),
                 (DType::F16, bytemuck::cast_slice::<u16, u8>(&k16), bytemuck::cast_slice::<u16, u8>(&v16)),
             ] {
-                let kv = KvView { dtype, k: kb, v: vb, k_row: hkv * dh, v_row: hkv * dh, k_head: dh, v_head: dh };
+                let kv =
+                    KvView { dtype, k: kb, v: vb, k_row: hkv * dh, v_row: hkv * dh, k_head: dh, v_head: dh, base: 0 };
                 let mut all = vec![0.0; q.len()];
                 attend(&q, kv, pos0, hd, &mut vec![0.0; q.len()], &mut all);
                 for ti in 0..t {
@@ -425,7 +433,7 @@ mod tests {
         let scale = 0.37;
         let mut out = vec![0.0; t * h * dv];
         let kb: &[u8] = bytemuck::cast_slice(&k);
-        let kv = KvView { dtype: DType::F32, k: kb, v: kb, k_row: dk, v_row: dk, k_head: 0, v_head: 0 };
+        let kv = KvView { dtype: DType::F32, k: kb, v: kb, k_row: dk, v_row: dk, k_head: 0, v_head: 0, base: 0 };
         let heads = Heads { h, hkv: 1, dk, dv, window: Some(4), scale, sinks: Some(&sinks) };
         attend(&q, kv, 0, heads, &mut vec![0.0; out.len()], &mut out);
         for ti in 0..t {
