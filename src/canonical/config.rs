@@ -21,6 +21,10 @@ fn is_default<T: Default + PartialEq>(v: &T) -> bool {
 /// `.colibri` header cannot make the loader allocate by its claim).
 pub const SIZE_LIMIT: usize = 1 << 24;
 
+/// Widest linear-attention key head: the rule keeps a head's normalised
+/// query, key and decays on the stack (the released models use 128).
+pub const MAX_LINEAR_KEY_DIM: usize = 256;
+
 /// Most expert groups a router may have: the router keeps its group scores
 /// on the stack, sized by this bound.
 pub const MAX_GROUPS: usize = 64;
@@ -725,6 +729,12 @@ impl ModelConfig {
             {
                 return bad(format!(
                     "Kimi delta attention needs a gate rank >= 1 and as many key as value heads, got {lin:?}"
+                ));
+            }
+            if lin.k_head_dim > MAX_LINEAR_KEY_DIM {
+                return bad(format!(
+                    "linear attention key heads of {} values are wider than the {MAX_LINEAR_KEY_DIM} supported",
+                    lin.k_head_dim
                 ));
             }
             if !lin.v_heads.is_multiple_of(lin.k_heads) {

@@ -334,32 +334,37 @@ impl Delta<'_> {
         }
         let (c, kc, kd, vd) = (self.spec.conv_dim(), self.spec.conv_kernel, self.spec.key_dim(), self.spec.value_dim());
         let keep = kc - 1;
-        let st = &mut state.conv;
         // (first channel, width, start in `raw`, taps) of queries, keys, values.
         let parts = [(0, kd, 0, self.conv[0]), (kd, kd, n * kd, self.conv[1]), (2 * kd, vd, 2 * n * kd, self.conv[2])];
-        for (c0, w, base, conv) in parts {
-            let input = |t: usize, ch: usize| s.raw[base + (r0 + t) * w + ch];
-            for t in 0..m {
-                let out = &mut s.mixed[(r0 + t) * c + c0..(r0 + t) * c + c0 + w];
-                for (ch, o) in out.iter_mut().enumerate() {
+        let raw = &s.raw;
+        // Input `i` of the call (rows from the first, which is input `keep`;
+        // inputs below `keep` are the state's rows), channel `ch` of a part.
+        let input = |st: &[f32], i: usize, (c0, w, base): (usize, usize, usize), ch: usize| {
+            if i < keep { st[i * c + c0 + ch] } else { raw[base + (r0 + i - keep) * w + ch] }
+        };
+        // Outputs depend on inputs only, never on earlier outputs: the rows
+        // run in parallel, each channel summing its taps in order.
+        let st = &state.conv;
+        s.mixed[r0 * c..(r0 + m) * c].par_chunks_mut(c).enumerate().for_each(|(t, row)| {
+            for (c0, w, base, conv) in parts {
+                for (ch, o) in row[c0..c0 + w].iter_mut().enumerate() {
                     let taps = &conv[ch * kc..(ch + 1) * kc];
                     let mut acc = 0.0f32;
                     for (j, &wj) in taps.iter().enumerate() {
-                        // Tap j reads the input t − keep + j rows back from
-                        // the first: the state's row keep + (t + j − keep).
-                        let x = if t + j < keep { st[(t + j) * c + c0 + ch] } else { input(t + j - keep, ch) };
-                        acc += wj * x;
+                        acc += wj * input(st, t + j, (c0, w, base), ch);
                     }
                     *o = silu(acc);
                 }
             }
-            // The state keeps the last `keep` inputs of (state ++ rows).
-            for j in 0..keep {
-                // Row j of the new state is input m + j (counting the state's
-                // rows first, from −keep): from the rows, or an older state row.
+        });
+        // The state keeps the last `keep` inputs of (state ++ rows): row j is
+        // input m + j, from the rows or an older state row (rows go up, so a
+        // row is read before it is overwritten).
+        let st = &mut state.conv;
+        for j in 0..keep {
+            for (c0, w, base, _) in parts {
                 for ch in 0..w {
-                    let i = m + j; // index into (state ++ rows)
-                    st[j * c + c0 + ch] = if i >= keep { input(i - keep, ch) } else { st[i * c + c0 + ch] };
+                    st[j * c + c0 + ch] = input(st, m + j, (c0, w, base), ch);
                 }
             }
         }
@@ -402,24 +407,25 @@ impl Delta<'_> {
                 step(sh, &decay[..per], &k[..dk], v, beta, &q[..dk], &mut oh[t * dv..(t + 1) * dv]);
             }
         });
-        // out[t, h] = rmsnorm(o[h, t]) · w · silu(z[t, h])
-        for t in 0..m {
+        // out[t, h] = rmsnorm(o[h, t]) · w · silu(z[t, h]), the rows in parallel.
+        let by_head = &*by_head;
+        out.par_chunks_mut(vd).enumerate().for_each(|(t, out)| {
             for h in 0..hv {
                 let o = &by_head[(h * m + t) * dv..(h * m + t + 1) * dv];
                 let z = &x.z[(r0 + t) * vd + h * dv..(r0 + t) * vd + (h + 1) * dv];
-                let y = &mut out[t * vd + h * dv..t * vd + (h + 1) * dv];
+                let y = &mut out[h * dv..(h + 1) * dv];
                 let ms = o.iter().map(|&v| v * v).sum::<f32>() / dv as f32;
                 let inv = 1.0 / (ms + self.eps).sqrt();
                 for (((y, &o), &w), &z) in y.iter_mut().zip(o).zip(self.norm).zip(z) {
                     *y = w * (o * inv) * if kda { sigmoid(z) } else { silu(z) };
                 }
             }
-        }
+        });
     }
 }
 
-/// Widest query/key head the rule takes (the real models use 128).
-pub const MAX_DK: usize = 256;
+/// Widest query/key head the rule takes (checked by the config's validation).
+const MAX_DK: usize = crate::canonical::config::MAX_LINEAR_KEY_DIM;
 
 /// `out = x / sqrt(Σx² + 1e-6)`: the l2 norm transformers applies to
 /// queries and keys inside the rule.
