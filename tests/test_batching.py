@@ -107,3 +107,23 @@ def test_a_full_queue_is_a_busy_error_and_the_options_are_checked():
     for bad in ({"max_batch": 0}, {"max_queue": -1}, {"max_batch": True}, {"max_batch": 1.5}):
         with pytest.raises(colibri.InvalidInputError, match="max_"):
             colibri.Engine.demo(**bad)
+
+
+def test_a_state_memory_budget_queues_generations_and_refuses_what_cannot_fit(converted):
+    """Under a budget one generation's state fills, generations run one after
+    another with the tokens they give alone; one that alone needs more than
+    the budget is a ContextLengthError naming it."""
+    path = converted("qwen3_5_moe")
+    alone = colibri.Engine(path)
+    state = alone.state_bytes()
+    prompts = [[3, 5, 7, 11 + k] for k in range(3)]
+    one = state["per_sequence"] + (4 + 6) * state["per_token"]
+    engine = colibri.Engine(path, max_state_memory=one + one // 2)
+    got = engine.generate(prompts, max_new_tokens=6, temperature=0)
+    assert [list(g) for g in got] == [
+        list(alone.generate(p, max_new_tokens=6, temperature=0)) for p in prompts
+    ]
+    with pytest.raises(colibri.ContextLengthError, match="state"):
+        engine.generate(prompts[0], max_new_tokens=200, temperature=0)
+    with pytest.raises(colibri.InvalidInputError, match="max_state_memory"):
+        colibri.Engine(path, max_state_memory=-1)

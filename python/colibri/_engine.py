@@ -90,15 +90,15 @@ def _demo_path() -> Path:
     return Path(str(files("colibri") / "data" / "demo.colibri"))
 
 
-def _budget_bytes(ram_budget: int | str | None) -> int | None:
-    """A RAM budget as bytes: ints pass through, strings such as "4GB" are parsed."""
+def _budget_bytes(ram_budget: int | str | None, name: str = "ram_budget") -> int | None:
+    """A memory budget as bytes: ints pass through, strings such as "4GB" are parsed."""
     if ram_budget is None:
         return None
     if isinstance(ram_budget, str):
         return int(_colibri.parse_bytes(ram_budget))
     if isinstance(ram_budget, bool) or not isinstance(ram_budget, int) or ram_budget <= 0:
         raise InvalidInputError(
-            f"ram_budget must be a positive number of bytes or a size string, got {ram_budget!r}"
+            f"{name} must be a positive number of bytes or a size string, got {ram_budget!r}"
         )
     return ram_budget
 
@@ -173,6 +173,13 @@ class Engine:
             for a place, first come first served.
         max_queue: most generations waiting for a place; beyond it starting
             one raises :class:`BusyError` (default 0: no limit).
+        max_state_memory: most memory the running generations' state (KV
+            caches and recurrent states) may take together, bytes or a size
+            string such as ``"8GB"``; each counts at its whole length (prompt
+            plus ``max_new_tokens``, see :meth:`state_bytes`). A generation
+            that would pass it waits for others to finish; one that alone
+            needs more raises :class:`ContextLengthError`. Default ``None``:
+            no limit.
         mmap: where the weights of a model held whole in RAM live. ``True``:
             the file's memory mapping (the OS page cache, shared with other
             processes, nothing to do at open). ``False``: a copy in this
@@ -203,6 +210,7 @@ class Engine:
         max_queue: int = 0,
         kv_cache: str | None = None,
         mmap: bool | None = None,
+        max_state_memory: int | str | None = None,
     ) -> None:
         if kv_cache is not None:
             warnings.warn("Engine(kv_cache=...) is now kv_cache_dtype=...", DeprecationWarning, stacklevel=2)
@@ -233,6 +241,7 @@ class Engine:
             max_batch=int(max_batch),
             max_queue=int(max_queue),
             weights="auto" if mmap is None else "map" if mmap else "copy",
+            max_state_bytes=_budget_bytes(max_state_memory, "max_state_memory") or 0,
         )
         self._meta = json.loads(self._native.metadata_json())
         self._lock = threading.Lock()

@@ -286,7 +286,7 @@ def _open_model(args: argparse.Namespace, positional: list[str]) -> tuple[Engine
     store = {"ram_budget": args.ram, "io": args.io, "prefetch": args.prefetch}
     store["kv_cache_dtype"] = args.kv_cache_dtype
     store["mmap"] = {"auto": None, "on": True, "off": False}[args.mmap]
-    for name in ("max_batch", "max_queue"):
+    for name in ("max_batch", "max_queue", "max_state_memory"):
         if getattr(args, name, None) is not None:
             store[name] = getattr(args, name)
     if args.demo:
@@ -718,6 +718,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=64,
         metavar="N",
         help="most generations waiting; beyond it requests get 429 (default 64, 0 = no limit)",
+    )
+    sv.add_argument(
+        "--max-state-memory",
+        metavar="SIZE",
+        help="most memory the running generations' KV caches and recurrent states take together "
+        "(e.g. 8GB); requests wait for room, and one that alone needs more is refused (default: no limit)",
     )
     sv.add_argument(
         "--api-key",

@@ -107,7 +107,7 @@ impl NativeEngine {
     #[new]
     #[pyo3(signature = (
         path, *, threads=None, ram_budget=None, lru=true, pin_hot=true, prefetch=false, io="buffered",
-        heat_file=None, kv_cache_dtype="auto", max_batch=16, max_queue=0, weights="auto",
+        heat_file=None, kv_cache_dtype="auto", max_batch=16, max_queue=0, weights="auto", max_state_bytes=0,
     ))]
     #[allow(clippy::too_many_arguments)] // mirrors keyword arguments of the Python constructor
     fn new(
@@ -124,6 +124,7 @@ impl NativeEngine {
         max_batch: usize,
         max_queue: usize,
         weights: &str,
+        max_state_bytes: u64,
     ) -> PyResult<Self> {
         let io = IoMode::parse(io).map_err(to_py)?;
         let backing = Backing::parse(weights).map_err(to_py)?;
@@ -147,7 +148,8 @@ impl NativeEngine {
         };
         let opts = EngineOptions { threads, store, kv_cache };
         let inner = py.detach(|| Engine::open(&path, &opts)).map_err(to_py)?;
-        let batch_opts = BatchOptions { max_batch, max_queue, ..BatchOptions::default() };
+        let max_state_bytes = usize::try_from(max_state_bytes).unwrap_or(usize::MAX);
+        let batch_opts = BatchOptions { max_batch, max_queue, max_state_bytes, ..BatchOptions::default() };
         let batch = Scheduler::new(&inner, batch_opts).map_err(to_py)?;
         Ok(NativeEngine { inner, batch })
     }
