@@ -170,6 +170,16 @@ def test_bad_messages(chatml, messages, needle):
         chatml.chat(messages)
 
 
+def test_image_parts_are_refused(chatml):
+    """The vision tower of a multimodal checkpoint is not converted, so an
+    image part cannot be rendered into placeholder tokens and silently
+    ignored: it is refused, naming the part."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}]
+    with pytest.raises(colibri.InvalidInputError, match=r"messages\[0\]\.content\[1\] is a image_url part"):
+        chatml.chat(msgs, max_new_tokens=2)
+
+
 def render(source: str, messages=(), **extra) -> str:
     return ChatTemplate(source).render(
         list(messages), add_generation_prompt=True, special_tokens={}, extra=extra

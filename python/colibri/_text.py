@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
-from ._errors import ChatTemplateError, TokenizerError
+from ._errors import ChatTemplateError, InvalidInputError, TokenizerError
 
 SPECIAL_TOKEN_NAMES = (
     "bos_token",
@@ -421,6 +421,16 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
             raise ChatTemplateError(f"messages[{i}] must be a dict, got {type(m).__name__}")
         if not isinstance(m.get("role"), str):
             raise ChatTemplateError(f'messages[{i}] needs a string "role"')
+        content = m.get("content")
+        if isinstance(content, Sequence) and not isinstance(content, (str, bytes)):
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, Mapping) else None
+                if kind != "text":
+                    raise InvalidInputError(
+                        f"messages[{i}].content[{j}] is a {kind or type(part).__name__} part: colibri runs "
+                        "a model's language part only (a vision tower is not converted), so only text parts "
+                        "are accepted"
+                    )
         out.append(dict(m))
     return out
 
