@@ -14,6 +14,14 @@ pub enum Rows {
     Window(usize),
 }
 
+/// Default number of prompt tokens processed together in one prefill pass
+/// (which also sizes sliding windows' caches): each pass reads every used
+/// expert once, and with 512 tokens a top-8 of 64 experts gives each about
+/// 64 tokens, four whole AMX tiles (OLMoE width, q8_0, 2 threads, 512-token
+/// prompt: 399 -> 443 tok/s on AVX-VNNI and 514 -> 714 on AMX tiles, going
+/// from 128-token passes to 512).
+pub const DEFAULT_CHUNK: usize = 512;
+
 /// Positions a sliding-window cache keeps beyond its window, so a sequence
 /// can go back that many tokens (speculative decoding's rejected drafts).
 pub const ROLLBACK: usize = 32;

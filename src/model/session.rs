@@ -50,12 +50,7 @@ impl KvCacheType {
     }
 }
 
-/// Default number of prompt tokens processed together in one prefill pass:
-/// each pass reads every used expert once, and with 512 tokens a top-8 of 64
-/// experts gives each about 64 tokens, four whole AMX tiles (OLMoE width,
-/// q8_0, 2 threads, 512-token prompt: 399 -> 443 tok/s on AVX-VNNI and
-/// 514 -> 714 on AMX tiles, going from 128-token passes to 512).
-pub const DEFAULT_CHUNK: usize = 512;
+pub use crate::canonical::state::DEFAULT_CHUNK;
 
 /// One sequence's own state: its KV cache, its position and the logits of
 /// its last token. A [`Workspace`] holds everything a forward pass only needs

@@ -161,7 +161,7 @@ pub fn plan(file: &ColibriFile, budget: Option<u64>, heat: Option<&Heat>) -> Res
     };
     let cfg = &file.meta().config;
     let kv_bytes = if file.meta().tensors.iter().any(|t| t.dtype.is_quantized()) { 2 } else { 4 };
-    let state = crate::canonical::state::StateLayout::new(cfg, kv_bytes, crate::model::session::DEFAULT_CHUNK);
+    let state = crate::canonical::state::StateLayout::new(cfg, kv_bytes, crate::canonical::state::DEFAULT_CHUNK);
     let mut p = Plan {
         state_bytes_per_token: state.bytes_per_token as u64,
         state_bytes_per_sequence: state.bytes_per_sequence as u64,
