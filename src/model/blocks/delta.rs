@@ -169,7 +169,7 @@ impl<'a> Delta<'a> {
 }
 
 /// What one linear-attention layer keeps for a sequence: fixed in size.
-/// Zero at position 0; [`Delta::mix`] clears it when a sequence starts
+/// Zero at position 0; [`Delta::conv`] clears it when a sequence starts
 /// again from position 0 (a reset or a truncation to nothing), so no other
 /// code has to.
 pub struct DeltaState {
