@@ -156,6 +156,19 @@ class Colibri:
     def logits(self, ids: list[int]) -> np.ndarray:
         return np.asarray(self.engine.logits(ids), dtype=np.float32)
 
+    def batch_decode(self, prompts: list[list[int]], n: int) -> tuple[float, int]:
+        """Seconds and tokens of decoding `prompts` together: a batch of n new tokens
+        each less the same batch of one (the prefills and first tokens)."""
+        t0 = time.perf_counter()
+        self.engine.generate(prompts, max_new_tokens=1, **self.kw)
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        outs = self.engine.generate(prompts, max_new_tokens=n, **self.kw)
+        return time.perf_counter() - t0 - first, sum(len(o) - 1 for o in outs)
+
+    def state_bytes(self) -> dict[str, int]:
+        return dict(self.engine.state_bytes())
+
 
 class Llama:
     name = "llama.cpp"
@@ -233,6 +246,11 @@ def worker(spec: dict) -> dict:
     sec, got = eng.decode(prompt_ids(64, vocab, 2), spec["decode_tokens"] + 1)
     res["decode_cpu_s"] = cpu_s() - c0
     res["decode_s"], res["decode_n"] = sec, got - 1
+    if spec.get("batch") and spec["engine"] == "colibri":
+        prompts = [prompt_ids(64, vocab, 300 + i) for i in range(spec["batch"])]
+        res["batch_s"], res["batch_n"] = eng.batch_decode(prompts, spec["decode_tokens"] + 1)
+    if spec["engine"] == "colibri":
+        res["state_bytes"] = eng.state_bytes()
     res["peak_rss_mb"] = peak_rss_mb()
     res["load_avg"] = loadavg()
     if spec["engine"] == "colibri":
@@ -526,6 +544,8 @@ def summarise(runs: list[dict], prompts: list[int]) -> dict:
     for n in prompts:
         s[f"prefill{n}_tps"] = statistics.median(n / r[f"prefill{n}_s"] for r in runs)
         s[f"ttft{n}_s"] = med(runs, f"prefill{n}_s")
+    if any("batch_s" in r for r in runs):
+        s["batch_tps"] = statistics.median(r["batch_n"] / r["batch_s"] for r in runs if "batch_s" in r)
     return s
 
 
@@ -593,6 +613,7 @@ def bench(args, log) -> dict:
                             "mode": "full",
                             "prompts": prompts,
                             "decode_tokens": args.decode_tokens,
+                            "batch": args.batch,
                         }
                         r = run_worker(spec)
                         runs[eng].append(r)
@@ -607,6 +628,11 @@ def bench(args, log) -> dict:
                         )
                 cell["runs"] = runs
                 cell["summary"] = {e: summarise(rs, prompts) for e, rs in runs.items() if rs}
+                if args.batch:
+                    cell["batch"] = args.batch
+                state = next((r["state_bytes"] for r in runs["colibri"] if "state_bytes" in r), None)
+                if state is not None:
+                    cell["state"] = state_memory(shape, args.layers, state)
                 result["cells"].append(cell)
             if args.evict and not (args.noisy and ctype == noisy_type(args, types)):
                 cpath.unlink()
@@ -615,6 +641,65 @@ def bench(args, log) -> dict:
     result["load_after"] = loadavg()
     result["finished"] = dt.datetime.now().isoformat(timespec="seconds")
     return result
+
+
+def state_memory(shape: mm.Shape, layers: int, state: dict, context: int = 32768) -> dict:
+    """One sequence's state at `context` tokens (colibri's Engine.state_bytes():
+    per_sequence + context · per_token) against a model of the same widths whose
+    every layer is full attention, whose bytes per token are this model's per
+    full-attention layer times the layer count. The same at the released depth
+    (``hub_layers``, in the same three-to-one pattern) when the shape has one."""
+    kinds = shape.layer_types(layers) if shape.full_every else ["full_attention"] * layers
+    full = kinds.count("full_attention")
+    linear = layers - full
+    per_full = state["per_token"] / full if full else 0.0
+    per_linear = state["per_sequence"] / linear if linear else 0.0
+    mib = 2.0**20
+
+    def at(n_full: int, n_linear: int) -> dict:
+        hybrid = n_linear * per_linear + context * n_full * per_full
+        dense = (n_full + n_linear) * per_full * context
+        return {
+            "layers": n_full + n_linear,
+            "hybrid_mib": round(hybrid / mib, 1),
+            "attention_only_mib": round(dense / mib, 1),
+            "fraction": round(hybrid / dense, 3) if dense else None,
+        }
+
+    out = {
+        "context": context,
+        "per_token": state["per_token"],
+        "per_sequence": state["per_sequence"],
+        "per_full_layer_per_token": per_full,
+        "per_linear_layer": per_linear,
+        "bench": at(full, linear),
+    }
+    if shape.hub_layers and shape.full_every:
+        hub_full = shape.hub_layers // shape.full_every
+        out["hub"] = at(hub_full, shape.hub_layers - hub_full)
+    return out
+
+
+# The issue's targets for the hybrid shapes, checked against each row of a results file.
+TARGETS = {
+    "qwen3_6": {
+        "decode_ratio": 1.3,  # decode tok/s >= 1.3x llama.cpp's
+        "decode_roofline": 0.85,  # >= 85% of the bandwidth roofline
+        "prefill_ratio": 2.0,  # prefill at 512 tokens >= 2x llama.cpp's
+        "prefill_kept": 0.5,  # per-token prefill speed at 8192 >= half of that at 512
+    }
+}
+
+
+def target_marks(row: dict, goal: dict) -> dict:
+    """Each target of `goal` as "met" or "not met" (absent when not measured)."""
+    got = {
+        "decode_ratio": row.get("decode", {}).get("ratio"),
+        "decode_roofline": row.get("roofline", {}).get("colibri"),
+        "prefill_ratio": row.get("prefill_512", {}).get("ratio"),
+        "prefill_kept": row.get("prefill_kept", {}).get("colibri"),
+    }
+    return {k: ("met" if got[k] >= v else "not met") for k, v in goal.items() if got.get(k) is not None}
 
 
 def noisy_type(args, types: list[str]) -> str:
@@ -865,6 +950,24 @@ def markdown(res: dict) -> str:
                 c.get("load", "").split(" ")[0],
             ]
             lines.append("| " + " | ".join(row) + " |")
+    extra = [c for c in cells if "batch" in c or "state" in c]
+    if extra:
+        lines += ["", "### Batched decode and state memory (colibri)", ""]
+        lines.append(
+            "| model | type | threads | decode 1 seq | decode B seqs (total) | B | state at 32k MiB "
+            "| all-attention MiB | released depth: state / all-attention MiB |"
+        )
+        lines.append("|---|---|---|---|---|---|---|---|---|")
+        for c in extra:
+            sc = c["summary"].get("colibri", {})
+            st = c.get("state", {})
+            hub, here = st.get("hub", {}), st.get("bench", {})
+            lines.append(
+                f"| {c['model']} | {c['ctype']} | {c['threads']} | {fmt(sc.get('decode_tps', nan), 2)} "
+                f"| {fmt(sc.get('batch_tps', nan), 1)} | {c.get('batch', '–')} "
+                f"| {here.get('hybrid_mib', '–')} | {here.get('attention_only_mib', '–')} "
+                f"| {hub.get('hybrid_mib', '–')} / {hub.get('attention_only_mib', '–')} |"
+            )
     if res.get("noisy"):
         lines += ["", "### Noisy neighbour (2-thread decode, a CPU hog pinned to one core)", ""]
         lines.append("| model | type C / L | engine | quiet tok/s | noisy tok/s | kept | load avg at start |")
@@ -1121,6 +1224,28 @@ def bench_results(runs: list[dict]) -> dict:
                     "llama": rounded(sl.get(key, nan) * scale, 0),
                 }
             row["runs"] = {"colibri": sc.get("n", 0), "llama": sl.get("n", 0)}
+            if "batch_tps" in sc:
+                row["batch"] = {
+                    "n": c.get("batch"),
+                    "colibri": rounded(sc["batch_tps"], 1),
+                    "scaling": rounded(quotient(sc["batch_tps"], sc.get("decode_tps", nan)), 2),
+                }
+            measured = sorted(int(k[7:-4]) for k in sc if k.startswith("prefill") and k.endswith("_tps"))
+            if len(measured) > 1 and min(measured) >= 512:
+                # Per-token prefill speed at the longest prompt over that at the shortest.
+                lo, hi = measured[0], measured[-1]
+                row["prefill_kept"] = {
+                    "short": lo,
+                    "long": hi,
+                    "colibri": rounded(quotient(sc[f"prefill{hi}_tps"], sc[f"prefill{lo}_tps"]), 2),
+                    "llama": rounded(
+                        quotient(sl.get(f"prefill{hi}_tps", nan), sl.get(f"prefill{lo}_tps", nan)), 2
+                    ),
+                }
+            if "state" in c:
+                row["state"] = c["state"]
+            if c["model"] in TARGETS:
+                row["targets"] = target_marks(clean(row), TARGETS[c["model"]])  # type: ignore[arg-type]
             rows.append(clean(row))  # type: ignore[arg-type]
     peer = any("llama" in r["decode"] for r in rows)
     columns = {
@@ -1163,6 +1288,7 @@ def bench_results(runs: list[dict]) -> dict:
         views["bench"]["where"] = {"threads": [most]}
         views["all"] = {"columns": ["shape", "type", "table", "threads", *main_cols[3:]]}
     views["details"] = {"columns": ["shape", "type", "threads", "ttft", "load", "rss", "mb", "roof"]}
+    hybrid_views(rows, columns, views, most)
     reached = {e: [r["roofline"][e] for r in rows if e in r["roofline"]] for e in ("colibri", "llama")}
     versions = [v for i in infos for v in i.get("versions", []) if v.startswith("llama-cpp-python")]
     tables = sorted({r["table"] for r in rows})
@@ -1206,6 +1332,52 @@ def bench_results(runs: list[dict]) -> dict:
         "views": views,
         "rows": rows,
     }
+
+
+def hybrid_views(rows: list[dict], columns: dict, views: dict, threads: int) -> None:
+    """The views of the hybrid shapes' extra figures, when a run has them: the long
+    prompt against the short one, batched decode, the targets, the state memory."""
+    if any("prefill_kept" in r for r in rows):
+        columns["kept"] = {
+            "label": "prefill per token, long / short C / L",
+            "cell": "{prefill_kept.colibri:.2f} / {prefill_kept.llama:.2f}",
+        }
+    if any("batch" in r for r in rows):
+        n = next(r["batch"]["n"] for r in rows if "batch" in r)
+        columns["batch"] = {
+            "label": f"decode, {n} sequences (total tok/s, vs 1)",
+            "cell": "{batch.colibri:.1f} ({batch.scaling:x})",
+        }
+    if any("targets" in r for r in rows):
+        marks = {
+            "t_decode": ("decode ≥ 1.3x llama.cpp", "{decode.ratio:x}: {targets.decode_ratio}"),
+            "t_roof": ("decode ≥ 85% of roofline", "{roofline.colibri:pct}: {targets.decode_roofline}"),
+            "t_prefill": ("prefill 512 ≥ 2x llama.cpp", "{prefill_512.ratio:x}: {targets.prefill_ratio}"),
+            "t_kept": (
+                "prefill 8192 per token ≥ ½ of 512",
+                "{prefill_kept.colibri:.2f}: {targets.prefill_kept}",
+            ),
+        }
+        for key, (label, cell) in marks.items():
+            columns[key] = {"label": label, "cell": cell}
+        where = {"threads": [threads], "shape": sorted({r["shape"] for r in rows if "targets" in r})}
+        views["targets"] = {"columns": ["shape", "type", *marks], "where": where}
+        extra = [c for c in ("kept", "batch") if c in columns]
+        views["hybrid"] = {"columns": ["shape", "type", "decode", "roof", *extra], "where": where}
+    stated = [r for r in rows if "state" in r]
+    if stated:
+        columns["state_per_token"] = {"label": "bytes / token", "cell": "{state.per_token}"}
+        columns["state_fixed"] = {"label": "fixed bytes / sequence", "cell": "{state.per_sequence}"}
+        for part, label in (("bench", "bench model"), ("hub", "released depth")):
+            columns[f"state_{part}"] = {
+                "label": f"{label}: layers, at 32k tokens MiB (all-attention MiB, fraction)",
+                "cell": f"{{state.{part}.layers}}: {{state.{part}.hybrid_mib:.1f}} "
+                f"({{state.{part}.attention_only_mib:.1f}}, {{state.{part}.fraction:pct}})",
+            }
+        views["state"] = {
+            "columns": ["shape", "state_per_token", "state_fixed", "state_bench", "state_hub"],
+            "where": {"threads": [threads], "colibri_type": [stated[0]["colibri_type"]]},
+        }
 
 
 def noisy_rows(runs: list[dict]) -> list[dict]:
@@ -1257,6 +1429,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--prompts", default="64,512", help="prefill prompt lengths")
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument(
+        "--batch",
+        type=int,
+        default=0,
+        help="also time colibri decoding this many 64-token prompts together (total tokens/s)",
+    )
     ap.add_argument("--reps", type=int, default=5, help="runs per engine and cell (medians are reported)")
     ap.add_argument("--quick", action="store_true", help="smoke test: 1 layer, 1 rep, short prompts")
     ap.add_argument("--noisy", action="store_true", help="also run the noisy-neighbour decode test")

@@ -78,8 +78,25 @@ class Shape:
     v_head_dim: int = 0
     # GPT-OSS: sliding window of the even layers; 0 elsewhere.
     sliding_window: int = 0
-    # Qwen1.5-MoE: the shared expert's width (gated by sigmoid(w·x)); 0 elsewhere.
+    # Qwen1.5-MoE and Qwen3.5/3.6-MoE: the shared expert's width (gated by sigmoid(w·x)); 0 elsewhere.
     shared_ffn: int = 0
+    # Qwen3.5/3.6-MoE (Gated DeltaNet hybrids); 0 elsewhere. Every
+    # `full_every`-th layer is full attention, the others linear attention.
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    conv_kernel: int = 0
+    full_every: int = 0
+    partial_rotary: float = 1.0
+    # The released model's depth, for state-memory figures at full size (0: not used).
+    hub_layers: int = 0
+
+    def layer_types(self, layers: int) -> list[str]:
+        """Qwen3.5's `layer_types`: three linear-attention layers to one full."""
+        return [
+            "full_attention" if (i + 1) % self.full_every == 0 else "linear_attention" for i in range(layers)
+        ]
 
     def hf_config(self, layers: int) -> dict:
         """config.json as the Hub's checkpoint spells it, with `layers` layers."""
@@ -87,6 +104,8 @@ class Shape:
             return self._deepseek_v2_config(layers)
         if self.model_type == "gpt_oss":
             return self._gpt_oss_config(layers)
+        if self.model_type == "qwen3_5_moe_text":
+            return self._qwen3_5_moe_config(layers)
         common = {
             "architectures": [self.hf_class],
             "model_type": self.model_type,
@@ -199,6 +218,54 @@ class Shape:
             "torch_dtype": "float16",
             "use_cache": True,
             "v_head_dim": self.v_head_dim,
+            "vocab_size": self.vocab,
+        }
+
+    def _qwen3_5_moe_config(self, layers: int) -> dict:
+        # Qwen/Qwen3.6-35B-A3B's text_config, spelled as the flat
+        # Qwen3_5MoeForCausalLM checkpoint (transformers 5) writes it, less the
+        # multi-token-prediction layer (not written here).
+        return {
+            "architectures": [self.hf_class],
+            "model_type": self.model_type,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "attn_output_gate": True,
+            "bos_token_id": None,
+            "dtype": "float16",
+            "eos_token_id": 248044,
+            "full_attention_interval": self.full_every,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "hidden_size": self.hidden,
+            "initializer_range": 0.02,
+            "layer_types": self.layer_types(layers),
+            "linear_conv_kernel_dim": self.conv_kernel,
+            "linear_key_head_dim": self.linear_k_dim,
+            "linear_num_key_heads": self.linear_k_heads,
+            "linear_num_value_heads": self.linear_v_heads,
+            "linear_value_head_dim": self.linear_v_dim,
+            "max_position_embeddings": self.max_pos,
+            "moe_intermediate_size": self.expert_ffn,
+            "num_attention_heads": self.heads,
+            "num_experts": self.experts,
+            "num_experts_per_tok": self.top_k,
+            "num_hidden_layers": layers,
+            "num_key_value_heads": self.kv_heads,
+            "output_router_logits": False,
+            "pad_token_id": None,
+            "rms_norm_eps": self.rms_eps,
+            "rope_parameters": {
+                "mrope_interleaved": True,
+                "mrope_section": [11, 11, 10],
+                "partial_rotary_factor": self.partial_rotary,
+                "rope_theta": self.rope_theta,
+                "rope_type": "default",
+            },
+            "router_aux_loss_coef": 0.001,
+            "shared_expert_intermediate_size": self.shared_ffn,
+            "tie_word_embeddings": False,
+            "use_cache": True,
             "vocab_size": self.vocab,
         }
 
@@ -352,6 +419,37 @@ SHAPES = {
         max_pos=131072,
         sliding_window=128,
     ),
+    # Qwen/Qwen3.6-35B-A3B (Qwen3.5-MoE architecture, `qwen3_5_moe`): 40 layers
+    # on the Hub, in the pattern three Gated DeltaNet layers, one gated full
+    # attention layer; vocabulary 248320 (padded) as its model card gives it.
+    "qwen3_6": Shape(
+        name="qwen3_6",
+        hf_class="Qwen3_5MoeForCausalLM",
+        model_type="qwen3_5_moe_text",
+        gguf_arch="qwen35moe",
+        hidden=2048,
+        experts=256,
+        top_k=8,
+        expert_ffn=512,
+        heads=16,
+        kv_heads=2,
+        head_dim=256,
+        vocab=248320,
+        qk_norm="per_head",
+        norm_topk_prob=True,
+        rope_theta=10000000.0,
+        rms_eps=1e-6,
+        max_pos=262144,
+        shared_ffn=512,
+        linear_k_heads=16,
+        linear_v_heads=32,
+        linear_k_dim=128,
+        linear_v_dim=128,
+        conv_kernel=4,
+        full_every=4,
+        partial_rotary=0.25,
+        hub_layers=40,
+    ),
 }
 
 # The shapes written when --shapes is not given (the first two of the suite).
@@ -378,6 +476,8 @@ def hf_tensors(s: Shape, layers: int) -> list[Tensor]:
         return _deepseek_v2_tensors(s, layers)
     if s.model_type == "gpt_oss":
         return _gpt_oss_tensors(s, layers)
+    if s.model_type == "qwen3_5_moe_text":
+        return _qwen3_5_moe_tensors(s, layers)
     d, q, kv = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
     qn, kn = (q, kv) if s.qk_norm == "full" else (s.head_dim, s.head_dim)
     out = [Tensor("model.embed_tokens.weight", (s.vocab, d), "embed")]
@@ -459,6 +559,59 @@ def _deepseek_v2_tensors(s: Shape, layers: int) -> list[Tensor]:
     return out
 
 
+def _qwen3_5_moe_tensors(s: Shape, layers: int) -> list[Tensor]:
+    """Qwen3_5MoeForCausalLM's tensors: the flat linear-attention projections
+    (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a), experts one by one."""
+    d, f, g = s.hidden, s.expert_ffn, s.shared_ffn
+    kd, vd, hv = s.linear_k_heads * s.linear_k_dim, s.linear_v_heads * s.linear_v_dim, s.linear_v_heads
+    out = [Tensor("model.embed_tokens.weight", (s.vocab, d), "embed")]
+    for layer, kind in enumerate(s.layer_types(layers)):
+        p = f"model.layers.{layer}"
+        out.append(Tensor(f"{p}.input_layernorm.weight", (d,), "norm0"))
+        if kind == "linear_attention":
+            a = f"{p}.linear_attn"
+            out += [
+                Tensor(f"{a}.in_proj_qkv.weight", (2 * kd + vd, d), "matrix"),
+                Tensor(f"{a}.in_proj_z.weight", (vd, d), "matrix"),
+                Tensor(f"{a}.in_proj_b.weight", (hv, d), "matrix"),
+                Tensor(f"{a}.in_proj_a.weight", (hv, d), "matrix"),
+                Tensor(f"{a}.conv1d.weight", (2 * kd + vd, 1, s.conv_kernel), "matrix"),
+                Tensor(f"{a}.A_log", (hv,), "a_log"),
+                Tensor(f"{a}.dt_bias", (hv,), "dt_bias"),
+                Tensor(f"{a}.norm.weight", (s.linear_v_dim,), "norm"),
+                Tensor(f"{a}.out_proj.weight", (d, vd), "matrix"),
+            ]
+        else:
+            a, q, kv = f"{p}.self_attn", s.heads * s.head_dim, s.kv_heads * s.head_dim
+            out += [
+                # Per head: the query's head_dim rows, then its output gate's.
+                Tensor(f"{a}.q_proj.weight", (2 * q, d), "matrix"),
+                Tensor(f"{a}.k_proj.weight", (kv, d), "matrix"),
+                Tensor(f"{a}.v_proj.weight", (kv, d), "matrix"),
+                Tensor(f"{a}.o_proj.weight", (d, q), "matrix"),
+                Tensor(f"{a}.q_norm.weight", (s.head_dim,), "norm0"),
+                Tensor(f"{a}.k_norm.weight", (s.head_dim,), "norm0"),
+            ]
+        out += [
+            Tensor(f"{p}.post_attention_layernorm.weight", (d,), "norm0"),
+            Tensor(f"{p}.mlp.gate.weight", (s.experts, d), "router"),
+        ]
+        for e in range(s.experts):
+            out += [
+                Tensor(f"{p}.mlp.experts.{e}.gate_proj.weight", (f, d), "matrix"),
+                Tensor(f"{p}.mlp.experts.{e}.up_proj.weight", (f, d), "matrix"),
+                Tensor(f"{p}.mlp.experts.{e}.down_proj.weight", (d, f), "matrix"),
+            ]
+        out += [
+            Tensor(f"{p}.mlp.shared_expert.gate_proj.weight", (g, d), "matrix"),
+            Tensor(f"{p}.mlp.shared_expert.up_proj.weight", (g, d), "matrix"),
+            Tensor(f"{p}.mlp.shared_expert.down_proj.weight", (d, g), "matrix"),
+            Tensor(f"{p}.mlp.shared_expert_gate.weight", (1, d), "router"),
+        ]
+    out += [Tensor("model.norm.weight", (d,), "norm0"), Tensor("lm_head.weight", (s.vocab, d), "matrix")]
+    return out
+
+
 def _gpt_oss_tensors(s: Shape, layers: int) -> list[Tensor]:
     d, q, kv, e, f = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim, s.experts, s.expert_ffn
     out = [Tensor("model.embed_tokens.weight", (s.vocab, d), "embed")]
@@ -496,6 +649,18 @@ def draw(shape_name: str, t: Tensor) -> np.ndarray:
     x = rng.standard_normal(t.shape, dtype=np.float32)
     if t.kind == "norm":
         return 1.0 + np.float32(0.1) * x
+    if t.kind == "norm0":
+        # Zero-centred: the model scales by 1 + w.
+        return np.float32(0.1) * x
+    if t.kind == "a_log":
+        # As the Gated DeltaNet layers are initialised: A ~ U(1, 16).
+        u = rng.random(t.shape, dtype=np.float32)
+        return np.log(1.0 + 15.0 * u).astype(np.float32)
+    if t.kind == "dt_bias":
+        # softplus(dt_bias) = dt, dt log-uniform in [1e-3, 0.1].
+        u = rng.random(t.shape, dtype=np.float32)
+        dt = np.exp(np.log(1e-3) + u * (np.log(0.1) - np.log(1e-3)))
+        return (dt + np.log(-np.expm1(-dt))).astype(np.float32)
     if t.kind in ("embed", "sink"):
         return x
     if t.kind == "bias":
@@ -593,6 +758,8 @@ def gguf_plan(s: Shape, layers: int) -> list[Entry]:
         return _deepseek_v2_plan(s, layers)
     if s.model_type == "gpt_oss":
         return _gpt_oss_plan(s, layers)
+    if s.model_type == "qwen3_5_moe_text":
+        return _qwen35moe_plan(s, layers)
 
     def e(name, hf, kind):
         return Entry(name, tuple(hf), kind)
@@ -768,6 +935,141 @@ def _gpt_oss_plan(s: Shape, layers: int) -> list[Entry]:
     return plan
 
 
+def tiled(x: np.ndarray, groups: int, per_group: int, width: int, axis: int = 0) -> np.ndarray:
+    """Value heads from grouped order (the ``per_group`` value heads of key
+    head 0, then of key head 1, ...) to tiled order (value head 0 of every key
+    head, then value head 1, ...), each head ``width`` entries along ``axis``."""
+    shape = x.shape
+    split = shape[:axis] + (groups, per_group, width) + shape[axis + 1 :]
+    return np.swapaxes(x.reshape(split), axis, axis + 1).reshape(shape)
+
+
+def _qwen35moe_plan(s: Shape, layers: int) -> list[Entry]:
+    """llama.cpp's `qwen35moe` layout (its converter's Qwen3_5MoeTextModel).
+
+    - every RMSNorm weight of the residual stream and of q/k is stored as
+      ``1 + w`` (the Hub stores the zero-centred ``w``); the linear layers'
+      gated norm (``ssm_norm``) as it is;
+    - ``A_log`` becomes ``ssm_a`` = ``-exp(A_log)``, ``dt_bias`` ``ssm_dt.bias``,
+      the convolution ``[C, 1, K]`` ``ssm_conv1d`` ``[C, K]`` (f32);
+    - value heads go from the Hub's grouped order to tiled order (see
+      `tiled`), so that ggml can repeat the key heads by broadcasting: the v
+      rows of ``in_proj_qkv`` (``attn_qkv``), ``in_proj_z`` (``attn_gate``),
+      ``in_proj_b`` / ``in_proj_a`` (``ssm_beta`` / ``ssm_alpha``), ``A_log``,
+      ``dt_bias``, the v channels of the convolution and the columns of
+      ``out_proj`` (``ssm_out``). The state and outputs are permuted the same
+      way, so the model computes the same function;
+    - full attention keeps ``q_proj``'s per-head [query; gate] rows as they
+      are (``attn_q``); the shared expert's gate ``[1, D]`` becomes ``[D]``.
+    """
+    d, kd = s.hidden, s.linear_k_heads * s.linear_k_dim
+    hk, r, dv = s.linear_k_heads, s.linear_v_heads // s.linear_k_heads, s.linear_v_dim
+    vd, hv, c = s.linear_v_heads * dv, s.linear_v_heads, 2 * kd + s.linear_v_heads * dv
+
+    def e(name, hf, kind, parts=None, shape=None):
+        return Entry(name, tuple(hf), kind, parts, shape)
+
+    def plus_one(st, n):
+        return st.get(n).astype(np.float32) + np.float32(1.0)
+
+    def qkv(st, n):
+        w = st.get(n)
+        return [w[: 2 * kd], tiled(w[2 * kd :], hk, r, dv)]
+
+    def conv(st, n):
+        w = st.get(n)[:, 0, :].astype(np.float32)
+        return np.concatenate([w[: 2 * kd], tiled(w[2 * kd :], hk, r, dv)])
+
+    def a(st, n):
+        return -np.exp(tiled(st.get(n).astype(np.float32), hk, r, 1))
+
+    plan = [e("token_embd.weight", ["model.embed_tokens.weight"], "matrix")]
+    for layer, kind in enumerate(s.layer_types(layers)):
+        p, b = f"model.layers.{layer}", f"blk.{layer}"
+        n = f"{p}.input_layernorm.weight"
+        plan.append(e(f"{b}.attn_norm.weight", [n], "norm", lambda st, n=n: plus_one(st, n)))
+        if kind == "linear_attention":
+            la = f"{p}.linear_attn"
+            qn, zn, bn, an = (f"{la}.in_proj_{x}.weight" for x in ("qkv", "z", "b", "a"))
+            cn, aln, dtn, on = f"{la}.conv1d.weight", f"{la}.A_log", f"{la}.dt_bias", f"{la}.out_proj.weight"
+            plan += [
+                e(f"{b}.attn_qkv.weight", [qn], "matrix", lambda st, n=qn: qkv(st, n), (c, d)),
+                e(
+                    f"{b}.attn_gate.weight",
+                    [zn],
+                    "matrix",
+                    lambda st, n=zn: [tiled(st.get(n), hk, r, dv)],
+                    (vd, d),
+                ),
+                e(f"{b}.ssm_conv1d.weight", [cn], "norm", lambda st, n=cn: conv(st, n), (c, s.conv_kernel)),
+                e(
+                    f"{b}.ssm_dt.bias",
+                    [dtn],
+                    "norm",
+                    lambda st, n=dtn: tiled(st.get(n).astype(np.float32), hk, r, 1),
+                    (hv,),
+                ),
+                e(f"{b}.ssm_a", [aln], "norm", lambda st, n=aln: a(st, n), (hv,)),
+                e(
+                    f"{b}.ssm_beta.weight",
+                    [bn],
+                    "matrix",
+                    lambda st, n=bn: [tiled(st.get(n), hk, r, 1)],
+                    (hv, d),
+                ),
+                e(
+                    f"{b}.ssm_alpha.weight",
+                    [an],
+                    "matrix",
+                    lambda st, n=an: [tiled(st.get(n), hk, r, 1)],
+                    (hv, d),
+                ),
+                e(f"{b}.ssm_norm.weight", [f"{la}.norm.weight"], "norm"),
+                e(
+                    f"{b}.ssm_out.weight",
+                    [on],
+                    "matrix",
+                    lambda st, n=on: [tiled(st.get(n), hk, r, dv, axis=1)],
+                    (d, vd),
+                ),
+            ]
+        else:
+            sa = f"{p}.self_attn"
+            plan += [
+                e(f"{b}.attn_q.weight", [f"{sa}.q_proj.weight"], "matrix"),
+                e(f"{b}.attn_k.weight", [f"{sa}.k_proj.weight"], "matrix"),
+                e(f"{b}.attn_v.weight", [f"{sa}.v_proj.weight"], "matrix"),
+                e(f"{b}.attn_output.weight", [f"{sa}.o_proj.weight"], "matrix"),
+            ]
+            for x in ("q", "k"):
+                n = f"{sa}.{x}_norm.weight"
+                plan.append(e(f"{b}.attn_{x}_norm.weight", [n], "norm", lambda st, n=n: plus_one(st, n)))
+        n = f"{p}.post_attention_layernorm.weight"
+        sg = f"{p}.mlp.shared_expert_gate.weight"
+        plan += [
+            e(f"{b}.post_attention_norm.weight", [n], "norm", lambda st, n=n: plus_one(st, n)),
+            e(f"{b}.ffn_gate_inp.weight", [f"{p}.mlp.gate.weight"], "norm"),
+        ]
+        for gg, hf in (
+            ("ffn_gate_exps", "gate_proj"),
+            ("ffn_up_exps", "up_proj"),
+            ("ffn_down_exps", "down_proj"),
+        ):
+            names = [f"{p}.mlp.experts.{x}.{hf}.weight" for x in range(s.experts)]
+            plan.append(e(f"{b}.{gg}.weight", names, "matrix"))
+        plan += [
+            e(f"{b}.ffn_gate_inp_shexp.weight", [sg], "norm", lambda st, n=sg: st.get(n).reshape(d), (d,)),
+            e(f"{b}.ffn_gate_shexp.weight", [f"{p}.mlp.shared_expert.gate_proj.weight"], "matrix"),
+            e(f"{b}.ffn_up_shexp.weight", [f"{p}.mlp.shared_expert.up_proj.weight"], "matrix"),
+            e(f"{b}.ffn_down_shexp.weight", [f"{p}.mlp.shared_expert.down_proj.weight"], "matrix"),
+        ]
+    plan += [
+        e("output_norm.weight", ["model.norm.weight"], "norm", lambda st: plus_one(st, "model.norm.weight")),
+        e("output.weight", ["lm_head.weight"], "matrix"),
+    ]
+    return plan
+
+
 def _qtype(name: str):
     import gguf
 
@@ -833,6 +1135,23 @@ def _add_metadata(w, s: Shape, layers: int, cfg: dict) -> None:
         w.add_expert_weights_scale(cfg["routed_scaling_factor"])
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
         w.add_rope_dimension_count(s.qk_rope_dim)
+        return
+    if s.model_type == "qwen3_5_moe_text":
+        # As llama.cpp's converter (Qwen3_5MoeTextModel) writes them; the
+        # layer pattern comes from full_attention_interval.
+        w.add_head_count_kv(s.kv_heads)
+        w.add_key_length(s.head_dim)
+        w.add_value_length(s.head_dim)
+        w.add_expert_feed_forward_length(s.expert_ffn)
+        w.add_expert_shared_feed_forward_length(s.shared_ffn)
+        w.add_ssm_conv_kernel(s.conv_kernel)
+        w.add_ssm_state_size(s.linear_k_dim)
+        w.add_ssm_group_count(s.linear_k_heads)
+        w.add_ssm_time_step_rank(s.linear_v_heads)
+        w.add_ssm_inner_size(s.linear_v_dim * s.linear_v_heads)
+        w.add_full_attention_interval(s.full_every)
+        w.add_rope_dimension_count(int(s.head_dim * s.partial_rotary))
+        w.add_rope_dimension_sections(cfg["rope_parameters"]["mrope_section"] + [0])
         return
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count_kv(s.kv_heads)
