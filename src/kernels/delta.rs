@@ -23,7 +23,7 @@
 //! recomputes `S'` (the same single rounding as in pass one) and writes the
 //! new state (steps 4-5). Pass two walks the rows backwards, so it starts
 //! on the rows pass one has just left in L1 and only the strip's first rows
-//! come back from L2. Measured on a Sapphire Rapids core (one head after
+//! come back from L2. Measured on one core of an AVX-512 Xeon (one head after
 //! another, 32 heads of 128 × 128, `examples/kernel_speed.rs 1 delta`):
 //! backwards 2.73 µs per head-step against 2.93 forwards (sixteen lanes);
 //! storing `S'` in pass one instead of recomputing it was level there and
