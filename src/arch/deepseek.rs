@@ -99,15 +99,8 @@ fn config(
     let d = c.usize(&["hidden_size"])?;
     let h = c.usize(&["num_attention_heads"])?;
     let n = c.usize(&["num_hidden_layers"])?;
-    let (dn, dr) = (c.usize(&["qk_nope_head_dim"])?, c.usize(&["qk_rope_head_dim"])?);
-    let mla = MlaSpec {
-        q_lora_rank: c.opt_usize("q_lora_rank")?,
-        kv_lora_rank: c.usize(&["kv_lora_rank"])?,
-        qk_nope_dim: dn,
-        qk_rope_dim: dr,
-        v_head_dim: c.usize(&["v_head_dim"])?,
-        latent_eps: 1e-6,
-    };
+    let mla = mla_spec(c)?;
+    let (dn, dr) = (mla.qk_nope_dim, mla.qk_rope_dim);
     let mut rope = c.rope(dr, 10000.0)?;
     rope.rotary_dim = dr;
     rope.interleaved = interleave;
@@ -154,6 +147,19 @@ fn config(
         layers: leading_dense_layers(n, dense, dense_ffn),
         tie_embeddings: c.bool_or("tie_word_embeddings", false)?,
         ..Default::default()
+    })
+}
+
+/// The latent attention of DeepSeek's config keys (also Kimi-Linear's);
+/// the latent norms' eps is 1e-6 whatever `rms_norm_eps` says.
+pub(crate) fn mla_spec(c: &HfConfig) -> Result<MlaSpec> {
+    Ok(MlaSpec {
+        q_lora_rank: c.opt_usize("q_lora_rank")?,
+        kv_lora_rank: c.usize(&["kv_lora_rank"])?,
+        qk_nope_dim: c.usize(&["qk_nope_head_dim"])?,
+        qk_rope_dim: c.usize(&["qk_rope_head_dim"])?,
+        v_head_dim: c.usize(&["v_head_dim"])?,
+        latent_eps: 1e-6,
     })
 }
 

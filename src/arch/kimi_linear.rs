@@ -56,15 +56,8 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
     let d = c.usize(&["hidden_size"])?;
     let h = c.usize(&["num_attention_heads"])?;
     let n = c.usize(&["num_hidden_layers"])?;
-    let (dn, dr) = (c.usize(&["qk_nope_head_dim"])?, c.usize(&["qk_rope_head_dim"])?);
-    let mla = MlaSpec {
-        q_lora_rank: c.opt_usize("q_lora_rank")?,
-        kv_lora_rank: c.usize(&["kv_lora_rank"])?,
-        qk_nope_dim: dn,
-        qk_rope_dim: dr,
-        v_head_dim: c.usize(&["v_head_dim"])?,
-        latent_eps: 1e-6,
-    };
+    let mla = super::deepseek::mla_spec(c)?;
+    let (dn, dr) = (mla.qk_nope_dim, mla.qk_rope_dim);
     let lin_cfg = LinearCfg::read(c)?;
     let linear = linear_layers(c, n)?;
     let e = c.usize(&["num_experts", "num_local_experts", "n_routed_experts"])?;
@@ -168,22 +161,8 @@ impl LinearCfg {
 /// every layer once.
 fn linear_layers(c: &HfConfig, n: usize) -> Result<Vec<bool>> {
     let bad = |m: String| Error::checkpoint(&c.path, m);
-    if let Some(v) = c.get("layer_types") {
-        let list = v.as_array().ok_or_else(|| bad(format!("`layer_types` must be a list, got {v}")))?;
-        if list.len() != n {
-            return Err(bad(format!("`layer_types` lists {} layers, but num_hidden_layers is {n}", list.len())));
-        }
-        return list
-            .iter()
-            .enumerate()
-            .map(|(i, t)| match t.as_str() {
-                Some("linear_attention") => Ok(true),
-                Some("full_attention") => Ok(false),
-                _ => {
-                    Err(bad(format!("`layer_types[{i}]` is {t}; expected \"linear_attention\" or \"full_attention\"")))
-                }
-            })
-            .collect();
+    if let Some(types) = super::linear_layer_types(c, n)? {
+        return Ok(types);
     }
     let lists = c.get("linear_attn_config").ok_or_else(|| {
         bad("config.json has neither `linear_attn_config` nor `layer_types`: which layers are KDA is unknown".into())

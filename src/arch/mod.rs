@@ -540,6 +540,27 @@ pub(crate) fn qwen_sparse_layers(cfg: &HfConfig, num_layers: usize, num_experts:
     Ok((0..num_layers).map(|l| !dense.contains(&l) && num_experts > 0 && step > 0 && (l + 1) % step == 0).collect())
 }
 
+/// `layer_types` of a hybrid as "linear attention?" flags, if the config
+/// lists them: each `linear_attention` or `full_attention`, one per layer.
+pub(crate) fn linear_layer_types(cfg: &HfConfig, n: usize) -> Result<Option<Vec<bool>>> {
+    let Some(v) = cfg.get("layer_types") else { return Ok(None) };
+    let list = v.as_array().ok_or_else(|| cfg.err(format!("`layer_types` must be a list, got {v}")))?;
+    if list.len() != n {
+        return Err(cfg.err(format!("`layer_types` lists {} layers, but num_hidden_layers is {n}", list.len())));
+    }
+    list.iter()
+        .enumerate()
+        .map(|(i, t)| match t.as_str() {
+            Some("linear_attention") => Ok(true),
+            Some("full_attention") => Ok(false),
+            _ => Err(cfg.err(format!(
+                "`layer_types[{i}]` is {t}; this family has only \"linear_attention\" and \"full_attention\" layers"
+            ))),
+        })
+        .collect::<Result<Vec<_>>>()
+        .map(Some)
+}
+
 /// `layer_types` as "slides?" flags, if the config lists them.
 pub(crate) fn layer_types(cfg: &HfConfig, n: usize) -> Result<Option<Vec<bool>>> {
     let Some(v) = cfg.get("layer_types") else { return Ok(None) };

@@ -179,28 +179,14 @@ fn mentions_partial_rotary(c: &HfConfig) -> bool {
 /// Which layers are linear attention: `layer_types`, else all but every
 /// `full_attention_interval`-th.
 fn linear_layers(c: &HfConfig, n: usize) -> Result<Vec<bool>> {
-    let Some(v) = c.get("layer_types") else {
-        let every = c.opt_usize("full_attention_interval")?.unwrap_or(4);
-        if every == 0 {
-            return Err(Error::checkpoint(&c.path, "config field `full_attention_interval` must be >= 1"));
-        }
-        return Ok((0..n).map(|l| (l + 1) % every != 0).collect());
-    };
-    let bad = |m: String| Error::checkpoint(&c.path, m);
-    let list = v.as_array().ok_or_else(|| bad(format!("`layer_types` must be a list, got {v}")))?;
-    if list.len() != n {
-        return Err(bad(format!("`layer_types` lists {} layers, but num_hidden_layers is {n}", list.len())));
+    if let Some(types) = super::linear_layer_types(c, n)? {
+        return Ok(types);
     }
-    list.iter()
-        .enumerate()
-        .map(|(i, t)| match t.as_str() {
-            Some("linear_attention") => Ok(true),
-            Some("full_attention") => Ok(false),
-            _ => Err(bad(format!(
-                "`layer_types[{i}]` is {t}; this family has only \"linear_attention\" and \"full_attention\" layers"
-            ))),
-        })
-        .collect()
+    let every = c.opt_usize("full_attention_interval")?.unwrap_or(4);
+    if every == 0 {
+        return Err(Error::checkpoint(&c.path, "config field `full_attention_interval` must be >= 1"));
+    }
+    Ok((0..n).map(|l| (l + 1) % every != 0).collect())
 }
 
 fn source(hf: &HfConfig, cfg: &ModelConfig, id: TensorId) -> Source {
