@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 
 use super::Engine;
 use super::step::{Decoder, FinishReason, GenerateOptions, Timings, TokenLogprobs};
+use crate::canonical::state::StateLayout;
 use crate::error::{Error, Result};
 use crate::model::forward::{Segment, forward_batch};
 use crate::model::session::{DEFAULT_CHUNK, Sequence, Workspace};
@@ -102,6 +103,9 @@ struct Request {
     decoder: Decoder,
     tx: Sender<Event>,
     cancel: Arc<AtomicBool>,
+    /// The state bytes it holds at its longest, counted against
+    /// [`BatchOptions::max_state_bytes`].
+    state_bytes: usize,
 }
 
 /// A request with its place: its sequence, how much of the prompt is in.
@@ -112,9 +116,6 @@ struct Running {
     /// Where the time of its next token runs from: the start of its first
     /// step, then the moment its last token was chosen.
     since: Option<Instant>,
-    /// The state bytes it holds at its longest, counted against
-    /// [`BatchOptions::max_state_bytes`].
-    state_bytes: usize,
 }
 
 #[derive(Default)]
@@ -155,6 +156,8 @@ impl Shared {
 pub struct Scheduler {
     engine: Engine,
     opts: BatchOptions,
+    /// Its sequences' state layout (sliding windows sized for its steps).
+    layout: StateLayout,
     shared: Arc<Shared>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
@@ -196,7 +199,9 @@ impl Scheduler {
             .name("colibri-scheduler".into())
             .spawn(move || run(e, opts, sh))
             .map_err(|err| Error::InvalidInput(format!("cannot start the scheduler thread: {err}")))?;
-        Ok(Scheduler { engine: engine.clone(), opts, shared, thread: Mutex::new(Some(thread)) })
+        let elem = engine.kv_dtype().row_bytes(1).expect("an element type");
+        let layout = StateLayout::new(&engine.model().config, elem, opts.step_tokens);
+        Ok(Scheduler { engine: engine.clone(), opts, layout, shared, thread: Mutex::new(Some(thread)) })
     }
 
     /// The options in force (`step_tokens` raised to `max_batch` if below).
@@ -223,7 +228,9 @@ impl Scheduler {
         if ticket.finish.is_some() {
             return Ok(ticket);
         }
-        let need = state_bytes(&self.engine, prompt.len(), decoder.max_new_tokens());
+        // At its longest, capped at the model's context.
+        let longest = prompt.len().saturating_add(decoder.max_new_tokens());
+        let need = self.layout.bytes_for(longest.min(self.engine.model().config.max_seq_len));
         if self.opts.max_state_bytes > 0 && need > self.opts.max_state_bytes {
             return Err(Error::ContextOverflow(format!(
                 "this generation needs {need} bytes of sequence state (prompt of {} tokens plus up to {} new), \
@@ -233,7 +240,7 @@ impl Scheduler {
                 self.opts.max_state_bytes
             )));
         }
-        let req = Request { prompt: prompt.to_vec(), decoder, tx, cancel };
+        let req = Request { prompt: prompt.to_vec(), decoder, tx, cancel, state_bytes: need };
         let mut q = self.shared.queue();
         if q.shutdown {
             return Err(Error::InvalidInput("the engine is closed".into()));
@@ -417,13 +424,6 @@ impl Running {
     }
 }
 
-/// The state bytes a generation of `prompt` tokens plus up to `new` more
-/// holds at its longest (capped at the model's context).
-fn state_bytes(engine: &Engine, prompt: usize, new: usize) -> usize {
-    let len = prompt.saturating_add(new).min(engine.model().config.max_seq_len);
-    engine.state_layout().bytes_for(len)
-}
-
 /// The scheduling thread: admit, step, deliver, until shut down.
 fn run(engine: Engine, opts: BatchOptions, shared: Arc<Shared>) {
     let model = engine.model();
@@ -446,10 +446,10 @@ fn run(engine: Engine, opts: BatchOptions, shared: Arc<Shared>) {
             // Requests cancelled while they waited leave the queue now, not
             // when a place frees for them.
             q.waiting.retain(|r| !r.cancel.load(Ordering::Relaxed));
-            let mut held: usize = running.iter().map(|r| r.state_bytes).sum();
+            let mut held: usize = running.iter().map(|r| r.req.state_bytes).sum();
             while running.len() < opts.max_batch {
                 let Some(req) = q.waiting.front() else { break };
-                let need = state_bytes(&engine, req.prompt.len(), req.decoder.max_new_tokens());
+                let need = req.state_bytes;
                 if opts.max_state_bytes > 0 && !running.is_empty() && held + need > opts.max_state_bytes {
                     break; // first come, first served: it waits for memory to free
                 }
@@ -457,7 +457,7 @@ fn run(engine: Engine, opts: BatchOptions, shared: Arc<Shared>) {
                 let max_seq = req.prompt.len().saturating_add(req.decoder.max_new_tokens());
                 let seq = Sequence::new(model, max_seq, opts.step_tokens, engine.kv_dtype());
                 held += need;
-                running.push(Running { req, seq, fed: 0, since: None, state_bytes: need });
+                running.push(Running { req, seq, fed: 0, since: None });
             }
         }
         let before = running.len();
