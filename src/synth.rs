@@ -77,6 +77,7 @@ pub fn frontier_config() -> ModelConfig {
         qk_rope_dim: 16,
         v_head_dim: 16,
         latent_eps: 1e-6,
+        indexer: None,
     };
     ModelConfig {
         vocab_size: 61,
@@ -309,6 +310,7 @@ pub fn deepseek_v2_lite_width(layers: usize) -> ModelConfig {
         qk_rope_dim: 64,
         v_head_dim: 128,
         latent_eps: 1e-6,
+        indexer: None,
     };
     ModelConfig {
         vocab_size: 102400,

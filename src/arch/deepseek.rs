@@ -83,8 +83,9 @@ fn config_v3(c: &HfConfig) -> Result<ModelConfig> {
     Ok(cfg)
 }
 
-/// What V2 and V3 share; `router(top_k, groups)` makes the family's router.
-fn config(
+/// What V2 and V3 share (and V3.2 and GLM-5 build on); `router(top_k,
+/// groups)` makes the family's router.
+pub(crate) fn config(
     c: &HfConfig,
     group_score: Option<GroupScore>,
     router: fn(usize, Option<GroupLimit>) -> RouterSpec,
@@ -160,6 +161,7 @@ pub(crate) fn mla_spec(c: &HfConfig) -> Result<MlaSpec> {
         qk_rope_dim: c.usize(&["qk_rope_head_dim"])?,
         v_head_dim: c.usize(&["v_head_dim"])?,
         latent_eps: 1e-6,
+        indexer: None,
     })
 }
 
@@ -168,7 +170,7 @@ fn rope_param(c: &HfConfig, key: &str) -> Option<f64> {
     ["rope_parameters", "rope_scaling"].iter().find_map(|k| c.get(k).and_then(|p| p.get(key)).and_then(|v| v.as_f64()))
 }
 
-fn source(_: &HfConfig, cfg: &ModelConfig, id: TensorId) -> Source {
+pub(crate) fn source(_: &HfConfig, cfg: &ModelConfig, id: TensorId) -> Source {
     let m = cfg.mla().expect("DeepSeek configs are MLA");
     let (dn, dv) = (m.qk_nope_dim, m.v_head_dim);
     let attn = |l: usize, n: &str| format!("model.layers.{l}.self_attn.{n}.weight");

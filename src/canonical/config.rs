@@ -255,6 +255,36 @@ pub struct MlaSpec {
     /// Epsilon of the RMSNorms of the query and key/value latents
     /// (transformers leaves them at 1e-6 whatever `rms_norm_eps` says).
     pub latent_eps: f32,
+    /// The lightning indexer of DeepSeek Sparse Attention, which the
+    /// [`MixerSpec::Sparse`] layers use to pick the keys each query attends
+    /// to; `None` for plain latent attention.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub indexer: Option<IndexerSpec>,
+}
+
+/// The lightning indexer (DeepSeek-V3.2, GLM-5): per layer, one key of
+/// `head_dim` values per token (`LayerNorm(wk · x)`, its first `rope_dim`
+/// values rotated), and per query `heads` index heads read from the query
+/// latent (`wq · q_lat`, rotated likewise) with one weight each
+/// (`weights · x / √heads`). A query at position p scores each key j ≤ p as
+/// `Σ_h w_h · relu(q_h · k_j / √head_dim)`; the latent attention then reads
+/// only the `top_k` best keys (all of them while p < top_k).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct IndexerSpec {
+    /// Hi: index heads.
+    pub heads: usize,
+    /// Di: width of an index head and of the index key.
+    pub head_dim: usize,
+    /// Keys each query keeps (`index_topk`).
+    pub top_k: usize,
+    /// Leading values of each index query and key that rotate, with MLA's
+    /// frequencies (`qk_rope_head_dim`).
+    pub rope_dim: usize,
+    /// The rotated values pair as (2i, 2i+1) (GLM-5) rather than as halves
+    /// (i, i + rope_dim/2) (DeepSeek-V3.2).
+    pub rope_interleaved: bool,
+    /// Epsilon of the index key's LayerNorm.
+    pub key_norm_eps: f32,
 }
 
 /// How router logits become expert weights.
@@ -393,6 +423,13 @@ pub enum MixerSpec {
     /// Linear attention with a fixed state per sequence, of the model's
     /// [`LinearSpec`] kind.
     Linear,
+    /// DeepSeek Sparse Attention: latent attention over the keys the
+    /// model's [`IndexerSpec`] selects for each query.
+    Sparse {
+        /// The layer has no indexer: it reuses the selection of the layer
+        /// before it (GLM-5's IndexShare).
+        shared: bool,
+    },
 }
 
 /// The linear-attention layers of a hybrid model: a short causal
@@ -458,7 +495,7 @@ impl MixerSpec {
     pub fn window(&self) -> Option<usize> {
         match *self {
             MixerSpec::Attention { window } => window,
-            MixerSpec::Linear => None,
+            MixerSpec::Linear | MixerSpec::Sparse { .. } => None,
         }
     }
 }
@@ -483,6 +520,9 @@ struct LayerRepr {
     #[serde(default, skip_serializing_if = "is_default")]
     mixer: MixerKind,
     sliding_window: Option<usize>,
+    /// A sparse layer reuses the selection of the layer before it.
+    #[serde(default, skip_serializing_if = "is_default")]
+    shares_selection: bool,
     ffn: FfnSpec,
 }
 
@@ -493,6 +533,7 @@ enum MixerKind {
     #[default]
     Attention,
     Linear,
+    Sparse,
 }
 
 impl From<LayerRepr> for LayerSpec {
@@ -500,6 +541,7 @@ impl From<LayerRepr> for LayerSpec {
         let mixer = match r.mixer {
             MixerKind::Attention => MixerSpec::Attention { window: r.sliding_window },
             MixerKind::Linear => MixerSpec::Linear,
+            MixerKind::Sparse => MixerSpec::Sparse { shared: r.shares_selection },
         };
         LayerSpec { mixer, ffn: r.ffn }
     }
@@ -508,10 +550,18 @@ impl From<LayerRepr> for LayerSpec {
 impl From<LayerSpec> for LayerRepr {
     fn from(l: LayerSpec) -> Self {
         match l.mixer {
-            MixerSpec::Attention { window } => {
-                LayerRepr { mixer: MixerKind::Attention, sliding_window: window, ffn: l.ffn }
+            MixerSpec::Attention { window } => LayerRepr {
+                mixer: MixerKind::Attention,
+                sliding_window: window,
+                shares_selection: false,
+                ffn: l.ffn,
+            },
+            MixerSpec::Linear => {
+                LayerRepr { mixer: MixerKind::Linear, sliding_window: None, shares_selection: false, ffn: l.ffn }
             }
-            MixerSpec::Linear => LayerRepr { mixer: MixerKind::Linear, sliding_window: None, ffn: l.ffn },
+            MixerSpec::Sparse { shared } => {
+                LayerRepr { mixer: MixerKind::Sparse, sliding_window: None, shares_selection: shared, ffn: l.ffn }
+            }
         }
     }
 }
@@ -706,6 +756,26 @@ impl ModelConfig {
             if rd != m.qk_rope_dim {
                 return bad(format!("MLA rotary_dim {rd} differs from qk_rope_head_dim {}", m.qk_rope_dim));
             }
+            if let Some(ix) = m.indexer {
+                if [ix.heads, ix.head_dim, ix.top_k].iter().any(|&x| x == 0 || x > SIZE_LIMIT) {
+                    return bad(format!(
+                        "indexer heads {}, head_dim {} and top_k {} must each be in 1..={SIZE_LIMIT}",
+                        ix.heads, ix.head_dim, ix.top_k
+                    ));
+                }
+                if ix.rope_dim != m.qk_rope_dim || ix.head_dim < ix.rope_dim {
+                    return bad(format!(
+                        "indexer rope_dim {} must equal qk_rope_head_dim {} and fit its head_dim {}",
+                        ix.rope_dim, m.qk_rope_dim, ix.head_dim
+                    ));
+                }
+                if m.q_lora_rank.is_none() {
+                    return bad("the indexer reads the query latent: it needs q_lora_rank".into());
+                }
+                if ix.key_norm_eps.is_nan() || ix.key_norm_eps < 0.0 {
+                    return bad(format!("indexer key norm eps {} must be >= 0", ix.key_norm_eps));
+                }
+            }
         }
         if self.attention.no_rope && self.mla().is_none() {
             return bad("attention without RoPE (`no_rope`) is only supported with latent attention".into());
@@ -750,6 +820,17 @@ impl ModelConfig {
             }
             if l.mixer == MixerSpec::Linear && self.linear.is_none() {
                 return bad(format!("layer {i} is a linear-attention layer but the config has no linear spec"));
+            }
+            if let MixerSpec::Sparse { shared } = l.mixer {
+                if self.mla().and_then(|m| m.indexer).is_none() {
+                    return bad(format!("layer {i} is a sparse-attention layer but the config has no MLA indexer"));
+                }
+                let after_sparse = i > 0 && matches!(self.layers[i - 1].mixer, MixerSpec::Sparse { .. });
+                if shared && !after_sparse {
+                    return bad(format!(
+                        "layer {i} reuses the selection of the layer before it, which has no indexer selection"
+                    ));
+                }
             }
             match l.ffn {
                 FfnSpec::Dense { ffn_dim } => {

@@ -58,6 +58,16 @@ pub enum LayerState {
         /// Which positions are kept.
         rows: Rows,
     },
+    /// Sparse attention with its own lightning indexer: MLA's latent row
+    /// and the indexer's key, both one row per position and both kept for
+    /// every position (the indexer scores every earlier key). A sparse
+    /// layer that reuses another's selection keeps only a [`LayerState::Latent`].
+    Indexed {
+        /// Latent values per position (latent rank plus rotated-key width).
+        width: usize,
+        /// Indexer key values per position (the index head width).
+        key_width: usize,
+    },
     /// Linear attention: a fixed float32 state whatever the sequence's
     /// length, the last `kernel − 1` inputs of the causal convolution and
     /// one `[Dk, Dv]` matrix per value head.
@@ -79,6 +89,7 @@ impl LayerState {
         match *self {
             LayerState::Kv { heads, k_width, v_width, .. } => heads * (k_width + v_width),
             LayerState::Latent { width, .. } => width,
+            LayerState::Indexed { width, key_width } => width + key_width,
             LayerState::Recurrent { .. } => 0,
         }
     }
@@ -87,9 +98,9 @@ impl LayerState {
     /// cache and a recurrent state, which are fixed in size).
     pub fn values_per_token(&self) -> usize {
         match *self {
-            LayerState::Kv { rows: Rows::Full, .. } | LayerState::Latent { rows: Rows::Full, .. } => {
-                self.values_per_row()
-            }
+            LayerState::Kv { rows: Rows::Full, .. }
+            | LayerState::Latent { rows: Rows::Full, .. }
+            | LayerState::Indexed { .. } => self.values_per_row(),
             _ => 0,
         }
     }
@@ -102,7 +113,7 @@ impl LayerState {
             LayerState::Kv { rows: Rows::Window(w), .. } | LayerState::Latent { rows: Rows::Window(w), .. } => {
                 window_rows(w, chunk) * self.values_per_row() * elem_bytes
             }
-            LayerState::Kv { .. } | LayerState::Latent { .. } => 0,
+            LayerState::Kv { .. } | LayerState::Latent { .. } | LayerState::Indexed { .. } => 0,
             LayerState::Recurrent { conv, matrix } => (conv + matrix) * RECURRENT_VALUE_BYTES,
         }
     }
@@ -150,6 +161,14 @@ impl ModelConfig {
                         v_width: self.head_dim,
                         rows,
                     },
+                }
+            }
+            MixerSpec::Sparse { shared } => {
+                let m = self.mla().expect("validated: a sparse layer is latent attention");
+                let width = m.kv_lora_rank + m.qk_rope_dim;
+                match m.indexer {
+                    Some(ix) if !shared => LayerState::Indexed { width, key_width: ix.head_dim },
+                    _ => LayerState::Latent { width, rows: Rows::Full },
                 }
             }
             MixerSpec::Linear => {
@@ -211,6 +230,7 @@ mod tests {
             qk_rope_dim: 4,
             v_head_dim: 10,
             latent_eps: 1e-6,
+            indexer: None,
         };
         let cfg = ModelConfig {
             num_heads: 4,
@@ -223,6 +243,43 @@ mod tests {
         assert_eq!(cfg.layer_state(0), LayerState::Latent { width: 36, rows: Rows::Full });
         // 2 layers · (32 + 4) values · 2 bytes.
         assert_eq!(StateLayout::new(&cfg, 2, 512), StateLayout { bytes_per_token: 144, bytes_per_sequence: 0 });
+    }
+
+    /// Sparse attention: a layer with its own indexer keeps the latent row
+    /// and the index key per position; one that reuses the selection of the
+    /// layer before it keeps only the latent.
+    #[test]
+    fn sparse_layers_count_their_index_keys() {
+        use crate::canonical::config::IndexerSpec;
+        let indexer =
+            IndexerSpec { heads: 3, head_dim: 10, top_k: 4, rope_dim: 4, rope_interleaved: false, key_norm_eps: 1e-6 };
+        let mla = MlaSpec {
+            q_lora_rank: Some(8),
+            kv_lora_rank: 32,
+            qk_nope_dim: 12,
+            qk_rope_dim: 4,
+            v_head_dim: 10,
+            latent_eps: 1e-6,
+            indexer: Some(indexer),
+        };
+        let mut ls = layers(&[None; 3]);
+        ls[0].mixer = MixerSpec::Sparse { shared: false };
+        ls[1].mixer = MixerSpec::Sparse { shared: true };
+        ls[2].mixer = MixerSpec::Sparse { shared: false };
+        let cfg = ModelConfig {
+            num_heads: 4,
+            num_kv_heads: 4,
+            head_dim: 16,
+            rope: crate::canonical::config::RopeSpec { rotary_dim: 4, ..ModelConfig::default().rope },
+            attention: AttentionSpec { kind: AttentionKind::Mla(mla), ..Default::default() },
+            layers: ls,
+            ..Default::default()
+        };
+        cfg.validate().unwrap();
+        assert_eq!(cfg.layer_state(0), LayerState::Indexed { width: 36, key_width: 10 });
+        assert_eq!(cfg.layer_state(1), LayerState::Latent { width: 36, rows: Rows::Full });
+        // (36 + 10) + 36 + (36 + 10) values per token, 2 bytes each.
+        assert_eq!(StateLayout::new(&cfg, 2, 512), StateLayout { bytes_per_token: 128 * 2, bytes_per_sequence: 0 });
     }
 
     /// A hybrid model: attention layers grow per token, linear-attention

@@ -56,6 +56,16 @@ pub enum LayerTensor {
     WkB,
     /// MLA [H, Dv, R]: each head's value up-projection.
     WvB,
+    /// Indexer [Hi·Di, Rq]: the index queries from the query latent.
+    IdxWq,
+    /// Indexer [Di, D]: the index key.
+    IdxWk,
+    /// Indexer `[Di]`: scale of the index key's LayerNorm.
+    IdxKNorm,
+    /// Indexer `[Di]`: bias of the index key's LayerNorm.
+    IdxKNormBias,
+    /// Indexer [Hi, D]: the index heads' weights (kept f32, as transformers keeps it).
+    IdxWeights,
     /// [H·Dh, D] the attention output gate (with `output_gate`).
     Wg,
     /// `[H·Dh]` the output gate's bias (with `output_gate` and `qkv_bias`).
@@ -181,6 +191,11 @@ impl std::fmt::Display for TensorId {
                     L::KvANorm => "attn.kv_a_norm",
                     L::WkB => "attn.wk_b",
                     L::WvB => "attn.wv_b",
+                    L::IdxWq => "attn.indexer.wq",
+                    L::IdxWk => "attn.indexer.wk",
+                    L::IdxKNorm => "attn.indexer.k_norm",
+                    L::IdxKNormBias => "attn.indexer.k_norm.bias",
+                    L::IdxWeights => "attn.indexer.weights",
                     L::RouterBias => "moe.router.bias",
                     L::RouterCorrection => "moe.router.correction",
                     L::Wg => "attn.wg",
@@ -318,8 +333,8 @@ impl TensorId {
             TensorId::Embed => Some(TensorClass::Embed),
             TensorId::LmHead => Some(TensorClass::LmHead),
             TensorId::Layer(_, t) => match t {
-                L::Wq | L::Wo | L::WqA | L::WqB | L::Wg => Some(TensorClass::Attention),
-                L::Wk | L::Wv | L::WkvA | L::WkB | L::WvB => Some(TensorClass::AttentionKv),
+                L::Wq | L::Wo | L::WqA | L::WqB | L::Wg | L::IdxWq => Some(TensorClass::Attention),
+                L::Wk | L::Wv | L::WkvA | L::WkB | L::WvB | L::IdxWk => Some(TensorClass::AttentionKv),
                 L::LinQ | L::LinK | L::LinV | L::LinZ | L::LinB | L::LinA => Some(TensorClass::Attention),
                 L::LinFa | L::LinFb | L::LinGa | L::LinGb => Some(TensorClass::Attention),
                 L::Gate | L::Up | L::Down => Some(TensorClass::Ffn),
@@ -374,7 +389,7 @@ pub fn tensor_plan(cfg: &ModelConfig) -> Vec<PlannedTensor> {
             push(t(L::AttnNormBias), vec![d], Role::Small);
         }
         match layer.mixer {
-            MixerSpec::Attention { .. } => {
+            MixerSpec::Attention { .. } | MixerSpec::Sparse { .. } => {
                 match cfg.mla() {
                     None => {
                         push(t(L::Wq), vec![q, d], Role::Matrix);
@@ -395,6 +410,15 @@ pub fn tensor_plan(cfg: &ModelConfig) -> Vec<PlannedTensor> {
                         push(t(L::KvANorm), vec![r], Role::Small);
                         push(t(L::WkB), vec![h, r, m.qk_nope_dim], Role::Matrix);
                         push(t(L::WvB), vec![h, m.v_head_dim, r], Role::Matrix);
+                        if let (MixerSpec::Sparse { shared: false }, Some(ix), Some(rq)) =
+                            (layer.mixer, m.indexer, m.q_lora_rank)
+                        {
+                            push(t(L::IdxWq), vec![ix.heads * ix.head_dim, rq], Role::Matrix);
+                            push(t(L::IdxWk), vec![ix.head_dim, d], Role::Matrix);
+                            push(t(L::IdxKNorm), vec![ix.head_dim], Role::Small);
+                            push(t(L::IdxKNormBias), vec![ix.head_dim], Role::Small);
+                            push(t(L::IdxWeights), vec![ix.heads, d], Role::Small);
+                        }
                     }
                 }
                 push(t(L::Wo), vec![d, cfg.att_dim()], Role::Matrix);

@@ -17,6 +17,7 @@ use super::blocks::attention::{Heads, attend};
 use super::blocks::delta::{Delta, DeltaRefs};
 use super::blocks::ffn::{MlpScratch, add_bias, gated_mlp, sigmoid};
 use super::blocks::gqa::Gqa;
+use super::blocks::indexer::{IndexRefs, Indexer, attend_rows};
 use super::blocks::mla::{Mla, MlaQ};
 use super::blocks::moe::{MoeBlock, MoeLayer, moe_block, predict};
 use super::blocks::norm::norm_rows;
@@ -308,7 +309,7 @@ fn attention(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n
             linear_attention(model, l, refs, s, segs, n);
             return;
         }
-        QkvRefs::Mla { q, wkv_a, kv_a_norm, wk_b, wv_b } => {
+        QkvRefs::Mla { q, wkv_a, kv_a_norm, wk_b, wv_b, index } => {
             let block = mla(model, q, wkv_a, kv_a_norm, wk_b, wv_b);
             let (r, dr) = (block.spec.kv_lora_rank, block.spec.qk_rope_dim);
             let (qs, kv) = (&mut s.q[..n * h * dh], &mut s.k[..n * (r + dr)]);
@@ -316,16 +317,20 @@ fn attention(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n
             block.absorb(&s.q[..n * h * dh], &mut s.mla); // q_abs: [T, H·(R + Dr)]
             // One latent "kv head" shared by all heads; the values are the latent.
             let heads = Heads { h, hkv: 1, dk: r + dr, dv: r, window, scale, sinks };
-            let (qw, ow) = (h * (r + dr), h * r);
-            let (k, q_abs) = (&s.k, &s.mla.q_abs);
-            let (o_lat, order) = (&mut s.mla.o_lat[..n * ow], &mut s.att_order[..n * ow]);
-            each_segment(segs, 0, ow, o_lat, order, &|r0, g, o_lat, order| {
-                let (t, pos0) = (g.tokens.len(), g.seq.pos);
-                let cache = g.seq.kv(l);
-                cache.store(pos0, &k[r0 * (r + dr)..(r0 + t) * (r + dr)], &[]);
-                let qa = &q_abs[r0 * qw..(r0 + t) * qw];
-                attend(qa, cache.view(pos0 + t), pos0, heads, order, o_lat); // [t, H·R]
-            });
+            if let Some(index) = index {
+                sparse_attention(model, l, index, heads, s, segs, n);
+            } else {
+                let (qw, ow) = (h * (r + dr), h * r);
+                let (k, q_abs) = (&s.k, &s.mla.q_abs);
+                let (o_lat, order) = (&mut s.mla.o_lat[..n * ow], &mut s.att_order[..n * ow]);
+                each_segment(segs, 0, ow, o_lat, order, &|r0, g, o_lat, order| {
+                    let (t, pos0) = (g.tokens.len(), g.seq.pos);
+                    let cache = g.seq.kv(l);
+                    cache.store(pos0, &k[r0 * (r + dr)..(r0 + t) * (r + dr)], &[]);
+                    let qa = &q_abs[r0 * qw..(r0 + t) * qw];
+                    attend(qa, cache.view(pos0 + t), pos0, heads, order, o_lat); // [t, H·R]
+                });
+            }
             block.expand(n, &mut s.mla, &mut s.att); // att: [T, H·Dv]
         }
     }
@@ -333,6 +338,51 @@ fn attention(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n
     matmul(&model.mat(lw.wo), &s.xq.prepare(&s.att[..n * ad], ad), proj); // [T, D]
     if let Some(bo) = model.opt_vec(lw.o_bias) {
         add_bias(proj, bo);
+    }
+}
+
+/// DeepSeek Sparse Attention, after the latent projections: the layer's
+/// indexer appends its keys and, for each query that sees more than K keys,
+/// selects K of them (a layer that shares reads the selection the layer
+/// before it left in the workspace); then each sequence's latent rows are
+/// stored and attended, over the whole cache for queries that keep every key
+/// and over the selected rows for the others. The selection of a query is
+/// one task parallel over its keys, and its attention one task parallel over
+/// heads, so the sequences go one after another.
+fn sparse_attention(model: &Model, l: usize, index: IndexRefs, heads: Heads, s: &mut Workspace, segs: &mut [Segment], n: usize) {
+    let c = &model.config;
+    let m = c.mla().expect("a sparse layer is latent attention");
+    let spec = m.indexer.expect("validated: a sparse layer has an indexer spec");
+    let (d, half, kw) = (c.hidden_size, c.rope.rotary_dim / 2, m.kv_lora_rank + m.qk_rope_dim);
+    let rq = m.q_lora_rank.expect("validated: the indexer reads the query latent");
+    if let IndexRefs::Own(refs) = index {
+        let ix = Indexer::new(&refs, spec, |t| model.mat(t), |t| model.vec(t));
+        // Queries are needed only when some row sees more than K keys.
+        let selects = segs.iter().any(|g| g.seq.pos + g.tokens.len() > spec.top_k);
+        let (xn, q_lat) = (&s.xn[..n * d], &s.mla.q_lat[..n * rq]);
+        let (cos, sin) = (&s.cos[..n * half], &s.sin[..n * half]);
+        ix.project(xn, q_lat, selects, &mut s.xq, cos, sin, &mut s.index); // keys [T, Di]; queries [T, Hi·Di]
+        let mut r0 = 0;
+        for g in segs.iter_mut() {
+            let (t, pos0) = (g.tokens.len(), g.seq.pos);
+            let keys = g.seq.index_keys(l);
+            keys.store(pos0, &s.index.keys(r0 + t, spec.head_dim)[r0 * spec.head_dim..]);
+            for i in (spec.top_k.saturating_sub(pos0)).min(t)..t {
+                ix.select(r0 + i, pos0 + i, keys.view(pos0 + t), &mut s.index); // sel: [K]
+            }
+            r0 += t;
+        }
+    }
+    let (qw, ow) = (heads.h * heads.dk, heads.h * heads.dv);
+    let mut r0 = 0;
+    for g in segs.iter_mut() {
+        let (t, pos0) = (g.tokens.len(), g.seq.pos);
+        let cache = g.seq.kv(l);
+        cache.store(pos0, &s.k[r0 * kw..(r0 + t) * kw], &[]);
+        let q_abs = &s.mla.q_abs[r0 * qw..(r0 + t) * qw];
+        let (o_lat, order) = (&mut s.mla.o_lat[r0 * ow..(r0 + t) * ow], &mut s.att_order[..t * ow]);
+        attend_rows(q_abs, cache.view(pos0 + t), pos0, heads, &mut s.index, r0, order, o_lat); // [t, H·R]
+        r0 += t;
     }
 }
 

@@ -19,6 +19,7 @@ use crate::error::Result;
 use crate::format::reader::ColibriFile;
 use crate::kernels::Matrix;
 use blocks::delta::DeltaRefs;
+use blocks::indexer::{IndexRefs, IndexerRefs};
 use store::telemetry::Telemetry;
 use store::{DenseCopy, ExpertStore, HeatState, RoutingStats, StoreOptions, StoreStats, WeightsBacking};
 use weights::{TensorRef, matrix, tensor_ref};
@@ -88,6 +89,8 @@ pub enum QkvRefs {
         wk_b: TensorRef,
         /// [H·Dv, R] per-head value up-projections.
         wv_b: TensorRef,
+        /// Sparse attention: where the selection of keys comes from.
+        index: Option<IndexRefs>,
     },
     /// Linear attention by the gated delta rule (its output projection is `wo`).
     Delta(DeltaRefs),
@@ -229,6 +232,11 @@ impl Model {
                     kv_a_norm: t(L::KvANorm)?,
                     wk_b: t(L::WkB)?,
                     wv_b: t(L::WvB)?,
+                    index: match spec.mixer {
+                        MixerSpec::Sparse { shared: true } => Some(IndexRefs::Shared),
+                        MixerSpec::Sparse { shared: false } => Some(IndexRefs::Own(IndexerRefs::load(t)?)),
+                        _ => None,
+                    },
                 },
             };
             layers.push(LayerRefs {

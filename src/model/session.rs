@@ -7,6 +7,7 @@ use crate::canonical::state::{LayerState, ROLLBACK, Rows, window_rows};
 use crate::error::{Error, Result};
 use crate::model::Model;
 use crate::model::blocks::delta::{DeltaScratch, DeltaState};
+use crate::model::blocks::indexer::{IndexKeys, IndexerScratch};
 use crate::model::blocks::kv_cache::KvCache;
 use crate::model::blocks::mla::MlaScratch;
 use crate::model::blocks::moe::MoeScratch;
@@ -87,8 +88,16 @@ impl Sequence {
     /// cache today.
     pub fn kv(&mut self, l: usize) -> &mut KvCache {
         match &mut self.layers[l] {
-            LayerCache::Kv(cache) => cache,
+            LayerCache::Kv(cache) | LayerCache::Indexed(cache, _) => cache,
             LayerCache::Delta(_) => panic!("layer {l} is a linear-attention layer: it keeps no KV cache"),
+        }
+    }
+
+    /// Layer `l`'s indexer keys (a sparse layer with an indexer of its own).
+    pub fn index_keys(&mut self, l: usize) -> &mut IndexKeys {
+        match &mut self.layers[l] {
+            LayerCache::Indexed(_, keys) => keys,
+            _ => panic!("layer {l} has no indexer: it keeps no index keys"),
         }
     }
 
@@ -96,7 +105,7 @@ impl Sequence {
     pub fn delta(&mut self, l: usize) -> &mut DeltaState {
         match &mut self.layers[l] {
             LayerCache::Delta(state) => state,
-            LayerCache::Kv(_) => panic!("layer {l} is an attention layer: it keeps no recurrent state"),
+            LayerCache::Kv(_) | LayerCache::Indexed(..) => panic!("layer {l} is an attention layer: it keeps no recurrent state"),
         }
     }
 }
@@ -173,15 +182,22 @@ enum LayerCache {
     Kv(KvCache),
     /// A linear-attention layer's convolution inputs and recurrent matrices.
     Delta(DeltaState),
+    /// A sparse layer's latent of every position and its indexer's keys;
+    /// both go back with the sequence's position, as a KV cache does.
+    Indexed(KvCache, IndexKeys),
 }
 
 impl LayerCache {
     /// The empty state of `state`'s kind for up to `max_seq` positions fed
     /// at most `chunk` at a time.
     fn new(c: &ModelConfig, state: LayerState, kv_dtype: DType, max_seq: usize, chunk: usize) -> LayerCache {
+        if let LayerState::Indexed { width, key_width } = state {
+            let latent = KvCache::new(kv_dtype, max_seq, 1, width, 0, None);
+            return LayerCache::Indexed(latent, IndexKeys::new(kv_dtype, max_seq, key_width));
+        }
         let window = match state {
             LayerState::Kv { rows, .. } | LayerState::Latent { rows, .. } => rows,
-            LayerState::Recurrent { .. } => Rows::Full,
+            LayerState::Recurrent { .. } | LayerState::Indexed { .. } => Rows::Full,
         };
         match (cache_shape(state), window) {
             (Some((heads, k_width, v_width)), Rows::Full) => {
@@ -205,7 +221,7 @@ impl LayerCache {
 fn cache_shape(state: LayerState) -> Option<(usize, usize, usize)> {
     match state {
         LayerState::Kv { heads, k_width, v_width, .. } => Some((heads, heads * k_width, heads * v_width)),
-        LayerState::Latent { width, .. } => Some((1, width, 0)),
+        LayerState::Latent { width, .. } | LayerState::Indexed { width, .. } => Some((1, width, 0)),
         LayerState::Recurrent { .. } => None,
     }
 }
@@ -237,6 +253,8 @@ pub struct Workspace {
     pub mla: MlaScratch,
     /// Linear-attention buffers (empty when every layer attends).
     pub delta: DeltaScratch,
+    /// The sparse layers' indexer buffers (empty without an indexer).
+    pub index: IndexerScratch,
     /// [C, H·Dh] attention output gates (empty without them).
     pub gate: Vec<f32>,
     /// [C, D] block output before the residual add.
@@ -303,6 +321,7 @@ impl Workspace {
             att_order: vec![0.0; chunk * c.att_dim().max(c.num_heads * c.mla().map_or(0, |m| m.kv_lora_rank))],
             mla: MlaScratch::new(c, chunk, quantize),
             delta: DeltaScratch::new(c.linear.as_ref(), chunk),
+            index: IndexerScratch::new(c, chunk),
             gate: vec![0.0; if c.attention.output_gate { chunk * c.q_dim() } else { 0 }],
             proj: vec![0.0; chunk * d],
             shared: vec![0.0; chunk * d],

@@ -6,6 +6,7 @@ pub mod attention;
 pub mod delta;
 pub mod ffn;
 pub mod gqa;
+pub mod indexer;
 pub mod kv_cache;
 pub mod mla;
 pub mod moe;
