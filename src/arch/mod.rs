@@ -11,6 +11,7 @@
 mod deepseek;
 mod deepseek_v32;
 mod glm4_moe;
+mod glm_moe_dsa;
 mod gpt_oss;
 mod granitemoe;
 mod kimi_linear;
@@ -166,6 +167,7 @@ pub static REGISTRY: &[&Arch] = &[
     &qwen3_next::QWEN3_5_VL,
     &kimi_linear::ARCH,
     &deepseek_v32::ARCH,
+    &glm_moe_dsa::ARCH,
 ];
 
 /// Comma-separated class names, for error messages and docs.
