@@ -121,6 +121,29 @@ pub fn frontier_config() -> ModelConfig {
     }
 }
 
+/// DeepSeek Sparse Attention over [`frontier_config`]: every layer sparse,
+/// the middle one reusing the selection before it (GLM-5's IndexShare), an
+/// indexer of 4 heads of 32 keeping 5 keys with its rope in pairs; so the
+/// invariants (prefill = decode, chunks, threads, batching, rollback) are
+/// tested past the point where queries select.
+pub fn sparse_config() -> ModelConfig {
+    let mut c = frontier_config();
+    if let AttentionKind::Mla(m) = &mut c.attention.kind {
+        m.indexer = Some(IndexerSpec {
+            heads: 4,
+            head_dim: 32,
+            top_k: 5,
+            rope_dim: m.qk_rope_dim,
+            rope_interleaved: true,
+            key_norm_eps: 1e-6,
+        });
+    }
+    for (l, layer) in c.layers.iter_mut().enumerate() {
+        layer.mixer = MixerSpec::Sparse { shared: l == 1 };
+    }
+    c
+}
+
 /// A hybrid of linear-attention and gated full-attention layers in widths
 /// whole blocks fit (Qwen3-Next's switches): Gated DeltaNet layers with two
 /// value heads per key head and key and value heads of different widths,

@@ -93,10 +93,13 @@ pub(crate) fn dsa_config(c: &HfConfig, defaults: &DsaDefaults, shared: &[bool]) 
     if let Value::Object(map) = &mut raw {
         for (k, v) in defaults.keys {
             if !map.contains_key(*k) {
-                map.insert((*k).into(), match v {
-                    DefaultValue::Int(i) => json!(i),
-                    DefaultValue::Num(x) => json!(x),
-                });
+                map.insert(
+                    (*k).into(),
+                    match v {
+                        DefaultValue::Int(i) => json!(i),
+                        DefaultValue::Num(x) => json!(x),
+                    },
+                );
             }
         }
     }

@@ -550,12 +550,9 @@ impl From<LayerRepr> for LayerSpec {
 impl From<LayerSpec> for LayerRepr {
     fn from(l: LayerSpec) -> Self {
         match l.mixer {
-            MixerSpec::Attention { window } => LayerRepr {
-                mixer: MixerKind::Attention,
-                sliding_window: window,
-                shares_selection: false,
-                ffn: l.ffn,
-            },
+            MixerSpec::Attention { window } => {
+                LayerRepr { mixer: MixerKind::Attention, sliding_window: window, shares_selection: false, ffn: l.ffn }
+            }
             MixerSpec::Linear => {
                 LayerRepr { mixer: MixerKind::Linear, sliding_window: None, shares_selection: false, ffn: l.ffn }
             }
@@ -889,6 +886,51 @@ mod tests {
             ..Default::default()
         };
         moe.validate().unwrap();
+    }
+
+    /// A sparse-attention layer is stored as `"mixer": "sparse"`, with
+    /// `shares_selection` only when it reuses the selection before it; a
+    /// shared layer needs a sparse layer before it, and any sparse layer an
+    /// MLA indexer.
+    #[test]
+    fn sparse_layers_store_their_kind_and_need_an_indexer_before_them() {
+        let own = LayerSpec { mixer: MixerSpec::Sparse { shared: false }, ffn: FfnSpec::Moe };
+        let shared = LayerSpec { mixer: MixerSpec::Sparse { shared: true }, ffn: FfnSpec::Moe };
+        let own_json = r#"{"mixer":"sparse","sliding_window":null,"ffn":{"kind":"moe"}}"#;
+        let shared_json = r#"{"mixer":"sparse","sliding_window":null,"shares_selection":true,"ffn":{"kind":"moe"}}"#;
+        assert_eq!(serde_json::to_string(&own).unwrap(), own_json);
+        assert_eq!(serde_json::to_string(&shared).unwrap(), shared_json);
+        assert_eq!(serde_json::from_str::<LayerSpec>(shared_json).unwrap(), shared);
+        let indexer =
+            IndexerSpec { heads: 2, head_dim: 8, top_k: 3, rope_dim: 4, rope_interleaved: true, key_norm_eps: 1e-6 };
+        let mla = MlaSpec {
+            q_lora_rank: Some(6),
+            kv_lora_rank: 8,
+            qk_nope_dim: 4,
+            qk_rope_dim: 4,
+            v_head_dim: 4,
+            latent_eps: 1e-6,
+            indexer: Some(indexer),
+        };
+        let cfg = |layers: Vec<LayerSpec>, mla: MlaSpec| ModelConfig {
+            num_heads: 2,
+            num_kv_heads: 2,
+            head_dim: 8,
+            rope: RopeSpec { rotary_dim: 4, ..ModelConfig::default().rope },
+            attention: AttentionSpec { kind: AttentionKind::Mla(mla), ..Default::default() },
+            moe: Some(MoeSpec::default()),
+            layers,
+            ..Default::default()
+        };
+        cfg(vec![own.clone(), shared.clone(), shared.clone()], mla).validate().unwrap();
+        let err = cfg(vec![shared.clone(), own.clone()], mla).validate().unwrap_err().to_string();
+        assert!(err.contains("layer 0 reuses the selection"), "{err}");
+        let err = cfg(vec![own.clone()], MlaSpec { indexer: None, ..mla }).validate().unwrap_err().to_string();
+        assert!(err.contains("no MLA indexer"), "{err}");
+        let zero = MlaSpec { indexer: Some(IndexerSpec { top_k: 0, ..indexer }), ..mla };
+        assert!(cfg(vec![own.clone()], zero).validate().unwrap_err().to_string().contains("top_k 0"));
+        let no_latent = MlaSpec { q_lora_rank: None, ..mla };
+        assert!(cfg(vec![own], no_latent).validate().unwrap_err().to_string().contains("q_lora_rank"));
     }
 
     /// A layer is stored in the form every existing `.colibri` file holds:

@@ -349,7 +349,15 @@ fn attention(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n
 /// and over the selected rows for the others. The selection of a query is
 /// one task parallel over its keys, and its attention one task parallel over
 /// heads, so the sequences go one after another.
-fn sparse_attention(model: &Model, l: usize, index: IndexRefs, heads: Heads, s: &mut Workspace, segs: &mut [Segment], n: usize) {
+fn sparse_attention(
+    model: &Model,
+    l: usize,
+    index: IndexRefs,
+    heads: Heads,
+    s: &mut Workspace,
+    segs: &mut [Segment],
+    n: usize,
+) {
     let c = &model.config;
     let m = c.mla().expect("a sparse layer is latent attention");
     let spec = m.indexer.expect("validated: a sparse layer has an indexer spec");

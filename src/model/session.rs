@@ -105,7 +105,9 @@ impl Sequence {
     pub fn delta(&mut self, l: usize) -> &mut DeltaState {
         match &mut self.layers[l] {
             LayerCache::Delta(state) => state,
-            LayerCache::Kv(_) | LayerCache::Indexed(..) => panic!("layer {l} is an attention layer: it keeps no recurrent state"),
+            LayerCache::Kv(_) | LayerCache::Indexed(..) => {
+                panic!("layer {l} is an attention layer: it keeps no recurrent state")
+            }
         }
     }
 }
