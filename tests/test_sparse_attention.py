@@ -5,6 +5,8 @@ the state memory."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -61,3 +63,19 @@ def test_state_bytes_count_the_index_keys(converted):
         values = sum(latent + (cfg["index_head_dim"] if k == "full" else 0) for k in kinds)
         engine = colibri.Engine(converted(case))
         assert engine.state_bytes() == {"per_token": values * 4, "per_sequence": 0}, case
+
+
+def test_info_tells_the_indexer_and_counts_its_keys(converted):
+    """`colibri info`: the attention line names the sparse layers and the indexer,
+    and the cache bytes per token include the index keys."""
+    r = subprocess.run(
+        [sys.executable, "-m", "colibri", "info", str(converted("glm_moe_dsa")), "--json"],
+        capture_output=True,
+        encoding="utf-8",
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert "sparse on 4 of 4 layers (indexer 16 heads x 12, top 6 keys; 2 reuse" in info["attention"]
+    # Layers 0 and 2: latent 16 + index key 12; layers 1 and 3: latent only; f32.
+    assert info["kv_cache"]["bytes_per_token"] == (2 * 28 + 2 * 16) * 4

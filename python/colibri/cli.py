@@ -156,6 +156,15 @@ def _attention(cfg: dict[str, Any]) -> str:
     if windows:
         sliding = sum(1 for layer in cfg["layers"] if layer.get("sliding_window"))
         text += f", sliding window {'/'.join(map(str, windows))} on {sliding} of {len(cfg['layers'])} layers"
+    n_sparse = sum(1 for layer in cfg["layers"] if layer.get("mixer") == "sparse")
+    indexer = kind.get("indexer")
+    if indexer and n_sparse:
+        shared = sum(1 for layer in cfg["layers"] if layer.get("shares_selection"))
+        text += (
+            f", sparse on {n_sparse} of {len(cfg['layers'])} layers (indexer {indexer['heads']} heads "
+            f"x {indexer['head_dim']}, top {indexer['top_k']} keys"
+        )
+        text += f"; {shared} reuse the selection before them)" if shared else ")"
     if att.get("sinks"):
         text += ", sinks"
     if att.get("output_gate"):
