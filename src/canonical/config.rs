@@ -25,6 +25,11 @@ pub const SIZE_LIMIT: usize = 1 << 24;
 /// query, key and decays on the stack (the released models use 128).
 pub const MAX_LINEAR_KEY_DIM: usize = 256;
 
+/// Most keys an indexer may keep per query (`index_topk`; the released
+/// models keep 2048): the workspace holds a selection of this many positions
+/// for every token of a pass.
+pub const MAX_INDEX_TOP_K: usize = 1 << 16;
+
 /// Most expert groups a router may have: the router keeps its group scores
 /// on the stack, sized by this bound.
 pub const MAX_GROUPS: usize = 64;
@@ -754,9 +759,12 @@ impl ModelConfig {
                 return bad(format!("MLA rotary_dim {rd} differs from qk_rope_head_dim {}", m.qk_rope_dim));
             }
             if let Some(ix) = m.indexer {
-                if [ix.heads, ix.head_dim, ix.top_k].iter().any(|&x| x == 0 || x > SIZE_LIMIT) {
+                if [ix.heads, ix.head_dim, ix.top_k].iter().any(|&x| x == 0 || x > SIZE_LIMIT)
+                    || ix.top_k > MAX_INDEX_TOP_K
+                {
                     return bad(format!(
-                        "indexer heads {}, head_dim {} and top_k {} must each be in 1..={SIZE_LIMIT}",
+                        "indexer heads {}, head_dim {} and top_k {} must each be at least 1 (top_k at most \
+                         {MAX_INDEX_TOP_K}, the others {SIZE_LIMIT})",
                         ix.heads, ix.head_dim, ix.top_k
                     ));
                 }

@@ -157,11 +157,6 @@ impl IndexerScratch {
     pub fn keys(&self, n: usize, di: usize) -> &[f32] {
         &self.k[..n * di]
     }
-
-    /// Row `t`'s selected key positions (K of them, ascending).
-    pub fn selection(&self, t: usize) -> &[u32] {
-        &self.sel[t * self.top_k..(t + 1) * self.top_k]
-    }
 }
 
 /// [`super::norm::layernorm`] of one row, in place: statistics in f64,
