@@ -104,10 +104,12 @@ pub fn frontier_config() -> ModelConfig {
                 bias: true,
                 correction_bias: true,
                 groups: Some(GroupLimit { groups: 4, top_groups: 2, score: GroupScore::TopTwoSum }),
+                ..Default::default()
             },
             activation: Activation::ClampedSwiglu { alpha: 1.702, limit: 1.5 },
             expert_bias: true,
             shared_expert: Some(SharedExpertSpec { ffn_dim: 32, sigmoid_gate: false }),
+            ..Default::default()
         }),
         layers: vec![
             LayerSpec { mixer: MixerSpec::FULL_ATTENTION, ffn: FfnSpec::Dense { ffn_dim: 64 } },

@@ -9,6 +9,7 @@
 //! else in the crate matches on the architecture.
 
 mod deepseek;
+mod gemma4;
 mod glm4_moe;
 mod gpt_oss;
 mod granitemoe;
@@ -164,6 +165,8 @@ pub static REGISTRY: &[&Arch] = &[
     &qwen3_next::QWEN3_5,
     &qwen3_next::QWEN3_5_VL,
     &kimi_linear::ARCH,
+    &gemma4::GEMMA4,
+    &gemma4::GEMMA4_TEXT,
 ];
 
 /// Comma-separated class names, for error messages and docs.

@@ -68,7 +68,7 @@ fn fused(hf: &HfConfig) -> bool {
 /// The language model's config: `text_config` of a conditional-generation
 /// checkpoint (with the top level's `tie_word_embeddings` when it has none),
 /// else the file itself.
-fn text_config(hf: &HfConfig) -> HfConfig {
+pub(super) fn text_config(hf: &HfConfig) -> HfConfig {
     match hf.get("text_config") {
         Some(Value::Object(t)) => {
             let mut raw = t.clone();

@@ -290,6 +290,11 @@ pub struct MoeLayer<'a> {
     pub correction: Option<&'a [f32]>,
     /// Routing rule.
     pub spec: &'a RouterSpec,
+    /// `[E]` each expert's multiplier of its routing weight (Gemma 4).
+    pub expert_scale: Option<&'a [f32]>,
+    /// [T, D] the router's own input, when it is not the experts' (a router
+    /// with its own norm of the residual); `None`: the experts' input.
+    pub router_x: Option<&'a [f32]>,
     /// How each expert combines its gate and up projections.
     pub act: Activation,
     /// Source of the experts' weights.
@@ -427,11 +432,18 @@ fn route_rows(m: &MoeLayer, x: &Input, r: &mut Routes, telemetry: Option<&LayerT
     let (e_n, k, d) = (m.router.rows, m.spec.top_k, m.router.cols);
     let n = x.x.len() / d;
     let logits = &mut r.logits[..n * e_n];
-    router_logits(m, x, logits); // [T, E]
+    match m.router_x {
+        Some(rx) => router_logits(m, &Input::plain(&rx[..n * d], d), logits), // [T, E]
+        None => router_logits(m, x, logits),                                 // [T, E]
+    }
     for t in 0..n {
         let ids = &mut r.ids[t * k..(t + 1) * k]; // [K]
         let w = &mut r.weights[t * k..(t + 1) * k]; // [K]
         route(&logits[t * e_n..(t + 1) * e_n], m.spec, m.correction, &mut r.probs, &mut r.sel, ids, w);
+        if let Some(scale) = m.expert_scale {
+            // After renormalisation: the weights need not sum to 1 any more.
+            w.iter_mut().zip(ids.iter()).for_each(|(wi, &e)| *wi *= scale[e as usize]);
+        }
         if let Some(tel) = telemetry {
             tel.record(ids, top2_margin(&r.probs, ids));
         }
