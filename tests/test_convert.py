@@ -306,3 +306,29 @@ def test_the_vision_tower_and_mtp_layer_are_skipped_and_named(tmp_path):
     assert any(p.startswith("model.visual.* (") for p in parts), parts
     assert any(p.startswith("mtp.") for p in parts), parts
     assert colibri.Engine(tmp_path / "vl.colibri").state_bytes()["per_sequence"] > 0
+
+
+def test_gemma4_towers_are_skipped_and_named(tmp_path):
+    out = tmp_path / "g4.colibri"
+    colibri.convert(GOLDEN / "gemma4", out, progress=False)
+    parts = colibri.Engine(out).skipped_parts
+    assert any(p.startswith("model.vision_tower.* (") for p in parts), parts
+    assert any(p.startswith("model.embed_vision.* (") for p in parts), parts
+
+
+@pytest.mark.parametrize(
+    "edit, drop, needle",
+    [
+        (lambda t: t.update(layer_types=t["layer_types"][:4]), None, "layer_types"),
+        (lambda t: t.update(hidden_size_per_layer_input=256), None, "hidden_size_per_layer_input"),
+        (lambda t: t.pop("hidden_size_per_layer_input"), None, "hidden_size_per_layer_input"),
+        (lambda t: t.update(num_kv_shared_layers=2), None, "num_kv_shared_layers"),
+        (None, "model.language_model.layers.3.router.per_expert_scale", "per_expert_scale"),
+        (None, "model.language_model.layers.0.self_attn.v_proj.weight", "v_proj"),
+    ],
+)
+def test_bad_gemma4_checkpoints_are_checkpoint_errors_naming_the_key(tmp_path, edit, drop, needle):
+    src = _hybrid_copy(tmp_path, "gemma4", edit and (lambda c: edit(c["text_config"])), drop)
+    with pytest.raises(colibri.CheckpointError, match=needle):
+        colibri.convert(src, tmp_path / "o.colibri", progress=False)
+    assert not (tmp_path / "o.colibri").exists()

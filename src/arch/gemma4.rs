@@ -52,13 +52,8 @@ use crate::canonical::tensors::{ExpertTensor as X, LayerTensor as L, TensorId};
 use crate::error::{Error, Result};
 
 /// Gemma 4 as the Hub ships it, with vision (and audio) towers.
-pub static GEMMA4: Arch = Arch {
-    hf_class: "Gemma4ForConditionalGeneration",
-    model_type: "gemma4",
-    config,
-    source,
-    ignored: skips_towers,
-};
+pub static GEMMA4: Arch =
+    Arch { hf_class: "Gemma4ForConditionalGeneration", model_type: "gemma4", config, source, ignored: skips_towers };
 
 /// The Gemma 4 language model on its own.
 pub static GEMMA4_TEXT: Arch =
@@ -245,7 +240,12 @@ fn rope(c: &HfConfig, kind: &str, dh: usize, max_pos: usize) -> Result<RopeSpec>
             }
             let angles = (partial * dh as f64 / 2.0).floor() as usize;
             let factor = num("factor").unwrap_or(1.0);
-            Ok(RopeSpec { theta, rotary_dim: dh, scaling: RopeScaling::Proportional { factor, angles }, interleaved: false })
+            Ok(RopeSpec {
+                theta,
+                rotary_dim: dh,
+                scaling: RopeScaling::Proportional { factor, angles },
+                interleaved: false,
+            })
         }
         _ => {
             let one = serde_json::json!({"rope_parameters": p, "max_position_embeddings": max_pos});
@@ -376,9 +376,10 @@ mod tests {
     /// transformers 5.24's `per_layer_config` reads as the Hub's keys do.
     #[test]
     fn per_layer_config_equals_the_hub_keys() {
-        let text = TEXT
-            .replace(r#""num_global_key_value_heads": 1, "#, "")
-            .replace(r#""global_head_dim": 32,"#, r#""per_layer_config": {"5": {"head_dim": 32, "num_key_value_heads": 1}},"#);
+        let text = TEXT.replace(r#""num_global_key_value_heads": 1, "#, "").replace(
+            r#""global_head_dim": 32,"#,
+            r#""per_layer_config": {"5": {"head_dim": 32, "num_key_value_heads": 1}},"#,
+        );
         assert_eq!(config(&hub(&text)).unwrap(), config(&hub(TEXT)).unwrap());
     }
 

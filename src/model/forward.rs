@@ -510,7 +510,8 @@ fn ffn_or_moe(model: &Model, l: usize, s: &mut Workspace, n: usize) -> Result<()
                 routed.router_x = Some(&s.xrt[..n * d]);
             }
             let Some([moe_norm, moe_post, shared_post]) = branch_norms else {
-                let block = MoeBlock { routed, shared: shared.map(|m| mlp(model, m)), shared_gate: model.opt_vec(shared_gate) };
+                let block =
+                    MoeBlock { routed, shared: shared.map(|m| mlp(model, m)), shared_gate: model.opt_vec(shared_gate) };
                 return moe_block(&block, &inp, &mut s.moe, scratch, &mut s.shared[..n * d], proj);
             };
             // Branch norms: the shared expert on the FFN norm's output, the

@@ -35,6 +35,8 @@ pub struct MlpRefs {
 }
 
 /// The feed-forward half of a layer.
+// One per layer, made at load: the MoE variant's size costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Copy, Debug)]
 pub enum FfnRefs {
     /// A dense MLP.
@@ -238,11 +240,9 @@ impl Model {
             let attends = spec.mixer != MixerSpec::Linear;
             let qkv = match cfg.mla() {
                 _ if !attends => QkvRefs::Delta(DeltaRefs::load(cfg.linear.as_ref(), t)?),
-                None => QkvRefs::Gqa {
-                    wq: t(L::Wq)?,
-                    wk: t(L::Wk)?,
-                    wv: opt(!cfg.head_shape(l).values_from_keys, L::Wv)?,
-                },
+                None => {
+                    QkvRefs::Gqa { wq: t(L::Wq)?, wk: t(L::Wk)?, wv: opt(!cfg.head_shape(l).values_from_keys, L::Wv)? }
+                }
                 Some(m) => QkvRefs::Mla {
                     q: match m.q_lora_rank {
                         None => MlaQuery::Direct(t(L::Wq)?),

@@ -434,7 +434,7 @@ fn route_rows(m: &MoeLayer, x: &Input, r: &mut Routes, telemetry: Option<&LayerT
     let logits = &mut r.logits[..n * e_n];
     match m.router_x {
         Some(rx) => router_logits(m, &Input::plain(&rx[..n * d], d), logits), // [T, E]
-        None => router_logits(m, x, logits),                                 // [T, E]
+        None => router_logits(m, x, logits),                                  // [T, E]
     }
     for t in 0..n {
         let ids = &mut r.ids[t * k..(t + 1) * k]; // [K]
