@@ -36,7 +36,8 @@ fn prefill_then_decode_equals_one_full_forward() {
         .into_iter()
         .chain(DType::ALL.map(|dt| (dt, frontier.clone())))
         .chain(DType::ALL.map(|dt| (dt, hybrid.clone())))
-        .chain(DType::ALL.map(|dt| (dt, kda.clone())));
+        .chain(DType::ALL.map(|dt| (dt, kda.clone())))
+        .chain(DType::ALL.map(|dt| (dt, crate::synth::gemma4_config())));
     for (dt, cfg) in cases {
         let (_d, e) = engine_with(&cfg, dt, 2);
         let toks = ids(29);
@@ -102,6 +103,7 @@ fn chunked_prefill_equals_single_pass() {
         (config_for(DType::F32), DType::F32),
         (crate::synth::hybrid_config(), DType::Q8_0),
         (crate::synth::kda_hybrid_config(), DType::F32),
+        (crate::synth::gemma4_config(), DType::Q4_0),
     ];
     for (cfg, dt) in cases {
         let (_d, e) = engine_with(&cfg, dt, 2);
@@ -170,6 +172,7 @@ fn thread_count_does_not_change_a_single_bit() {
         (hybrid.clone(), DType::F32),
         (hybrid, DType::Q4_0),
         (crate::synth::kda_hybrid_config(), DType::Q8_0),
+        (crate::synth::gemma4_config(), DType::Q8_0),
     ];
     for (cfg, dt) in cases {
         let (_a, one) = engine_with(&cfg, dt, 1);
@@ -412,7 +415,8 @@ fn a_batch_of_sequences_gives_each_the_bits_it_gets_alone() {
         .into_iter()
         .chain(DType::ALL.map(|dt| (dt, frontier.clone())))
         .chain(DType::ALL.map(|dt| (dt, hybrid.clone())))
-        .chain(DType::ALL.map(|dt| (dt, kda.clone())));
+        .chain(DType::ALL.map(|dt| (dt, kda.clone())))
+        .chain(DType::ALL.map(|dt| (dt, crate::synth::gemma4_config())));
     for (dt, cfg) in cases {
         let (_d, e) = engine_with(&cfg, dt, 2);
         let m = e.model();
