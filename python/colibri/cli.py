@@ -156,6 +156,10 @@ def _attention(cfg: dict[str, Any]) -> str:
     if windows:
         sliding = sum(1 for layer in cfg["layers"] if layer.get("sliding_window"))
         text += f", sliding window {'/'.join(map(str, windows))} on {sliding} of {len(cfg['layers'])} layers"
+    glob = cfg.get("global_attention")
+    if glob:
+        keys = ", values = keys" if glob.get("values_from_keys") else ""
+        text += f"; full layers {cfg['num_heads']}/{glob['num_kv_heads']} x {glob['head_dim']}{keys}"
     if att.get("sinks"):
         text += ", sinks"
     if att.get("output_gate"):
