@@ -349,6 +349,39 @@ mod tests {
         assert!(cfg.tie_embeddings && cfg.post_norms && cfg.layer_scale);
     }
 
+    /// Gemma-4-26B-A4B's text config (as published: 30 layers, five sliding
+    /// to one full, 128 experts of 704, top-8) maps and validates.
+    #[test]
+    fn the_26b_a4b_config_maps() {
+        let pattern = [r#""sliding_attention""#; 5].join(", ") + r#", "full_attention""#;
+        let text = format!(
+            r#"{{"attention_bias": false, "attention_k_eq_v": true, "enable_moe_block": true,
+            "final_logit_softcapping": 30.0, "global_head_dim": 512, "head_dim": 256,
+            "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2816, "hidden_size_per_layer_input": 0,
+            "intermediate_size": 2112, "layer_types": [{}], "max_position_embeddings": 262144,
+            "model_type": "gemma4_text", "moe_intermediate_size": 704, "num_attention_heads": 16,
+            "num_experts": 128, "num_global_key_value_heads": 2, "num_hidden_layers": 30,
+            "num_key_value_heads": 8, "num_kv_shared_layers": 0, "rms_norm_eps": 1e-06,
+            "rope_parameters": {{"full_attention": {{"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+            "rope_type": "proportional"}}, "sliding_attention": {{"rope_theta": 10000.0, "rope_type": "default"}}}},
+            "sliding_window": 1024, "tie_word_embeddings": true, "top_k_experts": 8,
+            "use_bidirectional_attention": "vision", "use_double_wide_mlp": false, "vocab_size": 262144,
+            "vocab_size_per_layer_input": 262144}}"#,
+            [pattern.as_str(); 5].join(", ")
+        );
+        let cfg = config(&hub(&text)).unwrap();
+        cfg.validate().unwrap();
+        assert_eq!(cfg.layers.iter().filter(|l| l.mixer.window() == Some(1024)).count(), 25);
+        let full = cfg.head_shape(5);
+        assert_eq!((full.head_dim, full.kv_heads, full.values_from_keys), (512, 2, true));
+        assert_eq!(cfg.head_shape(0).head_dim, 256);
+        let g = cfg.global_attention.as_ref().unwrap();
+        assert_eq!((g.rope.rotary_dim, &g.rope.scaling), (512, &RopeScaling::Proportional { factor: 1.0, angles: 64 }));
+        let moe = cfg.moe.as_ref().unwrap();
+        assert_eq!((moe.num_experts, moe.router.top_k, moe.expert_ffn_dim), (128, 8, 704));
+        assert_eq!(moe.shared_expert.as_ref().unwrap().ffn_dim, 2112);
+    }
+
     /// A `layer_types` list of another length names the key.
     #[test]
     fn layer_types_of_the_wrong_length_is_a_checkpoint_error() {
