@@ -957,6 +957,7 @@ class HarmonyParser(OutputParser):
         self, tools: Sequence[Mapping[str, Any]], *, drop: Iterable[str] = (), call_id: Any = new_call_id
     ) -> None:
         super().__init__("harmony", False, "", tools, drop=drop, call_id=call_id)
+        self.think = True  # it reasons, on its analysis channel
         self._state = "header"
         self._header = ""
         self._route = "content"

@@ -22,6 +22,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -32,6 +33,7 @@ from typing import Any, Callable
 
 from ._errors import BusyError, ColibriError, ContextLengthError, InvalidInputError
 from ._sampling import MAX_TOP_LOGPROBS, SamplingParams
+from ._tools import Delta
 
 try:
     from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -180,6 +182,10 @@ def _token_ids(v: Any) -> bool:
     return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
 
 
+def _no_parser() -> None:
+    return None
+
+
 @dataclass
 class Job:
     """What one request asks: its prompts, how many choices each, the options."""
@@ -195,6 +201,8 @@ class Job:
     return_token_ids: bool = False
     #: The field that set the number of tokens, None when it is the default.
     length_field: str | None = None
+    #: Makes each choice's tool-call / reasoning parser (None: plain text).
+    make_parser: Callable[[], Any] = field(default=lambda: _no_parser())
 
 
 def _parse(body: Any, allowed: set[str], chat: bool, engine: Any, model_name: str) -> Job:
@@ -273,10 +281,20 @@ def _parse(body: Any, allowed: set[str], chat: bool, engine: Any, model_name: st
             raise _bad("top_logprobs", "needs logprobs: true")
     else:
         logprobs = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
-    prompts = [_render(body, engine)] if chat else _prompts(body)
+    make_parser: Callable[[], Any] = _no_parser
+    if chat:
+        ids, make_parser = _render(body, engine)
+        prompts: list[Any] = [ids]
+    else:
+        prompts = _prompts(body)
     if len(prompts) * n > MAX_N:
         raise _bad("n", f"{len(prompts)} prompts x n={n} asks {len(prompts) * n} choices; at most {MAX_N}")
     job = Job(prompts, n, stream, include_usage, logprobs, "messages" if chat else "prompt", opts)
+    job.make_parser = make_parser
+    if make_parser() is not None:
+        # Tool-call and reasoning markers can be special tokens: the parser
+        # reads them, and drops the end-of-sequence and padding texts.
+        opts["skip_special_tokens"] = False
     job.return_token_ids = bool(_bool(body, "return_token_ids"))
     job.length_field = length_field
     if not engine.has_tokenizer and not (job.return_token_ids and all(_token_ids(p) for p in prompts)):
@@ -290,27 +308,30 @@ def _parse(body: Any, allowed: set[str], chat: bool, engine: Any, model_name: st
 
 def _no_op_chat_fields(body: Mapping[str, Any]) -> None:
     """Checks the chat fields taken only in their no-op forms: plain text
-    out, no tools. Asking for JSON output or tool calls is a 400 rather than
-    an answer that silently ignores it. ``tool_choice: "auto"`` with no tools
-    means plain text and is taken (OpenAI refuses it; nothing is lost here)."""
+    out. Asking for JSON output is a 400 rather than an answer that silently
+    ignores it (it needs constrained decoding, not built yet)."""
     fmt = body.get("response_format")
     if fmt is not None:
         if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
             raise _bad("response_format", 'must be an object with a type, such as {"type": "text"}')
         if fmt["type"] != "text":
-            raise _bad("response_format", f"type {fmt['type']!r} is not supported; only 'text' is")
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise _bad("tools", "must be a list")
-    if tools:
-        raise _bad("tools", "tool calling is not supported by this server")
-    choice = body.get("tool_choice")
-    if choice is not None and choice not in ("none", "auto"):
-        raise _bad("tool_choice", "only 'none' or 'auto' can be given, as no tools are")
+            raise _bad(
+                "response_format",
+                f"type {fmt['type']!r} needs constrained decoding, which this server does not have yet; "
+                "only 'text' is supported",
+            )
     _bool(body, "parallel_tool_calls")
 
 
-def _render(body: Mapping[str, Any], engine: Any) -> list[int]:
+def _field_error(e: InvalidInputError, default: str) -> APIError:
+    """A 400 naming the field a message starts with (``tools[0].function.name: ...``)."""
+    text = str(e)
+    head = text.split(":", 1)[0]
+    param = head if re.fullmatch(r"[A-Za-z_]+(\[\d+\]|\.[A-Za-z_]+)*", head) else default
+    return APIError(400, text if param != default or head == default else f"{default}: {text}", param=param)
+
+
+def _render(body: Mapping[str, Any], engine: Any) -> tuple[list[int], Callable[[], Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "must be a non-empty list of messages")
@@ -335,11 +356,19 @@ def _render(body: Mapping[str, Any], engine: Any) -> list[int]:
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise _bad("chat_template_kwargs", "must be an object")
+    tools = body.get("tools")
+    if tools == []:
+        tools = None  # what some clients send for none
+    choice = body.get("tool_choice")
+    if choice is not None and not isinstance(choice, (str, dict)):
+        raise _bad("tool_choice", "must be 'none', 'auto', 'required' or a named function")
     try:
-        text = engine.apply_chat_template(messages, chat_template_kwargs=kwargs)
+        text, make_parser = engine._prepare_chat(
+            messages, tools=tools, tool_choice=choice, chat_template_kwargs=kwargs
+        )
     except InvalidInputError as e:
-        raise _bad("messages", str(e)) from e
-    return list(engine.tokenize(text, add_special_tokens=False))
+        raise _field_error(e, "messages") from e
+    return list(engine.tokenize(text, add_special_tokens=False)), make_parser
 
 
 def _prompts(body: Mapping[str, Any]) -> list[Any]:
@@ -380,6 +409,19 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     #: (token id, logprob, top alternatives) per token, when asked for.
     logprobs: list[Any] = field(default_factory=list)
+    #: The stop string or token id that ended it.
+    stop_reason: str | int | None = None
+    #: Splits the text into answer, reasoning and tool calls (None: plain text).
+    parser: Any = None
+    reasoning: str = ""
+    tool_calls: list[Any] = field(default_factory=list)
+
+    @property
+    def finish(self) -> str | None:
+        """OpenAI's finish_reason: ``tool_calls`` when the model ended after calling."""
+        if self.tool_calls and self.finish_reason == "stop":
+            return "tool_calls"
+        return self.finish_reason
 
 
 class _Run:
@@ -445,7 +487,12 @@ class _Run:
                     )
                     self.streams.append(stream)
                     self.choices.append(
-                        _Choice(index=k * job.n + j, prompt_tokens=len(p), recent=list(p[-_LOGPROB_CONTEXT:]))
+                        _Choice(
+                            index=k * job.n + j,
+                            prompt_tokens=len(p),
+                            recent=list(p[-_LOGPROB_CONTEXT:]),
+                            parser=job.make_parser(),
+                        )
                     )
         except BusyError as e:
             self.cancel()
@@ -485,16 +532,27 @@ class _Run:
                 lps = stream.logprobs_from(sent) if want_lps else None
                 sent += len(lps or ())
                 text = piece if isinstance(piece, str) else ""
+                out: Any = text if choice.parser is None else choice.parser.feed(text)
                 if self.job.stream:
-                    put(self.queue.put_nowait, (choice.index, text, lps))
+                    if out or lps or choice.parser is None:
+                        put(self.queue.put_nowait, (choice.index, out, lps))
                 else:
                     # Nobody waits for the pieces: the loop is woken once, at
                     # the end (every wake-up takes a core from the compute).
-                    choice.text += text
+                    if choice.parser is None:
+                        choice.text += text
                     choice.logprobs.extend(lps or ())
             choice.token_ids = stream.token_ids
             choice.tokens = len(choice.token_ids)
             choice.finish_reason = stream.finish_reason
+            choice.stop_reason = stream.stop_reason
+            if choice.parser is not None:
+                last = choice.parser.finish()
+                if self.job.stream and last:
+                    put(self.queue.put_nowait, (choice.index, last, None))
+                choice.text = choice.parser.content
+                choice.reasoning = choice.parser.reasoning
+                choice.tool_calls = choice.parser.tool_calls
             # The last tokens may have brought no text (a stop id).
             rest = stream.logprobs_from(sent) if want_lps else None
             if not self.job.stream:
@@ -957,12 +1015,18 @@ async def _whole(run: _Run, chat: bool, model: str, request: Request) -> dict[st
     choices = []
     for c in run.choices:
         if chat:
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            if c.parser is not None and c.parser.think:
+                message["reasoning_content"] = c.reasoning or None
+            if c.tool_calls:
+                message["content"] = c.text or None
+                message["tool_calls"] = [t.to_openai() for t in c.tool_calls]
             choices.append(
                 {
                     "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": message,
                     "logprobs": None if want_lps is None else run.chat_logprobs(c, c.logprobs),
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": c.finish,
                 }
             )
         else:
@@ -1000,7 +1064,7 @@ async def _sse(run: _Run, chat: bool, model: str, request: Request) -> AsyncIter
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     def choice(
-        c: _Choice, text: str | None, finish: str | None, lps: list[Any] | None = None, role: bool = False
+        c: _Choice, text: Any, finish: str | None, lps: list[Any] | None = None, role: bool = False
     ) -> dict[str, Any]:
         logprobs: dict[str, Any] | None = None
         if run.job.logprobs is not None and not role:
@@ -1010,7 +1074,9 @@ async def _sse(run: _Run, chat: bool, model: str, request: Request) -> AsyncIter
                 logprobs = run.completion_logprobs(c, lps or [])
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-            if text is not None:
+            if isinstance(text, Delta):
+                delta.update(_openai_delta(text))
+            elif text is not None:
                 delta["content"] = text
             return {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return {"index": c.index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
@@ -1030,7 +1096,7 @@ async def _sse(run: _Run, chat: bool, model: str, request: Request) -> AsyncIter
                     if await request.is_disconnected():
                         return
                 if piece is None:
-                    yield chunk([choice(c, None if chat else "", c.finish_reason, lps)])
+                    yield chunk([choice(c, None if chat else "", c.finish, lps)])
                 else:
                     yield chunk([choice(c, piece, None, lps)])
         except APIError as err:
@@ -1051,6 +1117,33 @@ async def _sse(run: _Run, chat: bool, model: str, request: Request) -> AsyncIter
         # Finished, or the client went away (the response task is cancelled
         # and this runs): nothing more is computed for it.
         run.cancel()
+
+
+def _openai_delta(d: Delta) -> dict[str, Any]:
+    """A parser's delta as OpenAI's chat chunk delta: content,
+    reasoning_content, and tool_calls (index, id, type and name once, then
+    argument fragments)."""
+    out: dict[str, Any] = {}
+    if d.content:
+        out["content"] = d.content
+    if d.reasoning:
+        out["reasoning_content"] = d.reasoning
+    calls = []
+    for c in d.calls:
+        if c.id is not None:
+            calls.append(
+                {
+                    "index": c.index,
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+            )
+        else:
+            calls.append({"index": c.index, "function": {"arguments": c.arguments}})
+    if calls:
+        out["tool_calls"] = calls
+    return out
 
 
 def serve(
