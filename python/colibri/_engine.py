@@ -34,7 +34,7 @@ from ._generation import Completion, Result, Stream, TokenCompletion
 from ._sampling import SamplingOptions, SamplingParams, _as_ids, _is_int, _is_number, sampling_params
 from ._stats import BatchStats, Plan, RoutingStats, StoreStats
 from ._text import ChatTemplate, TextCodec, check_messages, template_from_metadata
-from ._tools import OutputParser, check_tools, detect, parser_for, prepare_messages
+from ._tools import OutputParser, check_tools, detect, new_call_id, parser_for, prepare_messages
 
 TokenIds = Union[Sequence[int], "np.ndarray"]
 PathLike = Union[str, "os.PathLike[str]"]
@@ -890,6 +890,7 @@ class Engine:
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: str | Mapping[str, Any] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        call_id: Any = None,
     ) -> tuple[str, Any]:
         """The rendered prompt of a chat and a function making a fresh
         :class:`~colibri._tools.OutputParser` for each generation from it
@@ -923,7 +924,7 @@ class Engine:
         drop = list(self._text().special_tokens.values()) if self.has_tokenizer else []
 
         def make_parser() -> OutputParser | None:
-            return parser_for(template, text, tools=shown, drop=drop)
+            return parser_for(template, text, tools=shown, drop=drop, call_id=call_id or new_call_id)
 
         return text, make_parser
 

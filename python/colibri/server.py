@@ -2,7 +2,12 @@
 
 ``colibri serve MODEL`` (or :func:`serve`) answers ``/v1/chat/completions``,
 ``/v1/completions`` (both streaming as server-sent events or not),
-``/v1/models``, ``/health`` and ``/metrics`` (Prometheus text). Every request
+Anthropic's ``/v1/messages`` and ``/v1/messages/count_tokens``,
+``/v1/models``, ``/health`` and ``/metrics`` (Prometheus text). Chat requests
+take ``tools``: they are rendered through the model's chat template and the
+calls the model writes in its family's syntax come back as ``tool_calls``
+(``tool_use`` blocks), its reasoning as ``reasoning_content`` (``thinking``
+blocks); see :mod:`colibri._tools` and :mod:`colibri._anthropic`. Every request
 becomes one or more generations on the engine's scheduler, so concurrent
 clients share steps: the weights are read once per step for all of them.
 
@@ -31,6 +36,7 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from . import _anthropic
 from ._errors import BusyError, ColibriError, ContextLengthError, InvalidInputError
 from ._sampling import MAX_TOP_LOGPROBS, SamplingParams
 from ._tools import Delta
@@ -201,11 +207,15 @@ class Job:
     return_token_ids: bool = False
     #: The field that set the number of tokens, None when it is the default.
     length_field: str | None = None
+    #: False: only the first tool call a choice makes is kept (``parallel_tool_calls``).
+    parallel_calls: bool = True
     #: Makes each choice's tool-call / reasoning parser (None: plain text).
     make_parser: Callable[[], Any] = field(default=lambda: _no_parser())
 
 
-def _parse(body: Any, allowed: set[str], chat: bool, engine: Any, model_name: str) -> Job:
+def _parse(
+    body: Any, allowed: set[str], chat: bool, engine: Any, model_name: str, call_id: Any = None
+) -> Job:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     unknown = sorted(set(body) - allowed)
@@ -283,7 +293,7 @@ def _parse(body: Any, allowed: set[str], chat: bool, engine: Any, model_name: st
         logprobs = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     make_parser: Callable[[], Any] = _no_parser
     if chat:
-        ids, make_parser = _render(body, engine)
+        ids, make_parser = _render(body, engine, call_id)
         prompts: list[Any] = [ids]
     else:
         prompts = _prompts(body)
@@ -291,6 +301,7 @@ def _parse(body: Any, allowed: set[str], chat: bool, engine: Any, model_name: st
         raise _bad("n", f"{len(prompts)} prompts x n={n} asks {len(prompts) * n} choices; at most {MAX_N}")
     job = Job(prompts, n, stream, include_usage, logprobs, "messages" if chat else "prompt", opts)
     job.make_parser = make_parser
+    job.parallel_calls = _bool(body, "parallel_tool_calls") is not False
     if make_parser() is not None:
         # Tool-call and reasoning markers can be special tokens: the parser
         # reads them, and drops the end-of-sequence and padding texts.
@@ -331,7 +342,7 @@ def _field_error(e: InvalidInputError, default: str) -> APIError:
     return APIError(400, text if param != default or head == default else f"{default}: {text}", param=param)
 
 
-def _render(body: Mapping[str, Any], engine: Any) -> tuple[list[int], Callable[[], Any]]:
+def _render(body: Mapping[str, Any], engine: Any, call_id: Any = None) -> tuple[list[int], Callable[[], Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "must be a non-empty list of messages")
@@ -364,7 +375,7 @@ def _render(body: Mapping[str, Any], engine: Any) -> tuple[list[int], Callable[[
         raise _bad("tool_choice", "must be 'none', 'auto', 'required' or a named function")
     try:
         text, make_parser = engine._prepare_chat(
-            messages, tools=tools, tool_choice=choice, chat_template_kwargs=kwargs
+            messages, tools=tools, tool_choice=choice, chat_template_kwargs=kwargs, call_id=call_id
         )
     except InvalidInputError as e:
         raise _field_error(e, "messages") from e
@@ -532,7 +543,7 @@ class _Run:
                 lps = stream.logprobs_from(sent) if want_lps else None
                 sent += len(lps or ())
                 text = piece if isinstance(piece, str) else ""
-                out: Any = text if choice.parser is None else choice.parser.feed(text)
+                out: Any = text if choice.parser is None else self._calls_kept(choice.parser.feed(text))
                 if self.job.stream:
                     if out or lps or choice.parser is None:
                         put(self.queue.put_nowait, (choice.index, out, lps))
@@ -547,12 +558,12 @@ class _Run:
             choice.finish_reason = stream.finish_reason
             choice.stop_reason = stream.stop_reason
             if choice.parser is not None:
-                last = choice.parser.finish()
+                last = self._calls_kept(choice.parser.finish())
                 if self.job.stream and last:
                     put(self.queue.put_nowait, (choice.index, last, None))
                 choice.text = choice.parser.content
                 choice.reasoning = choice.parser.reasoning
-                choice.tool_calls = choice.parser.tool_calls
+                choice.tool_calls = choice.parser.tool_calls[: None if self.job.parallel_calls else 1]
             # The last tokens may have brought no text (a stop id).
             rest = stream.logprobs_from(sent) if want_lps else None
             if not self.job.stream:
@@ -561,6 +572,11 @@ class _Run:
             put(self.queue.put_nowait, (choice.index, None, rest))
         except BaseException as e:  # delivered to the request, never lost in a thread
             put(self.queue.put_nowait, (choice.index, e, None))
+
+    def _calls_kept(self, d: Delta) -> Delta:
+        if not self.job.parallel_calls:
+            d.calls = [c for c in d.calls if c.index == 0]
+        return d
 
     def cancel(self) -> None:
         for s in self.streams:
@@ -846,7 +862,7 @@ def create_app(
         if api_key is None:
             return
         got = request.headers.get("authorization", "")
-        token = got[7:] if got.lower().startswith("bearer ") else ""
+        token = got[7:] if got.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
         if not hmac.compare_digest(token.encode(), api_key.encode()):
             raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
 
@@ -900,6 +916,76 @@ def create_app(
                 metrics.requests.labels(kind, str(status)).inc()
 
         return handle
+
+    async def messages(request: Request) -> Response:
+        status = 200
+        try:
+            check_key(request)
+            e = ready()
+            body = await body_of(request)
+            try:
+                chat = _anthropic.to_chat(body)
+            except _anthropic.MessagesError as err:
+                raise APIError(400, str(err)) from err
+            job = await asyncio.to_thread(_parse, chat, _CHAT, True, e, served_name(), _anthropic.tool_use_id)
+            # max_tokens is an upper bound here: the context ends a longer one.
+            job.length_field = None
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue[tuple[int, Any, Any]] = asyncio.Queue()
+            run = await asyncio.to_thread(_Run, e, job, loop, queue, metrics)
+            if job.stream:
+                return StreamingResponse(
+                    _anthropic_sse(run, served_name(), request),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache"},
+                )
+
+            async def collect() -> None:
+                async for _ in run.events():
+                    pass
+
+            await _until_done_or_gone(run, request, collect())
+            c = run.choices[0]
+            return JSONResponse(
+                _anthropic.message_body(
+                    model=served_name(),
+                    text=c.text,
+                    reasoning=c.reasoning,
+                    calls=c.tool_calls,
+                    finish=c.finish,
+                    stop=c.stop_reason,
+                    usage=run.usage(),
+                )
+            )
+        except APIError as err:
+            status = err.status
+            return JSONResponse(
+                _anthropic.error_body(err.status, err.message), status_code=err.status, headers=err.headers
+            )
+        except Exception as err:  # a bug: answered, logged, the server goes on
+            status = 500
+            logging.getLogger("colibri.server").exception("request failed")
+            return JSONResponse(
+                _anthropic.error_body(500, f"internal error: {type(err).__name__}: {err}"), status_code=500
+            )
+        finally:
+            metrics.requests.labels("messages", str(status)).inc()
+
+    async def count_tokens(request: Request) -> Response:
+        try:
+            check_key(request)
+            e = ready()
+            body = await body_of(request)
+            try:
+                chat = _anthropic.to_chat(body, counting=True)
+            except _anthropic.MessagesError as err:
+                raise APIError(400, str(err)) from err
+            ids, _ = await asyncio.to_thread(_render, chat, e)
+            return JSONResponse({"input_tokens": len(ids)})
+        except APIError as err:
+            return JSONResponse(
+                _anthropic.error_body(err.status, err.message), status_code=err.status, headers=err.headers
+            )
 
     async def models(request: Request) -> Response:
         try:
@@ -968,6 +1054,8 @@ def create_app(
     routes = [
         Route("/v1/chat/completions", endpoint("chat"), methods=["POST"]),
         Route("/v1/completions", endpoint("completion"), methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
@@ -1116,6 +1204,35 @@ async def _sse(run: _Run, chat: bool, model: str, request: Request) -> AsyncIter
     finally:
         # Finished, or the client went away (the response task is cancelled
         # and this runs): nothing more is computed for it.
+        run.cancel()
+
+
+async def _anthropic_sse(run: _Run, model: str, request: Request) -> AsyncIterator[str]:
+    """Anthropic's event stream for a one-choice run."""
+    c = run.choices[0]
+    events = _anthropic.Events(model, c.prompt_tokens)
+    try:
+        yield events.start()
+        try:
+            checked = time.perf_counter()
+            async for _, piece, _ in run.events():
+                now = time.perf_counter()
+                if now - checked > 0.02:
+                    checked = now
+                    if await request.is_disconnected():
+                        return
+                if piece is None:
+                    continue
+                for ev in events.delta(piece if isinstance(piece, Delta) else Delta(content=piece)):
+                    yield ev
+        except APIError as err:
+            yield _anthropic.event(
+                "error", {"error": _anthropic.error_body(err.status, err.message)["error"]}
+            )
+            return
+        for ev in events.stop(c.finish, c.stop_reason, c.tokens):
+            yield ev
+    finally:
         run.cancel()
 
 
