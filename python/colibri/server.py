@@ -558,9 +558,9 @@ class _Run:
             choice.finish_reason = stream.finish_reason
             choice.stop_reason = stream.stop_reason
             if choice.parser is not None:
-                last = self._calls_kept(choice.parser.finish())
-                if self.job.stream and last:
-                    put(self.queue.put_nowait, (choice.index, last, None))
+                held = self._calls_kept(choice.parser.finish())
+                if self.job.stream and held:
+                    put(self.queue.put_nowait, (choice.index, held, None))
                 choice.text = choice.parser.content
                 choice.reasoning = choice.parser.reasoning
                 choice.tool_calls = choice.parser.tool_calls[: None if self.job.parallel_calls else 1]
