@@ -343,6 +343,12 @@ def test_anthropic_plain_text_whole_and_streamed(plain_url, demo):
     assert r.content[0].text == str(sys_want)
     if sys_want.stop_reason == " the":
         assert (r.stop_reason, r.stop_sequence) == ("stop_sequence", " the")
+    # max_tokens is an upper bound: the context ends a longer generation.
+    r = c.messages.create(model="claude-any", max_tokens=100_000, messages=USER, **greedy)
+    long = demo.chat(USER, temperature=0, max_new_tokens=100_000)
+    assert long.finish_reason == "length", "the demo model's greedy reply ended before the context"
+    assert r.stop_reason == "model_context_window_exceeded" and r.content[0].text == str(long)
+    assert r.usage.input_tokens + r.usage.output_tokens == demo.context_length
     # count_tokens: the rendered prompt's tokens.
     n = c.messages.count_tokens(model="claude-any", messages=USER).input_tokens
     assert n == len(demo.tokenize(demo.apply_chat_template(USER), add_special_tokens=False))

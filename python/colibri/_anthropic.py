@@ -282,9 +282,12 @@ def _input(call: ToolCall) -> Any:
 
 
 def stop_reason(finish: str | None, stop: Any) -> tuple[str, str | None]:
-    """Anthropic's stop_reason and stop_sequence."""
+    """Anthropic's stop_reason and stop_sequence. The server passes
+    ``"context"`` for a generation the context ended before ``max_tokens``."""
     if finish == "stop" and isinstance(stop, str):
         return "stop_sequence", stop
+    if finish == "context":
+        return "model_context_window_exceeded", None
     return STOP_REASONS.get(finish or "stop", "end_turn"), None
 
 

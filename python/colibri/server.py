@@ -952,7 +952,7 @@ def create_app(
                     text=c.text,
                     reasoning=c.reasoning,
                     calls=c.tool_calls,
-                    finish=c.finish,
+                    finish=_anthropic_finish(run, c),
                     stop=c.stop_reason,
                     usage=run.usage(),
                 )
@@ -1207,6 +1207,13 @@ async def _sse(run: _Run, chat: bool, model: str, request: Request) -> AsyncIter
         run.cancel()
 
 
+def _anthropic_finish(run: _Run, c: _Choice) -> str | None:
+    """The finish reason, ``context`` when the context ended it before max_tokens."""
+    if c.finish == "length" and c.tokens < run.job.options["max_new_tokens"]:
+        return "context"
+    return c.finish
+
+
 async def _anthropic_sse(run: _Run, model: str, request: Request) -> AsyncIterator[str]:
     """Anthropic's event stream for a one-choice run."""
     c = run.choices[0]
@@ -1230,7 +1237,7 @@ async def _anthropic_sse(run: _Run, model: str, request: Request) -> AsyncIterat
                 "error", {"error": _anthropic.error_body(err.status, err.message)["error"]}
             )
             return
-        for ev in events.stop(c.finish, c.stop_reason, c.tokens):
+        for ev in events.stop(_anthropic_finish(run, c), c.stop_reason, c.tokens):
             yield ev
     finally:
         run.cancel()
