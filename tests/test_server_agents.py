@@ -444,3 +444,81 @@ def test_anthropic_x_api_key_and_bearer(demo):
         # x-api-key opens the OpenAI side too.
         r = httpx.post(u + "/v1/chat/completions", json=body, headers={"x-api-key": "sesame"}, timeout=30)
         assert r.status_code == 200
+
+
+class _Native:
+    """Token ids played back as the native generation gives them (ending on an end-of-sequence id)."""
+
+    def __init__(self, ids: list[int], eos: int) -> None:
+        self._ids, self._eos = ids, eos
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+
+    def __iter__(self) -> Iterator[int]:
+        for t in self._ids:
+            self.token_ids.append(t)
+            yield t
+        self.finish_reason = "stop"
+        self.token_ids.append(self._eos)
+        yield self._eos
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def cancel(self) -> None:
+        pass
+
+    def timings(self) -> tuple[int, int, float, float]:
+        return (0, len(self.token_ids), 0.0, 0.0)
+
+    def logprobs(self, start: int) -> list[Any]:
+        return []
+
+
+def test_markers_that_are_special_tokens_reach_the_parser(demo):
+    """Through the real Stream and detokenizer: with the markers as special
+    tokens (as GPT-OSS's and Kimi's are), chat() decodes keeping them and
+    drops only the end-of-sequence text; skipped, the call would be lost."""
+    from tokenizers import AddedToken, Tokenizer
+
+    from colibri._generation import Stream
+    from colibri._text import TextCodec
+
+    tok = Tokenizer.from_str(demo._text().tokenizer.to_str())
+    markers = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<|im_end|>"]
+    tok.add_special_tokens([AddedToken(m, special=True, normalized=False) for m in markers])
+    codec = TextCodec(tok.to_str(), {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
+    eos = codec.tokenizer.token_to_id("<|im_end|>")
+    script = CALL_TURN + "<|endoftext|>"
+
+    class Special(Scripted):
+        def _text(self) -> TextCodec:
+            return codec
+
+        def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+            return codec.encode(text, add_special_tokens)
+
+        def _start(self, prompt, params, *, add_special_tokens, text_out=False) -> Stream[Any]:
+            self.params.append(params)
+            ids = codec.encode(script, add_special_tokens=False)
+            assert codec.tokenizer.token_to_id("<tool_call>") in ids
+            return Stream(
+                _Native(ids, eos),
+                codec=codec,
+                text_mode=True,
+                stop=list(params.stop),
+                skip_special_tokens=params.skip_special_tokens,
+                context=codec.encode(prompt, add_special_tokens=False),
+            )
+
+    engine = Special(demo)
+    r = engine.chat(USER, tools=OPENAI_TOOLS, max_new_tokens=100)
+    assert engine.params[-1].skip_special_tokens is False
+    assert str(r) == "Let me check." and r.reasoning_content == "The user wants the weather in Paris."
+    assert [(t.name, json.loads(t.arguments)) for t in r.tool_calls] == [
+        ("get_weather", {"location": "Paris", "days": 2})
+    ]
+    # What skipping them would have given: no markers, so no call to find.
+    ids = codec.encode(script, add_special_tokens=False)
+    assert "<tool_call>" not in codec.decode(ids, skip_special_tokens=True)
