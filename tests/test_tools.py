@@ -312,3 +312,47 @@ def test_tools_and_tool_messages_are_checked():
     bad = {**call, "function": {"name": "f", "arguments": "{not json"}}
     with pytest.raises(InvalidInputError, match=r"arguments: is not valid JSON"):
         prepare_messages([{"role": "assistant", "tool_calls": [bad]}])
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "calls"),
+    [
+        # GLM-4.7 and 5 write the parts without newlines.
+        (
+            "glm-4.6.jinja",
+            "<tool_call>get_weather<arg_key>location</arg_key><arg_value>Paris</arg_value>"
+            "<arg_key>days</arg_key><arg_value>2</arg_value></tool_call>",
+            [("get_weather", {"location": "Paris", "days": 2})],
+        ),
+        # Qwen3-Coder models sometimes leave </parameter> out.
+        (
+            "qwen3.5.jinja",
+            "<tool_call>\n<function=get_weather>\n<parameter=location>\nParis\n<parameter=days>\n2\n"
+            "</function>\n</tool_call>",
+            [("get_weather", {"location": "Paris", "days": 2})],
+        ),
+        # A call without parameters.
+        ("qwen3.5.jinja", "<tool_call>\n<function=search>\n</function>\n</tool_call>", [("search", {})]),
+        # Hermes JSON with the arguments first: read whole at its end.
+        (
+            "qwen3.jinja",
+            '<tool_call>\n{"arguments": {"query": "x"}, "name": "search"}\n</tool_call>',
+            [("search", {"query": "x"})],
+        ),
+        # MiniMax with an unquoted name, a value typed as an object.
+        (
+            "minimax-m2.jinja",
+            '<minimax:tool_call>\n<invoke name=search>\n<parameter name="filters">{"n": 1}</parameter>\n'
+            "</invoke>\n</minimax:tool_call>",
+            [("search", {"filters": {"n": 1}})],
+        ),
+    ],
+)
+def test_variants_the_models_write(name, text, calls):
+    source = (TEMPLATES / name).read_text(encoding="utf-8")
+    for size in (len(text), 1, 4):
+        p = parser_for(source, "<think>\n\n</think>\n\n", tools=TOOLS)
+        assert p is not None
+        whole, deltas = run(p, text, size)
+        assert whole.content == "" and whole.reasoning == ""
+        check_calls(p, deltas, calls)

@@ -465,16 +465,6 @@ class _Body:
     def step(self) -> bool:
         raise NotImplementedError
 
-    def _take(self, marker: str) -> str | None:
-        """The text before ``marker`` (consumed with it), or None if not here yet."""
-        i = self.buf.find(marker)
-        if i < 0:
-            return None
-        out = self.buf[:i]
-        self.raw += self.buf[: i + len(marker)]
-        self.buf = self.buf[i + len(marker) :]
-        return out
-
     def _close(self) -> bool:
         """Reads the section's end if it is next; True when read."""
         s = self.buf.lstrip()
