@@ -9,11 +9,13 @@
 //! else in the crate matches on the architecture.
 
 mod deepseek;
+mod ernie4_5_moe;
 mod gemma4;
 mod glm4_moe;
 mod gpt_oss;
 mod granitemoe;
 mod kimi_linear;
+mod minimax_m2;
 mod mixtral;
 mod olmoe;
 mod phimoe;
@@ -165,6 +167,8 @@ pub static REGISTRY: &[&Arch] = &[
     &qwen3_next::QWEN3_5,
     &qwen3_next::QWEN3_5_VL,
     &kimi_linear::ARCH,
+    &minimax_m2::ARCH,
+    &ernie4_5_moe::ARCH,
     &gemma4::GEMMA4,
     &gemma4::GEMMA4_TEXT,
 ];

@@ -369,6 +369,11 @@ pub struct RouterSpec {
     pub score: RouterScore,
     /// Divide the K chosen weights by their sum.
     pub renormalize: bool,
+    /// With `renormalize`, the divisor is at least this: the weights are
+    /// divided by `max(sum, floor)` (ERNIE-4.5's `moe_norm_min`); 0 divides
+    /// by the sum itself.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub renormalize_floor: f32,
     /// Multiply the final weights by this (1.0 for most models).
     pub scale: f32,
     /// The router projection carries a bias.
@@ -658,6 +663,7 @@ impl Default for RouterSpec {
             top_k: 1,
             score: RouterScore::Softmax,
             renormalize: false,
+            renormalize_floor: 0.0,
             scale: 1.0,
             bias: false,
             correction_bias: false,
@@ -939,6 +945,10 @@ impl ModelConfig {
                         && !c.is_finite()
                     {
                         return bad(format!("router input scale {c} must be finite"));
+                    }
+                    let floor = moe.router.renormalize_floor;
+                    if !(floor.is_finite() && floor >= 0.0) {
+                        return bad(format!("MoE router renormalisation floor {floor} must be finite and >= 0"));
                     }
                     if let Some(g) = moe.router.groups
                         && (g.groups == 0
