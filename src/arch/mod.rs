@@ -9,7 +9,9 @@
 //! else in the crate matches on the architecture.
 
 mod deepseek;
+mod dots1;
 mod glm4_moe;
+mod glm4_moe_lite;
 mod gpt_oss;
 mod granitemoe;
 mod kimi_linear;
@@ -158,6 +160,8 @@ pub static REGISTRY: &[&Arch] = &[
     &deepseek::V3,
     &gpt_oss::ARCH,
     &glm4_moe::ARCH,
+    &glm4_moe_lite::ARCH,
+    &dots1::ARCH,
     &granitemoe::ARCH,
     &phimoe::ARCH,
     &qwen3_next::NEXT,
