@@ -30,8 +30,10 @@
 //!   are read too;
 //! - nested in `Mistral3ForConditionalGeneration`, the language model's config
 //!   is `text_config` (whose `model_type` must be `mistral4`) and its tensors
-//!   live under `model.language_model.` (or the older `language_model.model.`),
-//!   `lm_head.weight` at the root (or `language_model.lm_head.weight`); whether
+//!   live under `language_model.model.`, the head at
+//!   `language_model.lm_head.weight` (the names transformers writes for this
+//!   class; those it holds in memory, `model.language_model.` and a root
+//!   `lm_head.weight`, are read too); whether
 //!   the head is tied is the top level's `tie_word_embeddings`, which
 //!   transformers defaults to true there. colibri converts the language model
 //!   and runs text only: the vision tower and the multimodal projector are
@@ -165,17 +167,17 @@ fn source(hf: &HfConfig, cfg: &ModelConfig, id: TensorId) -> Source {
     if nested(hf) { nest(primary) } else { primary }
 }
 
-/// The nested names of a source and its fallbacks: `model.language_model.X`
-/// (transformers 5), else `language_model.model.X` (older Mistral 3 files);
-/// the head `lm_head.weight`, else `language_model.lm_head.weight`.
+/// The nested names of a source and its fallbacks: `language_model.model.X`
+/// and `language_model.lm_head.weight` as transformers saves the class, else
+/// the in-memory `model.language_model.X` and `lm_head.weight`.
 fn nest(s: Source) -> Source {
-    let (new, old) = match s.name.strip_prefix("model.") {
-        Some(rest) => (format!("model.language_model.{rest}"), format!("language_model.model.{rest}")),
-        None => (s.name.clone(), format!("language_model.{}", s.name)),
+    let (saved, held) = match s.name.strip_prefix("model.") {
+        Some(rest) => (format!("language_model.model.{rest}"), format!("model.language_model.{rest}")),
+        None => (format!("language_model.{}", s.name), s.name.clone()),
     };
     let otherwise = s.otherwise.clone().map(|alt| Box::new(nest(*alt)));
-    let first = Source { name: new, otherwise: None, ..s.clone() };
-    let second = Source { name: old, otherwise, ..s };
+    let first = Source { name: saved, otherwise: None, ..s.clone() };
+    let second = Source { name: held, otherwise, ..s };
     first.or(second)
 }
 
@@ -263,20 +265,20 @@ mod tests {
             }
             out
         };
-        assert_eq!(names(source(&hf, &cfg, TensorId::LmHead)), ["lm_head.weight", "language_model.lm_head.weight"]);
+        assert_eq!(names(source(&hf, &cfg, TensorId::LmHead)), ["language_model.lm_head.weight", "lm_head.weight"]);
         let gate = names(source(&hf, &cfg, TensorId::Expert(1, 3, X::Gate)));
         assert_eq!(
             gate,
             [
-                "model.language_model.layers.1.mlp.experts.gate_up_proj",
                 "language_model.model.layers.1.mlp.experts.gate_up_proj",
-                "model.language_model.layers.1.mlp.experts.3.gate_proj.weight",
+                "model.language_model.layers.1.mlp.experts.gate_up_proj",
                 "language_model.model.layers.1.mlp.experts.3.gate_proj.weight",
+                "model.language_model.layers.1.mlp.experts.3.gate_proj.weight",
             ]
         );
         assert!(skips_vision(&hf, "model.vision_tower.patch_conv.weight"));
         assert!(skips_vision(&hf, "multi_modal_projector.linear_1.weight"));
-        assert!(!skips_vision(&hf, "model.language_model.norm.weight"));
+        assert!(!skips_vision(&hf, "language_model.model.norm.weight"));
         assert!(!skips_vision(&hf, "lm_head.weight"));
     }
 }
