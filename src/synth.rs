@@ -100,6 +100,7 @@ pub fn frontier_config() -> ModelConfig {
                 top_k: 3,
                 score: RouterScore::Sigmoid,
                 renormalize: true,
+                renormalize_floor: 0.0,
                 scale: 2.5,
                 bias: true,
                 correction_bias: true,

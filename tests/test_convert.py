@@ -322,3 +322,90 @@ def test_mistral4_without_its_attention_temperature_is_refused_by_name(tmp_path,
     with pytest.raises(colibri.CheckpointError, match=key):
         colibri.convert(src, tmp_path / "o.colibri", progress=False)
     assert not (tmp_path / "o.colibri").exists()
+
+
+# ---------------------------------------------------------------------------
+# MiniMax-M2 and ERNIE-4.5 MoE: Hub keys the engine cannot honour, missing tensors, MTP tensors
+
+
+@pytest.mark.parametrize(
+    "case, edit, drop, error, needle",
+    [
+        (
+            "minimax_m2",
+            lambda c: c.update(qk_norm_type="per_head"),
+            None,
+            colibri.UnsupportedModelError,
+            "qk_norm_type",
+        ),
+        (
+            "minimax_m2",
+            lambda c: c.update(scoring_func="softmax"),
+            None,
+            colibri.UnsupportedModelError,
+            "scoring_func",
+        ),
+        (
+            "minimax_m2",
+            None,
+            "model.layers.1.block_sparse_moe.e_score_correction_bias",
+            colibri.CheckpointError,
+            "block_sparse_moe.e_score_correction_bias",
+        ),
+        (
+            "minimax_m2",
+            None,
+            "model.layers.2.self_attn.k_norm.weight",
+            colibri.CheckpointError,
+            "self_attn.k_norm",
+        ),
+        ("ernie4_5_moe", lambda c: c.update(use_bias=True), None, colibri.UnsupportedModelError, "use_bias"),
+        (
+            "ernie4_5_moe",
+            lambda c: c.update(moe_layer_interval=0),
+            None,
+            colibri.CheckpointError,
+            "moe_layer_interval",
+        ),
+        (
+            "ernie4_5_moe",
+            None,
+            "model.layers.5.mlp.moe_statics.e_score_correction_bias",
+            colibri.CheckpointError,
+            "moe_statics.e_score_correction_bias",
+        ),
+        # One more MoE layer than the checkpoint has.
+        (
+            "ernie4_5_moe",
+            lambda c: c.update(moe_layer_end_index=7),
+            None,
+            colibri.CheckpointError,
+            "layers.7.mlp",
+        ),
+    ],
+)
+def test_bad_minimax_and_ernie_checkpoints_name_the_key(tmp_path, case, edit, drop, error, needle):
+    src = _hybrid_copy(tmp_path, case, edit, drop)
+    with pytest.raises(error, match=needle):
+        colibri.convert(src, tmp_path / "o.colibri", progress=False)
+    assert not (tmp_path / "o.colibri").exists()
+
+
+@pytest.mark.parametrize(
+    "case, extra",
+    [
+        ("minimax_m2", "model.layers.3.block_sparse_moe.gate.weight"),  # an MTP layer past the last
+        ("ernie4_5_moe", "mtp_emb_norm.0.weight"),  # transformers drops every key containing "mtp"
+    ],
+)
+def test_mtp_tensors_are_skipped_and_named(tmp_path, case, extra):
+    from conftest import load_tensors, write_safetensors
+
+    src = _hybrid_copy(tmp_path, case)
+    tensors = load_tensors(src)
+    tensors[extra] = ("F32", [4], bytes(16))
+    write_safetensors(src / "model.safetensors", tensors)
+    out = tmp_path / "o.colibri"
+    colibri.convert(src, out, progress=False)
+    prefix = ".".join(extra.split(".")[:2])
+    assert any(p.startswith(prefix + ".* (") for p in colibri.Engine(out).skipped_parts)

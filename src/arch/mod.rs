@@ -10,11 +10,13 @@
 
 mod deepseek;
 mod dots1;
+mod ernie4_5_moe;
 mod glm4_moe;
 mod glm4_moe_lite;
 mod gpt_oss;
 mod granitemoe;
 mod kimi_linear;
+mod minimax_m2;
 mod mistral4;
 mod mixtral;
 mod olmoe;
@@ -171,6 +173,8 @@ pub static REGISTRY: &[&Arch] = &[
     &qwen3_next::QWEN3_5,
     &qwen3_next::QWEN3_5_VL,
     &kimi_linear::ARCH,
+    &minimax_m2::ARCH,
+    &ernie4_5_moe::ARCH,
 ];
 
 /// Comma-separated class names, for error messages and docs.

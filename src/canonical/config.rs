@@ -331,6 +331,11 @@ pub struct RouterSpec {
     pub score: RouterScore,
     /// Divide the K chosen weights by their sum.
     pub renormalize: bool,
+    /// With `renormalize`, the divisor is at least this: the weights are
+    /// divided by `max(sum, floor)` (ERNIE-4.5's `moe_norm_min`); 0 divides
+    /// by the sum itself.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub renormalize_floor: f32,
     /// Multiply the final weights by this (1.0 for most models).
     pub scale: f32,
     /// The router projection carries a bias.
@@ -597,6 +602,7 @@ impl Default for RouterSpec {
             top_k: 1,
             score: RouterScore::Softmax,
             renormalize: false,
+            renormalize_floor: 0.0,
             scale: 1.0,
             bias: false,
             correction_bias: false,
@@ -802,6 +808,10 @@ impl ModelConfig {
                         && (s.ffn_dim == 0 || s.ffn_dim > SIZE_LIMIT)
                     {
                         return bad(format!("shared expert ffn_dim {} out of range", s.ffn_dim));
+                    }
+                    let floor = moe.router.renormalize_floor;
+                    if !(floor.is_finite() && floor >= 0.0) {
+                        return bad(format!("MoE router renormalisation floor {floor} must be finite and >= 0"));
                     }
                     if let Some(g) = moe.router.groups
                         && (g.groups == 0

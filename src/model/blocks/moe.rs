@@ -60,7 +60,8 @@ pub fn top_k(scores: &[f32], k: usize, idx: &mut [u32]) {
 /// 3. group limit: only the experts of the best groups stay eligible;
 /// 4. top-k of the selection scores;
 /// 5. weights: the scores of the chosen (softmax over the chosen logits for
-///    `SoftmaxSelected`), optionally renormalised, then scaled.
+///    `SoftmaxSelected`), optionally renormalised (divided by their sum, or
+///    by the floor when the sum is below it), then scaled.
 pub fn route(
     logits: &[f32],
     spec: &RouterSpec,
@@ -100,7 +101,7 @@ pub fn route(
         softmax(w); // over the chosen logits
     }
     if spec.renormalize {
-        let s: f32 = w.iter().sum();
+        let s = w.iter().sum::<f32>().max(spec.renormalize_floor);
         w.iter_mut().for_each(|x| *x /= s);
     }
     if spec.scale != 1.0 {
@@ -713,6 +714,33 @@ mod tests {
             for (a, b) in w.iter().zip(&want_w) {
                 assert!((a - b).abs() < 1e-6, "{a} vs {b}");
             }
+        }
+    }
+
+    /// ERNIE-4.5's rule: softmax scores, the choice on score + bias, the
+    /// chosen scores divided by max(their sum, floor).
+    #[test]
+    fn renormalisation_floor_divides_by_the_larger_of_sum_and_floor() {
+        let logits = [0.0f32, 1.0, 0.2, -0.5, 0.9];
+        let bias = [0.0f32, 0.0, 0.3, 0.0, -0.2];
+        let (mut probs, mut sel, mut ids, mut w) = ([0.0; 5], [0.0; 5], [0u32; 2], [0.0f32; 2]);
+        let z: f32 = logits.iter().map(|l| l.exp()).sum();
+        let p = |e: usize| logits[e].exp() / z;
+        for floor in [0.0f32, 0.3, 0.9] {
+            let spec = RouterSpec {
+                top_k: 2,
+                renormalize: true,
+                renormalize_floor: floor,
+                correction_bias: true,
+                ..Default::default()
+            };
+            route(&logits, &spec, Some(&bias), &mut probs, &mut sel, &mut ids, &mut w);
+            // Scores + bias: 0.2 + 0.3 puts expert 2 ahead of expert 4.
+            assert_eq!(ids, [2, 1]);
+            let sum = p(1) + p(2);
+            assert!(sum > 0.3 && sum < 0.9);
+            let div = sum.max(floor);
+            assert!((w[0] - p(2) / div).abs() < 1e-6 && (w[1] - p(1) / div).abs() < 1e-6, "floor {floor}: {w:?}");
         }
     }
 
