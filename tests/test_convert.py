@@ -308,6 +308,22 @@ def test_the_vision_tower_and_mtp_layer_are_skipped_and_named(tmp_path):
     assert colibri.Engine(tmp_path / "vl.colibri").state_bytes()["per_sequence"] > 0
 
 
+def test_mistral_small_4_as_shipped_skips_the_vision_tower_and_projector(tmp_path):
+    out = tmp_path / "m3.colibri"
+    colibri.convert(GOLDEN / "mistral4_vl", out, progress=False)
+    parts = colibri.Engine(out).skipped_parts
+    assert any(p.startswith("vision_tower.") for p in parts), parts
+    assert any(p.startswith("multi_modal_projector.") for p in parts), parts
+
+
+@pytest.mark.parametrize("key", ["llama_4_scaling_beta", "original_max_position_embeddings"])
+def test_mistral4_without_its_attention_temperature_is_refused_by_name(tmp_path, key):
+    src = _hybrid_copy(tmp_path, "mistral4", lambda c: c["rope_parameters"].pop(key))
+    with pytest.raises(colibri.CheckpointError, match=key):
+        colibri.convert(src, tmp_path / "o.colibri", progress=False)
+    assert not (tmp_path / "o.colibri").exists()
+
+
 # ---------------------------------------------------------------------------
 # MiniMax-M2 and ERNIE-4.5 MoE: Hub keys the engine cannot honour, missing tensors, MTP tensors
 

@@ -60,7 +60,7 @@ pub static GEMMA4_TEXT: Arch =
     Arch { hf_class: "Gemma4ForCausalLM", model_type: "gemma4_text", config, source, ignored: super::nothing_ignored };
 
 fn config(hf: &HfConfig) -> Result<ModelConfig> {
-    let c = &super::qwen3_next::text_config(hf);
+    let c = &super::text_config(hf);
     let err = |msg: String| Error::checkpoint(&c.path, msg);
     match c.str("hidden_activation").unwrap_or("gelu_pytorch_tanh") {
         "gelu_pytorch_tanh" => {}

@@ -284,6 +284,29 @@ pub struct AttentionSpec {
     /// (Gemma 4's `v_norm`).
     #[serde(default, skip_serializing_if = "is_default")]
     pub value_norm: bool,
+    /// A query's scores are multiplied by a factor that grows with its
+    /// position (Llama-4's attention temperature tuning, Mistral Small 4).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub temperature: Option<AttentionTemperature>,
+}
+
+/// Llama-4's attention temperature: the query at position p is scaled by
+/// `1 + beta · ln(1 + ⌊p / period⌋)`, so attention sharpens step by step as
+/// the context grows past multiples of the training length.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AttentionTemperature {
+    /// Strength of the growth (`llama_4_scaling_beta`).
+    pub beta: f32,
+    /// Positions per step (the rope's `original_max_position_embeddings`).
+    pub period: usize,
+}
+
+impl AttentionTemperature {
+    /// The factor on the scores of the query at position `pos`.
+    pub fn at(&self, pos: usize) -> f32 {
+        // As transformers: the logarithm in f32 of a whole number of periods.
+        1.0 + self.beta * crate::math::ln_1pf((pos / self.period) as f32)
+    }
 }
 
 /// How queries, keys and values are formed and cached.
@@ -877,6 +900,11 @@ impl ModelConfig {
             && !(s.is_finite() && s > 0.0)
         {
             return bad(format!("attention softmax scale {s} must be finite and > 0"));
+        }
+        if let Some(t) = self.attention.temperature
+            && (!t.beta.is_finite() || t.period == 0 || t.period > SIZE_LIMIT)
+        {
+            return bad(format!("attention temperature {t:?} needs a finite beta and a period of 1..={SIZE_LIMIT}"));
         }
         let sc = self.scales;
         if [sc.embedding, sc.residual, sc.logits_divisor].iter().any(|v| !v.is_finite()) || sc.logits_divisor == 0.0 {

@@ -308,6 +308,7 @@ fn attention(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n
     let ad = if c.mla().is_some() { c.att_dim() } else { h * dh };
     // Over the q/k head width Dh (MLA: nope + rope, not the latent's width).
     let scale = c.attention.softmax_scale.unwrap_or(1.0 / (dh as f32).sqrt());
+    let temperature = c.attention.temperature;
     let (xn, cos, sin) = (&s.xn[..n * d], &cos[..n * half], &sin[..n * half]);
     match lw.qkv {
         QkvRefs::Gqa { wq, wk, wv } => {
@@ -315,7 +316,7 @@ fn attention(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n
             let (q, k, v) = (&mut s.q[..n * qd], &mut s.k[..n * kvd], &mut s.v[..n * kvd]);
             let gate = &mut s.gate[..if lw.wg.is_some() { n * qd } else { 0 }];
             gqa(model, lw, wq, wk, wv, dh, rope).project(xn, &mut s.xq, cos, sin, q, k, v, gate); // q: [T, H·Dh], k, v: [T, Hkv·Dh]
-            let heads = Heads { h, hkv: shape.kv_heads, dk: dh, dv: dh, window, scale, sinks };
+            let heads = Heads { h, hkv: shape.kv_heads, dk: dh, dv: dh, window, scale, sinks, temperature };
             let (q, k, v) = (&s.q, &s.k, &s.v);
             let (att, order) = (&mut s.att[..n * ad], &mut s.att_order[..n * ad]);
             each_segment(segs, 0, ad, att, order, &|r0, g, att, order| {
@@ -341,7 +342,7 @@ fn attention(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n
             block.project(xn, &mut s.xq, cos, sin, qs, kv, &mut s.mla); // q: [T, H·Dh], k: [T, R + Dr]
             block.absorb(&s.q[..n * h * dh], &mut s.mla); // q_abs: [T, H·(R + Dr)]
             // One latent "kv head" shared by all heads; the values are the latent.
-            let heads = Heads { h, hkv: 1, dk: r + dr, dv: r, window, scale, sinks };
+            let heads = Heads { h, hkv: 1, dk: r + dr, dv: r, window, scale, sinks, temperature };
             let (qw, ow) = (h * (r + dr), h * r);
             let (k, q_abs) = (&s.k, &s.mla.q_abs);
             let (o_lat, order) = (&mut s.mla.o_lat[..n * ow], &mut s.att_order[..n * ow]);
