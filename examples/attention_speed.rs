@@ -39,7 +39,8 @@ fn main() {
     };
     let q: Vec<f32> = (0..t * h * dh).map(|i| (i * 31 % 100) as f32 / 50.0 - 1.0).collect();
     let (mut scratch, mut out) = (vec![0f32; t * h * dh], vec![0f32; t * h * dh]);
-    let heads = Heads { h, hkv, dk: dh, dv: dh, window: None, scale: 1.0 / (dh as f32).sqrt(), sinks: None };
+    let heads =
+        Heads { h, hkv, dk: dh, dv: dh, window: None, scale: 1.0 / (dh as f32).sqrt(), sinks: None, temperature: None };
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
     let reps = (400_000_000 / (ctx * t * h * dh)).max(8).next_multiple_of(caches);
     let mut best = f64::MAX;

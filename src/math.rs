@@ -46,6 +46,12 @@ pub fn log2(x: f64) -> f64 {
     libm::log2(x)
 }
 
+/// tanh(x) (f32).
+#[inline]
+pub fn tanhf(x: f32) -> f32 {
+    libm::tanhf(x)
+}
+
 /// sin(x), radians.
 #[inline]
 pub fn sin(x: f64) -> f64 {

@@ -101,14 +101,17 @@ pub fn frontier_config() -> ModelConfig {
                 top_k: 3,
                 score: RouterScore::Sigmoid,
                 renormalize: true,
+                renormalize_floor: 0.0,
                 scale: 2.5,
                 bias: true,
                 correction_bias: true,
                 groups: Some(GroupLimit { groups: 4, top_groups: 2, score: GroupScore::TopTwoSum }),
+                ..Default::default()
             },
             activation: Activation::ClampedSwiglu { alpha: 1.702, limit: 1.5 },
             expert_bias: true,
             shared_expert: Some(SharedExpertSpec { ffn_dim: 32, sigmoid_gate: false }),
+            ..Default::default()
         }),
         layers: vec![
             LayerSpec { mixer: MixerSpec::FULL_ATTENTION, ffn: FfnSpec::Dense { ffn_dim: 64 } },
@@ -191,6 +194,42 @@ pub fn kda_hybrid_config() -> ModelConfig {
         LayerSpec { mixer: MixerSpec::Linear, ffn: FfnSpec::Moe },
         LayerSpec { mixer: MixerSpec::FULL_ATTENTION, ffn: FfnSpec::Moe },
     ];
+    c
+}
+
+/// Gemma 4's switches in widths whole blocks fit: sliding layers and global
+/// layers of their own head width and kv heads whose values are their keys,
+/// proportional RoPE, a weightless value norm and attention scale 1, post
+/// norms, a GeGLU shared expert beside the experts with branch norms, a
+/// router with its own norm and per-expert scales, layer scales, an
+/// embedding scale and a logit soft-cap.
+pub fn gemma4_config() -> ModelConfig {
+    let mut c = tiny_config_blocks();
+    c.attention =
+        AttentionSpec { qk_norm: QkNorm::PerHead, softmax_scale: Some(1.0), value_norm: true, ..Default::default() };
+    let proportional = RopeScaling::Proportional { factor: 1.0, angles: 4 };
+    c.global_attention = Some(GlobalAttentionSpec {
+        head_dim: 32,
+        num_kv_heads: 1,
+        rope: RopeSpec { theta: 1e6, rotary_dim: 32, scaling: proportional, interleaved: false },
+        values_from_keys: true,
+    });
+    if let Some(m) = c.moe.as_mut() {
+        m.activation = Activation::GeluTanh;
+        m.router.own_norm = Some(0.125);
+        m.router.expert_scale = true;
+        m.branch_norms = true;
+        if let Some(s) = m.shared_expert.as_mut() {
+            s.sigmoid_gate = false;
+        }
+    }
+    let sliding = LayerSpec { mixer: MixerSpec::Attention { window: Some(5) }, ffn: FfnSpec::Moe };
+    let global = LayerSpec { mixer: MixerSpec::FULL_ATTENTION, ffn: FfnSpec::Moe };
+    c.layers = vec![sliding.clone(), sliding.clone(), global.clone(), sliding, global];
+    c.scales.embedding = 8.0;
+    c.logit_softcap = Some(5.0);
+    c.post_norms = true;
+    c.layer_scale = true;
     c
 }
 

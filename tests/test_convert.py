@@ -306,3 +306,132 @@ def test_the_vision_tower_and_mtp_layer_are_skipped_and_named(tmp_path):
     assert any(p.startswith("model.visual.* (") for p in parts), parts
     assert any(p.startswith("mtp.") for p in parts), parts
     assert colibri.Engine(tmp_path / "vl.colibri").state_bytes()["per_sequence"] > 0
+
+
+def test_mistral_small_4_as_shipped_skips_the_vision_tower_and_projector(tmp_path):
+    out = tmp_path / "m3.colibri"
+    colibri.convert(GOLDEN / "mistral4_vl", out, progress=False)
+    parts = colibri.Engine(out).skipped_parts
+    assert any(p.startswith("vision_tower.") for p in parts), parts
+    assert any(p.startswith("multi_modal_projector.") for p in parts), parts
+
+
+@pytest.mark.parametrize("key", ["llama_4_scaling_beta", "original_max_position_embeddings"])
+def test_mistral4_without_its_attention_temperature_is_refused_by_name(tmp_path, key):
+    src = _hybrid_copy(tmp_path, "mistral4", lambda c: c["rope_parameters"].pop(key))
+    with pytest.raises(colibri.CheckpointError, match=key):
+        colibri.convert(src, tmp_path / "o.colibri", progress=False)
+    assert not (tmp_path / "o.colibri").exists()
+
+
+# ---------------------------------------------------------------------------
+# MiniMax-M2 and ERNIE-4.5 MoE: Hub keys the engine cannot honour, missing tensors, MTP tensors
+
+
+@pytest.mark.parametrize(
+    "case, edit, drop, error, needle",
+    [
+        (
+            "minimax_m2",
+            lambda c: c.update(qk_norm_type="per_head"),
+            None,
+            colibri.UnsupportedModelError,
+            "qk_norm_type",
+        ),
+        (
+            "minimax_m2",
+            lambda c: c.update(scoring_func="softmax"),
+            None,
+            colibri.UnsupportedModelError,
+            "scoring_func",
+        ),
+        (
+            "minimax_m2",
+            None,
+            "model.layers.1.block_sparse_moe.e_score_correction_bias",
+            colibri.CheckpointError,
+            "block_sparse_moe.e_score_correction_bias",
+        ),
+        (
+            "minimax_m2",
+            None,
+            "model.layers.2.self_attn.k_norm.weight",
+            colibri.CheckpointError,
+            "self_attn.k_norm",
+        ),
+        ("ernie4_5_moe", lambda c: c.update(use_bias=True), None, colibri.UnsupportedModelError, "use_bias"),
+        (
+            "ernie4_5_moe",
+            lambda c: c.update(moe_layer_interval=0),
+            None,
+            colibri.CheckpointError,
+            "moe_layer_interval",
+        ),
+        (
+            "ernie4_5_moe",
+            None,
+            "model.layers.5.mlp.moe_statics.e_score_correction_bias",
+            colibri.CheckpointError,
+            "moe_statics.e_score_correction_bias",
+        ),
+        # One more MoE layer than the checkpoint has.
+        (
+            "ernie4_5_moe",
+            lambda c: c.update(moe_layer_end_index=7),
+            None,
+            colibri.CheckpointError,
+            "layers.7.mlp",
+        ),
+    ],
+)
+def test_bad_minimax_and_ernie_checkpoints_name_the_key(tmp_path, case, edit, drop, error, needle):
+    src = _hybrid_copy(tmp_path, case, edit, drop)
+    with pytest.raises(error, match=needle):
+        colibri.convert(src, tmp_path / "o.colibri", progress=False)
+    assert not (tmp_path / "o.colibri").exists()
+
+
+@pytest.mark.parametrize(
+    "case, extra",
+    [
+        ("minimax_m2", "model.layers.3.block_sparse_moe.gate.weight"),  # an MTP layer past the last
+        ("ernie4_5_moe", "mtp_emb_norm.0.weight"),  # transformers drops every key containing "mtp"
+    ],
+)
+def test_mtp_tensors_are_skipped_and_named(tmp_path, case, extra):
+    from conftest import load_tensors, write_safetensors
+
+    src = _hybrid_copy(tmp_path, case)
+    tensors = load_tensors(src)
+    tensors[extra] = ("F32", [4], bytes(16))
+    write_safetensors(src / "model.safetensors", tensors)
+    out = tmp_path / "o.colibri"
+    colibri.convert(src, out, progress=False)
+    prefix = ".".join(extra.split(".")[:2])
+    assert any(p.startswith(prefix + ".* (") for p in colibri.Engine(out).skipped_parts)
+
+
+def test_gemma4_towers_are_skipped_and_named(tmp_path):
+    out = tmp_path / "g4.colibri"
+    colibri.convert(GOLDEN / "gemma4", out, progress=False)
+    parts = colibri.Engine(out).skipped_parts
+    assert any(p.startswith("model.vision_tower.* (") for p in parts), parts
+    assert any(p.startswith("model.embed_vision.* (") for p in parts), parts
+
+
+@pytest.mark.parametrize(
+    "edit, drop, needle",
+    [
+        (lambda t: t.update(layer_types=t["layer_types"][:4]), None, "layer_types"),
+        (lambda t: t.update(hidden_size_per_layer_input=256), None, "hidden_size_per_layer_input"),
+        (lambda t: t.pop("hidden_size_per_layer_input"), None, "hidden_size_per_layer_input"),
+        (lambda t: t.update(num_kv_shared_layers=2), None, "num_kv_shared_layers"),
+        (None, "model.language_model.layers.3.router.per_expert_scale", "per_expert_scale"),
+        (None, "model.language_model.layers.0.self_attn.v_proj.weight", "v_proj"),
+    ],
+)
+def test_bad_gemma4_checkpoints_are_checkpoint_errors_naming_the_key(tmp_path, edit, drop, needle):
+    src = _hybrid_copy(tmp_path, "gemma4", edit and (lambda c: edit(c["text_config"])), drop)
+    with pytest.raises(colibri.CheckpointError, match=needle):
+        colibri.convert(src, tmp_path / "o.colibri", progress=False)
+    assert not (tmp_path / "o.colibri").exists()

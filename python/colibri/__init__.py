@@ -33,6 +33,7 @@ from ._errors import (
 from ._generation import Completion, Stream, Timings, TokenCompletion, TokenLogprob
 from ._sampling import SamplingOptions, SamplingParams
 from ._stats import BatchStats, LayerRouting, Plan, RoutingStats, StoreStats, StoreWeights
+from ._tools import ToolCall
 
 
 def kernels() -> dict[str, Any]:
@@ -80,6 +81,7 @@ __all__ = [
     "TokenCompletion",
     "TokenLogprob",
     "TokenizerError",
+    "ToolCall",
     "UnsupportedModelError",
     "__version__",
     "calibrate",

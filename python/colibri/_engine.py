@@ -33,7 +33,8 @@ from ._errors import (
 from ._generation import Completion, Result, Stream, TokenCompletion
 from ._sampling import SamplingOptions, SamplingParams, _as_ids, _is_int, _is_number, sampling_params
 from ._stats import BatchStats, Plan, RoutingStats, StoreStats
-from ._text import ChatTemplate, TextCodec, template_from_metadata
+from ._text import ChatTemplate, TextCodec, check_messages, template_from_metadata
+from ._tools import OutputParser, check_tools, detect, new_call_id, parser_for, prepare_messages
 
 TokenIds = Union[Sequence[int], "np.ndarray"]
 PathLike = Union[str, "os.PathLike[str]"]
@@ -829,21 +830,103 @@ class Engine:
         messages: Sequence[Mapping[str, Any]],
         sampling: SamplingParams | None = None,
         *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         **options: Unpack[SamplingOptions],
     ) -> Completion:
         """The assistant's reply to a conversation.
 
-        ``messages`` is a list of ``{"role": ..., "content": ...}`` dicts; it is
-        rendered with the model's chat template (see :meth:`apply_chat_template`)
-        and continued as :meth:`generate` does, with the same options.
+        ``messages`` is a list of ``{"role": ..., "content": ...}`` dicts (as
+        OpenAI's: an assistant turn may carry ``tool_calls``, a ``tool`` turn
+        answers one by its ``tool_call_id``); it is rendered with the model's
+        chat template (see :meth:`apply_chat_template`) and continued as
+        :meth:`generate` does, with the same options.
+
+        ``tools`` (OpenAI's form: ``{"type": "function", "function": {"name",
+        "description", "parameters"}}``) are given to the template, and the
+        calls the model writes in its family's syntax come back parsed in
+        the result's ``tool_calls``, not in its text. ``tool_choice`` is
+        ``"auto"`` (the default) or ``"none"`` (the tools are not shown);
+        ``"required"`` and a named function need constrained decoding, which
+        colibri does not have yet. A model that reasons (``<think>``, GPT-OSS's
+        analysis channel) gives its reasoning in ``reasoning_content``, apart
+        from the answer.
         """
         params = sampling_params(sampling, options, "chat")
-        text = self.apply_chat_template(messages, chat_template_kwargs=chat_template_kwargs)
-        # The template writes the special tokens it wants itself.
-        result = self._start(text, params, add_special_tokens=False).result()
-        assert isinstance(result, Completion)
-        return result
+        text, make_parser = self._prepare_chat(
+            messages, tools=tools, tool_choice=tool_choice, chat_template_kwargs=chat_template_kwargs
+        )
+        parser = make_parser()
+        if parser is None:
+            # The template writes the special tokens it wants itself.
+            result = self._start(text, params, add_special_tokens=False).result()
+            assert isinstance(result, Completion)
+            return result
+        # Markers may be special tokens: keep them in the text for the parser.
+        stream = self._start(text, params.replace(skip_special_tokens=False), add_special_tokens=False)
+        for piece in stream:
+            parser.feed(piece)
+        parser.finish()
+        calls = parser.tool_calls
+        reason = stream.finish_reason
+        if calls and reason == "stop":
+            reason = "tool_calls"
+        return Completion(
+            parser.content,
+            stream.token_ids,
+            reason,
+            stream.stop_reason,
+            stream.timings,
+            stream.logprobs,
+            reasoning_content=parser.reasoning if parser.reasoning or parser.think else None,
+            tool_calls=calls,
+        )
+
+    def _prepare_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        call_id: Any = None,
+    ) -> tuple[str, Any]:
+        """The rendered prompt of a chat and a function making a fresh
+        :class:`~colibri._tools.OutputParser` for each generation from it
+        (returning None when there is nothing to parse). Shared by
+        :meth:`chat` and the server; errors are :class:`InvalidInputError`
+        whose messages start with the field's path."""
+        if tool_choice is None:
+            tool_choice = "auto"
+        if tool_choice not in ("auto", "none"):
+            if tool_choice == "required" or isinstance(tool_choice, Mapping):
+                raise InvalidInputError(
+                    "tool_choice: 'required' and a named function force a call, which needs constrained "
+                    "decoding; colibri does not have it yet (use 'auto' or 'none')"
+                )
+            raise InvalidInputError(
+                f"tool_choice: must be 'auto', 'none', 'required' or a named function, got {tool_choice!r}"
+            )
+        checked = check_tools(list(tools) if isinstance(tools, tuple) else tools) if tools is not None else []
+        shown = checked if tool_choice == "auto" else []
+        template = self.chat_template
+        if shown and template is not None and detect(template)[0] is None:
+            raise InvalidInputError(
+                "tools: this model's chat template writes no tool-call format colibri can read "
+                "(see the serving guide for the families it knows)"
+            )
+        prepared = prepare_messages(check_messages(messages))
+        kwargs = dict(chat_template_kwargs or {})
+        if shown:
+            kwargs["tools"] = shown
+        text = self.apply_chat_template(prepared, chat_template_kwargs=kwargs or None)
+        drop = list(self._text().special_tokens.values()) if self.has_tokenizer else []
+
+        def make_parser() -> OutputParser | None:
+            return parser_for(template, text, tools=shown, drop=drop, call_id=call_id or new_call_id)
+
+        return text, make_parser
 
     def _start(
         self,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, NamedTuple, TypeVar, Union
 
 from ._text import IncrementalDetokenizer, StopMatcher, TextCodec
+from ._tools import ToolCall
 
 T = TypeVar("T", str, int)
 
@@ -70,6 +71,12 @@ class Completion(str):
         timings: :class:`Timings`.
         logprobs: one :class:`TokenLogprob` per token id when ``logprobs``
             was asked for, else ``None``.
+        reasoning_content: from :meth:`Engine.chat` with a model that
+            reasons (``<think>`` templates, GPT-OSS's analysis channel): its
+            reasoning, apart from the answer (the ``str`` itself); else ``None``.
+        tool_calls: from :meth:`Engine.chat` given ``tools``: the calls the
+            model made (:class:`ToolCall`, arguments as JSON text); ``finish_reason``
+            is then ``"tool_calls"``. Empty otherwise.
     """
 
     token_ids: list[int]
@@ -77,6 +84,8 @@ class Completion(str):
     stop_reason: str | int | None
     timings: Timings
     logprobs: list[TokenLogprob] | None
+    reasoning_content: str | None
+    tool_calls: list[ToolCall]
 
     def __new__(
         cls,
@@ -86,6 +95,8 @@ class Completion(str):
         stop_reason: str | int | None,
         timings: Timings,
         logprobs: list[TokenLogprob] | None = None,
+        reasoning_content: str | None = None,
+        tool_calls: list[ToolCall] | None = None,
     ) -> Completion:
         self = super().__new__(cls, text)
         self.token_ids = token_ids
@@ -93,6 +104,8 @@ class Completion(str):
         self.stop_reason = stop_reason
         self.timings = timings
         self.logprobs = logprobs
+        self.reasoning_content = reasoning_content
+        self.tool_calls = list(tool_calls or [])
         return self
 
     @property
@@ -102,7 +115,16 @@ class Completion(str):
 
     def __reduce__(self) -> tuple[Any, ...]:
         # str's own pickling would call __new__ with the text alone.
-        args = (self.text, self.token_ids, self.finish_reason, self.stop_reason, self.timings, self.logprobs)
+        args = (
+            self.text,
+            self.token_ids,
+            self.finish_reason,
+            self.stop_reason,
+            self.timings,
+            self.logprobs,
+            self.reasoning_content,
+            self.tool_calls,
+        )
         return (Completion, args)
 
     def __repr__(self) -> str:

@@ -165,6 +165,10 @@ def _attention(cfg: dict[str, Any]) -> str:
             f"x {indexer['head_dim']}, top {indexer['top_k']} keys"
         )
         text += f"; {shared} reuse the selection before them)" if shared else ")"
+    glob = cfg.get("global_attention")
+    if glob:
+        keys = ", values = keys" if glob.get("values_from_keys") else ""
+        text += f"; full layers {cfg['num_heads']}/{glob['num_kv_heads']} x {glob['head_dim']}{keys}"
     if att.get("sinks"):
         text += ", sinks"
     if att.get("output_gate"):

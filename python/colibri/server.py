@@ -2,7 +2,12 @@
 
 ``colibri serve MODEL`` (or :func:`serve`) answers ``/v1/chat/completions``,
 ``/v1/completions`` (both streaming as server-sent events or not),
-``/v1/models``, ``/health`` and ``/metrics`` (Prometheus text). Every request
+Anthropic's ``/v1/messages`` and ``/v1/messages/count_tokens``,
+``/v1/models``, ``/health`` and ``/metrics`` (Prometheus text). Chat requests
+take ``tools``: they are rendered through the model's chat template and the
+calls the model writes in its family's syntax come back as ``tool_calls``
+(``tool_use`` blocks), its reasoning as ``reasoning_content`` (``thinking``
+blocks); see :mod:`colibri._tools` and :mod:`colibri._anthropic`. Every request
 becomes one or more generations on the engine's scheduler, so concurrent
 clients share steps: the weights are read once per step for all of them.
 
@@ -22,6 +27,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -30,8 +36,10 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from . import _anthropic
 from ._errors import BusyError, ColibriError, ContextLengthError, InvalidInputError
 from ._sampling import MAX_TOP_LOGPROBS, SamplingParams
+from ._tools import Delta
 
 try:
     from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -180,6 +188,10 @@ def _token_ids(v: Any) -> bool:
     return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
 
 
+def _no_parser() -> None:
+    return None
+
+
 @dataclass
 class Job:
     """What one request asks: its prompts, how many choices each, the options."""
@@ -195,9 +207,15 @@ class Job:
     return_token_ids: bool = False
     #: The field that set the number of tokens, None when it is the default.
     length_field: str | None = None
+    #: False: only the first tool call a choice makes is kept (``parallel_tool_calls``).
+    parallel_calls: bool = True
+    #: Makes each choice's tool-call / reasoning parser (None: plain text).
+    make_parser: Callable[[], Any] = field(default=lambda: _no_parser())
 
 
-def _parse(body: Any, allowed: set[str], chat: bool, engine: Any, model_name: str) -> Job:
+def _parse(
+    body: Any, allowed: set[str], chat: bool, engine: Any, model_name: str, call_id: Any = None
+) -> Job:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     unknown = sorted(set(body) - allowed)
@@ -273,10 +291,21 @@ def _parse(body: Any, allowed: set[str], chat: bool, engine: Any, model_name: st
             raise _bad("top_logprobs", "needs logprobs: true")
     else:
         logprobs = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
-    prompts = [_render(body, engine)] if chat else _prompts(body)
+    make_parser: Callable[[], Any] = _no_parser
+    if chat:
+        ids, make_parser = _render(body, engine, call_id)
+        prompts: list[Any] = [ids]
+    else:
+        prompts = _prompts(body)
     if len(prompts) * n > MAX_N:
         raise _bad("n", f"{len(prompts)} prompts x n={n} asks {len(prompts) * n} choices; at most {MAX_N}")
     job = Job(prompts, n, stream, include_usage, logprobs, "messages" if chat else "prompt", opts)
+    job.make_parser = make_parser
+    job.parallel_calls = _bool(body, "parallel_tool_calls") is not False
+    if make_parser() is not None:
+        # Tool-call and reasoning markers can be special tokens: the parser
+        # reads them, and drops the end-of-sequence and padding texts.
+        opts["skip_special_tokens"] = False
     job.return_token_ids = bool(_bool(body, "return_token_ids"))
     job.length_field = length_field
     if not engine.has_tokenizer and not (job.return_token_ids and all(_token_ids(p) for p in prompts)):
@@ -290,27 +319,30 @@ def _parse(body: Any, allowed: set[str], chat: bool, engine: Any, model_name: st
 
 def _no_op_chat_fields(body: Mapping[str, Any]) -> None:
     """Checks the chat fields taken only in their no-op forms: plain text
-    out, no tools. Asking for JSON output or tool calls is a 400 rather than
-    an answer that silently ignores it. ``tool_choice: "auto"`` with no tools
-    means plain text and is taken (OpenAI refuses it; nothing is lost here)."""
+    out. Asking for JSON output is a 400 rather than an answer that silently
+    ignores it (it needs constrained decoding, not built yet)."""
     fmt = body.get("response_format")
     if fmt is not None:
         if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
             raise _bad("response_format", 'must be an object with a type, such as {"type": "text"}')
         if fmt["type"] != "text":
-            raise _bad("response_format", f"type {fmt['type']!r} is not supported; only 'text' is")
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise _bad("tools", "must be a list")
-    if tools:
-        raise _bad("tools", "tool calling is not supported by this server")
-    choice = body.get("tool_choice")
-    if choice is not None and choice not in ("none", "auto"):
-        raise _bad("tool_choice", "only 'none' or 'auto' can be given, as no tools are")
+            raise _bad(
+                "response_format",
+                f"type {fmt['type']!r} needs constrained decoding, which this server does not have yet; "
+                "only 'text' is supported",
+            )
     _bool(body, "parallel_tool_calls")
 
 
-def _render(body: Mapping[str, Any], engine: Any) -> list[int]:
+def _field_error(e: InvalidInputError, default: str) -> APIError:
+    """A 400 naming the field a message starts with (``tools[0].function.name: ...``)."""
+    text = str(e)
+    head = text.split(":", 1)[0]
+    param = head if re.fullmatch(r"[A-Za-z_]+(\[\d+\]|\.[A-Za-z_]+)*", head) else default
+    return APIError(400, text if param != default or head == default else f"{default}: {text}", param=param)
+
+
+def _render(body: Mapping[str, Any], engine: Any, call_id: Any = None) -> tuple[list[int], Callable[[], Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "must be a non-empty list of messages")
@@ -335,11 +367,19 @@ def _render(body: Mapping[str, Any], engine: Any) -> list[int]:
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise _bad("chat_template_kwargs", "must be an object")
+    tools = body.get("tools")
+    if tools == []:
+        tools = None  # what some clients send for none
+    choice = body.get("tool_choice")
+    if choice is not None and not isinstance(choice, (str, dict)):
+        raise _bad("tool_choice", "must be 'none', 'auto', 'required' or a named function")
     try:
-        text = engine.apply_chat_template(messages, chat_template_kwargs=kwargs)
+        text, make_parser = engine._prepare_chat(
+            messages, tools=tools, tool_choice=choice, chat_template_kwargs=kwargs, call_id=call_id
+        )
     except InvalidInputError as e:
-        raise _bad("messages", str(e)) from e
-    return list(engine.tokenize(text, add_special_tokens=False))
+        raise _field_error(e, "messages") from e
+    return list(engine.tokenize(text, add_special_tokens=False)), make_parser
 
 
 def _prompts(body: Mapping[str, Any]) -> list[Any]:
@@ -380,6 +420,19 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     #: (token id, logprob, top alternatives) per token, when asked for.
     logprobs: list[Any] = field(default_factory=list)
+    #: The stop string or token id that ended it.
+    stop_reason: str | int | None = None
+    #: Splits the text into answer, reasoning and tool calls (None: plain text).
+    parser: Any = None
+    reasoning: str = ""
+    tool_calls: list[Any] = field(default_factory=list)
+
+    @property
+    def finish(self) -> str | None:
+        """OpenAI's finish_reason: ``tool_calls`` when the model ended after calling."""
+        if self.tool_calls and self.finish_reason == "stop":
+            return "tool_calls"
+        return self.finish_reason
 
 
 class _Run:
@@ -445,7 +498,12 @@ class _Run:
                     )
                     self.streams.append(stream)
                     self.choices.append(
-                        _Choice(index=k * job.n + j, prompt_tokens=len(p), recent=list(p[-_LOGPROB_CONTEXT:]))
+                        _Choice(
+                            index=k * job.n + j,
+                            prompt_tokens=len(p),
+                            recent=list(p[-_LOGPROB_CONTEXT:]),
+                            parser=job.make_parser(),
+                        )
                     )
         except BusyError as e:
             self.cancel()
@@ -485,16 +543,27 @@ class _Run:
                 lps = stream.logprobs_from(sent) if want_lps else None
                 sent += len(lps or ())
                 text = piece if isinstance(piece, str) else ""
+                out: Any = text if choice.parser is None else self._calls_kept(choice.parser.feed(text))
                 if self.job.stream:
-                    put(self.queue.put_nowait, (choice.index, text, lps))
+                    if out or lps or choice.parser is None:
+                        put(self.queue.put_nowait, (choice.index, out, lps))
                 else:
                     # Nobody waits for the pieces: the loop is woken once, at
                     # the end (every wake-up takes a core from the compute).
-                    choice.text += text
+                    if choice.parser is None:
+                        choice.text += text
                     choice.logprobs.extend(lps or ())
             choice.token_ids = stream.token_ids
             choice.tokens = len(choice.token_ids)
             choice.finish_reason = stream.finish_reason
+            choice.stop_reason = stream.stop_reason
+            if choice.parser is not None:
+                held = self._calls_kept(choice.parser.finish())
+                if self.job.stream and held:
+                    put(self.queue.put_nowait, (choice.index, held, None))
+                choice.text = choice.parser.content
+                choice.reasoning = choice.parser.reasoning
+                choice.tool_calls = choice.parser.tool_calls[: None if self.job.parallel_calls else 1]
             # The last tokens may have brought no text (a stop id).
             rest = stream.logprobs_from(sent) if want_lps else None
             if not self.job.stream:
@@ -503,6 +572,11 @@ class _Run:
             put(self.queue.put_nowait, (choice.index, None, rest))
         except BaseException as e:  # delivered to the request, never lost in a thread
             put(self.queue.put_nowait, (choice.index, e, None))
+
+    def _calls_kept(self, d: Delta) -> Delta:
+        if not self.job.parallel_calls:
+            d.calls = [c for c in d.calls if c.index == 0]
+        return d
 
     def cancel(self) -> None:
         for s in self.streams:
@@ -788,7 +862,7 @@ def create_app(
         if api_key is None:
             return
         got = request.headers.get("authorization", "")
-        token = got[7:] if got.lower().startswith("bearer ") else ""
+        token = got[7:] if got.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
         if not hmac.compare_digest(token.encode(), api_key.encode()):
             raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
 
@@ -842,6 +916,76 @@ def create_app(
                 metrics.requests.labels(kind, str(status)).inc()
 
         return handle
+
+    async def messages(request: Request) -> Response:
+        status = 200
+        try:
+            check_key(request)
+            e = ready()
+            body = await body_of(request)
+            try:
+                chat = _anthropic.to_chat(body)
+            except _anthropic.MessagesError as err:
+                raise APIError(400, str(err)) from err
+            job = await asyncio.to_thread(_parse, chat, _CHAT, True, e, served_name(), _anthropic.tool_use_id)
+            # max_tokens is an upper bound here: the context ends a longer one.
+            job.length_field = None
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue[tuple[int, Any, Any]] = asyncio.Queue()
+            run = await asyncio.to_thread(_Run, e, job, loop, queue, metrics)
+            if job.stream:
+                return StreamingResponse(
+                    _anthropic_sse(run, served_name(), request),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache"},
+                )
+
+            async def collect() -> None:
+                async for _ in run.events():
+                    pass
+
+            await _until_done_or_gone(run, request, collect())
+            c = run.choices[0]
+            return JSONResponse(
+                _anthropic.message_body(
+                    model=served_name(),
+                    text=c.text,
+                    reasoning=c.reasoning,
+                    calls=c.tool_calls,
+                    finish=_anthropic_finish(run, c),
+                    stop=c.stop_reason,
+                    usage=run.usage(),
+                )
+            )
+        except APIError as err:
+            status = err.status
+            return JSONResponse(
+                _anthropic.error_body(err.status, err.message), status_code=err.status, headers=err.headers
+            )
+        except Exception as err:  # a bug: answered, logged, the server goes on
+            status = 500
+            logging.getLogger("colibri.server").exception("request failed")
+            return JSONResponse(
+                _anthropic.error_body(500, f"internal error: {type(err).__name__}: {err}"), status_code=500
+            )
+        finally:
+            metrics.requests.labels("messages", str(status)).inc()
+
+    async def count_tokens(request: Request) -> Response:
+        try:
+            check_key(request)
+            e = ready()
+            body = await body_of(request)
+            try:
+                chat = _anthropic.to_chat(body, counting=True)
+            except _anthropic.MessagesError as err:
+                raise APIError(400, str(err)) from err
+            ids, _ = await asyncio.to_thread(_render, chat, e)
+            return JSONResponse({"input_tokens": len(ids)})
+        except APIError as err:
+            return JSONResponse(
+                _anthropic.error_body(err.status, err.message), status_code=err.status, headers=err.headers
+            )
 
     async def models(request: Request) -> Response:
         try:
@@ -910,6 +1054,8 @@ def create_app(
     routes = [
         Route("/v1/chat/completions", endpoint("chat"), methods=["POST"]),
         Route("/v1/completions", endpoint("completion"), methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
@@ -957,12 +1103,18 @@ async def _whole(run: _Run, chat: bool, model: str, request: Request) -> dict[st
     choices = []
     for c in run.choices:
         if chat:
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            if c.parser is not None and c.parser.think:
+                message["reasoning_content"] = c.reasoning or None
+            if c.tool_calls:
+                message["content"] = c.text or None
+                message["tool_calls"] = [t.to_openai() for t in c.tool_calls]
             choices.append(
                 {
                     "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": message,
                     "logprobs": None if want_lps is None else run.chat_logprobs(c, c.logprobs),
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": c.finish,
                 }
             )
         else:
@@ -1000,7 +1152,7 @@ async def _sse(run: _Run, chat: bool, model: str, request: Request) -> AsyncIter
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     def choice(
-        c: _Choice, text: str | None, finish: str | None, lps: list[Any] | None = None, role: bool = False
+        c: _Choice, text: Any, finish: str | None, lps: list[Any] | None = None, role: bool = False
     ) -> dict[str, Any]:
         logprobs: dict[str, Any] | None = None
         if run.job.logprobs is not None and not role:
@@ -1010,7 +1162,9 @@ async def _sse(run: _Run, chat: bool, model: str, request: Request) -> AsyncIter
                 logprobs = run.completion_logprobs(c, lps or [])
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-            if text is not None:
+            if isinstance(text, Delta):
+                delta.update(_openai_delta(text))
+            elif text is not None:
                 delta["content"] = text
             return {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return {"index": c.index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
@@ -1030,7 +1184,7 @@ async def _sse(run: _Run, chat: bool, model: str, request: Request) -> AsyncIter
                     if await request.is_disconnected():
                         return
                 if piece is None:
-                    yield chunk([choice(c, None if chat else "", c.finish_reason, lps)])
+                    yield chunk([choice(c, None if chat else "", c.finish, lps)])
                 else:
                     yield chunk([choice(c, piece, None, lps)])
         except APIError as err:
@@ -1051,6 +1205,69 @@ async def _sse(run: _Run, chat: bool, model: str, request: Request) -> AsyncIter
         # Finished, or the client went away (the response task is cancelled
         # and this runs): nothing more is computed for it.
         run.cancel()
+
+
+def _anthropic_finish(run: _Run, c: _Choice) -> str | None:
+    """The finish reason, ``context`` when the context ended it before max_tokens."""
+    if c.finish == "length" and c.tokens < run.job.options["max_new_tokens"]:
+        return "context"
+    return c.finish
+
+
+async def _anthropic_sse(run: _Run, model: str, request: Request) -> AsyncIterator[str]:
+    """Anthropic's event stream for a one-choice run."""
+    c = run.choices[0]
+    events = _anthropic.Events(model, c.prompt_tokens)
+    try:
+        yield events.start()
+        try:
+            checked = time.perf_counter()
+            async for _, piece, _ in run.events():
+                now = time.perf_counter()
+                if now - checked > 0.02:
+                    checked = now
+                    if await request.is_disconnected():
+                        return
+                if piece is None:
+                    continue
+                for ev in events.delta(piece if isinstance(piece, Delta) else Delta(content=piece)):
+                    yield ev
+        except APIError as err:
+            yield _anthropic.event(
+                "error", {"error": _anthropic.error_body(err.status, err.message)["error"]}
+            )
+            return
+        for ev in events.stop(_anthropic_finish(run, c), c.stop_reason, c.tokens):
+            yield ev
+    finally:
+        run.cancel()
+
+
+def _openai_delta(d: Delta) -> dict[str, Any]:
+    """A parser's delta as OpenAI's chat chunk delta: content,
+    reasoning_content, and tool_calls (index, id, type and name once, then
+    argument fragments)."""
+    out: dict[str, Any] = {}
+    if d.content:
+        out["content"] = d.content
+    if d.reasoning:
+        out["reasoning_content"] = d.reasoning
+    calls = []
+    for c in d.calls:
+        if c.id is not None:
+            calls.append(
+                {
+                    "index": c.index,
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+            )
+        else:
+            calls.append({"index": c.index, "function": {"arguments": c.arguments}})
+    if calls:
+        out["tool_calls"] = calls
+    return out
 
 
 def serve(

@@ -10,11 +10,17 @@
 
 mod deepseek;
 mod deepseek_v32;
+mod dots1;
+mod ernie4_5_moe;
+mod gemma4;
 mod glm4_moe;
+mod glm4_moe_lite;
 mod glm_moe_dsa;
 mod gpt_oss;
 mod granitemoe;
 mod kimi_linear;
+mod minimax_m2;
+mod mistral4;
 mod mixtral;
 mod olmoe;
 mod phimoe;
@@ -160,12 +166,20 @@ pub static REGISTRY: &[&Arch] = &[
     &deepseek::V3,
     &gpt_oss::ARCH,
     &glm4_moe::ARCH,
+    &glm4_moe_lite::ARCH,
+    &dots1::ARCH,
+    &mistral4::ARCH,
+    &mistral4::MISTRAL3,
     &granitemoe::ARCH,
     &phimoe::ARCH,
     &qwen3_next::NEXT,
     &qwen3_next::QWEN3_5,
     &qwen3_next::QWEN3_5_VL,
     &kimi_linear::ARCH,
+    &minimax_m2::ARCH,
+    &ernie4_5_moe::ARCH,
+    &gemma4::GEMMA4,
+    &gemma4::GEMMA4_TEXT,
     &deepseek_v32::ARCH,
     &glm_moe_dsa::ARCH,
 ];
@@ -510,6 +524,24 @@ pub(crate) fn expert_part(t: ExpertTensor, [gate, up, down]: [&'static str; 3]) 
         X::GateBias => (gate, "bias"),
         X::UpBias => (up, "bias"),
         X::DownBias => (down, "bias"),
+    }
+}
+
+/// The language model's config: `text_config` of a conditional-generation
+/// checkpoint (with the top level's `tie_word_embeddings` when it has none),
+/// else the file itself.
+pub(crate) fn text_config(hf: &HfConfig) -> HfConfig {
+    match hf.get("text_config") {
+        Some(Value::Object(t)) => {
+            let mut raw = t.clone();
+            if let Some(tie) = hf.get("tie_word_embeddings")
+                && !raw.contains_key("tie_word_embeddings")
+            {
+                raw.insert("tie_word_embeddings".into(), tie.clone());
+            }
+            HfConfig { raw: Value::Object(raw), path: hf.path.clone() }
+        }
+        _ => HfConfig { raw: hf.raw.clone(), path: hf.path.clone() },
     }
 }
 

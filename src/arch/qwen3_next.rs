@@ -36,9 +36,7 @@
 //!   `decoder_sparse_step` make some layers dense;
 //! - `mtp.*` (the multi-token-prediction layer) is not computed and skipped.
 
-use serde_json::Value;
-
-use super::{Arch, HfConfig, Source, llama_name, qwen_moe_name, qwen_sparse_layers};
+use super::{Arch, HfConfig, Source, llama_name, qwen_moe_name, qwen_sparse_layers, text_config};
 use crate::canonical::config::*;
 use crate::canonical::tensors::{ExpertTensor as X, LayerTensor as L, TensorId};
 use crate::error::{Error, Result};
@@ -63,24 +61,6 @@ pub static QWEN3_5_VL: Arch = Arch {
 /// The two layouts of the linear layers' projections.
 fn fused(hf: &HfConfig) -> bool {
     hf.str("model_type") == Some("qwen3_next")
-}
-
-/// The language model's config: `text_config` of a conditional-generation
-/// checkpoint (with the top level's `tie_word_embeddings` when it has none),
-/// else the file itself.
-fn text_config(hf: &HfConfig) -> HfConfig {
-    match hf.get("text_config") {
-        Some(Value::Object(t)) => {
-            let mut raw = t.clone();
-            if let Some(tie) = hf.get("tie_word_embeddings")
-                && !raw.contains_key("tie_word_embeddings")
-            {
-                raw.insert("tie_word_embeddings".into(), tie.clone());
-            }
-            HfConfig { raw: Value::Object(raw), path: hf.path.clone() }
-        }
-        _ => HfConfig { raw: hf.raw.clone(), path: hf.path.clone() },
-    }
 }
 
 fn config(hf: &HfConfig) -> Result<ModelConfig> {

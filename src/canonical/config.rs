@@ -72,6 +72,53 @@ pub struct ModelConfig {
     /// logits (Granite); all 1 for most models.
     #[serde(default, skip_serializing_if = "is_default")]
     pub scales: Scales,
+    /// The logits are soft-capped, `c · tanh(logits / c)`, after the divisor
+    /// (Gemma's `final_logit_softcapping`).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub logit_softcap: Option<f32>,
+    /// The attention of the layers that see every position, when its shape
+    /// differs from the windowed layers' (Gemma 4's global layers): those
+    /// layers use it instead of `head_dim`, `num_kv_heads` and `rope`.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub global_attention: Option<GlobalAttentionSpec>,
+    /// Each block's output is RMS-normed with its own weight before the
+    /// residual add (`AttnPostNorm`, `FfnPostNorm`: Gemma's sandwich norms).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub post_norms: bool,
+    /// Each layer's output (the residual stream after its FFN) is multiplied
+    /// by a learned scalar, `LayerScale` (Gemma 4's `layer_scalar`).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub layer_scale: bool,
+}
+
+/// The shape of the full-attention layers when it differs from the windowed
+/// ones' (Gemma 4): wider heads, fewer kv heads, their own RoPE, and values
+/// that are the key projection itself.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GlobalAttentionSpec {
+    /// Dh of these layers.
+    pub head_dim: usize,
+    /// Hkv of these layers.
+    pub num_kv_heads: usize,
+    /// Their rotary embedding.
+    pub rope: RopeSpec,
+    /// No value projection: the values are the key projection's output,
+    /// taken before the key norm and RoPE (Gemma 4's `attention_k_eq_v`).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub values_from_keys: bool,
+}
+
+/// The attention heads of one layer (see [`ModelConfig::head_shape`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeadShape {
+    /// Dh: width of a query, key and value head.
+    pub head_dim: usize,
+    /// Hkv: key/value heads.
+    pub kv_heads: usize,
+    /// No value projection: values are the key projection.
+    pub values_from_keys: bool,
+    /// The layer uses [`ModelConfig::global_attention`] (and its RoPE).
+    pub global: bool,
 }
 
 /// Constant multipliers of the residual stream (Granite's `embedding_multiplier`,
@@ -171,6 +218,16 @@ pub enum RopeScaling {
         /// Magnitude for longer sequences.
         long_mscale: f64,
     },
+    /// Gemma 4's "proportional" RoPE: the head is rotated as a whole
+    /// (`rotary_dim` = Dh, dimension i paired with i + Dh/2), but only the
+    /// first `angles` pairs turn, at `1 / (θ^(2i/Dh) · factor)`; the others
+    /// have frequency 0 and pass through.
+    Proportional {
+        /// Divisor of the frequencies (1 on the released models).
+        factor: f64,
+        /// Pairs that rotate: `partial_rotary_factor · Dh / 2`, rounded down.
+        angles: usize,
+    },
     /// Llama-3 style smooth per-frequency scaling.
     Llama3 {
         /// Scale for low frequencies.
@@ -228,6 +285,33 @@ pub struct AttentionSpec {
     /// latent attention, whose shared "rotary" key part stays unrotated).
     #[serde(default, skip_serializing_if = "is_default")]
     pub no_rope: bool,
+    /// Each value head is RMS-normed without a weight before it is cached
+    /// (Gemma 4's `v_norm`).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub value_norm: bool,
+    /// A query's scores are multiplied by a factor that grows with its
+    /// position (Llama-4's attention temperature tuning, Mistral Small 4).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub temperature: Option<AttentionTemperature>,
+}
+
+/// Llama-4's attention temperature: the query at position p is scaled by
+/// `1 + beta · ln(1 + ⌊p / period⌋)`, so attention sharpens step by step as
+/// the context grows past multiples of the training length.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AttentionTemperature {
+    /// Strength of the growth (`llama_4_scaling_beta`).
+    pub beta: f32,
+    /// Positions per step (the rope's `original_max_position_embeddings`).
+    pub period: usize,
+}
+
+impl AttentionTemperature {
+    /// The factor on the scores of the query at position `pos`.
+    pub fn at(&self, pos: usize) -> f32 {
+        // As transformers: the logarithm in f32 of a whole number of periods.
+        1.0 + self.beta * crate::math::ln_1pf((pos / self.period) as f32)
+    }
 }
 
 /// How queries, keys and values are formed and cached.
@@ -343,6 +427,11 @@ pub struct RouterSpec {
     pub score: RouterScore,
     /// Divide the K chosen weights by their sum.
     pub renormalize: bool,
+    /// With `renormalize`, the divisor is at least this: the weights are
+    /// divided by `max(sum, floor)` (ERNIE-4.5's `moe_norm_min`); 0 divides
+    /// by the sum itself.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub renormalize_floor: f32,
     /// Multiply the final weights by this (1.0 for most models).
     pub scale: f32,
     /// The router projection carries a bias.
@@ -355,6 +444,15 @@ pub struct RouterSpec {
     /// Group-limited selection, if any.
     #[serde(default, skip_serializing_if = "is_default")]
     pub groups: Option<GroupLimit>,
+    /// `Some(c)`: the router reads the residual stream through its own
+    /// RMSNorm (weight `RouterNorm`) times `c`, not the FFN's normed input
+    /// (Gemma 4: `c = D^-1/2`).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub own_norm: Option<f32>,
+    /// Each chosen weight is finally multiplied by its expert's learned
+    /// scale (`RouterExpertScale`, Gemma 4's `per_expert_scale`).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub expert_scale: bool,
 }
 
 /// How a gated FFN combines its gate and up projections.
@@ -364,6 +462,9 @@ pub enum Activation {
     /// `silu(gate) · up`, silu(x) = x · sigmoid(x).
     #[default]
     Silu,
+    /// `gelu(gate) · up` with the tanh approximation of GELU (GeGLU,
+    /// transformers' `gelu_pytorch_tanh`): `0.5·g·(1 + tanh(√(2/π)·(g + 0.044715·g³)))`.
+    GeluTanh,
     /// GPT-OSS: `g = min(gate, limit)`, `u = clamp(up, −limit, limit)`,
     /// `(u + 1) · g · sigmoid(alpha · g)`.
     ClampedSwiglu {
@@ -399,6 +500,12 @@ pub struct MoeSpec {
     pub expert_bias: bool,
     /// Optional shared expert.
     pub shared_expert: Option<SharedExpertSpec>,
+    /// The routed and shared branches are normed apart (Gemma 4): the shared
+    /// expert reads the FFN norm's output, the routed experts their own norm
+    /// of the residual (`MoeNorm`), and each branch's output is RMS-normed
+    /// (`SharedPostNorm`, `MoePostNorm`) before the two are added.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub branch_norms: bool,
 }
 
 /// The feed-forward part of one layer.
@@ -591,6 +698,10 @@ impl Default for ModelConfig {
             tie_embeddings: false,
             lm_head_bias: false,
             scales: Scales::default(),
+            logit_softcap: None,
+            global_attention: None,
+            post_norms: false,
+            layer_scale: false,
         }
     }
 }
@@ -614,6 +725,7 @@ impl Default for MoeSpec {
             activation: Activation::default(),
             expert_bias: false,
             shared_expert: None,
+            branch_norms: false,
         }
     }
 }
@@ -626,12 +738,58 @@ impl Default for RouterSpec {
             top_k: 1,
             score: RouterScore::Softmax,
             renormalize: false,
+            renormalize_floor: 0.0,
             scale: 1.0,
             bias: false,
             correction_bias: false,
             groups: None,
+            own_norm: None,
+            expert_scale: false,
         }
     }
+}
+
+/// Checks one RoPE spec against the head width `dh` it rotates.
+fn check_rope(rope: &RopeSpec, dh: usize) -> Result<()> {
+    let bad = |m: String| Err(Error::InvalidInput(format!("invalid model config: {m}")));
+    let rd = rope.rotary_dim;
+    if rd == 0 || !rd.is_multiple_of(2) || rd > dh {
+        return bad(format!("rotary_dim {rd} must be even and in 2..=head_dim {dh}"));
+    }
+    if rope.theta.is_nan() || rope.theta <= 0.0 {
+        return bad(format!("rope theta {} must be > 0", rope.theta));
+    }
+    match &rope.scaling {
+        RopeScaling::None => {}
+        RopeScaling::Linear { factor } | RopeScaling::Yarn { factor, .. } | RopeScaling::Llama3 { factor, .. } => {
+            if factor.is_nan() || *factor <= 0.0 {
+                return bad(format!("rope scaling factor {factor} must be > 0"));
+            }
+        }
+        RopeScaling::Proportional { factor, angles } => {
+            if factor.is_nan() || *factor <= 0.0 || rd != dh || *angles > rd / 2 {
+                return bad(format!(
+                    "proportional rope needs factor > 0, rotary_dim = head_dim {dh} and at most {} angles, \
+                     got factor {factor}, rotary_dim {rd}, {angles} angles",
+                    dh / 2
+                ));
+            }
+        }
+        RopeScaling::LongRope { short_factor, long_factor, .. } => {
+            let half = rd / 2;
+            if short_factor.len() != half || long_factor.len() != half {
+                return bad(format!(
+                    "longrope needs {half} short and long factors (rotary_dim {rd}), got {} and {}",
+                    short_factor.len(),
+                    long_factor.len()
+                ));
+            }
+            if short_factor.iter().chain(long_factor).any(|f| !(f.is_finite() && *f > 0.0)) {
+                return bad("longrope factors must be finite and > 0".into());
+            }
+        }
+    }
+    Ok(())
 }
 
 impl NormSpec {
@@ -663,6 +821,35 @@ impl ModelConfig {
     /// Hkv·Dh: width of the key and value projections.
     pub fn kv_dim(&self) -> usize {
         self.num_kv_heads * self.head_dim
+    }
+
+    /// The attention heads of layer `l`: the model's, or the global
+    /// attention's for a layer without a window when the model has one.
+    pub fn head_shape(&self, l: usize) -> HeadShape {
+        match (&self.global_attention, self.layers[l].mixer) {
+            (Some(g), MixerSpec::Attention { window: None }) => HeadShape {
+                head_dim: g.head_dim,
+                kv_heads: g.num_kv_heads,
+                values_from_keys: g.values_from_keys,
+                global: true,
+            },
+            _ => HeadShape {
+                head_dim: self.head_dim,
+                kv_heads: self.num_kv_heads,
+                values_from_keys: false,
+                global: false,
+            },
+        }
+    }
+
+    /// The widest query projection (H·Dh) over the layers.
+    pub fn max_q_dim(&self) -> usize {
+        self.q_dim().max(self.global_attention.as_ref().map_or(0, |g| self.num_heads * g.head_dim))
+    }
+
+    /// The widest key/value projection (Hkv·Dh) over the layers.
+    pub fn max_kv_dim(&self) -> usize {
+        self.kv_dim().max(self.global_attention.as_ref().map_or(0, |g| g.num_kv_heads * g.head_dim))
     }
 
     /// The MLA spec, when attention is latent.
@@ -714,35 +901,34 @@ impl ModelConfig {
             ));
         }
         let rd = self.rope.rotary_dim;
-        if rd == 0 || !rd.is_multiple_of(2) || rd > self.head_dim {
-            return bad(format!("rotary_dim {rd} must be even and in 2..=head_dim {}", self.head_dim));
+        check_rope(&self.rope, self.head_dim)?;
+        if let Some(g) = &self.global_attention {
+            for (name, v) in [("global head_dim", g.head_dim), ("global num_kv_heads", g.num_kv_heads)] {
+                if v == 0 || v > SIZE_LIMIT {
+                    return bad(format!("{name} = {v} out of range"));
+                }
+            }
+            if !self.num_heads.is_multiple_of(g.num_kv_heads) || self.mla().is_some() {
+                return bad(format!(
+                    "global attention needs grouped-query attention with num_heads {} a multiple of its {} kv heads",
+                    self.num_heads, g.num_kv_heads
+                ));
+            }
+            check_rope(&g.rope, g.head_dim)?;
+            if g.values_from_keys && self.attention.qkv_bias {
+                return bad("values taken from the keys cannot have a value bias (qkv_bias)".into());
+            }
         }
-        if self.rope.theta.is_nan() || self.rope.theta <= 0.0 {
-            return bad(format!("rope theta {} must be > 0", self.rope.theta));
+        if self.post_norms && self.norm.kind != NormKind::Rms {
+            return bad("post-block norms are RMSNorms: they need an RMSNorm model".into());
+        }
+        if let Some(c) = self.logit_softcap
+            && !(c.is_finite() && c > 0.0)
+        {
+            return bad(format!("logit soft-cap {c} must be finite and > 0"));
         }
         if self.norm.eps.is_nan() || self.norm.eps < 0.0 {
             return bad(format!("norm eps {} must be >= 0", self.norm.eps));
-        }
-        match &self.rope.scaling {
-            RopeScaling::None => {}
-            RopeScaling::Linear { factor } | RopeScaling::Yarn { factor, .. } | RopeScaling::Llama3 { factor, .. } => {
-                if factor.is_nan() || *factor <= 0.0 {
-                    return bad(format!("rope scaling factor {factor} must be > 0"));
-                }
-            }
-            RopeScaling::LongRope { short_factor, long_factor, .. } => {
-                let half = rd / 2;
-                if short_factor.len() != half || long_factor.len() != half {
-                    return bad(format!(
-                        "longrope needs {half} short and long factors (rotary_dim {rd}), got {} and {}",
-                        short_factor.len(),
-                        long_factor.len()
-                    ));
-                }
-                if short_factor.iter().chain(long_factor).any(|f| !(f.is_finite() && *f > 0.0)) {
-                    return bad("longrope factors must be finite and > 0".into());
-                }
-            }
         }
         if let Some(m) = self.mla() {
             let dims = [m.kv_lora_rank, m.qk_nope_dim, m.qk_rope_dim, m.v_head_dim, m.q_lora_rank.unwrap_or(1)];
@@ -789,6 +975,11 @@ impl ModelConfig {
             && !(s.is_finite() && s > 0.0)
         {
             return bad(format!("attention softmax scale {s} must be finite and > 0"));
+        }
+        if let Some(t) = self.attention.temperature
+            && (!t.beta.is_finite() || t.period == 0 || t.period > SIZE_LIMIT)
+        {
+            return bad(format!("attention temperature {t:?} needs a finite beta and a period of 1..={SIZE_LIMIT}"));
         }
         let sc = self.scales;
         if [sc.embedding, sc.residual, sc.logits_divisor].iter().any(|v| !v.is_finite()) || sc.logits_divisor == 0.0 {
@@ -860,6 +1051,18 @@ impl ModelConfig {
                         && (s.ffn_dim == 0 || s.ffn_dim > SIZE_LIMIT)
                     {
                         return bad(format!("shared expert ffn_dim {} out of range", s.ffn_dim));
+                    }
+                    if moe.branch_norms && (moe.shared_expert.is_none() || self.norm.kind != NormKind::Rms) {
+                        return bad("MoE branch norms need a shared expert and RMSNorm".into());
+                    }
+                    if let Some(c) = moe.router.own_norm
+                        && !c.is_finite()
+                    {
+                        return bad(format!("router input scale {c} must be finite"));
+                    }
+                    let floor = moe.router.renormalize_floor;
+                    if !(floor.is_finite() && floor >= 0.0) {
+                        return bad(format!("MoE router renormalisation floor {floor} must be finite and >= 0"));
                     }
                     if let Some(g) = moe.router.groups
                         && (g.groups == 0

@@ -155,12 +155,10 @@ impl ModelConfig {
                 let rows = window.map_or(Rows::Full, Rows::Window);
                 match self.mla() {
                     Some(m) => LayerState::Latent { width: m.kv_lora_rank + m.qk_rope_dim, rows },
-                    None => LayerState::Kv {
-                        heads: self.num_kv_heads,
-                        k_width: self.head_dim,
-                        v_width: self.head_dim,
-                        rows,
-                    },
+                    None => {
+                        let shape = self.head_shape(l);
+                        LayerState::Kv { heads: shape.kv_heads, k_width: shape.head_dim, v_width: shape.head_dim, rows }
+                    }
                 }
             }
             MixerSpec::Sparse { shared } => {

@@ -124,6 +124,22 @@ pub enum LayerTensor {
     SharedDown,
     /// [1, D] sigmoid gate of the shared expert
     SharedExpertGate,
+    /// `[D]` RMSNorm of the attention output before the residual add (`post_norms`).
+    AttnPostNorm,
+    /// `[D]` RMSNorm of the FFN output before the residual add (`post_norms`).
+    FfnPostNorm,
+    /// `[D]` the router's own RMSNorm of the residual (`own_norm`).
+    RouterNorm,
+    /// `[E]` per-expert multiplier of the routing weights (`expert_scale`).
+    RouterExpertScale,
+    /// `[D]` the routed experts' own input norm (`branch_norms`).
+    MoeNorm,
+    /// `[D]` RMSNorm of the routed experts' summed output (`branch_norms`).
+    MoePostNorm,
+    /// `[D]` RMSNorm of the shared expert's output (`branch_norms`).
+    SharedPostNorm,
+    /// `[1]` multiplier of the layer's output (`layer_scale`).
+    LayerScale,
 }
 
 /// Which matrix of a routed expert.
@@ -235,6 +251,14 @@ impl std::fmt::Display for TensorId {
                     L::SharedUp => "moe.shared.up",
                     L::SharedDown => "moe.shared.down",
                     L::SharedExpertGate => "moe.shared_gate",
+                    L::AttnPostNorm => "attn_post_norm",
+                    L::FfnPostNorm => "ffn_post_norm",
+                    L::RouterNorm => "moe.router.norm",
+                    L::RouterExpertScale => "moe.router.expert_scale",
+                    L::MoeNorm => "moe.norm",
+                    L::MoePostNorm => "moe.post_norm",
+                    L::SharedPostNorm => "moe.shared.post_norm",
+                    L::LayerScale => "layer_scale",
                 };
                 write!(f, "layers.{l}.{n}")
             }
@@ -377,7 +401,7 @@ pub struct PlannedTensor {
 /// expert is one contiguous slab), then the final norm and lm_head.
 pub fn tensor_plan(cfg: &ModelConfig) -> Vec<PlannedTensor> {
     use LayerTensor as L;
-    let (v, d, q, kv, dh) = (cfg.vocab_size, cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
+    let (v, d) = (cfg.vocab_size, cfg.hidden_size);
     let (h, layer_norm) = (cfg.num_heads, cfg.norm.kind == NormKind::Layer);
     let mut out = Vec::new();
     let mut push = |id, shape: Vec<usize>, role| out.push(PlannedTensor { id, shape, role });
@@ -390,11 +414,16 @@ pub fn tensor_plan(cfg: &ModelConfig) -> Vec<PlannedTensor> {
         }
         match layer.mixer {
             MixerSpec::Attention { .. } | MixerSpec::Sparse { .. } => {
+                // This layer's heads (Gemma 4's global layers differ from the rest).
+                let shape = cfg.head_shape(l);
+                let (q, kv, dh) = (h * shape.head_dim, shape.kv_heads * shape.head_dim, shape.head_dim);
                 match cfg.mla() {
                     None => {
                         push(t(L::Wq), vec![q, d], Role::Matrix);
                         push(t(L::Wk), vec![kv, d], Role::Matrix);
-                        push(t(L::Wv), vec![kv, d], Role::Matrix);
+                        if !shape.values_from_keys {
+                            push(t(L::Wv), vec![kv, d], Role::Matrix);
+                        }
                     }
                     Some(m) => {
                         match m.q_lora_rank {
@@ -421,7 +450,7 @@ pub fn tensor_plan(cfg: &ModelConfig) -> Vec<PlannedTensor> {
                         }
                     }
                 }
-                push(t(L::Wo), vec![d, cfg.att_dim()], Role::Matrix);
+                push(t(L::Wo), vec![d, if cfg.mla().is_some() { cfg.att_dim() } else { q }], Role::Matrix);
                 if cfg.attention.output_gate {
                     push(t(L::Wg), vec![q, d], Role::Matrix);
                     if cfg.attention.qkv_bias {
@@ -449,6 +478,9 @@ pub fn tensor_plan(cfg: &ModelConfig) -> Vec<PlannedTensor> {
                 }
                 if cfg.attention.sinks {
                     push(t(L::Sinks), vec![h], Role::Small);
+                }
+                if cfg.post_norms {
+                    push(t(L::AttnPostNorm), vec![d], Role::Small);
                 }
             }
             MixerSpec::Linear => {
@@ -501,6 +533,17 @@ pub fn tensor_plan(cfg: &ModelConfig) -> Vec<PlannedTensor> {
                 if moe.router.correction_bias {
                     push(t(L::RouterCorrection), vec![e], Role::Small);
                 }
+                if moe.router.own_norm.is_some() {
+                    push(t(L::RouterNorm), vec![d], Role::Small);
+                }
+                if moe.router.expert_scale {
+                    push(t(L::RouterExpertScale), vec![e], Role::Small);
+                }
+                if moe.branch_norms {
+                    push(t(L::MoeNorm), vec![d], Role::Small);
+                    push(t(L::MoePostNorm), vec![d], Role::Small);
+                    push(t(L::SharedPostNorm), vec![d], Role::Small);
+                }
                 if let Some(s) = &moe.shared_expert {
                     push(t(L::SharedGate), vec![s.ffn_dim, d], Role::Matrix);
                     push(t(L::SharedUp), vec![s.ffn_dim, d], Role::Matrix);
@@ -521,6 +564,12 @@ pub fn tensor_plan(cfg: &ModelConfig) -> Vec<PlannedTensor> {
                     }
                 }
             }
+        }
+        if cfg.post_norms {
+            push(t(L::FfnPostNorm), vec![d], Role::Small);
+        }
+        if cfg.layer_scale {
+            push(t(L::LayerScale), vec![1], Role::Small);
         }
     }
     push(TensorId::FinalNorm, vec![d], Role::Small);

@@ -37,6 +37,7 @@ fn prefill_then_decode_equals_one_full_forward() {
         .chain(DType::ALL.map(|dt| (dt, frontier.clone())))
         .chain(DType::ALL.map(|dt| (dt, hybrid.clone())))
         .chain(DType::ALL.map(|dt| (dt, kda.clone())))
+        .chain(DType::ALL.map(|dt| (dt, crate::synth::gemma4_config())))
         .chain(DType::ALL.map(|dt| (dt, crate::synth::sparse_config())));
     for (dt, cfg) in cases {
         let (_d, e) = engine_with(&cfg, dt, 2);
@@ -103,6 +104,7 @@ fn chunked_prefill_equals_single_pass() {
         (config_for(DType::F32), DType::F32),
         (crate::synth::hybrid_config(), DType::Q8_0),
         (crate::synth::kda_hybrid_config(), DType::F32),
+        (crate::synth::gemma4_config(), DType::Q4_0),
         (crate::synth::sparse_config(), DType::F32),
         (crate::synth::sparse_config(), DType::Q8_0),
     ];
@@ -173,6 +175,7 @@ fn thread_count_does_not_change_a_single_bit() {
         (hybrid.clone(), DType::F32),
         (hybrid, DType::Q4_0),
         (crate::synth::kda_hybrid_config(), DType::Q8_0),
+        (crate::synth::gemma4_config(), DType::Q8_0),
         (crate::synth::sparse_config(), DType::F32),
     ];
     for (cfg, dt) in cases {
@@ -417,6 +420,7 @@ fn a_batch_of_sequences_gives_each_the_bits_it_gets_alone() {
         .chain(DType::ALL.map(|dt| (dt, frontier.clone())))
         .chain(DType::ALL.map(|dt| (dt, hybrid.clone())))
         .chain(DType::ALL.map(|dt| (dt, kda.clone())))
+        .chain(DType::ALL.map(|dt| (dt, crate::synth::gemma4_config())))
         .chain(DType::ALL.map(|dt| (dt, crate::synth::sparse_config())));
     for (dt, cfg) in cases {
         let (_d, e) = engine_with(&cfg, dt, 2);

@@ -5,9 +5,10 @@
 //! ```text
 //! x = embed(tokens) · s_emb                                [T, D]
 //! for each layer:
-//!     x += s_res · attention(norm(x))                      GQA or MLA, over the KV cache
-//!     x += s_res · ffn_or_moe(norm(x))                     dense MLP, or router + experts + shared
-//! logits = lm_head(norm(x)) / s_logits                     [T, V]
+//!     x += s_res · post(attention(norm(x)))                GQA or MLA, over the KV cache
+//!     x += s_res · post(ffn_or_moe(norm(x)))               dense MLP, or router + experts + shared
+//!     x *= layer scale                                     (post norms and scale where the model has them)
+//! logits = softcap(lm_head(norm(x)) / s_logits)            [T, V]
 //! ```
 //!
 //! Tokens are processed in chunks of at most C (the session's chunk size):
@@ -19,8 +20,9 @@ use super::blocks::ffn::{MlpScratch, add_bias, gated_mlp, sigmoid};
 use super::blocks::gqa::Gqa;
 use super::blocks::indexer::{IndexRefs, Indexer, attend_rows};
 use super::blocks::mla::{Mla, MlaQ};
-use super::blocks::moe::{MoeBlock, MoeLayer, moe_block, predict};
-use super::blocks::norm::norm_rows;
+use super::blocks::moe::{MoeBlock, MoeLayer, moe_block, moe_forward, predict};
+use super::blocks::norm::{norm_rows, rmsnorm_rows_inplace};
+use super::blocks::rope::Rope;
 use super::session::{Sequence, Session, Workspace};
 use super::weights::{Mlp, TensorRef};
 use super::{FfnRefs, LayerRefs, MlaQuery, MlpRefs, Model, NormRefs, QkvRefs};
@@ -172,11 +174,16 @@ fn forward_chunk(
     for (l, lw) in model.layers.iter().enumerate() {
         norm(model, lw.attn_norm, &s.x[..n * d], &mut s.xn[..n * d]);
         attention(model, l, s, segs, n); // proj: [T, D]
+        post_norm(model, lw.post_norms.map(|[a, _]| a), &mut s.proj[..n * d]);
         residual(&mut s.x[..n * d], &s.proj[..n * d], c.scales.residual);
         prefetch_next_layer(model, l, s, n);
         norm(model, lw.ffn_norm, &s.x[..n * d], &mut s.xn[..n * d]);
         ffn_or_moe(model, l, s, n)?; // proj: [T, D]
+        post_norm(model, lw.post_norms.map(|[_, f]| f), &mut s.proj[..n * d]);
         residual(&mut s.x[..n * d], &s.proj[..n * d], c.scales.residual);
+        if let Some(scale) = model.opt_vec(lw.layer_scale) {
+            s.x[..n * d].iter_mut().for_each(|v| *v *= scale[0]);
+        }
         if l + 1 < c.num_layers() {
             snap(&mut cap.hidden, l + 1, &s.x);
         }
@@ -243,17 +250,30 @@ fn embed(model: &Model, s: &mut Workspace, segs: &[Segment]) {
     }
 }
 
-/// RoPE cosines and sines of this chunk's positions: `[T, R/2]` each. Each
+/// RoPE cosines and sines of this chunk's positions: `[T, R/2]` each (and
+/// `[T, Rg/2]` for the global layers' RoPE, if they have their own). Each
 /// segment's `end` is where its run of tokens ends (LongRoPE's switch, as
 /// transformers decides it per call).
 fn rope_angles(model: &Model, s: &mut Workspace, segs: &[Segment]) {
-    let half = model.config.rope.rotary_dim / 2;
-    for ((r0, m), g) in rows(segs).zip(segs) {
-        for i in 0..m {
-            let t = r0 + i;
-            let (cs, sn) = (&mut s.cos[t * half..(t + 1) * half], &mut s.sin[t * half..(t + 1) * half]);
-            model.rope.angles(g.seq.pos + i, g.end, cs, sn);
+    let ropes = [(&model.rope, &mut s.cos, &mut s.sin)];
+    let global = model.global_rope.as_ref().map(|r| (r, &mut s.global_cos, &mut s.global_sin));
+    for (rope, cos, sin) in ropes.into_iter().chain(global) {
+        let half = rope.inv_freq.len();
+        for ((r0, m), g) in rows(segs).zip(segs) {
+            for i in 0..m {
+                let t = r0 + i;
+                let (cs, sn) = (&mut cos[t * half..(t + 1) * half], &mut sin[t * half..(t + 1) * half]);
+                rope.angles(g.seq.pos + i, g.end, cs, sn);
+            }
         }
+    }
+}
+
+/// `y = rmsnorm(y) · w` of each row, in place, when the block's output is
+/// normed before the residual add.
+fn post_norm(model: &Model, w: Option<TensorRef>, y: &mut [f32]) {
+    if let Some(w) = model.opt_vec(w) {
+        rmsnorm_rows_inplace(y, w, model.config.norm.eps);
     }
 }
 
@@ -277,20 +297,27 @@ fn residual(x: &mut [f32], y: &[f32], scale: f32) {
 fn attention(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n: usize) {
     let c = &model.config;
     let lw = &model.layers[l];
-    let (d, h, dh, half) = (c.hidden_size, c.num_heads, c.head_dim, c.rope.rotary_dim / 2);
+    // This layer's heads and RoPE (a global layer may have its own).
+    let shape = c.head_shape(l);
+    let (rope, cos, sin) = match (&model.global_rope, shape.global) {
+        (Some(r), true) => (r, &s.global_cos, &s.global_sin),
+        _ => (&model.rope, &s.cos, &s.sin),
+    };
+    let (d, h, dh, half) = (c.hidden_size, c.num_heads, shape.head_dim, rope.inv_freq.len());
     let window = c.layers[l].mixer.window();
     let sinks = model.opt_vec(lw.sinks);
-    let ad = c.att_dim();
+    let ad = if c.mla().is_some() { c.att_dim() } else { h * dh };
     // Over the q/k head width Dh (MLA: nope + rope, not the latent's width).
     let scale = c.attention.softmax_scale.unwrap_or(1.0 / (dh as f32).sqrt());
-    let (xn, cos, sin) = (&s.xn[..n * d], &s.cos[..n * half], &s.sin[..n * half]);
+    let temperature = c.attention.temperature;
+    let (xn, cos, sin) = (&s.xn[..n * d], &cos[..n * half], &sin[..n * half]);
     match lw.qkv {
         QkvRefs::Gqa { wq, wk, wv } => {
-            let (qd, kvd) = (c.q_dim(), c.kv_dim());
+            let (qd, kvd) = (h * dh, shape.kv_heads * dh);
             let (q, k, v) = (&mut s.q[..n * qd], &mut s.k[..n * kvd], &mut s.v[..n * kvd]);
             let gate = &mut s.gate[..if lw.wg.is_some() { n * qd } else { 0 }];
-            gqa(model, lw, [wq, wk, wv]).project(xn, &mut s.xq, cos, sin, q, k, v, gate); // q: [T, H·Dh], k, v: [T, Hkv·Dh]
-            let heads = Heads { h, hkv: c.num_kv_heads, dk: dh, dv: dh, window, scale, sinks };
+            gqa(model, lw, wq, wk, wv, dh, rope).project(xn, &mut s.xq, cos, sin, q, k, v, gate); // q: [T, H·Dh], k, v: [T, Hkv·Dh]
+            let heads = Heads { h, hkv: shape.kv_heads, dk: dh, dv: dh, window, scale, sinks, temperature };
             let (q, k, v) = (&s.q, &s.k, &s.v);
             let (att, order) = (&mut s.att[..n * ad], &mut s.att_order[..n * ad]);
             each_segment(segs, 0, ad, att, order, &|r0, g, att, order| {
@@ -316,7 +343,7 @@ fn attention(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n
             block.project(xn, &mut s.xq, cos, sin, qs, kv, &mut s.mla); // q: [T, H·Dh], k: [T, R + Dr]
             block.absorb(&s.q[..n * h * dh], &mut s.mla); // q_abs: [T, H·(R + Dr)]
             // One latent "kv head" shared by all heads; the values are the latent.
-            let heads = Heads { h, hkv: 1, dk: r + dr, dv: r, window, scale, sinks };
+            let heads = Heads { h, hkv: 1, dk: r + dr, dv: r, window, scale, sinks, temperature };
             if let Some(index) = index {
                 sparse_attention(model, l, index, heads, s, segs, n);
             } else {
@@ -419,23 +446,32 @@ fn linear_attention(model: &Model, l: usize, refs: DeltaRefs, s: &mut Workspace,
     matmul(&wo, &s.xq.prepare(s.delta.out(n), vd), &mut s.proj[..n * d]); // [T, D]
 }
 
-/// Layer `lw`'s GQA projections.
-fn gqa<'a>(model: &'a Model, lw: &LayerRefs, [wq, wk, wv]: [TensorRef; 3]) -> Gqa<'a> {
+/// Layer `lw`'s GQA projections, of head width `dh`, rotated by `rope`.
+fn gqa<'a>(
+    model: &'a Model,
+    lw: &LayerRefs,
+    wq: TensorRef,
+    wk: TensorRef,
+    wv: Option<TensorRef>,
+    dh: usize,
+    rope: &'a Rope,
+) -> Gqa<'a> {
     let c = &model.config;
     let qk_norm = lw.qk_norm.map(|[qn, kn]| [model.vec(qn), model.vec(kn)]);
     debug_assert!(qk_norm.is_none_or(|[wqn, _]| c.attention.qk_norm == QkNorm::PerHead || wqn.len() == c.q_dim()));
     Gqa {
         wq: model.mat(wq),
         wk: model.mat(wk),
-        wv: model.mat(wv),
+        wv: wv.map(|t| model.mat(t)),
         wg: lw.wg.map(|t| model.mat(t)),
         bg: model.opt_vec(lw.bg),
         bias: lw.qkv_bias.map(|b| b.map(|t| model.vec(t))),
         qk_norm,
         eps: c.norm.eps,
         clip: c.attention.clip_qkv,
-        dh: c.head_dim,
-        rope: &model.rope,
+        v_norm: c.attention.value_norm,
+        dh,
+        rope,
     }
 }
 
@@ -476,14 +512,27 @@ fn prefetch_next_layer(model: &Model, l: usize, s: &mut Workspace, n: usize) {
     let Some(next) = model.layers.get(l + 1) else { return };
     let Some(layer) = moe_layer(model, l + 1, next) else { return };
     let d = model.config.hidden_size;
-    norm(model, next.ffn_norm, &s.x[..n * d], &mut s.moe.pred_x[..n * d]);
+    router_input(model, next, &s.x[..n * d], &mut s.moe.pred_x[..n * d]);
     let experts = predict(&layer, n, &mut s.moe);
     model.experts.prefetch(l + 1, experts);
 }
 
+/// What layer `lw`'s router reads of the residual `x` ([T, D]), into `out`:
+/// its own norm times the spec's constant, or the FFN's norm.
+fn router_input(model: &Model, lw: &LayerRefs, x: &[f32], out: &mut [f32]) {
+    let own = model.config.moe.as_ref().and_then(|m| m.router.own_norm);
+    match (lw.ffn, own) {
+        (FfnRefs::Moe { router_norm: Some(w), .. }, Some(c)) => {
+            norm_rows(model.config.norm, x, model.vec(w), None, out); // [T, D]
+            out.iter_mut().for_each(|v| *v *= c);
+        }
+        _ => norm(model, lw.ffn_norm, x, out),
+    }
+}
+
 /// The routed half of layer `l`'s MoE block, if it has one.
 fn moe_layer<'a>(model: &'a Model, l: usize, lw: &LayerRefs) -> Option<MoeLayer<'a>> {
-    let FfnRefs::Moe { router, router_bias, correction, .. } = lw.ffn else { return None };
+    let FfnRefs::Moe { router, router_bias, correction, expert_scale, .. } = lw.ffn else { return None };
     let moe = model.config.moe.as_ref().expect("validated: MoE layer has a spec");
     Some(MoeLayer {
         layer: l,
@@ -491,6 +540,8 @@ fn moe_layer<'a>(model: &'a Model, l: usize, lw: &LayerRefs) -> Option<MoeLayer<
         router_bias: model.opt_vec(router_bias),
         correction: model.opt_vec(correction),
         spec: &moe.router,
+        expert_scale: model.opt_vec(expert_scale),
+        router_x: None,
         act: moe.activation,
         store: model.experts.as_ref(),
         telemetry: model.telemetry.layers.get(l),
@@ -511,13 +562,31 @@ fn ffn_or_moe(model: &Model, l: usize, s: &mut Workspace, n: usize) -> Result<()
             gated_mlp(&mlp(model, m), Activation::Silu, &inp, scratch, proj);
             Ok(())
         }
-        FfnRefs::Moe { shared, shared_gate, .. } => {
-            let block = MoeBlock {
-                routed: moe_layer(model, l, lw).expect("a MoE layer"),
-                shared: shared.map(|m| mlp(model, m)),
-                shared_gate: model.opt_vec(shared_gate),
+        FfnRefs::Moe { shared, shared_gate, router_norm, branch_norms, .. } => {
+            let mut routed = moe_layer(model, l, lw).expect("a MoE layer");
+            if router_norm.is_some() {
+                router_input(model, lw, &s.x[..n * d], &mut s.xrt[..n * d]); // [T, D]
+                routed.router_x = Some(&s.xrt[..n * d]);
+            }
+            let Some([moe_norm, moe_post, shared_post]) = branch_norms else {
+                let block =
+                    MoeBlock { routed, shared: shared.map(|m| mlp(model, m)), shared_gate: model.opt_vec(shared_gate) };
+                return moe_block(&block, &inp, &mut s.moe, scratch, &mut s.shared[..n * d], proj);
             };
-            moe_block(&block, &inp, &mut s.moe, scratch, &mut s.shared[..n * d], proj)
+            // Branch norms: the shared expert on the FFN norm's output, the
+            // routed experts on their own norm of the residual, each output
+            // normed, then added.
+            let shared = mlp(model, shared.expect("validated: branch norms come with a shared expert"));
+            let act = model.config.moe.as_ref().map_or(Activation::Silu, |m| m.activation);
+            let y_shared = &mut s.shared[..n * d];
+            gated_mlp(&shared, act, &inp, scratch, y_shared); // [T, D]
+            rmsnorm_rows_inplace(y_shared, model.vec(shared_post), model.config.norm.eps);
+            norm_rows(model.config.norm, &s.x[..n * d], model.vec(moe_norm), None, &mut s.xr[..n * d]); // [T, D]
+            let inp = s.xq.prepare(&s.xr[..n * d], d);
+            moe_forward(&routed, &inp, &mut s.moe, proj)?; // [T, D]
+            rmsnorm_rows_inplace(proj, model.vec(moe_post), model.config.norm.eps);
+            proj.iter_mut().zip(y_shared.iter()).for_each(|(p, y)| *p += y);
+            Ok(())
         }
     }
 }
@@ -535,6 +604,9 @@ fn lm_head(model: &Model, s: &mut Workspace, segs: &mut [Segment], n: usize, off
         }
         if c.scales.logits_divisor != 1.0 {
             y.iter_mut().for_each(|v| *v /= c.scales.logits_divisor);
+        }
+        if let Some(cap) = c.logit_softcap {
+            y.iter_mut().for_each(|v| *v = crate::math::tanhf(*v / cap) * cap);
         }
     };
     let xn = &s.xn[..n * d];

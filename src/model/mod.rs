@@ -36,6 +36,8 @@ pub struct MlpRefs {
 }
 
 /// The feed-forward half of a layer.
+// One per layer, made at load: the MoE variant's size costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Copy, Debug)]
 pub enum FfnRefs {
     /// A dense MLP.
@@ -53,6 +55,13 @@ pub enum FfnRefs {
         shared: Option<MlpRefs>,
         /// [1, D] sigmoid gate of the shared expert (f32).
         shared_gate: Option<TensorRef>,
+        /// `[D]` the router's own norm of the residual.
+        router_norm: Option<TensorRef>,
+        /// `[E]` per-expert multiplier of the routing weights.
+        expert_scale: Option<TensorRef>,
+        /// `[D]` ×3: the routed experts' input norm, their output norm and
+        /// the shared expert's output norm (branch norms).
+        branch_norms: Option<[TensorRef; 3]>,
     },
 }
 
@@ -74,8 +83,8 @@ pub enum QkvRefs {
         wq: TensorRef,
         /// [Hkv·Dh, D]
         wk: TensorRef,
-        /// [Hkv·Dh, D]
-        wv: TensorRef,
+        /// [Hkv·Dh, D]; `None` when the values are the key projection.
+        wv: Option<TensorRef>,
     },
     /// Multi-head latent attention.
     Mla {
@@ -130,6 +139,10 @@ pub struct LayerRefs {
     pub ffn_norm: NormRefs,
     /// Dense MLP or MoE.
     pub ffn: FfnRefs,
+    /// `[D]` ×2: norms of the attention and FFN outputs before their residual adds.
+    pub post_norms: Option<[TensorRef; 2]>,
+    /// `[1]` multiplier of the layer's output.
+    pub layer_scale: Option<TensorRef>,
 }
 
 /// A model ready to run.
@@ -151,6 +164,8 @@ pub struct Model {
     pub experts: Box<dyn ExpertStore>,
     /// Precomputed RoPE inverse frequencies and magnitude.
     pub rope: blocks::rope::Rope,
+    /// The global attention layers' RoPE, when they have their own.
+    pub global_rope: Option<blocks::rope::Rope>,
     /// The dense weights copied out of the file (only when experts stream).
     dense: Option<DenseCopy>,
     /// Routing counters.
@@ -217,12 +232,20 @@ impl Model {
                     correction: opt(moe.is_some_and(|m| m.router.correction_bias), L::RouterCorrection)?,
                     shared: has_shared.map(|_| mlp(L::SharedGate, L::SharedUp, L::SharedDown)).transpose()?,
                     shared_gate: has_shared.filter(|s| s.sigmoid_gate).map(|_| t(L::SharedExpertGate)).transpose()?,
+                    router_norm: opt(moe.is_some_and(|m| m.router.own_norm.is_some()), L::RouterNorm)?,
+                    expert_scale: opt(moe.is_some_and(|m| m.router.expert_scale), L::RouterExpertScale)?,
+                    branch_norms: match moe.is_some_and(|m| m.branch_norms) {
+                        true => Some([t(L::MoeNorm)?, t(L::MoePostNorm)?, t(L::SharedPostNorm)?]),
+                        false => None,
+                    },
                 },
             };
             let attends = spec.mixer != MixerSpec::Linear;
             let qkv = match cfg.mla() {
                 _ if !attends => QkvRefs::Delta(DeltaRefs::load(cfg.linear.as_ref(), t)?),
-                None => QkvRefs::Gqa { wq: t(L::Wq)?, wk: t(L::Wk)?, wv: t(L::Wv)? },
+                None => {
+                    QkvRefs::Gqa { wq: t(L::Wq)?, wk: t(L::Wk)?, wv: opt(!cfg.head_shape(l).values_from_keys, L::Wv)? }
+                }
                 Some(m) => QkvRefs::Mla {
                     q: match m.q_lora_rank {
                         None => MlaQuery::Direct(t(L::Wq)?),
@@ -259,11 +282,17 @@ impl Model {
                 bg: opt(attends && cfg.attention.output_gate && cfg.attention.qkv_bias, L::Bg)?,
                 ffn_norm: norm(L::FfnNorm, L::FfnNormBias)?,
                 ffn,
+                post_norms: match cfg.post_norms {
+                    true => Some([t(L::AttnPostNorm)?, t(L::FfnPostNorm)?]),
+                    false => None,
+                },
+                layer_scale: opt(cfg.layer_scale, L::LayerScale)?,
             });
         }
         let embed = r(TensorId::Embed)?;
         let lm_head = if cfg.tie_embeddings { embed } else { r(TensorId::LmHead)? };
         let rope = blocks::rope::Rope::new(&cfg.rope);
+        let global_rope = cfg.global_attention.as_ref().map(|g| blocks::rope::Rope::new(&g.rope));
         let placed = store::place(&file, opts)?;
         let experts_per_layer = cfg.layers.iter().map(|l| match (&l.ffn, &cfg.moe) {
             (FfnSpec::Moe, Some(m)) => m.num_experts,
@@ -300,6 +329,7 @@ impl Model {
             lm_head,
             layers,
             rope,
+            global_rope,
             config: cfg,
             file,
         })

@@ -276,6 +276,14 @@ pub struct Workspace {
     pub cos: Vec<f32>,
     /// [C, R/2] RoPE sines.
     pub sin: Vec<f32>,
+    /// [C, Rg/2] the global layers' RoPE cosines (empty without their own RoPE).
+    pub global_cos: Vec<f32>,
+    /// [C, Rg/2] their sines.
+    pub global_sin: Vec<f32>,
+    /// [C, D] the routed experts' own normed input (branch norms; else empty).
+    pub xr: Vec<f32>,
+    /// [C, D] the router's own normed input (else empty).
+    pub xrt: Vec<f32>,
     /// MoE scratch.
     pub moe: MoeScratch,
     /// [S, D] the normed last rows whose logits are wanted (the lm_head's input).
@@ -292,7 +300,8 @@ impl Workspace {
         let chunk = chunk.max(1);
         let logit_rows = logit_rows.clamp(1, chunk);
         let quantize = model.has_block_weights();
-        let (d, kv) = (c.hidden_size, c.kv_dim());
+        let (d, kv, qd) = (c.hidden_size, c.max_kv_dim(), c.max_q_dim());
+        let ad = c.att_dim().max(qd);
         let k_width = c.layer_states().into_iter().filter_map(|st| cache_shape(st).map(|s| s.1)).max().unwrap_or(0);
         let linear_out = c.linear.as_ref().map_or(0, |l| l.value_dim());
         let mut fmax = 1;
@@ -311,28 +320,35 @@ impl Workspace {
             None => (1, 1, 1),
         };
         let half = c.rope.rotary_dim / 2;
+        let global_half = c.global_attention.as_ref().map_or(0, |g| g.rope.rotary_dim / 2);
+        let branch_norms = c.moe.as_ref().is_some_and(|m| m.branch_norms);
+        let router_norm = c.moe.as_ref().is_some_and(|m| m.router.own_norm.is_some());
         Workspace {
             chunk,
             logit_rows,
             x: vec![0.0; chunk * d],
             xn: vec![0.0; chunk * d],
-            q: vec![0.0; chunk * c.q_dim()],
+            q: vec![0.0; chunk * qd],
             k: vec![0.0; chunk * k_width],
             v: vec![0.0; chunk * kv],
-            att: vec![0.0; chunk * c.att_dim()],
-            att_order: vec![0.0; chunk * c.att_dim().max(c.num_heads * c.mla().map_or(0, |m| m.kv_lora_rank))],
+            att: vec![0.0; chunk * ad],
+            att_order: vec![0.0; chunk * ad.max(c.num_heads * c.mla().map_or(0, |m| m.kv_lora_rank))],
             mla: MlaScratch::new(c, chunk, quantize),
             delta: DeltaScratch::new(c.linear.as_ref(), chunk),
             index: IndexerScratch::new(c, chunk),
-            gate: vec![0.0; if c.attention.output_gate { chunk * c.q_dim() } else { 0 }],
+            gate: vec![0.0; if c.attention.output_gate { chunk * qd } else { 0 }],
             proj: vec![0.0; chunk * d],
             shared: vec![0.0; chunk * d],
             g: vec![0.0; chunk * fmax],
             u: vec![0.0; chunk * fmax],
-            xq: Inputs::new(quantize, chunk * d.max(c.q_dim()).max(c.att_dim()).max(linear_out)),
+            xq: Inputs::new(quantize, chunk * d.max(qd).max(ad).max(linear_out)),
             hq: vec![BlockQ8::default(); q8_blocks(chunk * fmax)],
             cos: vec![0.0; chunk * half],
             sin: vec![0.0; chunk * half],
+            global_cos: vec![0.0; chunk * global_half],
+            global_sin: vec![0.0; chunk * global_half],
+            xr: vec![0.0; if branch_norms { chunk * d } else { 0 }],
+            xrt: vec![0.0; if router_norm { chunk * d } else { 0 }],
             moe: MoeScratch::new(chunk, e, k, d, fe),
             head_x: vec![0.0; logit_rows * d],
             head_y: vec![0.0; logit_rows * c.vocab_size],

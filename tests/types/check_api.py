@@ -21,6 +21,11 @@ def check(engine: colibri.Engine, ids: list[int]) -> None:
     assert_type(engine.stream("text"), colibri.Stream[str])
     assert_type(engine.stream(ids, params), colibri.Stream[int])
     assert_type(engine.chat([{"role": "user", "content": "hi"}], top_k=5), colibri.Completion)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    reply = engine.chat([{"role": "user", "content": "hi"}], tools=[tool], tool_choice="auto")
+    assert_type(reply.tool_calls, list[colibri.ToolCall])
+    assert_type(reply.reasoning_content, str | None)
+    assert_type(reply.tool_calls[0].arguments, str)
     assert_type(params.replace(seed=2), colibri.SamplingParams)
     with colibri.Engine.demo() as e:
         assert_type(e, colibri.Engine)

@@ -17,6 +17,7 @@
 
 use rayon::prelude::*;
 
+use crate::canonical::config::AttentionTemperature;
 use crate::kernels::{KV_QUERIES, KvKernels};
 use crate::math::expf_poly as exp;
 use crate::quant::DType;
@@ -38,6 +39,8 @@ pub struct Heads<'a> {
     pub scale: f32,
     /// `[H]` sink logits.
     pub sinks: Option<&'a [f32]>,
+    /// A factor on each query's scale that grows with its position.
+    pub temperature: Option<AttentionTemperature>,
 }
 
 /// One layer's cached keys and values as raw bytes of `dtype` (f32 or f16):
@@ -139,12 +142,13 @@ struct Ctx<'a> {
 }
 
 /// Up to eight queries of one kv head (positions in nondecreasing order)
-/// with their online softmax: running maximum `m`, running sum `l`, and
-/// the unnormalised output rows `o` (`[n, Dv]`).
+/// with their score scales, and their online softmax: running maximum `m`,
+/// running sum `l`, and the unnormalised output rows `o` (`[n, Dv]`).
 struct Batch<'a> {
     n: usize,
     kvh: usize,
     qs: [&'a [f32]; KV_QUERIES],
+    scale: [f32; KV_QUERIES],
     pos: [usize; KV_QUERIES],
     first: [usize; KV_QUERIES],
     m: [f32; KV_QUERIES],
@@ -156,7 +160,7 @@ impl<'a> Batch<'a> {
     /// The batch of queries `ids` ((token, head) pairs) of kv head `kvh`,
     /// its output rows `o`.
     fn new(at: &Ctx<'a>, kvh: usize, ids: &[(usize, usize)], o: &'a mut [f32]) -> Batch<'a> {
-        let Heads { h, dk, window, sinks, .. } = at.hd;
+        let Heads { h, dk, window, sinks, scale, temperature, .. } = at.hd;
         let n = ids.len();
         let qs: [&[f32]; KV_QUERIES] = std::array::from_fn(|i| {
             let (t, head) = ids[i.min(n - 1)];
@@ -164,6 +168,7 @@ impl<'a> Batch<'a> {
         });
         let pos: [usize; KV_QUERIES] = std::array::from_fn(|i| at.pos0 + ids[i.min(n - 1)].0);
         let first: [usize; KV_QUERIES] = std::array::from_fn(|i| window.map_or(0, |w| (pos[i] + 1).saturating_sub(w)));
+        let scale: [f32; KV_QUERIES] = std::array::from_fn(|i| temperature.map_or(scale, |t| scale * t.at(pos[i])));
         // A sink is a key of logit s with no value: it starts the sum at 1.
         let mut m = [f32::NEG_INFINITY; KV_QUERIES];
         let mut l = [0f32; KV_QUERIES];
@@ -173,7 +178,7 @@ impl<'a> Batch<'a> {
             }
         }
         o.fill(0.0);
-        Batch { n, kvh, qs, pos, first, m, l, o }
+        Batch { n, kvh, qs, scale, pos, first, m, l, o }
     }
 
     /// Adds key block `blk` (if any query sees a key of it): scores, the
@@ -182,7 +187,7 @@ impl<'a> Batch<'a> {
     /// then the values, in key order.
     fn block(&mut self, at: &Ctx, blk: usize, scores: &mut [[f32; KEY_BLOCK]; KV_QUERIES]) {
         let (kv, kk, es) = (at.kv, at.kk, at.es);
-        let Heads { dv, scale, .. } = at.hd;
+        let dv = at.hd.dv;
         let (n, kvh) = (self.n, self.kvh);
         let (b0, b1) = (blk * KEY_BLOCK, (blk + 1) * KEY_BLOCK);
         // Query i's keys in this block: lo[i]..hi[i] (both nondecreasing in
@@ -200,6 +205,7 @@ impl<'a> Batch<'a> {
         for i in a..z {
             let row = &mut scores[i];
             let (r0, r1) = (lo[i] - b0, hi[i] - b0);
+            let scale = self.scale[i];
             row[r0..r1].iter_mut().for_each(|s| *s *= scale);
             let block_max = row[r0..r1].iter().fold(f32::NEG_INFINITY, |x, &s| x.max(s));
             if block_max > self.m[i] {
@@ -284,11 +290,13 @@ mod tests {
 
     /// Textbook attention with an explicit mask and a two-pass softmax.
     fn naive(q: &[f32], k: &[f32], v: &[f32], pos0: usize, hd: Heads) -> Vec<f32> {
-        let Heads { h, hkv, dk: dh, window, .. } = hd;
+        let Heads { h, hkv, dk: dh, window, scale, temperature, .. } = hd;
         let t_n = q.len() / (h * dh);
         let mut out = vec![0.0; q.len()];
         for t in 0..t_n {
             let p = pos0 + t;
+            // The temperature as its rule reads: 1 + beta · ln(1 + floor(p / period)).
+            let temp = temperature.map_or(1.0, |tp| 1.0 + tp.beta as f64 * (1.0 + (p / tp.period) as f64).ln());
             for head in 0..h {
                 let kvh = head / (h / hkv);
                 let scores: Vec<f64> = (0..=p)
@@ -300,7 +308,8 @@ mod tests {
                         (0..dh)
                             .map(|d| (q[(t * h + head) * dh + d] * k[j * hkv * dh + kvh * dh + d]) as f64)
                             .sum::<f64>()
-                            / (dh as f64).sqrt()
+                            * scale as f64
+                            * temp
                     })
                     .collect();
                 let mx = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -331,7 +340,10 @@ mod tests {
             (4, 2, 16, None, 150, 30),
             (2, 1, 8, Some(70), 100, 20),
         ] {
-            let hd = Heads { h, hkv, dk: dh, dv: dh, window, scale: 1.0 / (dh as f32).sqrt(), sinks: None };
+            // A temperature where the queries do not start at 0.
+            let temperature = (pos0 > 0).then_some(AttentionTemperature { beta: 0.4, period: 16 });
+            let scale = 1.0 / (dh as f32).sqrt();
+            let hd = Heads { h, hkv, dk: dh, dv: dh, window, scale, sinks: None, temperature };
             let s_len = pos0 + t;
             let k: Vec<f32> = (0..s_len * hkv * dh).map(|_| rnd()).collect();
             let v: Vec<f32> = (0..s_len * hkv * dh).map(|_| rnd()).collect();
@@ -392,7 +404,8 @@ mod tests {
             (6, 6, 8, None, 60, 9),
             (6, 2, 17, Some(5), 3, 30),
         ] {
-            let hd = Heads { h, hkv, dk: dh, dv: dh, window, scale: 0.3, sinks: Some(&sinks[..h]) };
+            let temperature = window.map(|_| AttentionTemperature { beta: 0.3, period: 9 });
+            let hd = Heads { h, hkv, dk: dh, dv: dh, window, scale: 0.3, sinks: Some(&sinks[..h]), temperature };
             let n = pos0 + t;
             let k: Vec<f32> = (0..n * hkv * dh).map(|_| rnd()).collect();
             let v: Vec<f32> = (0..n * hkv * dh).map(|_| rnd()).collect();
@@ -434,7 +447,7 @@ mod tests {
         let mut out = vec![0.0; t * h * dv];
         let kb: &[u8] = bytemuck::cast_slice(&k);
         let kv = KvView { dtype: DType::F32, k: kb, v: kb, k_row: dk, v_row: dk, k_head: 0, v_head: 0, base: 0 };
-        let heads = Heads { h, hkv: 1, dk, dv, window: Some(4), scale, sinks: Some(&sinks) };
+        let heads = Heads { h, hkv: 1, dk, dv, window: Some(4), scale, sinks: Some(&sinks), temperature: None };
         attend(&q, kv, 0, heads, &mut vec![0.0; out.len()], &mut out);
         for ti in 0..t {
             for hh in 0..h {

@@ -15,6 +15,14 @@ pub fn silu(x: f32) -> f32 {
     x / (1.0 + crate::math::expf_poly(-x))
 }
 
+/// GELU with the tanh approximation, as torch's `gelu(x, approximate="tanh")`:
+/// `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
+#[inline]
+pub fn gelu_tanh(x: f32) -> f32 {
+    const K: f32 = 0.797_884_6; // √(2/π)
+    0.5 * x * (1.0 + crate::math::tanhf(K * (x + 0.044715 * x * x * x)))
+}
+
 /// Logistic sigmoid.
 #[inline]
 pub fn sigmoid(x: f32) -> f32 {
@@ -26,6 +34,7 @@ pub fn sigmoid(x: f32) -> f32 {
 fn activate(act: Activation, g: &mut [f32], u: &[f32]) {
     match act {
         Activation::Silu => g.iter_mut().zip(u).for_each(|(a, &b)| *a = silu(*a) * b),
+        Activation::GeluTanh => g.iter_mut().zip(u).for_each(|(a, &b)| *a = gelu_tanh(*a) * b),
         Activation::ClampedSwiglu { alpha, limit } => g.iter_mut().zip(u).for_each(|(a, &b)| {
             let x = a.min(limit);
             let y = b.clamp(-limit, limit);

@@ -4,15 +4,17 @@
 //!
 //! ```text
 //! q, k, v = Wq·x + bq, Wk·x + bk, Wv·x + bv    [T, H·Dh], [T, Hkv·Dh] ×2 (biases if any)
+//!                                               (v = k when the layer has no value projection)
 //! gate = Wg·x                                   [T, H·Dh] (if the layer gates its output)
 //! q, k = norm(q), norm(k)                       per head or over the whole row (if any)
+//! v = v / rms(v)                                per head, without weight (if the model norms values)
 //! q, k, v = clip(q), clip(k), clip(v)           (if the model clips)
 //! q, k = rope(q), rope(k)                       every head
 //! ```
 
 use super::Inputs;
 use super::ffn::add_bias;
-use super::norm::rmsnorm_rows_inplace;
+use super::norm::{rms_rows_unweighted_inplace, rmsnorm_rows_inplace};
 use super::rope::Rope;
 use crate::kernels::{Matrix, matmul_many};
 
@@ -22,8 +24,8 @@ pub struct Gqa<'a> {
     pub wq: Matrix<'a>,
     /// [Hkv·Dh, D]
     pub wk: Matrix<'a>,
-    /// [Hkv·Dh, D]
-    pub wv: Matrix<'a>,
+    /// [Hkv·Dh, D]; `None` when the values are the key projection.
+    pub wv: Option<Matrix<'a>>,
     /// [H·Dh, D] the output gate, if the model has one.
     pub wg: Option<Matrix<'a>>,
     /// `[H·Dh]` its bias.
@@ -36,6 +38,8 @@ pub struct Gqa<'a> {
     pub eps: f32,
     /// Clamp of q, k and v to `[-clip, clip]`.
     pub clip: Option<f32>,
+    /// RMS-norm each value head without a weight.
+    pub v_norm: bool,
     /// Dh: width of a head.
     pub dh: usize,
     /// The rotary embedding.
@@ -62,17 +66,25 @@ impl Gqa<'_> {
         let n = x.len() / d;
         let half = cos.len() / n.max(1);
         let inp = inputs.prepare(x, d); // quantised once for q, k, v and the gate
-        match self.wg {
+        match (self.wv, self.wg) {
             // [T, H·Dh], [T, Hkv·Dh] ×2, [T, H·Dh]
-            Some(wg) => {
-                matmul_many(&mut [(self.wq, &mut *q), (self.wk, &mut *k), (self.wv, &mut *v), (wg, gate)], &inp)
+            (Some(wv), Some(wg)) => {
+                matmul_many(&mut [(self.wq, &mut *q), (self.wk, &mut *k), (wv, &mut *v), (wg, gate)], &inp)
             }
-            None => matmul_many(&mut [(self.wq, &mut *q), (self.wk, &mut *k), (self.wv, &mut *v)], &inp),
+            (Some(wv), None) => matmul_many(&mut [(self.wq, &mut *q), (self.wk, &mut *k), (wv, &mut *v)], &inp),
+            (None, Some(wg)) => matmul_many(&mut [(self.wq, &mut *q), (self.wk, &mut *k), (wg, gate)], &inp),
+            (None, None) => matmul_many(&mut [(self.wq, &mut *q), (self.wk, &mut *k)], &inp),
         }
         if let Some([bq, bk, bv]) = self.bias {
             add_bias(q, bq);
             add_bias(k, bk);
             add_bias(v, bv);
+        }
+        if self.wv.is_none() {
+            v.copy_from_slice(k); // the values are the keys as projected, before their norm and RoPE
+        }
+        if self.v_norm {
+            rms_rows_unweighted_inplace(v, dh, self.eps);
         }
         if let Some(bg) = self.bg {
             add_bias(gate, bg);

@@ -300,13 +300,17 @@ pub fn top_k(scores: &[f32], order: &mut [u32], out: &mut [u32]) {
     out.sort_unstable();
 }
 
-/// Latent attention of one token's queries `q` ([H·(R + Dr)]) over the
-/// rows `sel` (ascending positions) of the latent cache `latent`: the rows
-/// are gathered into `gather` and attended as a cache of `sel.len()`
-/// positions, the token at the last. Only the selected rows are read; with
-/// every position selected, the bits of attention over the whole cache.
+/// Latent attention of the queries `q` ([H·(R + Dr)]) of the token at
+/// position `p` over the rows `sel` (ascending positions) of the latent
+/// cache `latent`: the rows are gathered into `gather` and attended as a
+/// cache of `sel.len()` positions, the token at the last (its attention
+/// temperature, if any, applied for position `p`). Only the selected rows
+/// are read; with every position selected, the bits of attention over the
+/// whole cache.
+#[allow(clippy::too_many_arguments)]
 pub fn attend_selected(
     q: &[f32],
+    p: usize,
     latent: KvView,
     sel: &[u32],
     heads: Heads,
@@ -324,7 +328,9 @@ pub fn attend_selected(
     let n = sel.len();
     let rows = &g[..n * row];
     let view = KvView { k: rows, v: rows, base: 0, k_head: n * latent.k_row, v_head: n * latent.k_row, ..latent };
-    attend(q, view, n - 1, Heads { window: None, ..heads }, scratch, out);
+    // The temperature of position p, as the kernel would compute it there.
+    let scale = heads.temperature.map_or(heads.scale, |t| heads.scale * t.at(p));
+    attend(q, view, n - 1, Heads { window: None, scale, temperature: None, ..heads }, scratch, out);
 }
 
 /// Runs the sparse layer's attention for one sequence's `m` rows at
@@ -352,7 +358,7 @@ pub fn attend_rows(
     for i in dense..m {
         let sel = &s.sel[(r0 + i) * k..(r0 + i + 1) * k];
         let (q, o) = (&q_abs[i * qw..(i + 1) * qw], &mut out[i * ow..(i + 1) * ow]);
-        attend_selected(q, latent, sel, heads, &mut s.gather, &mut scratch[..ow], o);
+        attend_selected(q, pos0 + i, latent, sel, heads, &mut s.gather, &mut scratch[..ow], o);
     }
 }
 
@@ -382,7 +388,7 @@ mod tests {
                 let rows: Vec<f32> = (0..n * dk).map(|_| r()).collect();
                 cache.store(0, &rows, &[]);
                 let q: Vec<f32> = (0..t * h * dk).map(|_| r()).collect();
-                let heads = Heads { h, hkv: 1, dk, dv, window: None, scale: 0.3, sinks: None };
+                let heads = Heads { h, hkv: 1, dk, dv, window: None, scale: 0.3, sinks: None, temperature: None };
                 let mut dense = vec![0.0; t * h * dv];
                 attend(&q, cache.view(n), pos0, heads, &mut vec![0.0; t * h * dv], &mut dense);
                 let mut gather = vec![0.0; n * dk];
@@ -390,7 +396,8 @@ mod tests {
                     let sel: Vec<u32> = (0..=(pos0 + i) as u32).collect();
                     let mut one = vec![0.0; h * dv];
                     let qi = &q[i * h * dk..(i + 1) * h * dk];
-                    attend_selected(qi, cache.view(n), &sel, heads, &mut gather, &mut vec![0.0; h * dv], &mut one);
+                    let p = pos0 + i;
+                    attend_selected(qi, p, cache.view(n), &sel, heads, &mut gather, &mut vec![0.0; h * dv], &mut one);
                     assert_eq!(one, dense[i * h * dv..(i + 1) * h * dv], "{dtype} pos0 {pos0} row {i}");
                 }
             }
@@ -411,10 +418,11 @@ mod tests {
         let mut small = KvCache::new(DType::F32, sel.len(), 1, dk, 0, None);
         small.store(0, &picked, &[]);
         let q: Vec<f32> = (0..h * dk).map(|_| r()).collect();
-        let heads = Heads { h, hkv: 1, dk, dv, window: None, scale: 0.5, sinks: None };
+        let heads = Heads { h, hkv: 1, dk, dv, window: None, scale: 0.5, sinks: None, temperature: None };
         let (mut want, mut got) = (vec![0.0; h * dv], vec![0.0; h * dv]);
         attend(&q, small.view(sel.len()), sel.len() - 1, heads, &mut vec![0.0; h * dv], &mut want);
-        attend_selected(&q, cache.view(n), &sel, heads, &mut vec![0.0; n * dk], &mut vec![0.0; h * dv], &mut got);
+        let (mut gather, mut scratch) = (vec![0.0; n * dk], vec![0.0; h * dv]);
+        attend_selected(&q, 89, cache.view(n), &sel, heads, &mut gather, &mut scratch, &mut got);
         assert_eq!(got, want);
     }
 

@@ -168,7 +168,7 @@ mod tests {
                     caches[l].store(split, &k[split * kw..], &v[split * vw..]);
                 }
                 let dv = if mla { dh - 2 } else { dh };
-                let hd = Heads { h, hkv, dk: dh, dv, window: None, scale: 0.4, sinks: None };
+                let hd = Heads { h, hkv, dk: dh, dv, window: None, scale: 0.4, sinks: None, temperature: None };
                 let q: Vec<f32> = (0..h * dh).map(|_| rnd()).collect();
                 for (l, (k, v)) in per_layer.iter().enumerate() {
                     let enc = |x: &[f32], w: usize| {

@@ -60,7 +60,8 @@ pub fn top_k(scores: &[f32], k: usize, idx: &mut [u32]) {
 /// 3. group limit: only the experts of the best groups stay eligible;
 /// 4. top-k of the selection scores;
 /// 5. weights: the scores of the chosen (softmax over the chosen logits for
-///    `SoftmaxSelected`), optionally renormalised, then scaled.
+///    `SoftmaxSelected`), optionally renormalised (divided by their sum, or
+///    by the floor when the sum is below it), then scaled.
 pub fn route(
     logits: &[f32],
     spec: &RouterSpec,
@@ -100,7 +101,7 @@ pub fn route(
         softmax(w); // over the chosen logits
     }
     if spec.renormalize {
-        let s: f32 = w.iter().sum();
+        let s = w.iter().sum::<f32>().max(spec.renormalize_floor);
         w.iter_mut().for_each(|x| *x /= s);
     }
     if spec.scale != 1.0 {
@@ -290,6 +291,11 @@ pub struct MoeLayer<'a> {
     pub correction: Option<&'a [f32]>,
     /// Routing rule.
     pub spec: &'a RouterSpec,
+    /// `[E]` each expert's multiplier of its routing weight (Gemma 4).
+    pub expert_scale: Option<&'a [f32]>,
+    /// [T, D] the router's own input, when it is not the experts' (a router
+    /// with its own norm of the residual); `None`: the experts' input.
+    pub router_x: Option<&'a [f32]>,
     /// How each expert combines its gate and up projections.
     pub act: Activation,
     /// Source of the experts' weights.
@@ -427,11 +433,18 @@ fn route_rows(m: &MoeLayer, x: &Input, r: &mut Routes, telemetry: Option<&LayerT
     let (e_n, k, d) = (m.router.rows, m.spec.top_k, m.router.cols);
     let n = x.x.len() / d;
     let logits = &mut r.logits[..n * e_n];
-    router_logits(m, x, logits); // [T, E]
+    match m.router_x {
+        Some(rx) => router_logits(m, &Input::plain(&rx[..n * d], d), logits), // [T, E]
+        None => router_logits(m, x, logits),                                  // [T, E]
+    }
     for t in 0..n {
         let ids = &mut r.ids[t * k..(t + 1) * k]; // [K]
         let w = &mut r.weights[t * k..(t + 1) * k]; // [K]
         route(&logits[t * e_n..(t + 1) * e_n], m.spec, m.correction, &mut r.probs, &mut r.sel, ids, w);
+        if let Some(scale) = m.expert_scale {
+            // After renormalisation: the weights need not sum to 1 any more.
+            w.iter_mut().zip(ids.iter()).for_each(|(wi, &e)| *wi *= scale[e as usize]);
+        }
         if let Some(tel) = telemetry {
             tel.record(ids, top2_margin(&r.probs, ids));
         }
@@ -713,6 +726,33 @@ mod tests {
             for (a, b) in w.iter().zip(&want_w) {
                 assert!((a - b).abs() < 1e-6, "{a} vs {b}");
             }
+        }
+    }
+
+    /// ERNIE-4.5's rule: softmax scores, the choice on score + bias, the
+    /// chosen scores divided by max(their sum, floor).
+    #[test]
+    fn renormalisation_floor_divides_by_the_larger_of_sum_and_floor() {
+        let logits = [0.0f32, 1.0, 0.2, -0.5, 0.9];
+        let bias = [0.0f32, 0.0, 0.3, 0.0, -0.2];
+        let (mut probs, mut sel, mut ids, mut w) = ([0.0; 5], [0.0; 5], [0u32; 2], [0.0f32; 2]);
+        let z: f32 = logits.iter().map(|l| l.exp()).sum();
+        let p = |e: usize| logits[e].exp() / z;
+        for floor in [0.0f32, 0.3, 0.9] {
+            let spec = RouterSpec {
+                top_k: 2,
+                renormalize: true,
+                renormalize_floor: floor,
+                correction_bias: true,
+                ..Default::default()
+            };
+            route(&logits, &spec, Some(&bias), &mut probs, &mut sel, &mut ids, &mut w);
+            // Scores + bias: 0.2 + 0.3 puts expert 2 ahead of expert 4.
+            assert_eq!(ids, [2, 1]);
+            let sum = p(1) + p(2);
+            assert!(sum > 0.3 && sum < 0.9);
+            let div = sum.max(floor);
+            assert!((w[0] - p(2) / div).abs() < 1e-6 && (w[1] - p(1) / div).abs() < 1e-6, "floor {floor}: {w:?}");
         }
     }
 

@@ -54,6 +54,16 @@ pub fn rmsnorm_rows_inplace(x: &mut [f32], w: &[f32], eps: f32) {
     }
 }
 
+/// RMSNorm without a weight of each `width`-wide row of `x`, in place
+/// (Gemma 4's value norm).
+pub fn rms_rows_unweighted_inplace(x: &mut [f32], width: usize, eps: f32) {
+    for row in x.chunks_exact_mut(width) {
+        let ms = row.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / width as f64;
+        let inv = (1.0 / (ms + eps as f64).sqrt()) as f32;
+        row.iter_mut().for_each(|v| *v *= inv);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

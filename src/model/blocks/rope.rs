@@ -50,6 +50,12 @@ impl Rope {
                 (f, *short_mscale as f32)
             }
             RopeScaling::Linear { factor } => (plain.iter().map(|f| f / *factor as f32).collect(), 1.0),
+            RopeScaling::Proportional { factor, angles } => {
+                // The first `angles` frequencies of the whole head's ladder turn; the rest are 0
+                // (cos 1, sin 0: those pairs pass through unchanged).
+                let f = plain.iter().enumerate().map(|(i, f)| if i < *angles { f / *factor as f32 } else { 0.0 });
+                (f.collect(), 1.0)
+            }
             RopeScaling::Yarn {
                 factor,
                 original_max_position_embeddings,
@@ -189,6 +195,30 @@ mod tests {
             a.iter().zip(&b).map(|(x, y)| x * y).sum::<f32>()
         };
         assert!((dot_at(0) - dot_at(11)).abs() < 1e-4);
+    }
+
+    #[test]
+    fn proportional_rope_turns_only_its_first_pairs_over_the_whole_head() {
+        let spec = RopeSpec {
+            theta: 10000.0,
+            rotary_dim: 16,
+            scaling: RopeScaling::Proportional { factor: 1.0, angles: 2 },
+            interleaved: false,
+        };
+        let rope = Rope::new(&spec);
+        // Exponents over the whole head (16), not over the 4 rotated dimensions.
+        assert_eq!(rope.inv_freq[0], 1.0);
+        assert!((rope.inv_freq[1] - 1.0 / 10000f32.powf(2.0 / 16.0)).abs() < 1e-7);
+        assert!(rope.inv_freq[2..].iter().all(|&f| f == 0.0));
+        let (mut c, mut s) = (vec![0.0; 8], vec![0.0; 8]);
+        rope.angles(5, 6, &mut c, &mut s);
+        let x: Vec<f32> = (0..16).map(|i| i as f32 * 0.25 - 1.0).collect();
+        let mut y = x.clone();
+        apply(&mut y, &c, &s);
+        for i in [2, 3, 4, 5, 6, 7] {
+            assert_eq!((x[i], x[i + 8]), (y[i], y[i + 8]), "pair {i} passes through");
+        }
+        assert_ne!((x[1], x[9]), (y[1], y[9]), "pair 1 (dims 1 and 9) turns");
     }
 
     #[test]

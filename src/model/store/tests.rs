@@ -600,9 +600,12 @@ fn streamed_experts_with_biases_and_the_new_paths_match_resident() {
     // the clamped SwiGLU all run through the store's views.
     let dir = tempfile::tempdir().unwrap();
     let p2 = pool(2);
-    for dtype in [DType::F32, DType::Q8_0] {
-        let path = dir.path().join(format!("frontier-{dtype}.colibri"));
-        write_random_model(&path, &crate::synth::frontier_config(), dtype, 3);
+    // Gemma 4's router reads its own norm of the residual, which the
+    // prefetch's prediction reads too.
+    let cases = [("frontier", crate::synth::frontier_config()), ("gemma4", crate::synth::gemma4_config())];
+    for ((name, cfg), dtype) in cases.iter().flat_map(|c| [DType::F32, DType::Q8_0].map(|d| (c, d))) {
+        let path = dir.path().join(format!("{name}-{dtype}.colibri"));
+        write_random_model(&path, cfg, dtype, 3);
         let toks = prompt(17, 1);
         let want = run(&Model::open(&path).unwrap(), &p2, &toks, 5, 6).unwrap();
         assert!(want.logits.iter().all(|b| f32::from_bits(*b).is_finite()), "{dtype}: non-finite logits");
