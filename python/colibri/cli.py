@@ -84,6 +84,14 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             done, missed = report["weighted"]
             note = f"; {missed} had no calibration data and were quantised unweighted" if missed else ""
             print(f"importance matrix: {done} quantised matrices weighted by it{note}")
+        if report.get("int4") is not None:
+            i = report["int4"]
+            exact = i["groups"] - i["requantised"]
+            print(
+                f"int4 source: {i['tensors']} tensors, {exact} of {i['groups']} groups of 32 kept exactly; "
+                f"{i['requantised']} requantised (scale not an f16 value)"
+                + (f"; in f32 (scale beyond f16): {', '.join(i['widened'])}" if i["widened"] else "")
+            )
     return 0
 
 

@@ -12,6 +12,7 @@ mod deepseek;
 mod glm4_moe;
 mod gpt_oss;
 mod granitemoe;
+mod kimi_k25;
 mod kimi_linear;
 mod mixtral;
 mod olmoe;
@@ -164,6 +165,7 @@ pub static REGISTRY: &[&Arch] = &[
     &qwen3_next::QWEN3_5,
     &qwen3_next::QWEN3_5_VL,
     &kimi_linear::ARCH,
+    &kimi_k25::ARCH,
 ];
 
 /// Comma-separated class names, for error messages and docs.
