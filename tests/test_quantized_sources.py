@@ -527,3 +527,31 @@ def test_int4_errors_name_the_tensor(tmp_path):
     with pytest.raises(colibri.CheckpointError, match="packed int4 tensor " + esc + ": scale 5 is NaN"):
         colibri.convert(int4, out, progress=False)
     assert not out.exists()
+
+
+def test_kimi_k25_skips_the_vision_tower_and_reads_transformers_names_too(tmp_path, golden):
+    out = tmp_path / "hub.colibri"
+    colibri.convert(GOLDEN / "kimi_k25", out, progress=False)
+    parts = colibri.Engine(out).skipped_parts
+    assert any(p.startswith("vision_tower.encoder.* (") for p in parts), parts
+    assert any(p.startswith("mm_projector.") for p in parts), parts
+    want = colibri.Engine(out).logits(golden("kimi_k25")["ids_33"])
+    # transformers' own names: model.language_model.*, lm_head.weight, model.vision_tower.*.
+    src = copy_case_single_file("kimi_k25", tmp_path / "native")
+    native = {}
+    for name, t in load_tensors(src).items():
+        if name == "language_model.lm_head.weight":
+            name = "lm_head.weight"
+        elif name.startswith("language_model.model."):
+            name = "model.language_model." + name.removeprefix("language_model.model.")
+        else:
+            name = "model." + name
+        native[name] = t
+    write_safetensors(src / "model.safetensors", native)
+    colibri.convert(src, tmp_path / "native.colibri", progress=False)
+    assert np.array_equal(colibri.Engine(tmp_path / "native.colibri").logits(golden("kimi_k25")["ids_33"]), want)
+    # Without a head of its own, the embedding is the head (as transformers ties it).
+    del native["lm_head.weight"]
+    write_safetensors(src / "model.safetensors", native)
+    colibri.convert(src, tmp_path / "headless.colibri", progress=False)
+    assert not np.array_equal(colibri.Engine(tmp_path / "headless.colibri").logits(golden("kimi_k25")["ids_33"]), want)

@@ -186,8 +186,9 @@ def _linear_kind(kind: str) -> str:
 def _source_format(engine: Engine) -> str:
     """What the checkpoint was stored as, when the file recorded it."""
     src = engine.source_config or {}
-    quant = (src.get("quantization_config") or {}).get("quant_method")
-    dtype = src.get("torch_dtype") or src.get("dtype")
+    text = src.get("text_config") or {}  # a conditional-generation checkpoint's language model
+    quant = (src.get("quantization_config") or text.get("quantization_config") or {}).get("quant_method")
+    dtype = src.get("torch_dtype") or src.get("dtype") or text.get("torch_dtype") or text.get("dtype")
     parts = [p for p in (quant, dtype) if p]
     return " / ".join(str(p) for p in parts) if parts else "unknown"
 

@@ -60,23 +60,26 @@ fn config(hf: &HfConfig) -> Result<ModelConfig> {
     deepseek::config_v3(&text_config(hf))
 }
 
-/// A DeepSeek name in the Hub layout, falling back to transformers' own.
-fn nested(s: Source) -> Source {
+/// A DeepSeek name in the Hub layout, falling back to transformers' own,
+/// then to `last` when given.
+fn nested(s: Source, last: Option<Source>) -> Source {
     let (hub, native) = match s.name.strip_prefix("model.") {
         Some(rest) => (format!("language_model.model.{rest}"), format!("model.language_model.{rest}")),
         None => (format!("language_model.{}", s.name), s.name.clone()),
     };
-    Source { name: hub, ..s.clone() }.or(Source { name: native, ..s })
+    let native = Source { name: native, ..s.clone() };
+    let native = match last {
+        Some(l) => native.or(l),
+        None => native,
+    };
+    Source { name: hub, ..s }.or(native)
 }
 
 fn source(hf: &HfConfig, cfg: &ModelConfig, id: TensorId) -> Source {
     let text = text_config(hf);
-    let s = nested(deepseek::source(&text, cfg, id));
-    match id {
-        // Without a head of its own the checkpoint's embedding is the head.
-        TensorId::LmHead => s.or(nested(deepseek::source(&text, cfg, TensorId::Embed))),
-        _ => s,
-    }
+    // Without a head of its own the checkpoint's embedding is the head.
+    let last = (id == TensorId::LmHead).then(|| nested(deepseek::source(&text, cfg, TensorId::Embed), None));
+    nested(deepseek::source(&text, cfg, id), last)
 }
 
 /// The vision tower, its projector and the layers past the language model's.
@@ -107,14 +110,13 @@ mod tests {
 
     #[test]
     fn names_are_nested_with_transformers_spelling_as_fallback() {
-        let s = nested(Source::tensor("model.layers.1.mlp.experts.0.up_proj.weight"));
+        let s = nested(Source::tensor("model.layers.1.mlp.experts.0.up_proj.weight"), None);
         assert_eq!(s.name, "language_model.model.layers.1.mlp.experts.0.up_proj.weight");
         assert_eq!(s.otherwise.as_ref().unwrap().name, "model.language_model.layers.1.mlp.experts.0.up_proj.weight");
-        let h = nested(Source::tensor("lm_head.weight"));
-        assert_eq!(
-            (h.name.as_str(), h.otherwise.unwrap().name.as_str()),
-            ("language_model.lm_head.weight", "lm_head.weight")
-        );
+        let h = nested(Source::tensor("lm_head.weight"), Some(Source::tensor("model.embed_tokens.weight")));
+        let chain: Vec<&str> =
+            std::iter::successors(Some(&h), |s| s.otherwise.as_deref()).map(|s| s.name.as_str()).collect();
+        assert_eq!(chain, ["language_model.lm_head.weight", "lm_head.weight", "model.embed_tokens.weight"]);
     }
 
     #[test]
