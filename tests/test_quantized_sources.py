@@ -277,7 +277,12 @@ INT4_CONFIG = {
     "format": "pack-quantized",
     "quantization_status": "compressed",
     "kv_cache_scheme": None,
-    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+    "ignore": [
+        "lm_head",
+        "re:.*self_attn.*",
+        "re:.*shared_experts.*",
+        r"re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+    ],
     "config_groups": {
         "group_0": {
             "targets": ["Linear"],
@@ -434,7 +439,9 @@ def test_int4_scale_beyond_f16_widens_that_tensor(tmp_path):
     dtype, shape, data = tensors[name + ".weight_scale"]
     bits = np.frombuffer(data, dtype=np.uint16).copy()
     bits[3] = 0x47C3  # bf16 99840: no f16 holds it
-    write_safetensors(int4 / "model.safetensors", {**tensors, name + ".weight_scale": (dtype, shape, bits.tobytes())})
+    write_safetensors(
+        int4 / "model.safetensors", {**tensors, name + ".weight_scale": (dtype, shape, bits.tobytes())}
+    )
     out = tmp_path / "o.colibri"
     report = colibri.convert(int4, out, progress=False)
     assert report["int4"]["widened"] == [name + ".weight"]
@@ -497,7 +504,9 @@ def test_int4_errors_name_the_tensor(tmp_path):
 
     # Packed codes but no quantization_config: never a silent reinterpretation.
     rewrite(int4, config={k: v for k, v in cfg.items() if k != "quantization_config"})
-    with pytest.raises(colibri.CheckpointError, match=r"weight_packed looks like packed int4.*compressed-tensors"):
+    with pytest.raises(
+        colibri.CheckpointError, match=r"weight_packed looks like packed int4.*compressed-tensors"
+    ):
         colibri.convert(int4, out, progress=False)
     rewrite(int4, config=cfg)
 
@@ -549,9 +558,13 @@ def test_kimi_k25_skips_the_vision_tower_and_reads_transformers_names_too(tmp_pa
         native[name] = t
     write_safetensors(src / "model.safetensors", native)
     colibri.convert(src, tmp_path / "native.colibri", progress=False)
-    assert np.array_equal(colibri.Engine(tmp_path / "native.colibri").logits(golden("kimi_k25")["ids_33"]), want)
+    assert np.array_equal(
+        colibri.Engine(tmp_path / "native.colibri").logits(golden("kimi_k25")["ids_33"]), want
+    )
     # Without a head of its own, the embedding is the head (as transformers ties it).
     del native["lm_head.weight"]
     write_safetensors(src / "model.safetensors", native)
     colibri.convert(src, tmp_path / "headless.colibri", progress=False)
-    assert not np.array_equal(colibri.Engine(tmp_path / "headless.colibri").logits(golden("kimi_k25")["ids_33"]), want)
+    assert not np.array_equal(
+        colibri.Engine(tmp_path / "headless.colibri").logits(golden("kimi_k25")["ids_33"]), want
+    )
