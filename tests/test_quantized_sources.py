@@ -468,6 +468,7 @@ def with_weights(qc: dict, **changes) -> dict:
         ({"format": "nvfp4-pack-quantized"}, r"quantization_config\.format"),
         ({"kv_cache_scheme": {"num_bits": 8, "type": "float"}}, r"kv_cache_scheme"),
         ({"config_groups": {}}, r"config_groups"),
+        ({"format": "mixed-precision"}, r"config_groups\.group_0\.format is missing"),
         (with_weights(INT4_CONFIG, num_bits=8), r"config_groups\.group_0\.weights\.num_bits is 8"),
         (with_weights(INT4_CONFIG, type="float"), r"weights\.type"),
         (with_weights(INT4_CONFIG, symmetric=False), r"weights\.symmetric is false"),
@@ -485,6 +486,15 @@ def test_unknown_compressed_tensors_schemes_name_the_key(edit, needle, tmp_path)
     with pytest.raises(colibri.CheckpointError, match=needle):
         colibri.convert(int4, out, progress=False)
     assert not out.exists()
+
+
+def test_int4_mixed_precision_format_with_pack_quantized_groups_is_read(tmp_path):
+    int4, _, cfg = int4_case(tmp_path)
+    qc = json.loads(json.dumps(INT4_CONFIG))
+    qc["format"] = "mixed-precision"
+    qc["config_groups"]["group_0"]["format"] = "pack-quantized"
+    rewrite(int4, config={**cfg, "quantization_config": qc})
+    assert colibri.convert(int4, tmp_path / "o.colibri", progress=False)["dtype"] == "q4_0"
 
 
 def test_int4_activation_quantisation_is_refused(tmp_path):

@@ -608,7 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"storage type of the weight matrices: {', '.join(supported_dtypes())}; a recipe "
         f"({', '.join(r[0] for r in _recipe_table())}: see docs/FORMAT.md); or class=type pairs such as "
         "experts=q4_1,experts_down=q8_0,default=q8_0 (default: keep the source's; q8_0 for "
-        "FP8/MXFP4 sources)",
+        "FP8 sources, mxfp4 for MXFP4, q4_0 for compressed-tensors int4)",
     )
     c.add_argument(
         "--imatrix",

@@ -576,8 +576,9 @@ impl Checkpoint {
 /// The error names the key.
 pub fn check_compressed_tensors(q: &Value) -> std::result::Result<(), String> {
     let key = "quantization_config";
-    let format = q.get("format").and_then(Value::as_str);
-    if format != Some("pack-quantized") {
+    // "mixed-precision" names the format per config group instead.
+    let mixed = q.get("format").and_then(Value::as_str) == Some("mixed-precision");
+    if !mixed && q.get("format").and_then(Value::as_str) != Some("pack-quantized") {
         return Err(format!(
             "{key}.format is {}; of compressed-tensors checkpoints only \"pack-quantized\" (int4 in groups of 32) is supported",
             q.get("format").map_or("missing".into(), Value::to_string)
@@ -593,9 +594,9 @@ pub fn check_compressed_tensors(q: &Value) -> std::result::Result<(), String> {
         .ok_or_else(|| format!("{key}.config_groups is missing or empty"))?;
     for (g, scheme) in groups {
         let at = format!("{key}.config_groups.{g}");
-        if let Some(f) = scheme.get("format").filter(|v| !v.is_null())
-            && f.as_str() != Some("pack-quantized")
-        {
+        let f = scheme.get("format").filter(|v| !v.is_null());
+        if (mixed || f.is_some()) && f.and_then(Value::as_str) != Some("pack-quantized") {
+            let f = f.map_or("missing".into(), Value::to_string);
             return Err(format!("{at}.format is {f}; only \"pack-quantized\" is supported"));
         }
         for side in ["input_activations", "output_activations"] {
@@ -636,4 +637,87 @@ pub fn check_compressed_tensors(q: &Value) -> std::result::Result<(), String> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A safetensors file of `(name, dtype, shape, bytes)`.
+    fn write(path: &Path, tensors: &[(&str, &str, Vec<usize>, Vec<u8>)]) {
+        let mut header = serde_json::Map::new();
+        let mut data = Vec::new();
+        for (name, dtype, shape, bytes) in tensors {
+            let e = serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [data.len(), data.len() + bytes.len()]});
+            header.insert(name.to_string(), e);
+            data.extend_from_slice(bytes);
+        }
+        let h = serde_json::to_vec(&header).unwrap();
+        let mut out = (h.len() as u64).to_le_bytes().to_vec();
+        out.extend(h);
+        out.extend(data);
+        std::fs::write(path, out).unwrap();
+    }
+
+    fn int4_config() -> Value {
+        serde_json::json!({
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized",
+            "config_groups": {"g": {"weights": {
+                "num_bits": 4, "type": "int", "symmetric": true, "strategy": "group", "group_size": 32
+            }}}
+        })
+    }
+
+    /// `rows × cols` packed int4 codes, their bf16 scales (one set to an inexact value) and `weight_shape`.
+    fn packed(base: &str, rows: usize, cols: usize) -> Vec<(String, &'static str, Vec<usize>, Vec<u8>)> {
+        let codes: Vec<u8> = (0..rows * cols / 2).map(|i| (i * 37 % 256) as u8).collect();
+        let mut scales: Vec<u16> =
+            (0..rows * cols / 32).map(|g| half::bf16::from_f32(0.01 * (g as f32 + 1.0)).to_bits()).collect();
+        scales[1] = half::bf16::from_f32(1.0e-6).to_bits();
+        vec![
+            (format!("{base}_packed"), "I32", vec![rows, cols / 8], codes),
+            (
+                format!("{base}_scale"),
+                "BF16",
+                vec![rows, cols / 32],
+                scales.iter().flat_map(|s| s.to_le_bytes()).collect(),
+            ),
+            (
+                format!("{base}_shape"),
+                "I32",
+                vec![2],
+                [rows as i32, cols as i32].iter().flat_map(|v| v.to_le_bytes()).collect(),
+            ),
+        ]
+    }
+
+    #[test]
+    fn int4_tensor_reads_as_q4_0_rows_or_groups_of_eight() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut tensors = packed("a.weight", 3, 64);
+        tensors.extend(packed("b.weight", 16, 32));
+        let named: Vec<(&str, &str, Vec<usize>, Vec<u8>)> =
+            tensors.iter().map(|(n, d, s, b)| (n.as_str(), *d, s.clone(), b.clone())).collect();
+        write(&dir.path().join("model.safetensors"), &named);
+        let ck = Checkpoint::open(dir.path(), Some(&int4_config())).unwrap();
+        assert_eq!(ck.names().collect::<Vec<_>>(), ["a.weight", "b.weight"]);
+        for (name, dtype) in [("a.weight", DType::Q4_0), ("b.weight", DType::Q4_0x8), ("b.weight", DType::Q4_0)] {
+            let t = ck.get(name).unwrap();
+            let c = ck.int4_scales(name, t).unwrap();
+            assert_eq!((c.groups, c.inexact, c.overflow), (t.shape[0] * t.shape[1] / 32, 1, 0));
+            let (shape, exact) = ck.decode_f32(name, t, None).unwrap();
+            let bytes = ck.int4_as_q4_0(t, dtype);
+            assert_eq!(Some(bytes.len()), dtype.tensor_bytes(&shape));
+            let aligned: Vec<u16> = bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
+            let mut back = vec![0f32; exact.len()];
+            crate::quant::decode(dtype, bytemuck::cast_slice(&aligned), shape[1], &mut back);
+            // Every group but the inexact one (group 1) comes back exactly.
+            for (g, (x, y)) in back.chunks_exact(32).zip(exact.chunks_exact(32)).enumerate() {
+                if g != 1 {
+                    assert_eq!(x, y, "{name} {dtype} group {g}");
+                }
+            }
+        }
+    }
 }
