@@ -247,7 +247,7 @@ pub fn safetensors(bytes: &[u8]) -> Result<(), String> {
             if matches!(t.enc, crate::convert::safetensors::Encoding::PackedInt4 { .. })
                 && ck.int4_scales(&name, t).is_ok_and(|c| c.overflow == 0)
             {
-                let _ = ck.int4_as_q4_0(t, crate::quant::DType::Q4_0);
+                let _ = ck.int4_as_q4_0(t, crate::quant::DType::Q4_0, None);
             }
         }
     }

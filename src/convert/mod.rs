@@ -321,16 +321,17 @@ fn derived_shape(s: &Source, shape: &[usize]) -> std::result::Result<Vec<usize>,
 
 /// The bytes of one canonical tensor to be stored as `want`: borrowed from
 /// the checkpoint when the source is used as it is, a packed int4 source
-/// moved into q4_0 blocks when `want` is q4_0 (or its interleaved form),
-/// otherwise decoded to f32 and reshaped as `s` says.
+/// (or one expert's slice of a stacked one) moved into q4_0 blocks when
+/// `want` is q4_0 (or its interleaved form), otherwise decoded to f32 and
+/// reshaped as `s` says.
 fn materialize<'a>(ck: &'a Checkpoint, s: &Source, t: &SrcTensor, want: DType) -> Result<(DType, Cow<'a, [u8]>)> {
     if s.is_whole()
         && let Some((d, b)) = ck.plain_bytes(t)
     {
         return Ok((d, Cow::Borrowed(b)));
     }
-    if s.is_whole() && matches!(t.enc, safetensors::Encoding::PackedInt4 { .. }) && want.base() == DType::Q4_0 {
-        return Ok((want, Cow::Owned(ck.int4_as_q4_0(t, want))));
+    if int4_native(s, t, want) {
+        return Ok((want, Cow::Owned(ck.int4_as_q4_0(t, want, s.index))));
     }
     let (shape, mut v) = ck.decode_f32(&s.name, t, s.index)?;
     let shape = squeeze_middle(shape);
@@ -361,6 +362,16 @@ fn materialize<'a>(ck: &'a Checkpoint, s: &Source, t: &SrcTensor, want: DType) -
         debug_assert_eq!(v.len(), r * c);
     }
     Ok((DType::F32, Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect())))
+}
+
+/// True when `s` takes the packed int4 tensor `t` whole or one slice of
+/// its first axis, into q4_0 blocks (`want`): then the groups move as they are.
+fn int4_native(s: &Source, t: &SrcTensor, want: DType) -> bool {
+    let slice_only = Source { index: None, ..s.clone() }.is_whole();
+    slice_only
+        && t.shape.len() >= 2
+        && matches!(t.enc, safetensors::Encoding::PackedInt4 { .. })
+        && want.base() == DType::Q4_0
 }
 
 /// The tensors an adapter skipped, grouped by their first two name parts
@@ -552,8 +563,8 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
         }
         // The inexact groups of the tensors that go the q4_0 way.
         let mut counted = std::collections::HashSet::new();
-        for ((_, s, _), item) in sources.iter().zip(&items) {
-            if item.dtype.base() == DType::Q4_0 && s.is_whole() && counted.insert(s.name.as_str()) {
+        for ((_, s, t), item) in sources.iter().zip(&items) {
+            if int4_native(s, t, item.dtype) && counted.insert(s.name.as_str()) {
                 r.requantised += int4_scales.get(s.name.as_str()).map_or(0, |c| c.inexact);
             }
         }

@@ -539,23 +539,28 @@ impl Checkpoint {
         Ok(out)
     }
 
-    /// The int4 tensor `t` as `dtype` (q4_0 or its interleaved q4_0x8):
+    /// The int4 tensor `t` (or slice `index` of its first axis, one expert
+    /// of a stacked tensor) as `dtype` (q4_0 or its interleaved q4_0x8):
     /// each group whose scale is an f16 becomes a q4_0 block as it is, any
     /// other is quantised from its exact values ([`dequant::int4_to_q4_0`]).
     /// The caller has checked that no scale overflows f16
-    /// ([`Checkpoint::int4_scales`]).
-    pub fn int4_as_q4_0(&self, t: &SrcTensor, dtype: DType) -> Vec<u8> {
+    /// ([`Checkpoint::int4_scales`]) and that a slice exists.
+    pub fn int4_as_q4_0(&self, t: &SrcTensor, dtype: DType, index: Option<usize>) -> Vec<u8> {
         use crate::quant::q4_0::BlockQ4_0;
         use crate::quant::x8::{self, BlockQ4_0x8};
         let Encoding::PackedInt4 { scales, scale_dtype } = t.enc else {
             unreachable!("int4_as_q4_0 takes packed int4 tensors")
         };
         debug_assert_eq!(dtype.base(), DType::Q4_0);
-        let groups = t.shape.iter().product::<usize>() / dequant::INT4_GROUP;
-        let sc = self.int4_scale_values(scales, scale_dtype, 0, groups);
-        let blocks: Vec<BlockQ4_0> = self
-            .span(t.at)
-            .chunks_exact(dequant::INT4_GROUP / 2)
+        let all = t.shape.iter().product::<usize>() / dequant::INT4_GROUP;
+        let (first, groups) = match index {
+            None => (0, all),
+            Some(i) => (i * (all / t.shape[0]), all / t.shape[0]),
+        };
+        let sc = self.int4_scale_values(scales, scale_dtype, first, groups);
+        let half = dequant::INT4_GROUP / 2;
+        let blocks: Vec<BlockQ4_0> = self.span(t.at)[first * half..(first + groups) * half]
+            .chunks_exact(half)
             .zip(&sc)
             .map(|(p, &s)| dequant::int4_to_q4_0(p, s))
             .collect();
@@ -707,7 +712,7 @@ mod tests {
             let c = ck.int4_scales(name, t).unwrap();
             assert_eq!((c.groups, c.inexact, c.overflow), (t.shape[0] * t.shape[1] / 32, 1, 0));
             let (shape, exact) = ck.decode_f32(name, t, None).unwrap();
-            let bytes = ck.int4_as_q4_0(t, dtype);
+            let bytes = ck.int4_as_q4_0(t, dtype, None);
             assert_eq!(Some(bytes.len()), dtype.tensor_bytes(&shape));
             let aligned: Vec<u16> = bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
             let mut back = vec![0f32; exact.len()];
@@ -718,6 +723,37 @@ mod tests {
                     assert_eq!(x, y, "{name} {dtype} group {g}");
                 }
             }
+        }
+    }
+
+    #[test]
+    fn int4_stacked_tensor_slices_read_as_q4_0() {
+        let dir = tempfile::tempdir().unwrap();
+        let (e, rows, cols) = (3usize, 8usize, 64usize);
+        let codes: Vec<u8> = (0..e * rows * cols / 2).map(|i| (i * 53 % 256) as u8).collect();
+        let scales: Vec<u8> = (0..e * rows * cols / 32)
+            .flat_map(|g| half::bf16::from_f32(0.003 * (g as f32 + 1.0)).to_bits().to_le_bytes())
+            .collect();
+        let shape: Vec<u8> = [e as i64, rows as i64, cols as i64].iter().flat_map(|v| v.to_le_bytes()).collect();
+        write(
+            &dir.path().join("model.safetensors"),
+            &[
+                ("x.weight_packed", "I32", vec![e, rows, cols / 8], codes),
+                ("x.weight_scale", "BF16", vec![e, rows, cols / 32], scales),
+                ("x.weight_shape", "I64", vec![3], shape),
+            ],
+        );
+        let ck = Checkpoint::open(dir.path(), Some(&int4_config())).unwrap();
+        let t = ck.get("x.weight").unwrap();
+        assert_eq!(t.shape, [e, rows, cols]);
+        for i in 0..e {
+            let (shape, exact) = ck.decode_f32("x.weight", t, Some(i)).unwrap();
+            assert_eq!(shape, [rows, cols]);
+            let bytes = ck.int4_as_q4_0(t, DType::Q4_0x8, Some(i));
+            let aligned: Vec<u16> = bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
+            let mut back = vec![0f32; exact.len()];
+            crate::quant::decode(DType::Q4_0x8, bytemuck::cast_slice(&aligned), cols, &mut back);
+            assert_eq!(back, exact, "expert {i}");
         }
     }
 }
