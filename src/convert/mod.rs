@@ -508,7 +508,8 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
     // Storage types: matrices in the requested type; by default in the
     // source's own, as closely as colibri stores it (MXFP4 stays mxfp4, FP8
     // becomes q8_0: no element type holds it, and bf16 would store it at
-    // twice the size); small tensors in f32.
+    // twice the size; compressed-tensors int4 becomes q4_0, which is the
+    // same format where the scale is an f16); small tensors in f32.
     let embed_src = sources.iter().find(|(p, _, _)| p.id == TensorId::Embed).and_then(|(_, _, t)| match t.enc {
         safetensors::Encoding::Plain(d) => Some(d),
         _ => None,
