@@ -67,7 +67,7 @@ fn config_v2(c: &HfConfig) -> Result<ModelConfig> {
     config(c, groups, router, true)
 }
 
-fn config_v3(c: &HfConfig) -> Result<ModelConfig> {
+pub(crate) fn config_v3(c: &HfConfig) -> Result<ModelConfig> {
     let router = |k, groups| RouterSpec {
         top_k: k,
         score: RouterScore::Sigmoid,
@@ -168,7 +168,7 @@ fn rope_param(c: &HfConfig, key: &str) -> Option<f64> {
     ["rope_parameters", "rope_scaling"].iter().find_map(|k| c.get(k).and_then(|p| p.get(key)).and_then(|v| v.as_f64()))
 }
 
-fn source(_: &HfConfig, cfg: &ModelConfig, id: TensorId) -> Source {
+pub(crate) fn source(_: &HfConfig, cfg: &ModelConfig, id: TensorId) -> Source {
     let m = cfg.mla().expect("DeepSeek configs are MLA");
     let (dn, dv) = (m.qk_nope_dim, m.v_head_dim);
     let attn = |l: usize, n: &str| format!("model.layers.{l}.self_attn.{n}.weight");

@@ -16,6 +16,7 @@ mod glm4_moe;
 mod glm4_moe_lite;
 mod gpt_oss;
 mod granitemoe;
+mod kimi_k25;
 mod kimi_linear;
 mod minimax_m2;
 mod mistral4;
@@ -178,6 +179,7 @@ pub static REGISTRY: &[&Arch] = &[
     &ernie4_5_moe::ARCH,
     &gemma4::GEMMA4,
     &gemma4::GEMMA4_TEXT,
+    &kimi_k25::ARCH,
 ];
 
 /// Comma-separated class names, for error messages and docs.
