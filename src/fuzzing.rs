@@ -65,6 +65,38 @@ pub fn heat(bytes: &[u8]) -> Result<(), String> {
     Heat::decode(body, HEAT_ID, layers, experts).map(|_| ())
 }
 
+/// A [`safetensors`] input in the int4 mode: one compressed-tensors
+/// `pack-quantized` tensor of 8 × 64 (codes, bf16 scales, shape) beside a
+/// plain one.
+fn int4_seed() -> Vec<u8> {
+    let (rows, cols) = (8usize, 64usize);
+    let codes: Vec<u8> = (0..rows * cols / 2).map(|i| (i * 37 % 256) as u8).collect();
+    let scales: Vec<u8> = (0..rows * cols / 32)
+        .flat_map(|g| half::bf16::from_f32(0.01 * (g as f32 + 1.0)).to_bits().to_le_bytes())
+        .collect();
+    let shape: Vec<u8> = [rows as i64, cols as i64].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let norm: Vec<u8> = (0..cols).flat_map(|i| (1.0f32 + i as f32).to_le_bytes()).collect();
+    let parts = [
+        ("m.norm.weight", "F32", vec![cols], norm),
+        ("m.proj.weight_packed", "I32", vec![rows, cols / 8], codes),
+        ("m.proj.weight_scale", "BF16", vec![rows, cols / 32], scales),
+        ("m.proj.weight_shape", "I64", vec![2], shape),
+    ];
+    let mut header = serde_json::Map::new();
+    let mut data = Vec::new();
+    for (name, dtype, shape, bytes) in parts {
+        let at = [data.len(), data.len() + bytes.len()];
+        header.insert(name.into(), serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": at}));
+        data.extend_from_slice(&bytes);
+    }
+    let h = serde_json::to_vec(&header).expect("a JSON object");
+    let mut out = vec![0x14];
+    out.extend_from_slice(&(h.len() as u64).to_le_bytes());
+    out.extend(h);
+    out.extend(data);
+    out
+}
+
 /// The model identity [`heat`] checks files against.
 const HEAT_ID: ModelIdentity = ModelIdentity { file_len: 1 << 20, head_hash: 0x1234_5678, sample_hash: 0x9abc };
 
@@ -112,6 +144,7 @@ pub fn write_seeds(dir: &Path, fixtures: &Path) -> std::io::Result<usize> {
             }
         }
     }
+    put("safetensors", "int4-packed.safetensors", &int4_seed())?;
     let mut heat = Heat::zeros(4, 8);
     heat.tokens = 5;
     heat.counts.iter_mut().enumerate().for_each(|(i, c)| *c = i as u64 * 3);
@@ -173,15 +206,22 @@ pub fn sampler(bytes: &[u8]) -> Result<(), String> {
 }
 
 /// Bytes as a safetensors checkpoint after a first byte that picks its
-/// form: 0xF8 FP8 blocks, 0x4F MXFP4 (one file, with that quantisation
-/// config), 0x1D sharded (an index and two shards: [`SHARDED`]), anything
-/// else one plain file. Opens it, then decodes every tensor of at most a
-/// million values.
+/// form: 0xF8 FP8 blocks, 0x4F MXFP4, 0x14 compressed-tensors int4 (one
+/// file, with that quantisation config), 0x1D sharded (an index and two
+/// shards: [`SHARDED`]), anything else one plain file. Opens it, then decodes
+/// every tensor of at most a million values (an int4 one also into q4_0).
 pub fn safetensors(bytes: &[u8]) -> Result<(), String> {
     let (mode, body) = bytes.split_first().map_or((0, &[][..]), |(m, b)| (*m, b));
     let quant = match mode {
         0xF8 => Some(serde_json::json!({"quant_method": "fp8", "weight_block_size": [128, 128]})),
         0x4F => Some(serde_json::json!({"quant_method": "mxfp4"})),
+        0x14 => Some(serde_json::json!({
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized",
+            "config_groups": {"g": {"weights": {
+                "num_bits": 4, "type": "int", "symmetric": true, "strategy": "group", "group_size": 32
+            }}}
+        })),
         _ => None,
     };
     let dir = Scratch::new().map_err(|e| e.to_string())?;
@@ -204,6 +244,11 @@ pub fn safetensors(bytes: &[u8]) -> Result<(), String> {
         let t = ck.get(&name).expect("listed");
         if t.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).is_some_and(|n| n <= 1 << 20) {
             let _ = ck.decode_f32(&name, t, None);
+            if matches!(t.enc, crate::convert::safetensors::Encoding::PackedInt4 { .. })
+                && ck.int4_scales(&name, t).is_ok_and(|c| c.overflow == 0)
+            {
+                let _ = ck.int4_as_q4_0(t, crate::quant::DType::Q4_0, None);
+            }
         }
     }
     Ok(())

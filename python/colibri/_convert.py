@@ -44,8 +44,9 @@ def convert(
             pairs (``"experts=q4_1,experts_down=q8_0,default=q8_0"``; classes
             ``embed``, ``lm_head``, ``attn``, ``ffn``, ``shared``,
             ``experts``, ``experts_down``). ``None`` keeps the source's own
-            type (``q8_0`` for FP8 and MXFP4 checkpoints, whose types colibri
-            does not store). Norms, biases and the router are always f32.
+            type (``q8_0`` for FP8 checkpoints, whose type colibri does not
+            store; ``mxfp4`` for MXFP4 ones; ``q4_0`` for compressed-tensors
+            int4 ones). Norms, biases and the router are always f32.
         imatrix: an importance matrix from :meth:`Engine.calibrate` (or
             ``colibri calibrate``) of the same model: the quantisers then
             minimise the error weighted by each column's mean squared
@@ -54,8 +55,12 @@ def convert(
         progress: draw a progress bar on stderr (default: when stderr is a terminal).
 
     Returns a summary: ``path``, ``architecture``, ``dtype``, ``recipe``,
-    ``tensors``, ``bytes`` and, with an importance matrix, ``weighted``:
-    (matrices it weighted, quantised matrices it had nothing for).
+    ``tensors``, ``bytes``; with an importance matrix, ``weighted``:
+    (matrices it weighted, quantised matrices it had nothing for); with a
+    compressed-tensors int4 source, ``int4``: ``tensors``, ``groups`` (of 32
+    values), ``requantised`` (groups whose scale is not an f16 value, so not
+    copied exactly into q4_0) and ``widened`` (tensors with a scale beyond
+    f16's range, stored in f32).
     A failed or interrupted conversion leaves no file behind.
     """
     if progress is None:

@@ -84,6 +84,14 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             done, missed = report["weighted"]
             note = f"; {missed} had no calibration data and were quantised unweighted" if missed else ""
             print(f"importance matrix: {done} quantised matrices weighted by it{note}")
+        if report.get("int4") is not None:
+            i = report["int4"]
+            exact = i["groups"] - i["requantised"]
+            print(
+                f"int4 source: {i['tensors']} tensors, {exact} of {i['groups']} groups of 32 kept exactly; "
+                f"{i['requantised']} requantised (scale not an f16 value)"
+                + (f"; in f32 (scale beyond f16): {', '.join(i['widened'])}" if i["widened"] else "")
+            )
     return 0
 
 
@@ -191,8 +199,9 @@ def _linear_kind(kind: str) -> str:
 def _source_format(engine: Engine) -> str:
     """What the checkpoint was stored as, when the file recorded it."""
     src = engine.source_config or {}
-    quant = (src.get("quantization_config") or {}).get("quant_method")
-    dtype = src.get("torch_dtype") or src.get("dtype")
+    text = src.get("text_config") or {}  # a conditional-generation checkpoint's language model
+    quant = (src.get("quantization_config") or text.get("quantization_config") or {}).get("quant_method")
+    dtype = src.get("torch_dtype") or src.get("dtype") or text.get("torch_dtype") or text.get("dtype")
     parts = [p for p in (quant, dtype) if p]
     return " / ".join(str(p) for p in parts) if parts else "unknown"
 
@@ -612,7 +621,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"storage type of the weight matrices: {', '.join(supported_dtypes())}; a recipe "
         f"({', '.join(r[0] for r in _recipe_table())}: see docs/FORMAT.md); or class=type pairs such as "
         "experts=q4_1,experts_down=q8_0,default=q8_0 (default: keep the source's; q8_0 for "
-        "FP8/MXFP4 sources)",
+        "FP8 sources, mxfp4 for MXFP4, q4_0 for compressed-tensors int4)",
     )
     c.add_argument(
         "--imatrix",

@@ -67,7 +67,7 @@ fn config_v2(c: &HfConfig) -> Result<ModelConfig> {
     config(c, groups, router, true)
 }
 
-fn config_v3(c: &HfConfig) -> Result<ModelConfig> {
+pub(crate) fn config_v3(c: &HfConfig) -> Result<ModelConfig> {
     let router = |k, groups| RouterSpec {
         top_k: k,
         score: RouterScore::Sigmoid,

@@ -18,6 +18,7 @@ mod glm4_moe_lite;
 mod glm_moe_dsa;
 mod gpt_oss;
 mod granitemoe;
+mod kimi_k25;
 mod kimi_linear;
 mod minimax_m2;
 mod mistral4;
@@ -180,6 +181,7 @@ pub static REGISTRY: &[&Arch] = &[
     &ernie4_5_moe::ARCH,
     &gemma4::GEMMA4,
     &gemma4::GEMMA4_TEXT,
+    &kimi_k25::ARCH,
     &deepseek_v32::ARCH,
     &glm_moe_dsa::ARCH,
 ];

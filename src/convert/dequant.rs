@@ -4,9 +4,18 @@
 //!   `weight_scale_inv`): [`e4m3_to_f32`], [`dequant_fp8_block`].
 //! - MXFP4 (GPT-OSS `*_blocks` + `*_scales`): [`FP4_E2M1`], [`e8m0_scale`],
 //!   [`dequant_mxfp4`].
+//! - compressed-tensors `pack-quantized` symmetric int4 with one scale per
+//!   32 values (Kimi-K2 `weight_packed` + `weight_scale`): [`int4_codes`],
+//!   [`dequant_int4`], and [`int4_to_q4_0`], which moves a group into a
+//!   q4_0 block without rounding when its scale is an f16.
 //!
-//! Only decoding lives here: the caller checks the shapes and then turns
-//! the codes into f32, which the normal conversion path encodes again.
+//! Besides that last one, only decoding lives here: the caller checks the
+//! shapes and then turns the codes into f32, which the normal conversion
+//! path encodes again.
+
+use half::f16;
+
+use crate::quant::q4_0::{self, BlockQ4_0};
 
 /// OCP FP8 E4M3 code → value, for all 256 codes, built at compile time.
 static E4M3: [f32; 256] = e4m3_table();
@@ -129,10 +138,198 @@ pub fn dequant_mxfp4(blocks: &[u8], scales: &[u8], out: &mut [f32]) -> Result<()
     Ok(())
 }
 
+/// Values per int4 group (compressed-tensors `group_size`; one scale each).
+pub const INT4_GROUP: usize = 32;
+
+/// The 32 stored nibbles of one int4 group: `packed` is the group's 16 bytes
+/// of `weight_packed` (four little-endian int32 words, eight values each,
+/// the first value in the lowest bits), so value `2j` is the low nibble of
+/// byte `j` and value `2j + 1` the high one. compressed-tensors stores the
+/// signed code `q` (-8..=7) as the nibble `q + 8` (its `pack_to_int32` adds
+/// `1 << (num_bits - 1)` before packing), which is q4_0's code for the same
+/// `q`: a nibble is returned as stored.
+#[inline]
+pub fn int4_codes(packed: &[u8]) -> [u8; INT4_GROUP] {
+    debug_assert_eq!(packed.len(), INT4_GROUP / 2);
+    let mut c = [0u8; INT4_GROUP];
+    for (pair, &b) in c.chunks_exact_mut(2).zip(packed) {
+        pair[0] = b & 0xF;
+        pair[1] = b >> 4;
+    }
+    c
+}
+
+/// Dequantises int4 groups: `out[32·g + k] = (code − 8) · scales[g]`, the
+/// codes of group `g` from `packed[16·g..16·g + 16]` ([`int4_codes`]). The
+/// product is exact in f32 (a 4-bit code times a bf16 or f16 scale).
+/// compressed-tensors itself multiplies in the scale's type (bf16), which
+/// rounds some products; colibri keeps the exact value.
+pub fn dequant_int4(packed: &[u8], scales: &[f32], out: &mut [f32]) {
+    debug_assert_eq!(packed.len(), scales.len() * INT4_GROUP / 2);
+    debug_assert_eq!(out.len(), scales.len() * INT4_GROUP);
+    for ((o, p), &s) in out.chunks_exact_mut(INT4_GROUP).zip(packed.chunks_exact(INT4_GROUP / 2)).zip(scales) {
+        for (o, c) in o.iter_mut().zip(int4_codes(p)) {
+            *o = (i32::from(c) - 8) as f32 * s;
+        }
+    }
+}
+
+/// How an int4 group's scale fits q4_0's f16 scale.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScaleFit {
+    /// The scale is an f16 value (zero and f16 subnormals included): the
+    /// group is a q4_0 block as it stands.
+    Exact,
+    /// Within f16's range but not one of its values (more precision than
+    /// f16 keeps, or below its smallest subnormal): the group is
+    /// requantised from its exact values.
+    Inexact,
+    /// Beyond f16's largest value: no q4_0 block holds the group.
+    Overflow,
+    /// NaN or infinite.
+    NotFinite,
+}
+
+/// Classifies one scale ([`ScaleFit`]).
+pub fn scale_fit(s: f32) -> ScaleFit {
+    if !s.is_finite() {
+        return ScaleFit::NotFinite;
+    }
+    let h = f16::from_f32(s);
+    if h.is_infinite() {
+        ScaleFit::Overflow
+    } else if h.to_f32() == s {
+        ScaleFit::Exact
+    } else {
+        ScaleFit::Inexact
+    }
+}
+
+/// One int4 group as a q4_0 block. With an [`ScaleFit::Exact`] scale the
+/// block is `d = scale` and the stored nibbles (q4_0 keeps value `j` and
+/// `j + 16` in byte `j`, so only their places change): the same 32 values,
+/// no rounding. Otherwise the group's exact values are quantised as any f32
+/// source is ([`q4_0::quantize`]), so the result equals converting a
+/// dequantised copy of the checkpoint; an overflowing scale is the caller's
+/// to avoid (q4_0 cannot hold it).
+pub fn int4_to_q4_0(packed: &[u8], scale: f32) -> BlockQ4_0 {
+    let c = int4_codes(packed);
+    if scale_fit(scale) == ScaleFit::Exact {
+        let mut b = BlockQ4_0 { d: f16::from_f32(scale).to_bits(), qs: [0; 16] };
+        for (j, q) in b.qs.iter_mut().enumerate() {
+            *q = c[j] | (c[j + 16] << 4);
+        }
+        return b;
+    }
+    let mut v = [0f32; INT4_GROUP];
+    dequant_int4(packed, &[scale], &mut v);
+    let mut b = [BlockQ4_0 { d: 0, qs: [0; 16] }];
+    q4_0::quantize(&v, &mut b);
+    b[0]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::quant::exp2i;
+
+    /// compressed-tensors' packing written out the slow way: value `i` of a
+    /// row goes to int32 word `i / 8` at bit `4·(i % 8)` as `q + 8`, and the
+    /// words are stored little-endian.
+    fn pack_int4(q: &[i8]) -> Vec<u8> {
+        let mut words = vec![0u32; q.len().div_ceil(8)];
+        for (i, &v) in q.iter().enumerate() {
+            assert!((-8..=7).contains(&v));
+            words[i / 8] |= ((v as i32 + 8) as u32) << (4 * (i % 8));
+        }
+        words.iter().flat_map(|w| w.to_le_bytes()).collect()
+    }
+
+    fn codes_of(i: usize) -> Vec<i8> {
+        (0..32).map(|k| ((k * 7 + i * 3) % 16) as i8 - 8).collect()
+    }
+
+    #[test]
+    fn int4_nibbles_unpack_in_element_order() {
+        for i in 0..4 {
+            let q = codes_of(i);
+            let c = int4_codes(&pack_int4(&q));
+            let got: Vec<i8> = c.iter().map(|&n| n as i8 - 8).collect();
+            assert_eq!(got, q);
+        }
+        // Value 0 in the lowest nibble of the first word, value 7 in its top.
+        let mut q = [0i8; 32];
+        q[0] = -8;
+        q[7] = 7;
+        q[8] = -1;
+        let p = pack_int4(&q);
+        assert_eq!(&p[..5], &[0x80, 0x88, 0x88, 0xF8, 0x87]);
+    }
+
+    #[test]
+    fn int4_dequant_is_code_times_scale() {
+        let q: Vec<i8> = [codes_of(0), codes_of(1)].concat();
+        let p = pack_int4(&q);
+        let scales = [0.375f32, -1.5e-3];
+        let mut out = [f32::NAN; 64];
+        dequant_int4(&p, &scales, &mut out);
+        for (k, &v) in out.iter().enumerate() {
+            assert_eq!(v, q[k] as f32 * scales[k / 32], "value {k}");
+        }
+    }
+
+    #[test]
+    fn scale_fit_classes() {
+        let bf16 = |x: f32| half::bf16::from_f32(x).to_f32();
+        assert_eq!(scale_fit(0.0), ScaleFit::Exact);
+        assert_eq!(scale_fit(bf16(0.0123)), ScaleFit::Exact); // 8 significant bits fit f16's 11
+        assert_eq!(scale_fit(exp2i(-24) as f32), ScaleFit::Exact); // f16's smallest subnormal
+        assert_eq!(scale_fit(3.0 * exp2i(-20) as f32), ScaleFit::Exact); // a subnormal f16
+        assert_eq!(scale_fit(bf16(1.0e-6)), ScaleFit::Inexact); // below f16's normals, too fine
+        assert_eq!(scale_fit(exp2i(-30) as f32), ScaleFit::Inexact); // under the smallest subnormal
+        assert_eq!(scale_fit(1.0 + exp2i(-12) as f32), ScaleFit::Inexact); // 13 significant bits
+        assert_eq!(scale_fit(65504.0), ScaleFit::Exact);
+        assert_eq!(scale_fit(bf16(65536.0)), ScaleFit::Overflow);
+        assert_eq!(scale_fit(f32::INFINITY), ScaleFit::NotFinite);
+        assert_eq!(scale_fit(f32::NAN), ScaleFit::NotFinite);
+        // Every finite bf16 below f16's range top and at or above its
+        // smallest normal is exact.
+        for bits in 0..=0x7F7Fu16 {
+            let s = half::bf16::from_bits(bits).to_f32();
+            if (exp2i(-14) as f32..=65504.0).contains(&s) {
+                assert_eq!(scale_fit(s), ScaleFit::Exact, "bf16 {bits:#06x} = {s}");
+            }
+        }
+    }
+
+    #[test]
+    fn int4_group_moves_into_q4_0_without_rounding() {
+        let mut deq = [0f32; 32];
+        for (i, scale) in [0.0123f32, 2.5e-3, 7.0, 0.0].into_iter().enumerate() {
+            let scale = half::bf16::from_f32(scale).to_f32();
+            let q = codes_of(i);
+            let p = pack_int4(&q);
+            let b = int4_to_q4_0(&p, scale);
+            assert_eq!(b.d, f16::from_f32(scale).to_bits());
+            q4_0::dequantize(&[b], &mut deq);
+            for (k, &v) in deq.iter().enumerate() {
+                assert_eq!(v, q[k] as f32 * scale, "scale {scale} value {k}");
+            }
+        }
+    }
+
+    #[test]
+    fn int4_group_with_an_inexact_scale_is_quantised_like_its_values() {
+        let scale = half::bf16::from_f32(1.0e-6).to_f32();
+        assert_eq!(scale_fit(scale), ScaleFit::Inexact);
+        let p = pack_int4(&codes_of(2));
+        let mut v = [0f32; 32];
+        dequant_int4(&p, &[scale], &mut v);
+        let mut want = [BlockQ4_0 { d: 0, qs: [0; 16] }];
+        q4_0::quantize(&v, &mut want);
+        let got = int4_to_q4_0(&p, scale);
+        assert_eq!((got.d, got.qs), (want[0].d, want[0].qs));
+    }
 
     /// E4M3 from its definition, computed in f64 (every value is exact).
     fn e4m3_reference(b: u8) -> f32 {

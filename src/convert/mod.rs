@@ -66,6 +66,28 @@ pub struct ConvertReport {
     /// it had no entry for (or no token reached, e.g. an expert the
     /// calibration text never routed to), quantised unweighted.
     pub weighted: Option<(usize, usize)>,
+    /// With packed int4 source tensors (compressed-tensors): how their
+    /// groups were stored.
+    pub int4: Option<Int4Report>,
+}
+
+/// How the groups of a packed int4 source (compressed-tensors
+/// `pack-quantized`) went into the file. A group whose bf16 scale is an f16
+/// value is a q4_0 block as it stands; the others are the exceptions counted
+/// here.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Int4Report {
+    /// Packed int4 tensors converted.
+    pub tensors: usize,
+    /// Their groups of 32 values.
+    pub groups: usize,
+    /// Groups of tensors stored as q4_0 whose scale is not an f16 value
+    /// (too fine, or below f16's smallest subnormal): quantised again from
+    /// their exact values, as a dequantised copy would be.
+    pub requantised: usize,
+    /// Tensors with a scale beyond f16's range, which no q4_0 block holds:
+    /// stored in f32 instead (exactly) unless the recipe names a type.
+    pub widened: Vec<String>,
 }
 
 impl ConvertOptions {
@@ -297,13 +319,19 @@ fn derived_shape(s: &Source, shape: &[usize]) -> std::result::Result<Vec<usize>,
     Ok(shape)
 }
 
-/// The bytes of one canonical tensor: borrowed from the checkpoint when the
-/// source is used as it is, otherwise decoded to f32 and reshaped as `s` says.
-fn materialize<'a>(ck: &'a Checkpoint, s: &Source, t: &SrcTensor) -> Result<(DType, Cow<'a, [u8]>)> {
+/// The bytes of one canonical tensor to be stored as `want`: borrowed from
+/// the checkpoint when the source is used as it is, a packed int4 source
+/// (or one expert's slice of a stacked one) moved into q4_0 blocks when
+/// `want` is q4_0 (or its interleaved form), otherwise decoded to f32 and
+/// reshaped as `s` says.
+fn materialize<'a>(ck: &'a Checkpoint, s: &Source, t: &SrcTensor, want: DType) -> Result<(DType, Cow<'a, [u8]>)> {
     if s.is_whole()
         && let Some((d, b)) = ck.plain_bytes(t)
     {
         return Ok((d, Cow::Borrowed(b)));
+    }
+    if int4_native(s, t, want) {
+        return Ok((want, Cow::Owned(ck.int4_as_q4_0(t, want, s.index))));
     }
     let (shape, mut v) = ck.decode_f32(&s.name, t, s.index)?;
     let shape = squeeze_middle(shape);
@@ -334,6 +362,16 @@ fn materialize<'a>(ck: &'a Checkpoint, s: &Source, t: &SrcTensor) -> Result<(DTy
         debug_assert_eq!(v.len(), r * c);
     }
     Ok((DType::F32, Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect())))
+}
+
+/// True when `s` takes the packed int4 tensor `t` whole or one slice of
+/// its first axis, into q4_0 blocks (`want`): then the groups move as they are.
+fn int4_native(s: &Source, t: &SrcTensor, want: DType) -> bool {
+    let slice_only = Source { index: None, ..s.clone() }.is_whole();
+    slice_only
+        && t.shape.len() >= 2
+        && matches!(t.enc, safetensors::Encoding::PackedInt4 { .. })
+        && want.base() == DType::Q4_0
 }
 
 /// The tensors an adapter skipped, grouped by their first two name parts
@@ -402,7 +440,10 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
     let cfg = (arch.config)(&hf)?;
     cfg.validate().map_err(|e| Error::checkpoint(&cfg_path, e.to_string()))?;
 
-    let ck = Checkpoint::open(src, hf.get("quantization_config"))?;
+    // A conditional-generation checkpoint (Kimi-K2.5) may declare its
+    // quantisation in text_config.
+    let quant = hf.get("quantization_config").or_else(|| hf.get("text_config")?.get("quantization_config"));
+    let ck = Checkpoint::open(src, quant.filter(|q| !q.is_null()))?;
     let plan = tensor_plan(&cfg);
 
     // Map every planned tensor to its source, checking presence and shape.
@@ -467,31 +508,44 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
     // Storage types: matrices in the requested type; by default in the
     // source's own, as closely as colibri stores it (MXFP4 stays mxfp4, FP8
     // becomes q8_0: no element type holds it, and bf16 would store it at
-    // twice the size); small tensors in f32.
+    // twice the size; compressed-tensors int4 becomes q4_0, which is the
+    // same format where the scale is an f16); small tensors in f32.
     let embed_src = sources.iter().find(|(p, _, _)| p.id == TensorId::Embed).and_then(|(_, _, t)| match t.enc {
         safetensors::Encoding::Plain(d) => Some(d),
         _ => None,
     });
     let plain_default = embed_src.unwrap_or(DType::F32);
-    let own = |t: &SrcTensor| match t.enc {
+    // Packed int4 sources: every scale read once, to know which groups q4_0
+    // holds as they are (an error for a NaN or infinite scale).
+    let mut int4_scales = std::collections::BTreeMap::new();
+    for (_, s, t) in &sources {
+        if matches!(t.enc, safetensors::Encoding::PackedInt4 { .. }) && !int4_scales.contains_key(s.name.as_str()) {
+            int4_scales.insert(s.name.as_str(), ck.int4_scales(&s.name, t)?);
+        }
+    }
+    // Packed int4 becomes q4_0 (the same values where the scale is an f16),
+    // or f32 for a tensor with a scale beyond f16's range.
+    let own = |name: &str, t: &SrcTensor| match t.enc {
         safetensors::Encoding::Plain(_) => plain_default,
         safetensors::Encoding::Fp8 { .. } => DType::Q8_0,
         safetensors::Encoding::Mxfp4 { .. } => DType::Mxfp4,
+        safetensors::Encoding::PackedInt4 { .. } if int4_scales.get(name).is_some_and(|c| c.overflow > 0) => DType::F32,
+        safetensors::Encoding::PackedInt4 { .. } => DType::Q4_0,
     };
     // The type recorded for the file: the requested one, else that of the
     // quantised source tensors (they hold most of the bytes), else the embedding's.
     let recipe = opts.recipe.as_ref();
-    let weight_dtype = recipe
-        .and_then(Recipe::primary)
-        .unwrap_or_else(|| sources.iter().map(|(_, _, t)| own(t)).find(|d| d.is_quantized()).unwrap_or(plain_default));
-    let wanted = |p: &PlannedTensor, t: &SrcTensor| {
-        recipe.and_then(|r| r.dtype(p.id.class_in(cfg.tie_embeddings)?)).unwrap_or_else(|| own(t))
+    let weight_dtype = recipe.and_then(Recipe::primary).unwrap_or_else(|| {
+        sources.iter().map(|(_, s, t)| own(&s.name, t)).find(|d| d.is_quantized()).unwrap_or(plain_default)
+    });
+    let wanted = |p: &PlannedTensor, s: &Source, t: &SrcTensor| {
+        recipe.and_then(|r| r.dtype(p.id.class_in(cfg.tie_embeddings)?)).unwrap_or_else(|| own(&s.name, t))
     };
     let items: Vec<ToPlace> = sources
         .iter()
-        .map(|(p, _, t)| ToPlace {
+        .map(|(p, s, t)| ToPlace {
             name: p.id.to_string(),
-            dtype: storage_dtype(p.role, wanted(p, t), &p.shape),
+            dtype: storage_dtype(p.role, wanted(p, s, t), &p.shape),
             shape: p.shape.clone(),
             expert: match p.id {
                 TensorId::Expert(l, e, _) => Some((l, e)),
@@ -500,6 +554,23 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
         })
         .collect();
     let (tensors, experts) = layout(&items)?;
+    let int4 = (!int4_scales.is_empty()).then(|| {
+        let mut r = Int4Report { tensors: int4_scales.len(), ..Default::default() };
+        for (name, c) in &int4_scales {
+            r.groups += c.groups;
+            if c.overflow > 0 {
+                r.widened.push(name.to_string());
+            }
+        }
+        // The inexact groups of the tensors that go the q4_0 way.
+        let mut counted = std::collections::HashSet::new();
+        for ((_, s, t), item) in sources.iter().zip(&items) {
+            if int4_native(s, t, item.dtype) && counted.insert(s.name.as_str()) {
+                r.requantised += int4_scales.get(s.name.as_str()).map_or(0, |c| c.inexact);
+            }
+        }
+        r
+    });
     let quantised =
         tensors.iter().filter(|t| t.dtype.is_quantized()).map(|t| (t.name.as_str(), *t.shape.last().unwrap_or(&1)));
     let imatrix = load_imatrix(opts, arch.hf_class, quantised)?;
@@ -533,7 +604,7 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
     // Write to a hidden temporary beside the output, then rename.
     let source = |i: usize| {
         let (_, s, t) = &sources[i];
-        materialize(&ck, s, t)
+        materialize(&ck, s, t, meta.tensors[i].dtype)
     };
     let staged = write_staged(dst, &meta, "converting", opts.progress, interrupted, imatrix.as_ref(), &source)?;
     let bytes = commit(staged, dst)?;
@@ -544,5 +615,6 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
         tensors: meta.tensors.len(),
         bytes,
         weighted: coverage(&meta, imatrix.as_ref()),
+        int4,
     })
 }

@@ -115,6 +115,7 @@ pub(super) fn recode(
         tensors,
         bytes,
         weighted,
+        int4: None,
     })
 }
 

@@ -12,6 +12,13 @@
 //! - MXFP4 (`quant_method = "mxfp4"`, GPT-OSS): `W_blocks` (`U8`, `[.., G, 16]`,
 //!   two E2M1 codes a byte) with `W_scales` (`U8`, `[.., G]`, E8M0 exponents),
 //!   presented as `W` of shape `[.., G·32]`.
+//! - compressed-tensors `pack-quantized` (`quant_method =
+//!   "compressed-tensors"`, Kimi-K2 / K2-Thinking / K2.5 experts): a module
+//!   `M` as `M.weight_packed` (`I32`, `[.., rows, cols/8]`, eight int4 codes
+//!   per word), `M.weight_scale` (`[.., rows, cols/32]`, one scale per 32
+//!   values) and `M.weight_shape` (`I32`/`I64`, the logical shape), presented
+//!   as `M.weight`. Only symmetric int4 with groups of 32 is read
+//!   ([`check_compressed_tensors`]); anything else is refused by name.
 //!
 //! The companion tensors are consumed into the tensor they scale, so the
 //! converter's "every tensor used" check sees only logical tensors.
@@ -23,6 +30,7 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 use serde_json::Value;
 
+use super::dequant;
 use crate::error::{Error, Result};
 use crate::quant::DType;
 
@@ -62,6 +70,25 @@ pub enum Encoding {
         /// One byte per 32 values.
         scales: Span,
     },
+    /// Symmetric int4 codes (stored as `q + 8`, eight per little-endian
+    /// int32) with one scale per 32 values along the last axis.
+    PackedInt4 {
+        /// The `weight_scale` tensor's bytes, one scale per 32 values.
+        scales: Span,
+        /// Their type (BF16 on the Hub; F16 and F32 are read too).
+        scale_dtype: DType,
+    },
+}
+
+/// What the scales of one int4 tensor allow ([`Checkpoint::int4_scales`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Int4Scales {
+    /// Groups of 32 values.
+    pub groups: usize,
+    /// Groups whose scale is within f16's range but not an f16 value.
+    pub inexact: usize,
+    /// Groups whose scale is beyond f16's range.
+    pub overflow: usize,
 }
 
 /// A raw safetensors entry before quantisation companions are resolved.
@@ -149,9 +176,13 @@ impl Checkpoint {
         let cfg_err = |m: String| Error::checkpoint(&self.dir.join("config.json"), m);
         match method {
             None | Some("fp8") | Some("mxfp4") => {}
+            Some("compressed-tensors") => {
+                check_compressed_tensors(quant.expect("a method implies the config")).map_err(cfg_err)?
+            }
             Some(other) => {
                 return Err(cfg_err(format!(
-                    "quantization_config.quant_method \"{other}\" is not supported (supported: fp8 with block scales, mxfp4)"
+                    "quantization_config.quant_method \"{other}\" is not supported (supported: fp8 with block \
+                     scales, mxfp4, compressed-tensors pack-quantized int4)"
                 )));
             }
         }
@@ -233,15 +264,86 @@ impl Checkpoint {
                     shape.push(t.shape[n - 2] * 32);
                     self.insert(&base, SrcTensor { enc: Encoding::Mxfp4 { scales: s.at }, shape, at: t.at })?;
                 }
+                "I32" if name.ends_with(".weight_packed") => {
+                    if method != Some("compressed-tensors") {
+                        return Err(bad(format!(
+                            "tensor {name} looks like packed int4 weights, but config.json declares no \
+                             compressed-tensors quantization_config"
+                        )));
+                    }
+                    let base = name.trim_end_matches("_packed").to_string();
+                    let t = raw.remove(&name).expect("present");
+                    let (sname, hname) = (format!("{base}_scale"), format!("{base}_shape"));
+                    let s =
+                        raw.remove(&sname).ok_or_else(|| bad(format!("packed int4 tensor {name} has no {sname}")))?;
+                    let h =
+                        raw.remove(&hname).ok_or_else(|| bad(format!("packed int4 tensor {name} has no {hname}")))?;
+                    let shape = self.int4_shape(&base, &t, &s, &h).map_err(bad)?;
+                    let scale_dtype = st_dtype(&s.dtype).expect("checked by int4_shape");
+                    self.insert(
+                        &base,
+                        SrcTensor { enc: Encoding::PackedInt4 { scales: s.at, scale_dtype }, shape, at: t.at },
+                    )?;
+                }
                 other => {
                     return Err(Error::Unsupported(format!(
-                        "{}: tensor {name} has dtype {other}; supported source dtypes are F32, BF16, F16, and F8_E4M3 / MXFP4 with their scales",
+                        "{}: tensor {name} has dtype {other}; supported source dtypes are F32, BF16, F16, and \
+                         F8_E4M3 / MXFP4 / packed int4 with their scales",
                         file.display()
                     )));
                 }
             }
         }
         Ok(())
+    }
+
+    /// The logical shape of the packed int4 tensor `base` (`M.weight`) from
+    /// its `weight_shape`, checked against the codes and the scales.
+    fn int4_shape(
+        &self,
+        base: &str,
+        t: &RawTensor,
+        s: &RawTensor,
+        h: &RawTensor,
+    ) -> std::result::Result<Vec<usize>, String> {
+        let bytes = &self.files[h.at.file].1[h.at.start..h.at.end];
+        let shape: Option<Vec<usize>> = match (h.dtype.as_str(), h.shape.as_slice()) {
+            ("I32", [_]) => {
+                bytes.chunks_exact(4).map(|c| usize::try_from(i32::from_le_bytes(c.try_into().ok()?)).ok()).collect()
+            }
+            ("I64", [_]) => {
+                bytes.chunks_exact(8).map(|c| usize::try_from(i64::from_le_bytes(c.try_into().ok()?)).ok()).collect()
+            }
+            _ => None,
+        };
+        let Some(shape) = shape.filter(|v| v.len() >= 2) else {
+            return Err(format!(
+                "{base}_shape is {} {:?}; packed int4 tensor {base} needs the logical shape as a 1-D I32 or I64 list \
+                 of at least two sizes",
+                h.dtype, h.shape
+            ));
+        };
+        let (lead, cols) = (&shape[..shape.len() - 1], shape[shape.len() - 1]);
+        let with_last = |n: usize| lead.iter().copied().chain([n]).collect::<Vec<_>>();
+        let (want_codes, want_scales) = (with_last(cols / 8), with_last(cols / dequant::INT4_GROUP));
+        if !cols.is_multiple_of(dequant::INT4_GROUP) || t.shape != want_codes {
+            return Err(format!(
+                "packed int4 tensor {base}: {base}_packed {:?} does not hold the shape {shape:?} of {base}_shape \
+                 (want rows of whole groups of {}: {want_codes:?})",
+                t.shape,
+                dequant::INT4_GROUP
+            ));
+        }
+        if st_dtype(&s.dtype).is_none() || s.shape != want_scales {
+            return Err(format!(
+                "packed int4 tensor {base}: {base}_scale is {} {:?}; shape {shape:?} with groups of {} needs \
+                 BF16, F16 or F32 {want_scales:?}",
+                s.dtype,
+                s.shape,
+                dequant::INT4_GROUP
+            ));
+        }
+        Ok(shape)
     }
 
     fn plain(&mut self, name: &str, t: RawTensor) -> Result<()> {
@@ -378,6 +480,12 @@ impl Checkpoint {
                     self.span(*scales).chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4"))).collect();
                 super::dequant::dequant_fp8_block(bytes, rows, cols, &sc, *block, &mut out);
             }
+            Encoding::PackedInt4 { scales, scale_dtype } => {
+                let groups = n / dequant::INT4_GROUP;
+                let sc = self.int4_scale_values(*scales, *scale_dtype, outer * groups, groups);
+                let codes = &bytes[outer * groups * 16..(outer + 1) * groups * 16];
+                dequant::dequant_int4(codes, &sc, &mut out);
+            }
             Encoding::Mxfp4 { scales } => {
                 let groups = n / 32;
                 let sc = &self.span(*scales)[outer * groups..(outer + 1) * groups];
@@ -391,5 +499,261 @@ impl Checkpoint {
             }
         }
         Ok((shape, out))
+    }
+
+    /// `count` scales of an int4 tensor from group `first` on, as f32.
+    fn int4_scale_values(&self, scales: Span, dtype: DType, first: usize, count: usize) -> Vec<f32> {
+        let per = dtype.tensor_bytes(&[1]).expect("an element type");
+        let bytes = &self.span(scales)[first * per..(first + count) * per];
+        let mut out = vec![0f32; count];
+        crate::quant::decode(dtype, bytes, 1, &mut out);
+        out
+    }
+
+    /// Reads every scale of the int4 tensor `t` (named `name`) and sorts
+    /// them by how q4_0 can hold them; a NaN or infinite scale is an error.
+    pub fn int4_scales(&self, name: &str, t: &SrcTensor) -> Result<Int4Scales> {
+        let Encoding::PackedInt4 { scales, scale_dtype } = t.enc else {
+            return Ok(Int4Scales::default());
+        };
+        let groups = t.shape.iter().product::<usize>() / dequant::INT4_GROUP;
+        let mut out = Int4Scales { groups, ..Default::default() };
+        // In slices of 64k scales, so memory stays flat on huge tensors.
+        let step = 1 << 16;
+        for first in (0..groups).step_by(step) {
+            let sc = self.int4_scale_values(scales, scale_dtype, first, step.min(groups - first));
+            for (i, &s) in sc.iter().enumerate() {
+                match dequant::scale_fit(s) {
+                    dequant::ScaleFit::Exact => {}
+                    dequant::ScaleFit::Inexact => out.inexact += 1,
+                    dequant::ScaleFit::Overflow => out.overflow += 1,
+                    dequant::ScaleFit::NotFinite => {
+                        return Err(Error::checkpoint(
+                            self.file_of(t),
+                            format!("packed int4 tensor {name}: scale {} is {s}", first + i),
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// The int4 tensor `t` (or slice `index` of its first axis, one expert
+    /// of a stacked tensor) as `dtype` (q4_0 or its interleaved q4_0x8):
+    /// each group whose scale is an f16 becomes a q4_0 block as it is, any
+    /// other is quantised from its exact values ([`dequant::int4_to_q4_0`]).
+    /// The caller has checked that no scale overflows f16
+    /// ([`Checkpoint::int4_scales`]) and that a slice exists.
+    pub fn int4_as_q4_0(&self, t: &SrcTensor, dtype: DType, index: Option<usize>) -> Vec<u8> {
+        use crate::quant::q4_0::BlockQ4_0;
+        use crate::quant::x8::{self, BlockQ4_0x8};
+        let Encoding::PackedInt4 { scales, scale_dtype } = t.enc else {
+            unreachable!("int4_as_q4_0 takes packed int4 tensors")
+        };
+        debug_assert_eq!(dtype.base(), DType::Q4_0);
+        let all = t.shape.iter().product::<usize>() / dequant::INT4_GROUP;
+        let (first, groups) = match index {
+            None => (0, all),
+            Some(i) => (i * (all / t.shape[0]), all / t.shape[0]),
+        };
+        let sc = self.int4_scale_values(scales, scale_dtype, first, groups);
+        let half = dequant::INT4_GROUP / 2;
+        let blocks: Vec<BlockQ4_0> = self.span(t.at)[first * half..(first + groups) * half]
+            .chunks_exact(half)
+            .zip(&sc)
+            .map(|(p, &s)| dequant::int4_to_q4_0(p, s))
+            .collect();
+        if dtype == DType::Q4_0 {
+            return bytemuck::cast_slice(&blocks).to_vec();
+        }
+        let nb = t.shape[t.shape.len() - 1] / dequant::INT4_GROUP;
+        let mut grouped = vec![BlockQ4_0x8 { d: [0; 8], qs: [0; 128] }; blocks.len() / x8::ROWS];
+        x8::pack::<BlockQ4_0x8>(&blocks, nb, &mut grouped);
+        bytemuck::cast_slice(&grouped).to_vec()
+    }
+}
+
+/// Checks that a compressed-tensors `quantization_config` describes what
+/// colibri reads: the `pack-quantized` format with every config group's
+/// weights symmetric int4 in groups of 32, static, without activation
+/// order or block structure, and no activation or KV-cache quantisation.
+/// The error names the key.
+pub fn check_compressed_tensors(q: &Value) -> std::result::Result<(), String> {
+    let key = "quantization_config";
+    // "mixed-precision" names the format per config group instead.
+    let mixed = q.get("format").and_then(Value::as_str) == Some("mixed-precision");
+    if !mixed && q.get("format").and_then(Value::as_str) != Some("pack-quantized") {
+        return Err(format!(
+            "{key}.format is {}; of compressed-tensors checkpoints only \"pack-quantized\" (int4 in groups of 32) is supported",
+            q.get("format").map_or("missing".into(), Value::to_string)
+        ));
+    }
+    if let Some(kv) = q.get("kv_cache_scheme").filter(|v| !v.is_null()) {
+        return Err(format!("{key}.kv_cache_scheme {kv} is not supported (a quantised KV cache)"));
+    }
+    let groups = q
+        .get("config_groups")
+        .and_then(Value::as_object)
+        .filter(|g| !g.is_empty())
+        .ok_or_else(|| format!("{key}.config_groups is missing or empty"))?;
+    for (g, scheme) in groups {
+        let at = format!("{key}.config_groups.{g}");
+        let f = scheme.get("format").filter(|v| !v.is_null());
+        if (mixed || f.is_some()) && f.and_then(Value::as_str) != Some("pack-quantized") {
+            let f = f.map_or("missing".into(), Value::to_string);
+            return Err(format!("{at}.format is {f}; only \"pack-quantized\" is supported"));
+        }
+        for side in ["input_activations", "output_activations"] {
+            if let Some(a) = scheme.get(side).filter(|v| !v.is_null()) {
+                return Err(format!("{at}.{side} is {a}; quantised activations are not supported (weights only)"));
+            }
+        }
+        let w = scheme.get("weights").filter(|v| v.is_object()).ok_or_else(|| format!("{at}.weights is missing"))?;
+        let want = [
+            ("num_bits", Value::from(4)),
+            ("type", Value::from("int")),
+            ("symmetric", Value::from(true)),
+            ("strategy", Value::from("group")),
+            ("group_size", Value::from(dequant::INT4_GROUP)),
+        ];
+        for (k, v) in want {
+            let got = w.get(k);
+            // Numbers compare by value (a group size may be written 32.0).
+            let same = match (got.and_then(Value::as_f64), v.as_f64()) {
+                (Some(a), Some(b)) => a == b,
+                _ => got == Some(&v),
+            };
+            if !same {
+                return Err(format!(
+                    "{at}.weights.{k} is {}; colibri reads symmetric int4 with one scale per group of 32 \
+                     (num_bits 4, type int, symmetric true, strategy group, group_size 32)",
+                    got.map_or("missing".into(), Value::to_string)
+                ));
+            }
+        }
+        for k in ["actorder", "block_structure"] {
+            if let Some(v) = w.get(k).filter(|v| !v.is_null() && *v != &Value::Bool(false)) {
+                return Err(format!("{at}.weights.{k} is {v}; not supported"));
+            }
+        }
+        if let Some(v) = w.get("dynamic").filter(|v| !v.is_null() && **v != Value::Bool(false)) {
+            return Err(format!("{at}.weights.dynamic is {v}; only static weight scales are supported"));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A safetensors file of `(name, dtype, shape, bytes)`.
+    fn write(path: &Path, tensors: &[(&str, &str, Vec<usize>, Vec<u8>)]) {
+        let mut header = serde_json::Map::new();
+        let mut data = Vec::new();
+        for (name, dtype, shape, bytes) in tensors {
+            let e = serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [data.len(), data.len() + bytes.len()]});
+            header.insert(name.to_string(), e);
+            data.extend_from_slice(bytes);
+        }
+        let h = serde_json::to_vec(&header).unwrap();
+        let mut out = (h.len() as u64).to_le_bytes().to_vec();
+        out.extend(h);
+        out.extend(data);
+        std::fs::write(path, out).unwrap();
+    }
+
+    fn int4_config() -> Value {
+        serde_json::json!({
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized",
+            "config_groups": {"g": {"weights": {
+                "num_bits": 4, "type": "int", "symmetric": true, "strategy": "group", "group_size": 32
+            }}}
+        })
+    }
+
+    /// `rows × cols` packed int4 codes, their bf16 scales (one set to an inexact value) and `weight_shape`.
+    fn packed(base: &str, rows: usize, cols: usize) -> Vec<(String, &'static str, Vec<usize>, Vec<u8>)> {
+        let codes: Vec<u8> = (0..rows * cols / 2).map(|i| (i * 37 % 256) as u8).collect();
+        let mut scales: Vec<u16> =
+            (0..rows * cols / 32).map(|g| half::bf16::from_f32(0.01 * (g as f32 + 1.0)).to_bits()).collect();
+        scales[1] = half::bf16::from_f32(1.0e-6).to_bits();
+        vec![
+            (format!("{base}_packed"), "I32", vec![rows, cols / 8], codes),
+            (
+                format!("{base}_scale"),
+                "BF16",
+                vec![rows, cols / 32],
+                scales.iter().flat_map(|s| s.to_le_bytes()).collect(),
+            ),
+            (
+                format!("{base}_shape"),
+                "I32",
+                vec![2],
+                [rows as i32, cols as i32].iter().flat_map(|v| v.to_le_bytes()).collect(),
+            ),
+        ]
+    }
+
+    #[test]
+    fn int4_tensor_reads_as_q4_0_rows_or_groups_of_eight() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut tensors = packed("a.weight", 3, 64);
+        tensors.extend(packed("b.weight", 16, 32));
+        let named: Vec<(&str, &str, Vec<usize>, Vec<u8>)> =
+            tensors.iter().map(|(n, d, s, b)| (n.as_str(), *d, s.clone(), b.clone())).collect();
+        write(&dir.path().join("model.safetensors"), &named);
+        let ck = Checkpoint::open(dir.path(), Some(&int4_config())).unwrap();
+        assert_eq!(ck.names().collect::<Vec<_>>(), ["a.weight", "b.weight"]);
+        for (name, dtype) in [("a.weight", DType::Q4_0), ("b.weight", DType::Q4_0x8), ("b.weight", DType::Q4_0)] {
+            let t = ck.get(name).unwrap();
+            let c = ck.int4_scales(name, t).unwrap();
+            assert_eq!((c.groups, c.inexact, c.overflow), (t.shape[0] * t.shape[1] / 32, 1, 0));
+            let (shape, exact) = ck.decode_f32(name, t, None).unwrap();
+            let bytes = ck.int4_as_q4_0(t, dtype, None);
+            assert_eq!(Some(bytes.len()), dtype.tensor_bytes(&shape));
+            let aligned: Vec<u16> = bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
+            let mut back = vec![0f32; exact.len()];
+            crate::quant::decode(dtype, bytemuck::cast_slice(&aligned), shape[1], &mut back);
+            // Every group but the inexact one (group 1) comes back exactly.
+            for (g, (x, y)) in back.chunks_exact(32).zip(exact.chunks_exact(32)).enumerate() {
+                if g != 1 {
+                    assert_eq!(x, y, "{name} {dtype} group {g}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn int4_stacked_tensor_slices_read_as_q4_0() {
+        let dir = tempfile::tempdir().unwrap();
+        let (e, rows, cols) = (3usize, 8usize, 64usize);
+        let codes: Vec<u8> = (0..e * rows * cols / 2).map(|i| (i * 53 % 256) as u8).collect();
+        let scales: Vec<u8> = (0..e * rows * cols / 32)
+            .flat_map(|g| half::bf16::from_f32(0.003 * (g as f32 + 1.0)).to_bits().to_le_bytes())
+            .collect();
+        let shape: Vec<u8> = [e as i64, rows as i64, cols as i64].iter().flat_map(|v| v.to_le_bytes()).collect();
+        write(
+            &dir.path().join("model.safetensors"),
+            &[
+                ("x.weight_packed", "I32", vec![e, rows, cols / 8], codes),
+                ("x.weight_scale", "BF16", vec![e, rows, cols / 32], scales),
+                ("x.weight_shape", "I64", vec![3], shape),
+            ],
+        );
+        let ck = Checkpoint::open(dir.path(), Some(&int4_config())).unwrap();
+        let t = ck.get("x.weight").unwrap();
+        assert_eq!(t.shape, [e, rows, cols]);
+        for i in 0..e {
+            let (shape, exact) = ck.decode_f32("x.weight", t, Some(i)).unwrap();
+            assert_eq!(shape, [rows, cols]);
+            let bytes = ck.int4_as_q4_0(t, DType::Q4_0x8, Some(i));
+            let aligned: Vec<u16> = bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
+            let mut back = vec![0f32; exact.len()];
+            crate::quant::decode(DType::Q4_0x8, bytemuck::cast_slice(&aligned), cols, &mut back);
+            assert_eq!(back, exact, "expert {i}");
+        }
     }
 }

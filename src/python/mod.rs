@@ -487,6 +487,18 @@ fn convert_checkpoint<'py>(
     d.set_item("tensors", report.tensors)?;
     d.set_item("bytes", report.bytes)?;
     d.set_item("weighted", report.weighted)?;
+    let int4 = match &report.int4 {
+        None => None,
+        Some(r) => {
+            let i = PyDict::new(py);
+            i.set_item("tensors", r.tensors)?;
+            i.set_item("groups", r.groups)?;
+            i.set_item("requantised", r.requantised)?;
+            i.set_item("widened", r.widened.clone())?;
+            Some(i)
+        }
+    };
+    d.set_item("int4", int4)?;
     Ok(d)
 }
 
