@@ -17,7 +17,9 @@ use pyo3::types::{PyByteArray, PyDict};
 
 use crate::convert::{ConvertOptions, Recipe, convert};
 use crate::engine::batch::Canceller;
-use crate::engine::{BatchOptions, Engine, EngineOptions, GenerateOptions, SamplingParams, Scheduler, Ticket};
+use crate::engine::{
+    BatchOptions, Constraint, Engine, EngineOptions, GenerateOptions, SamplingParams, Scheduler, Ticket,
+};
 use crate::error::Error;
 use crate::io::IoMode;
 use crate::model::session::KvCacheType;
@@ -215,6 +217,7 @@ impl NativeEngine {
     #[pyo3(signature = (
         token_ids, *, max_new_tokens, stop_ids, temperature, top_k, top_p, min_p,
         repetition_penalty, presence_penalty, frequency_penalty, seed, logprobs=None,
+        json_schema=None, regex=None, grammar=None,
     ))]
     #[allow(clippy::too_many_arguments)] // keyword-only on the Python side
     fn start(
@@ -232,6 +235,9 @@ impl NativeEngine {
         frequency_penalty: f32,
         seed: u64,
         logprobs: Option<usize>,
+        json_schema: Option<String>,
+        regex: Option<String>,
+        grammar: Option<String>,
     ) -> PyResult<NativeGeneration> {
         let ids = to_ids(token_ids).map_err(to_py)?;
         // An id no token can have never matches; dropping it is harmless.
@@ -246,7 +252,17 @@ impl NativeEngine {
             frequency_penalty,
             seed,
         };
-        let opts = GenerateOptions { max_new_tokens, sampling, stop_ids, logprobs };
+        let mut given =
+            [json_schema.map(Constraint::JsonSchema), regex.map(Constraint::Regex), grammar.map(Constraint::Grammar)]
+                .into_iter()
+                .flatten();
+        let constraint = given.next();
+        if given.next().is_some() {
+            return Err(to_py(Error::InvalidInput(
+                "at most one of json_schema, regex and grammar may be given".into(),
+            )));
+        }
+        let opts = GenerateOptions { max_new_tokens, sampling, stop_ids, logprobs, constraint };
         let t = py.detach(|| self.batch.submit(&ids, &opts)).map_err(to_py)?;
         Ok(NativeGeneration { canceller: t.canceller(), inner: Mutex::new(t) })
     }
