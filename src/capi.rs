@@ -445,7 +445,10 @@ unsafe fn options(m: &Model, s: *const Sampling) -> Result<GenerateOptions, Erro
 /// `cap`, which must be at least `sampling.max_new_tokens`) and their count
 /// to `*n_out`. `sampling` may be null (the defaults). Stops on an
 /// end-of-sequence or stop id (kept in the output), after `max_new_tokens`,
-/// or when the context is full.
+/// when the context is full, or when the output's constraint
+/// (`sampling.json_schema`, `regex` or `grammar`) is complete. A constraint
+/// that cannot be compiled, or that matches no text, is
+/// `COLIBRI_ERR_INVALID_INPUT` with the library's message.
 ///
 /// # Safety
 /// `m` is a live handle; `prompt` has `n` ids; `sampling` is null or valid;

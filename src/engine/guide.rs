@@ -246,6 +246,8 @@ impl Guides {
         let mut factory = ParserFactory::new_simple(&env)
             .map_err(|e| Error::InvalidInput(format!("constrained decoding: cannot index the vocabulary: {e}")))?;
         factory.quiet();
+        // Errors name the problem, without the parser's state and grammar.
+        factory.limits_mut().verbose_errors = false;
         Ok(Guides { factory, eos })
     }
 
@@ -256,11 +258,15 @@ impl Guides {
         let parser =
             self.factory.create_parser(c.grammar()?).map_err(|e| Error::InvalidInput(format!("{what}: {e}")))?;
         let mut m = Matcher::new(Ok(parser));
-        let mask = m.compute_mask().map_err(|e| Error::InvalidInput(format!("{what}: {e}")))?;
-        if mask.is_zero() {
-            return Err(Error::InvalidInput(format!("{what}: the constraint matches no text at all")));
+        let nothing =
+            || Error::InvalidInput(format!("{what}: the constraint matches no text this vocabulary can write"));
+        match m.compute_mask() {
+            Ok(mask) if mask.is_zero() => Err(nothing()),
+            Ok(mask) => Ok((m, mask)),
+            // llguidance stops at once when no token can start the text.
+            Err(e) if e.to_string().contains("NoExtension") => Err(nothing()),
+            Err(e) => Err(Error::InvalidInput(format!("{what}: {e}"))),
         }
-        Ok((m, mask))
     }
 }
 
@@ -559,11 +565,16 @@ mod tests {
             Constraint::JsonSchema(r#"{"type": "no-such-type"}"#.into()),
             Constraint::Regex("(".into()),
             Constraint::Grammar("start: undefined_rule".into()),
-            Constraint::Grammar("start: /a/ & /b/".into()),
+            Constraint::Grammar("start: A\nA: /a/ & /b/".into()),
         ] {
             let err = Guided::new(&g, &c, &[]).unwrap_err();
             assert!(matches!(&err, Error::InvalidInput(m) if m.starts_with(c.what())), "{c:?}: {err}");
         }
+        let empty = Guided::new(&g, &Constraint::Grammar("start: A\nA: /a/ & /b/".into()), &[]).unwrap_err();
+        assert!(empty.to_string().contains("matches no text"), "{empty}");
+        // A vocabulary without the characters JSON needs cannot start an object.
+        let no_brace = Guided::new(&g, &Constraint::Regex("\u{e9}+".into()), &[]).unwrap_err();
+        assert!(no_brace.to_string().contains("matches no text"), "{no_brace}");
     }
 
     #[test]

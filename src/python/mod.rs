@@ -13,7 +13,7 @@ use std::sync::Mutex;
 
 use pyo3::exceptions::{PyKeyboardInterrupt, PyRuntimeError};
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyDict};
+use pyo3::types::{PyByteArray, PyBytes, PyDict};
 
 use crate::convert::{ConvertOptions, Recipe, convert};
 use crate::engine::batch::Canceller;
@@ -553,6 +553,16 @@ fn supported_architectures() -> Vec<&'static str> {
     crate::arch::REGISTRY.iter().map(|a| a.hf_class).collect()
 }
 
+/// The bytes constrained decoding gives each of `vocab` token ids of a
+/// tokenizer.json (special tokens after a 0xFF marker), for tests.
+#[pyfunction]
+fn token_bytes<'py>(py: Python<'py>, tokenizer_json: &str, vocab: usize) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    let tok: serde_json::Value = serde_json::from_str(tokenizer_json)
+        .map_err(|e| to_py(Error::InvalidInput(format!("tokenizer_json: not JSON: {e}"))))?;
+    let words = crate::engine::guide::token_bytes(&tok, vocab).map_err(to_py)?;
+    Ok(words.iter().map(|w| PyBytes::new(py, w)).collect())
+}
+
 #[pymodule]
 fn _colibri(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativeEngine>()?;
@@ -565,6 +575,7 @@ fn _colibri(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parse_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_tables, m)?)?;
     m.add_function(wrap_pyfunction!(plan_json, m)?)?;
+    m.add_function(wrap_pyfunction!(token_bytes, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
