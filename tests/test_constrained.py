@@ -333,7 +333,13 @@ def test_a_schema_the_engine_cannot_compile_is_a_400(demo_url):
 def test_tool_choice_required_and_named_force_a_valid_call(agent_url):
     c = oai(agent_url)
     r = c.chat.completions.create(
-        model="demo", messages=USER, tools=TOOLS, tool_choice="required", max_tokens=200, temperature=0
+        model="demo",
+        messages=USER,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=200,
+        temperature=0,
     )
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls", choice
@@ -359,20 +365,23 @@ def test_tool_choice_required_and_named_force_a_valid_call(agent_url):
     calls = r.choices[0].message.tool_calls
     assert [t.function.name for t in calls] == ["get_weather"], r
     validate_weather(json.loads(calls[0].function.arguments))
-    # Streamed: the argument deltas join to valid arguments.
-    args = ""
-    for ch in c.chat.completions.create(
+    # Streamed: each call's argument deltas join to valid arguments.
+    args: dict[int, str] = {}
+    stream = c.chat.completions.create(
         model="demo",
         messages=USER,
         tools=TOOLS,
         tool_choice=named,
+        parallel_tool_calls=False,
         max_tokens=200,
         temperature=0,
         stream=True,
-    ):
+    )
+    for ch in stream:
         for d in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
-            args += d.function.arguments or ""
-    validate_weather(json.loads(args))
+            args[d.index] = args.get(d.index, "") + (d.function.arguments or "")
+    assert list(args) == [0]
+    validate_weather(json.loads(args[0]))
 
 
 def validate_weather(args) -> None:
@@ -384,7 +393,10 @@ def validate_weather(args) -> None:
 def test_anthropic_any_and_tool_force_a_tool_use(agent_url):
     c = anthropic.Anthropic(base_url=agent_url, api_key="none", max_retries=0, timeout=120)
     tools = [{"name": "get_weather", "description": "Weather.", "input_schema": WEATHER_SCHEMA}]
-    for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
+    for choice in (
+        {"type": "any", "disable_parallel_tool_use": True},
+        {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+    ):
         r = c.messages.create(
             model="demo",
             max_tokens=200,
@@ -400,8 +412,19 @@ def test_anthropic_any_and_tool_force_a_tool_use(agent_url):
 
 
 def test_engine_chat_forces_a_call_too(hermes_demo):
-    r = hermes_demo.chat(USER, tools=TOOLS, tool_choice="required", max_new_tokens=200, temperature=0)
-    assert r.finish_reason == "tool_calls" and r.tool_calls
+    r = hermes_demo.chat(
+        USER,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_new_tokens=200,
+        temperature=0,
+    )
+    assert r.finish_reason == "tool_calls" and len(r.tool_calls) == 1, r
+    # Parallel calls allowed: the demo model keeps calling (it never chooses to
+    # end), each call whole, until max_new_tokens.
+    r = hermes_demo.chat(USER, tools=TOOLS, tool_choice="required", max_new_tokens=120, temperature=0)
+    assert len(r.tool_calls) >= 2 and all(json.loads(t.arguments) for t in r.tool_calls[:-1])
 
 
 @pytest.mark.parametrize(
@@ -424,3 +447,41 @@ def test_every_format_has_a_grammar_the_engine_compiles_and_its_parser_reads(fmt
     parser.finish()
     assert [t.name for t in parser.tool_calls] == ["get_time"], (fmt, str(out))
     assert json.loads(parser.tool_calls[0].arguments)["zone"] in ("utc", "cet")
+
+
+def test_the_cli_takes_a_schema_file_a_regex_and_a_grammar_file(tmp_path):
+    import subprocess
+    import sys
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(PERSON), encoding="utf-8")
+    grammar = tmp_path / "g.lark"
+    grammar.write_text('start: "yes" | "no"\n', encoding="utf-8")
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        cmd = [
+            sys.executable,
+            "-m",
+            "colibri",
+            "generate",
+            "--demo",
+            "Hello",
+            "-t",
+            "0",
+            "--threads",
+            "2",
+            *args,
+        ]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+    r = cli("--json-schema", str(schema), "-n", "200")
+    assert r.returncode == 0, r.stderr
+    validate(json.loads(r.stdout), PERSON)
+    r = cli("--regex", "[0-9]{3}")
+    assert r.returncode == 0 and len(r.stdout.strip()) == 3 and r.stdout.strip().isdigit(), r
+    r = cli("--grammar", str(grammar))
+    assert r.returncode == 0 and r.stdout.strip() in ("yes", "no"), r
+    r = cli("--regex", "(")
+    assert r.returncode != 0 and "regex" in r.stderr
+    r = cli("--json-schema", str(tmp_path / "missing.json"))
+    assert r.returncode != 0 and "--json-schema" in r.stderr

@@ -842,6 +842,7 @@ class Engine:
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: str | Mapping[str, Any] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
         **options: Unpack[SamplingOptions],
     ) -> Completion:
         """The assistant's reply to a conversation.
@@ -861,13 +862,18 @@ class Engine:
         (``{"type": "function", "function": {"name": NAME}}``: it must call
         that one); the last two are enforced by constrained decoding, the
         call written in the template's own format with arguments valid
-        against the tool's schema. A model that reasons (``<think>``, GPT-OSS's
+        against the tool's schema (one call only with
+        ``parallel_tool_calls=False``). A model that reasons (``<think>``, GPT-OSS's
         analysis channel) gives its reasoning in ``reasoning_content``, apart
         from the answer.
         """
         params = sampling_params(sampling, options, "chat")
         text, make_parser, constraint = self._prepare_chat(
-            messages, tools=tools, tool_choice=tool_choice, chat_template_kwargs=chat_template_kwargs
+            messages,
+            tools=tools,
+            tool_choice=tool_choice,
+            chat_template_kwargs=chat_template_kwargs,
+            parallel_tool_calls=parallel_tool_calls,
         )
         if constraint:
             params = params.replace(**constraint)
