@@ -284,10 +284,6 @@ def error_of(r: httpx.Response) -> dict:
         ({"response_format": {"type": "yaml"}}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}, "response_format"),
         (
-            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
-            "response_format",
-        ),
-        (
             {
                 "tools": OPENAI_TOOLS,
                 "tool_choice": "required",

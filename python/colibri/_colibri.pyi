@@ -14,6 +14,7 @@ __all__ = [
     "parse_bytes",
     "kernel_tables",
     "plan_json",
+    "token_bytes",
     "__version__",
 ]
 

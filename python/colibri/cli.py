@@ -311,7 +311,7 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
         "frequency_penalty",
         "seed",
     )
-    constraint: dict[str, str] = {}
+    constraint: dict[str, Any] = {}
     for flag, name in (("json_schema", "json_schema"), ("grammar", "grammar")):
         path = getattr(args, flag, None)
         if path is not None:

@@ -1007,7 +1007,7 @@ def create_app(
                 chat = _anthropic.to_chat(body, counting=True)
             except _anthropic.MessagesError as err:
                 raise APIError(400, str(err)) from err
-            ids, _ = await asyncio.to_thread(_render, chat, e)
+            ids, _, _ = await asyncio.to_thread(_render, chat, e)
             return JSONResponse({"input_tokens": len(ids)})
         except APIError as err:
             return JSONResponse(
