@@ -8,10 +8,10 @@ mode). Modes, each in a fresh process (the mask worker's switch is read once
 per process):
 
 - ``free``: no constraint;
-- ``json``: a JSON Schema on every sequence, masks computed on a worker
-  thread while the forward pass runs (the default);
-- ``json-inline``: the same with ``COLIBRI_GUIDE_OVERLAP=0`` (masks computed
-  on the scheduler's thread, after the pass).
+- ``json``: a JSON Schema on every sequence, masks computed inline, on the
+  scheduler's thread after the pass (the default);
+- ``json-overlap``: the same with ``COLIBRI_GUIDE_OVERLAP=1`` (masks computed
+  on a worker thread per sequence while the forward pass runs).
 
 The schema lets the output run as long as asked (a string of any length
 inside an object), so every mode generates the same number of tokens. The
@@ -88,11 +88,11 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args.model, args.worker, args.tokens, args.threads)))
         return
-    modes = ["free", "json", "json-inline"]
+    modes = ["free", "json", "json-overlap"]
     runs: dict[str, list[float]] = {m: [] for m in modes}
     for r in range(args.rounds):
         for m in modes:
-            env = dict(os.environ, COLIBRI_GUIDE_OVERLAP="0" if m == "json-inline" else "1")
+            env = dict(os.environ, COLIBRI_GUIDE_OVERLAP="1" if m == "json-overlap" else "0")
             cmd = [sys.executable, __file__, "--worker", m, "--tokens", str(args.tokens)]
             if args.model:
                 cmd += ["--model", args.model]

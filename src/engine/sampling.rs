@@ -572,7 +572,7 @@ mod tests {
         // Masked, all three share the softmax of their logits.
         let want = softmax(&[1.0, f64::NEG_INFINITY, -0.5, f64::NEG_INFINITY, f64::NEG_INFINITY, 1.5]);
         let mut s = sampler(sampled(1.0, 8), L.len());
-        let mut counts = vec![0usize; 6];
+        let mut counts = [0usize; 6];
         for _ in 0..40_000 {
             counts[s.sample_masked(&L, &mask) as usize] += 1;
         }
