@@ -485,3 +485,19 @@ def test_the_cli_takes_a_schema_file_a_regex_and_a_grammar_file(tmp_path):
     assert r.returncode != 0 and "regex" in r.stderr
     r = cli("--json-schema", str(tmp_path / "missing.json"))
     assert r.returncode != 0 and "--json-schema" in r.stderr
+
+
+def test_anthropic_output_config_format_is_json_valid_against_it(demo_url):
+    body = {
+        "model": "demo",
+        "max_tokens": 200,
+        "messages": USER,
+        "temperature": 0,
+        "output_config": {"format": {"type": "json_schema", "schema": PERSON}},
+    }
+    r = httpx.post(demo_url + "/v1/messages", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    validate(json.loads(r.json()["content"][0]["text"]), PERSON)
+    body["output_config"] = {"format": {"type": "json_schema", "schema": {"type": "nope"}}}
+    r = httpx.post(demo_url + "/v1/messages", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text
