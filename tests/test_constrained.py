@@ -501,3 +501,16 @@ def test_anthropic_output_config_format_is_json_valid_against_it(demo_url):
     body["output_config"] = {"format": {"type": "json_schema", "schema": {"type": "nope"}}}
     r = httpx.post(demo_url + "/v1/messages", json=body, timeout=60)
     assert r.status_code == 400 and r.json()["type"] == "error", r.text
+
+
+def test_markers_that_are_special_tokens_are_written_as_those_tokens(demo):
+    from colibri._tools import call_grammar
+
+    # Pretend the demo's one special token opens and closes a call.
+    grammar = call_grammar("deepseek", TOOLS, name="get_time", parallel=False, special={"<｜tool▁sep｜>": 0})
+    assert "<[0]>" in grammar
+    out = demo.generate(
+        "The time is", grammar=grammar, max_new_tokens=400, temperature=0, skip_special_tokens=False
+    )
+    assert out.finish_reason == "stop" and 0 in out.token_ids, str(out)
+    assert '<|endoftext|>{"zone": ' in str(out)

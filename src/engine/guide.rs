@@ -258,21 +258,31 @@ impl Guides {
 
     /// A matcher for `c`, its first mask computed (so a grammar that cannot
     /// be compiled, or that matches nothing, fails here).
-    fn start(&self, c: &Constraint) -> Result<(Matcher, SimpleVob)> {
+    fn start(&self, c: &Constraint) -> Result<(Matcher, (SimpleVob, bool))> {
         let what = c.what();
         let parser =
             self.factory.create_parser(c.grammar()?).map_err(|e| Error::InvalidInput(format!("{what}: {e}")))?;
         let mut m = Matcher::new(Ok(parser));
         let nothing =
             || Error::InvalidInput(format!("{what}: the constraint matches no text this vocabulary can write"));
-        match m.compute_mask() {
-            Ok(mask) if mask.is_zero() => Err(nothing()),
-            Ok(mask) => Ok((m, mask)),
+        match next_mask(&mut m) {
+            Ok((mask, _)) if mask.is_zero() => Err(nothing()),
+            Ok(first) => Ok((m, first)),
             // llguidance stops at once when no token can start the text.
-            Err(e) if e.to_string().contains("NoExtension") => Err(nothing()),
+            Err(e) if e.contains("NoExtension") => Err(nothing()),
             Err(e) => Err(Error::InvalidInput(format!("{what}: {e}"))),
         }
     }
+}
+
+/// The mask of what may come next, and whether the text so far is complete
+/// (may end here). The end is read from the matcher, not from the mask's
+/// end-of-sequence bit: that bit is also the token's own, which a grammar
+/// may ask for as text.
+fn next_mask(m: &mut Matcher) -> std::result::Result<(SimpleVob, bool), String> {
+    let mask = m.compute_mask().map_err(|e| e.to_string())?;
+    let accepting = m.is_accepting().map_err(|e| e.to_string())?;
+    Ok((mask, accepting))
 }
 
 /// The per-engine slot [`Guides`] are built in on first use.
@@ -297,13 +307,13 @@ pub(crate) struct Guided {
     ends: Vec<u32>,
     /// The ids llguidance marks as end of sequence.
     eos: Vec<u32>,
-    /// The last mask allowed an end.
+    /// The text so far is complete: the last mask allowed an end.
     end_ok: bool,
 }
 
 struct Worker {
     go: Option<Sender<()>>,
-    masks: Receiver<std::result::Result<SimpleVob, String>>,
+    masks: Receiver<std::result::Result<(SimpleVob, bool), String>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -333,12 +343,17 @@ pub(crate) enum After {
 impl Guided {
     /// Compiles `c` for a request stopping on `stop_ids`.
     pub fn new(guides: &Guides, c: &Constraint, stop_ids: &[u32]) -> Result<Guided> {
+        Guided::with_worker(guides, c, stop_ids, overlap())
+    }
+
+    /// As [`Guided::new`], with masks computed on a worker thread or inline.
+    fn with_worker(guides: &Guides, c: &Constraint, stop_ids: &[u32], worker: bool) -> Result<Guided> {
         let (matcher, first) = guides.start(c)?;
         let ends = if stop_ids.is_empty() { guides.eos.clone() } else { stop_ids.to_vec() };
         let matcher = Arc::new(Mutex::new(matcher));
-        let worker = if overlap() { Some(spawn(matcher.clone())?) } else { None };
+        let worker = if worker { Some(spawn(matcher.clone())?) } else { None };
         let mut g = Guided { matcher, ready: None, worker, ends, eos: guides.eos.clone(), end_ok: false };
-        g.ready = Some(g.ends_moved(first));
+        g.ready = Some(g.ends_moved(first.0, first.1));
         Ok(g)
     }
 
@@ -354,24 +369,27 @@ impl Guided {
         if self.ready.is_none() {
             let got = match &self.worker {
                 Some(w) => w.masks.recv().unwrap_or_else(|_| Err("the mask worker stopped".into())),
-                None => self.lock().compute_mask().map_err(|e| e.to_string()),
+                None => next_mask(&mut self.lock()),
             };
             self.ready = match got {
-                Ok(m) => Some(self.ends_moved(m)),
+                Ok((m, accepting)) => Some(self.ends_moved(m, accepting)),
                 Err(_) => None,
             };
         }
         self.ready.as_ref().filter(|m| !m.is_zero())
     }
 
-    /// `mask` with llguidance's end bit moved onto the request's end ids
-    /// (an end id the grammar wants as text keeps that bit).
-    fn ends_moved(&mut self, mut mask: SimpleVob) -> SimpleVob {
-        self.end_ok = self.eos.iter().any(|&t| mask.is_allowed(t));
-        for &t in &self.eos {
-            mask.disallow_token(t);
-        }
-        if self.end_ok {
+    /// `mask` with the end moved onto the request's end ids when the text so
+    /// far is complete (`accepting`); otherwise as llguidance gave it (an
+    /// end-of-sequence id set there is one the grammar wants as text).
+    fn ends_moved(&mut self, mut mask: SimpleVob, accepting: bool) -> SimpleVob {
+        self.end_ok = accepting;
+        if accepting {
+            for &t in &self.eos {
+                if !self.ends.contains(&t) {
+                    mask.disallow_token(t);
+                }
+            }
             for &t in &self.ends {
                 if (t as usize) < mask.len() {
                     mask.allow_token(t);
@@ -420,7 +438,7 @@ fn spawn(matcher: Arc<Mutex<Matcher>>) -> Result<Worker> {
         .name("colibri-guide".into())
         .spawn(move || {
             while go_rx.recv().is_ok() {
-                let r = matcher.lock().unwrap_or_else(|p| p.into_inner()).compute_mask().map_err(|e| e.to_string());
+                let r = next_mask(&mut matcher.lock().unwrap_or_else(|p| p.into_inner()));
                 if mask_tx.send(r).is_err() {
                     break;
                 }
@@ -561,6 +579,46 @@ mod tests {
         assert!(m.mask().unwrap().is_allowed(stop), "the grammar wants the stop id's text");
         assert!(!m.is_end(stop), "so it is text, not the end");
         assert!(matches!(m.consume(stop), After::Going));
+    }
+
+    #[test]
+    fn an_end_id_the_grammar_wants_as_text_is_text() {
+        let g = tiny();
+        let end = g.eos[0];
+        let mut m = Guided::new(&g, &Constraint::Grammar(format!("start: \"a\" <[{end}]> \"b\"")), &[]).unwrap();
+        m.mask().unwrap();
+        assert!(matches!(m.consume(id('a')), After::Going));
+        assert!(m.mask().unwrap().is_allowed(end));
+        assert!(!m.is_end(end), "the grammar is not complete: the end id is its text");
+        assert!(matches!(m.consume(end), After::Going));
+        assert!(m.mask().unwrap().is_allowed(id('b')));
+        assert!(matches!(m.consume(id('b')), After::Done));
+    }
+
+    /// Masks from the worker thread are the masks computed inline.
+    #[test]
+    fn the_worker_gives_the_inline_masks() {
+        let g = tiny();
+        let schema = r#"{"type": "object", "properties": {"k": {"enum": ["ab", "b c"]}, "n": {"type": "integer"}}}"#;
+        let run = |worker: bool| {
+            let c = Constraint::JsonSchema(schema.into());
+            let mut m = Guided::with_worker(&g, &c, &[], worker).unwrap();
+            let mut seen = Vec::new();
+            for step in 0..40 {
+                let Some(mask) = m.mask() else { break };
+                let allowed = mask.to_list();
+                // The lowest allowed id, now and then another one.
+                let t = if step % 5 == 4 { allowed[allowed.len() / 2] } else { allowed[0] };
+                seen.push((allowed, t));
+                if m.is_end(t) || matches!(m.consume(t), After::Done) {
+                    break;
+                }
+            }
+            seen
+        };
+        let inline = run(false);
+        assert!(inline.len() > 3);
+        assert_eq!(run(true), inline);
     }
 
     #[test]
