@@ -31,12 +31,14 @@
 //! grammars) and cores are spare. A sequence without a constraint has no
 //! [`Guided`] and pays one `Option` check per token.
 //!
-//! End of output: the mask's end-of-sequence bit (llguidance sets it when the
-//! grammar accepts what was written) is moved onto the request's stop ids,
-//! and a stop id ends a constrained output only then: one the grammar allows
-//! as text (a stop id the tokenizer does not mark special) is text. When the grammar cannot go on
-//! at all the generation finishes with [`FinishReason::Stop`] without another
-//! pass; `max_new_tokens` cutting it short is [`FinishReason::Length`].
+//! End of output: when the matcher says the text so far is complete, the
+//! request's stop ids are allowed (llguidance's own end-of-sequence bit is
+//! moved onto them), and a stop id ends a constrained output only then: one
+//! the grammar allows as text elsewhere (a stop id the tokenizer does not
+//! mark special, or a special token the grammar names) is text. When the
+//! grammar cannot go on at all the generation finishes with
+//! [`FinishReason::Stop`] without another pass; `max_new_tokens` cutting it
+//! short is [`FinishReason::Length`].
 //!
 //! [`FinishReason::Stop`]: super::FinishReason::Stop
 //! [`FinishReason::Length`]: super::FinishReason::Length
