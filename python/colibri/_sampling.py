@@ -176,7 +176,9 @@ class SamplingParams:
                     parsed = json.loads(schema)
                 except ValueError as e:
                     raise InvalidInputError(f"json_schema: not valid JSON: {e}") from None
-            elif isinstance(schema, (Mapping, bool)):
+            elif isinstance(schema, Mapping):
+                parsed = dict(schema)
+            elif isinstance(schema, bool):
                 parsed = schema
             else:
                 raise InvalidInputError(
