@@ -89,6 +89,15 @@ typedef struct {
   const uint32_t *stop_ids;
   // Length of `stop_ids`.
   size_t n_stop_ids;
+  // A JSON Schema (NUL-terminated JSON text) the output must be valid
+  // against; null = none. At most one of `json_schema`, `regex` and
+  // `grammar` may be set. Callers built against the header before these
+  // three fields pass a smaller `struct_size` and get none of them.
+  const char *json_schema;
+  // A regular expression (NUL-terminated) the whole output must match; null = none.
+  const char *regex;
+  // A grammar in llguidance's Lark syntax (NUL-terminated) the output must follow; null = none.
+  const char *grammar;
 } colibri_sampling;
 
 // Called with each new token; return nonzero to stop the generation.
@@ -164,7 +173,10 @@ colibri_status colibri_forward(const colibri_model *m, const uint32_t *ids, size
 // `cap`, which must be at least `sampling.max_new_tokens`) and their count
 // to `*n_out`. `sampling` may be null (the defaults). Stops on an
 // end-of-sequence or stop id (kept in the output), after `max_new_tokens`,
-// or when the context is full.
+// when the context is full, or when the output's constraint
+// (`sampling.json_schema`, `regex` or `grammar`) is complete. A constraint
+// that cannot be compiled, or that matches no text, is
+// `COLIBRI_ERR_INVALID_INPUT` with the library's message.
 //
 // # Safety
 // `m` is a live handle; `prompt` has `n` ids; `sampling` is null or valid;

@@ -22,7 +22,7 @@ use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::PathBuf;
 
-use crate::engine::{Engine, EngineOptions, GenerateOptions, SamplingParams, never};
+use crate::engine::{Constraint, Engine, EngineOptions, GenerateOptions, SamplingParams, never};
 use crate::error::Error;
 use crate::model::store::{HeatFile, StoreOptions};
 
@@ -157,50 +157,19 @@ pub struct Sampling {
     pub stop_ids: *const u32,
     /// Length of `stop_ids`.
     pub n_stop_ids: usize,
+    /// A JSON Schema (NUL-terminated JSON text) the output must be valid
+    /// against; null = none. At most one of `json_schema`, `regex` and
+    /// `grammar` may be set. Callers built against the header before these
+    /// three fields pass a smaller `struct_size` and get none of them.
+    pub json_schema: *const c_char,
+    /// A regular expression (NUL-terminated) the whole output must match; null = none.
+    pub regex: *const c_char,
+    /// A grammar in llguidance's Lark syntax (NUL-terminated) the output must follow; null = none.
+    pub grammar: *const c_char,
 }
 
 /// Called with each new token; return nonzero to stop the generation.
 pub type TokenCallback = Option<unsafe extern "C" fn(token: u32, user: *mut c_void) -> c_int>;
-
-/// The end-of-sequence ids the file names: generation_config.json's and
-/// config.json's `eos_token_id`, and tokenizer_config.json's `eos_token`
-/// looked up in the tokenizer (as the Python layer gathers them).
-fn eos_ids(engine: &Engine) -> Vec<u32> {
-    let src = &engine.model().file().meta().source;
-    let vocab = engine.model().config.vocab_size as u64;
-    let mut out = Vec::new();
-    let mut push = |v: &serde_json::Value| {
-        let ids: Vec<u64> = match v {
-            serde_json::Value::Array(a) => a.iter().filter_map(|x| x.as_u64()).collect(),
-            x => x.as_u64().into_iter().collect(),
-        };
-        for id in ids {
-            if id < vocab && !out.contains(&(id as u32)) {
-                out.push(id as u32);
-            }
-        }
-    };
-    for cfg in [&src.generation_config, &src.config].into_iter().flatten() {
-        if let Some(v) = cfg.get("eos_token_id") {
-            push(v);
-        }
-    }
-    let text = src.tokenizer_config.as_ref().and_then(|t| t.get("eos_token")).and_then(|e| match e {
-        serde_json::Value::String(s) => Some(s.clone()),
-        o => o.get("content").and_then(|c| c.as_str()).map(str::to_string),
-    });
-    if let (Some(text), Some(tok)) = (text, src.tokenizer.as_ref()) {
-        let added = tok.get("added_tokens").and_then(|a| a.as_array()).into_iter().flatten();
-        let id = added
-            .filter(|t| t.get("content").and_then(|c| c.as_str()) == Some(text.as_str()))
-            .find_map(|t| t.get("id").and_then(|i| i.as_u64()))
-            .or_else(|| tok.get("model")?.get("vocab")?.get(&text)?.as_u64());
-        if let Some(id) = id {
-            push(&serde_json::Value::from(id));
-        }
-    }
-    out
-}
 
 /// Fills `opts` with the defaults (physical cores, all resident).
 ///
@@ -242,6 +211,9 @@ fn default_sampling() -> Sampling {
         ignore_eos: 0,
         stop_ids: std::ptr::null(),
         n_stop_ids: 0,
+        json_schema: std::ptr::null(),
+        regex: std::ptr::null(),
+        grammar: std::ptr::null(),
     }
 }
 
@@ -284,7 +256,7 @@ pub unsafe extern "C" fn colibri_init_model(path: *const c_char, opts: *const Op
         };
         let eo = EngineOptions { threads: (o.threads > 0).then_some(o.threads as usize), store, ..Default::default() };
         let engine = Engine::open(&path, &eo)?;
-        let eos = eos_ids(&engine);
+        let eos = engine.eos_ids();
         // SAFETY: checked non-null above.
         unsafe { *out = Box::into_raw(Box::new(Model { engine, eos })) };
         Ok(())
@@ -403,19 +375,31 @@ pub unsafe extern "C" fn colibri_forward(m: *const Model, ids: *const u32, n: us
 /// The generate options from C's, checked.
 ///
 /// # Safety
-/// `s` is null or points to a `colibri_sampling` whose `stop_ids` has `n_stop_ids` ids.
+/// `s` is null or points to a `colibri_sampling` (of at least its declared
+/// `struct_size` bytes) whose `stop_ids` has `n_stop_ids` ids and whose
+/// constraint fields are null or NUL-terminated.
 unsafe fn options(m: &Model, s: *const Sampling) -> Result<GenerateOptions, Error> {
     let mut d = default_sampling();
-    // SAFETY: null or valid per the contract.
-    if let Some(s) = unsafe { s.as_ref() } {
-        if (s.struct_size as usize) < std::mem::size_of::<Sampling>() {
+    if !s.is_null() {
+        // The struct as the caller was compiled: every field up to the
+        // constraints (which came later) at least.
+        let oldest = std::mem::offset_of!(Sampling, json_schema);
+        // SAFETY: non-null and pointing to a colibri_sampling per the contract,
+        // whose first field is its size; read through the raw pointer, since
+        // a caller of an older header has a shorter struct.
+        let size = unsafe { std::ptr::addr_of!((*s).struct_size).read() } as usize;
+        if size < oldest {
             return Err(invalid(format!(
-                "sampling.struct_size is {}, expected {} (call colibri_sampling_default first)",
-                s.struct_size,
+                "sampling.struct_size is {size}, expected {} (call colibri_sampling_default first)",
                 std::mem::size_of::<Sampling>()
             )));
         }
-        d = *s;
+        let n = size.min(std::mem::size_of::<Sampling>());
+        // SAFETY: the caller's struct has `size >= n` readable bytes; `d` is a
+        // Sampling of size_of::<Sampling>() >= n bytes, every bit pattern of
+        // its prefix fields is a valid value (numbers and raw pointers), and
+        // the two do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(s.cast::<u8>(), (&raw mut d).cast::<u8>(), n) };
     }
     let sampling = SamplingParams {
         temperature: d.temperature,
@@ -435,14 +419,36 @@ unsafe fn options(m: &Model, s: *const Sampling) -> Result<GenerateOptions, Erro
         // SAFETY: non-null with n_stop_ids readable ids per the contract.
         stop_ids.extend_from_slice(unsafe { std::slice::from_raw_parts(d.stop_ids, d.n_stop_ids) });
     }
-    Ok(GenerateOptions { max_new_tokens: d.max_new_tokens as usize, sampling, stop_ids, logprobs: None })
+    let mut constraint = None;
+    for (p, what) in [(d.json_schema, "json_schema"), (d.regex, "regex"), (d.grammar, "grammar")] {
+        if p.is_null() {
+            continue;
+        }
+        if constraint.is_some() {
+            return Err(invalid("sampling: at most one of json_schema, regex and grammar may be set"));
+        }
+        // SAFETY: non-null and NUL-terminated per the field's contract.
+        let text = unsafe { CStr::from_ptr(p) }
+            .to_str()
+            .map_err(|_| invalid(format!("sampling.{what} is not valid UTF-8")))?
+            .to_string();
+        constraint = Some(match what {
+            "json_schema" => Constraint::JsonSchema(text),
+            "regex" => Constraint::Regex(text),
+            _ => Constraint::Grammar(text),
+        });
+    }
+    Ok(GenerateOptions { max_new_tokens: d.max_new_tokens as usize, sampling, stop_ids, logprobs: None, constraint })
 }
 
 /// Continues `prompt` (`n` ids): writes the new ids to `out` (room for
 /// `cap`, which must be at least `sampling.max_new_tokens`) and their count
 /// to `*n_out`. `sampling` may be null (the defaults). Stops on an
 /// end-of-sequence or stop id (kept in the output), after `max_new_tokens`,
-/// or when the context is full.
+/// when the context is full, or when the output's constraint
+/// (`sampling.json_schema`, `regex` or `grammar`) is complete. A constraint
+/// that cannot be compiled, or that matches no text, is
+/// `COLIBRI_ERR_INVALID_INPUT` with the library's message.
 ///
 /// # Safety
 /// `m` is a live handle; `prompt` has `n` ids; `sampling` is null or valid;

@@ -218,7 +218,7 @@ def test_chat_takes_the_no_op_forms_of_format_and_tools_and_refuses_the_rest(url
         assert r.json()["choices"][0]["message"]["content"] == plain.choices[0].message.content
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     for extra, param in [
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
         ({"response_format": "json"}, "response_format"),
         ({"response_format": {}}, "response_format"),
         ({"tools": [tool]}, "tools"),

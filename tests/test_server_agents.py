@@ -258,8 +258,8 @@ def test_engine_chat_returns_calls_and_reasoning_apart(scripted):
     r = scripted.chat(USER, tools=OPENAI_TOOLS, tool_choice="none", max_new_tokens=100)
     assert "<tools>" not in scripted.prompts[-1] and r.tool_calls == []
     assert "<tool_call>" in str(r)
-    with pytest.raises(colibri.InvalidInputError, match="constrained decoding"):
-        scripted.chat(USER, tools=OPENAI_TOOLS, tool_choice="required")
+    with pytest.raises(colibri.InvalidInputError, match="no tool named"):
+        scripted.chat(USER, tools=OPENAI_TOOLS, tool_choice={"type": "function", "function": {"name": "f"}})
 
 
 def error_of(r: httpx.Response) -> dict:
@@ -275,13 +275,22 @@ def error_of(r: httpx.Response) -> dict:
             {"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]},
             "tools[0].function.parameters",
         ),
-        ({"tools": OPENAI_TOOLS, "tool_choice": "required"}, "tool_choice"),
+        ({"tools": OPENAI_TOOLS, "tool_choice": {"type": "function"}}, "tool_choice"),
         (
             {"tools": OPENAI_TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
             "tool_choice",
         ),
         ({"tools": OPENAI_TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}, "response_format"),
+        (
+            {
+                "tools": OPENAI_TOOLS,
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "response_format",
+        ),
     ],
 )
 def test_openai_bad_tool_requests_are_400s_naming_the_field(url, extra, param):
@@ -411,8 +420,8 @@ def test_anthropic_errors_have_anthropics_shape(url):
     for body, words in [
         ({"messages": USER}, "max_tokens"),
         (
-            {"messages": USER, "max_tokens": 5, "tools": [WEATHER], "tool_choice": {"type": "any"}},
-            "constrained",
+            {"messages": USER, "max_tokens": 5, "tools": [WEATHER], "tool_choice": {"type": "some"}},
+            "tool_choice",
         ),
         ({"messages": USER, "max_tokens": 5, "tools": [{"name": "f"}]}, "input_schema"),
         ({"messages": USER, "max_tokens": 5, "temperature": 1.5}, "temperature"),

@@ -214,14 +214,16 @@ def to_chat(body: Any, *, counting: bool = False) -> dict[str, Any]:
     choice = body.get("tool_choice")
     if choice is not None:
         kind = choice.get("type") if isinstance(choice, Mapping) else None
-        if kind in ("any", "tool"):
-            raise MessagesError(
-                f"tool_choice: {kind!r} forces a call, which needs constrained decoding; "
-                "colibri does not have it yet (use 'auto' or 'none')"
-            )
-        if kind not in ("auto", "none"):
+        if kind not in ("auto", "none", "any", "tool"):
             raise MessagesError("tool_choice: must be an object with type 'auto', 'any', 'tool' or 'none'")
-        out["tool_choice"] = kind
+        # 'any' and 'tool' force a call (by constrained decoding), as OpenAI's
+        # 'required' and a named function do.
+        if kind == "tool":
+            if not isinstance(choice.get("name"), str):
+                raise MessagesError("tool_choice: type 'tool' needs the tool's name")
+            out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+        else:
+            out["tool_choice"] = "required" if kind == "any" else kind
         if choice.get("disable_parallel_tool_use") is not None:
             out["parallel_tool_calls"] = not choice["disable_parallel_tool_use"]
     kwargs: dict[str, Any] = {}
@@ -237,11 +239,17 @@ def to_chat(body: Any, *, counting: bool = False) -> dict[str, Any]:
     if config is not None:
         if not isinstance(config, Mapping):
             raise MessagesError("output_config: must be an object")
-        if config.get("format") is not None:
-            raise MessagesError(
-                "output_config.format: structured output needs constrained decoding; "
-                "colibri does not have it yet"
-            )
+        fmt = config.get("format")
+        if fmt is not None:
+            if not isinstance(fmt, Mapping) or fmt.get("type") != "json_schema":
+                raise MessagesError("output_config.format: must be an object with type 'json_schema'")
+            schema = fmt.get("schema")
+            if not isinstance(schema, Mapping):
+                raise MessagesError("output_config.format.schema: must be a JSON Schema object")
+            out["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "output", "schema": dict(schema)},
+            }
         effort = config.get("effort")
         if effort is not None:
             if effort not in ("low", "medium", "high", "xhigh", "max"):

@@ -34,7 +34,16 @@ from ._generation import Completion, Result, Stream, TokenCompletion
 from ._sampling import SamplingOptions, SamplingParams, _as_ids, _is_int, _is_number, sampling_params
 from ._stats import BatchStats, Plan, RoutingStats, StoreStats
 from ._text import ChatTemplate, TextCodec, check_messages, template_from_metadata
-from ._tools import OutputParser, check_tools, detect, new_call_id, parser_for, prepare_messages
+from ._tools import (
+    THINK_OPEN,
+    OutputParser,
+    call_grammar,
+    check_tools,
+    detect,
+    new_call_id,
+    parser_for,
+    prepare_messages,
+)
 
 TokenIds = Union[Sequence[int], "np.ndarray"]
 PathLike = Union[str, "os.PathLike[str]"]
@@ -833,6 +842,7 @@ class Engine:
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: str | Mapping[str, Any] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
         **options: Unpack[SamplingOptions],
     ) -> Completion:
         """The assistant's reply to a conversation.
@@ -847,16 +857,26 @@ class Engine:
         "description", "parameters"}}``) are given to the template, and the
         calls the model writes in its family's syntax come back parsed in
         the result's ``tool_calls``, not in its text. ``tool_choice`` is
-        ``"auto"`` (the default) or ``"none"`` (the tools are not shown);
-        ``"required"`` and a named function need constrained decoding, which
-        colibri does not have yet. A model that reasons (``<think>``, GPT-OSS's
+        ``"auto"`` (the default), ``"none"`` (the tools are not shown),
+        ``"required"`` (the model must call one of them) or a named function
+        (``{"type": "function", "function": {"name": NAME}}``: it must call
+        that one); the last two are enforced by constrained decoding, the
+        call written in the template's own format with arguments valid
+        against the tool's schema (one call only with
+        ``parallel_tool_calls=False``). A model that reasons (``<think>``, GPT-OSS's
         analysis channel) gives its reasoning in ``reasoning_content``, apart
         from the answer.
         """
         params = sampling_params(sampling, options, "chat")
-        text, make_parser = self._prepare_chat(
-            messages, tools=tools, tool_choice=tool_choice, chat_template_kwargs=chat_template_kwargs
+        text, make_parser, constraint = self._prepare_chat(
+            messages,
+            tools=tools,
+            tool_choice=tool_choice,
+            chat_template_kwargs=chat_template_kwargs,
+            parallel_tool_calls=parallel_tool_calls,
         )
+        if constraint:
+            params = params.replace(**constraint)
         parser = make_parser()
         if parser is None:
             # The template writes the special tokens it wants itself.
@@ -891,27 +911,40 @@ class Engine:
         tool_choice: str | Mapping[str, Any] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         call_id: Any = None,
-    ) -> tuple[str, Any]:
-        """The rendered prompt of a chat and a function making a fresh
+        parallel_tool_calls: bool = True,
+    ) -> tuple[str, Any, dict[str, str]]:
+        """The rendered prompt of a chat, a function making a fresh
         :class:`~colibri._tools.OutputParser` for each generation from it
-        (returning None when there is nothing to parse). Shared by
+        (returning None when there is nothing to parse), and the constraint
+        that forces a tool call (``{"grammar": ...}`` for ``tool_choice``
+        ``"required"`` or a named function, else empty). Shared by
         :meth:`chat` and the server; errors are :class:`InvalidInputError`
         whose messages start with the field's path."""
         if tool_choice is None:
             tool_choice = "auto"
-        if tool_choice not in ("auto", "none"):
-            if tool_choice == "required" or isinstance(tool_choice, Mapping):
+        named: str | None = None
+        if isinstance(tool_choice, Mapping):
+            fn = tool_choice.get("function") if tool_choice.get("type") == "function" else None
+            named = fn.get("name") if isinstance(fn, Mapping) else None
+            if not isinstance(named, str):
                 raise InvalidInputError(
-                    "tool_choice: 'required' and a named function force a call, which needs constrained "
-                    "decoding; colibri does not have it yet (use 'auto' or 'none')"
+                    'tool_choice: a named function is {"type": "function", "function": {"name": NAME}}, '
+                    f"got {dict(tool_choice)!r}"
                 )
+        elif tool_choice not in ("auto", "none", "required"):
             raise InvalidInputError(
                 f"tool_choice: must be 'auto', 'none', 'required' or a named function, got {tool_choice!r}"
             )
         checked = check_tools(list(tools) if isinstance(tools, tuple) else tools) if tools is not None else []
-        shown = checked if tool_choice == "auto" else []
+        forced = tool_choice == "required" or named is not None
+        if forced and not checked:
+            raise InvalidInputError("tool_choice: forcing a tool call needs tools")
+        if named is not None and named not in [t["function"]["name"] for t in checked]:
+            raise InvalidInputError(f"tool_choice: no tool named {named!r} in tools")
+        shown = [] if tool_choice == "none" else checked
         template = self.chat_template
-        if shown and template is not None and detect(template)[0] is None:
+        fmt, think = detect(template)
+        if shown and template is not None and fmt is None:
             raise InvalidInputError(
                 "tools: this model's chat template writes no tool-call format colibri can read "
                 "(see the serving guide for the families it knows)"
@@ -922,11 +955,28 @@ class Engine:
             kwargs["tools"] = shown
         text = self.apply_chat_template(prepared, chat_template_kwargs=kwargs or None)
         drop = list(self._text().special_tokens.values()) if self.has_tokenizer else []
+        constraint: dict[str, str] = {}
+        if forced:
+            constraint["grammar"] = call_grammar(
+                fmt,
+                shown,
+                name=named,
+                parallel=parallel_tool_calls,
+                special=self._special_ids(),
+                after_think=think and text.rstrip().endswith(THINK_OPEN),
+            )
 
         def make_parser() -> OutputParser | None:
             return parser_for(template, text, tools=shown, drop=drop, call_id=call_id or new_call_id)
 
-        return text, make_parser
+        return text, make_parser, constraint
+
+    def _special_ids(self) -> dict[str, int]:
+        """The special tokens of the tokenizer: text to id."""
+        if not self.has_tokenizer:
+            return {}
+        added = self._text().tokenizer.get_added_tokens_decoder()
+        return {t.content: i for i, t in added.items() if t.special}
 
     def _start(
         self,
@@ -961,6 +1011,7 @@ class Engine:
             skip_special_tokens=params.skip_special_tokens,
             context=ids,
             logprobs=params.logprobs is not None,
+            stop_ids=stop_ids,
         )
 
 

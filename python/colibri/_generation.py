@@ -181,8 +181,13 @@ class Stream(Generic[T]):
         skip_special_tokens: bool,
         context: Sequence[int] = (),
         logprobs: bool = False,
+        stop_ids: Sequence[int] | None = None,
     ) -> None:
         self._native = native
+        # The ids a "stop" ends on; None: every id that ends a generation is
+        # one. (A constrained generation also ends, on an ordinary token,
+        # when its constraint is complete.)
+        self._stop_ids = None if stop_ids is None else frozenset(stop_ids)
         self._logprobs = logprobs
         self._text_mode = text_mode
         self._detok = None if codec is None else IncrementalDetokenizer(codec, skip_special_tokens, context)
@@ -283,7 +288,7 @@ class Stream(Generic[T]):
     def _steps(self) -> Generator[Any, None, None]:
         native, detok = self._native, self._detok
         for tok in native:
-            if native.finish_reason == "stop":
+            if native.finish_reason == "stop" and (self._stop_ids is None or tok in self._stop_ids):
                 # An end-of-sequence or stop id: kept in the ids, never in the text.
                 self.stop_reason = tok
                 if not self._text_mode:

@@ -11,6 +11,7 @@ its fields. A field left ``None`` takes the model's default
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
@@ -91,6 +92,20 @@ class SamplingParams:
         logprobs: record for every generated token its log-probability and the
             ``logprobs`` (0 to 20) most likely tokens at its position (under the
             model's distribution, before temperature, penalties and truncation).
+        json_schema: constrain the output to JSON valid against this JSON Schema
+            (a dict, or its JSON text); written compactly (``{"a": 1, "b": 2}``)
+            unless the schema's ``x-guidance`` entry asks for other separators.
+        regex: constrain the output to text matching this regular expression
+            (Rust ``regex`` syntax), whole.
+        grammar: constrain the output to this grammar, in llguidance's Lark
+            syntax (``start: ...``; ``%json {...}`` embeds a JSON Schema).
+
+    At most one of ``json_schema``, ``regex`` and ``grammar``: the engine masks
+    every token the constraint does not allow before sampling, so greedy
+    output always follows it; it ends with finish reason ``"stop"`` when the
+    constraint is complete, ``"length"`` when ``max_new_tokens`` cut it short.
+    A constraint the engine cannot compile, or one that matches no text, is
+    an :class:`InvalidInputError` when the generation starts.
 
     ``None`` in any of the first eight fields takes the model's default.
     Values are checked when the object is made: a bad one is an
@@ -111,6 +126,9 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    json_schema: str | Mapping[str, Any] | None = None
+    regex: str | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here
@@ -151,6 +169,42 @@ class SamplingParams:
                     f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got {lp!r}"
                 )
             set_(self, "logprobs", int(lp))
+        schema = self.json_schema
+        if schema is not None:
+            if isinstance(schema, str):
+                try:
+                    parsed = json.loads(schema)
+                except ValueError as e:
+                    raise InvalidInputError(f"json_schema: not valid JSON: {e}") from None
+            elif isinstance(schema, Mapping):
+                parsed = dict(schema)
+            elif isinstance(schema, bool):
+                parsed = schema
+            else:
+                raise InvalidInputError(
+                    f"json_schema must be a dict or its JSON text, got {type(schema).__name__}"
+                )
+            if not isinstance(parsed, (dict, bool)):
+                raise InvalidInputError(f"json_schema must be a JSON object, got {parsed!r}")
+            try:
+                # Stored as JSON text: the params stay hashable and the engine takes text.
+                set_(self, "json_schema", json.dumps(parsed))
+            except (TypeError, ValueError) as e:
+                raise InvalidInputError(f"json_schema: cannot be written as JSON: {e}") from None
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise InvalidInputError(f"{name} must be a string, got {type(v).__name__}")
+        given = [n for n in _CONSTRAINTS if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise InvalidInputError(
+                f"give at most one of json_schema, regex and grammar, got {' and '.join(given)}"
+            )
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a JSON Schema, a regex or a grammar constrains the output."""
+        return any(getattr(self, n) is not None for n in _CONSTRAINTS)
 
     def replace(self, **changes: Any) -> SamplingParams:
         """A copy with some fields changed (checked as the constructor checks them)."""
@@ -173,6 +227,7 @@ class SamplingParams:
         missing = [n for n, v in out.items() if v is None and n != "logprobs"]
         if missing:
             raise InvalidInputError(f"{missing[0]} has no value and the model gives no default")
+        out.update({n: getattr(self, n) for n in _CONSTRAINTS if getattr(self, n) is not None})
         return out
 
 
@@ -193,8 +248,12 @@ class SamplingOptions(TypedDict, total=False):
     ignore_eos: bool
     skip_special_tokens: bool
     logprobs: int | None
+    json_schema: str | Mapping[str, Any] | None
+    regex: str | None
+    grammar: str | None
 
 
+_CONSTRAINTS = ("json_schema", "regex", "grammar")
 _FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 

@@ -60,6 +60,7 @@ __all__ = [
     "Delta",
     "OutputParser",
     "ToolCall",
+    "call_grammar",
     "detect",
     "check_tools",
     "new_call_id",
@@ -305,6 +306,202 @@ def parser_for(
     if fmt is None and not think:
         return None
     return OutputParser(fmt, think, prompt, tools or [], drop=drop, call_id=call_id)
+
+
+# ----------------------------------------------------------------------
+# Forcing a call: a grammar of the format, for constrained decoding
+
+#: How colibri writes JSON under a constraint (llguidance's compile options).
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _embedded(schema: Any) -> str:
+    """``%json {...}`` of a schema, compact as a top-level one is."""
+    schema = dict(schema) if isinstance(schema, Mapping) else {}
+    schema.setdefault("x-guidance", _COMPACT)
+    return "%json " + json.dumps(schema, ensure_ascii=False)
+
+
+def _is_string(schema: Any) -> bool:
+    return _schema_types(schema) == {"string"}
+
+
+def _xml_text(schema: Any) -> str:
+    """A string value of an XML format, between its tags: one of the
+    schema's strings for an ``enum`` or ``const``, else text without ``<``
+    (at most ``maxLength`` characters when the schema gives it)."""
+    values = schema.get("enum") if "enum" in schema else [schema["const"]] if "const" in schema else None
+    if isinstance(values, list) and values and all(isinstance(v, str) for v in values):
+        return "(" + " | ".join(json.dumps(v, ensure_ascii=False) for v in values) + ")"
+    most = schema.get("maxLength")
+    if isinstance(most, int) and not isinstance(most, bool) and most >= 0:
+        return f"/[^<]{{0,{most}}}/"
+    return "XML_TEXT"
+
+
+def _closed(schema: Mapping[str, Any]) -> dict[str, Any]:
+    """A tool's parameter schema with no properties beyond those it names,
+    unless it says otherwise (a forced call writes only declared arguments)."""
+    out = dict(schema)
+    if out.get("type") == "object" and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def call_grammar(
+    fmt: str | None,
+    tools: Sequence[Mapping[str, Any]],
+    *,
+    name: str | None = None,
+    parallel: bool = True,
+    special: Mapping[str, int] | None = None,
+    after_think: bool = False,
+) -> str:
+    """A Lark grammar (llguidance's dialect) that makes the model write one
+    tool call (several when ``parallel``) in ``fmt``, the format its template
+    uses, to ``name`` or to any of ``tools``, with arguments valid against the
+    tool's JSON Schema. Markers that are special tokens (``special``: text to
+    id) are matched as those tokens. ``after_think``: the prompt left a
+    ``<think>`` open; the grammar closes it first.
+
+    The JSON formats (hermes, DeepSeek-V3.1, Kimi K2, harmony) constrain the
+    whole arguments object. The XML formats (Qwen3-Coder, GLM, MiniMax,
+    DeepSeek-V3.2 DSML) write one element per parameter: the required
+    parameters come in the schema's order, then each optional one or not;
+    a non-string value is JSON valid against its schema, a string value is
+    one of its ``enum`` strings, or else any text without ``<`` (the formats
+    cannot say where a value holding ``<`` ends) of at most its
+    ``maxLength``. An object schema that does not say otherwise takes no
+    properties beyond those it names."""
+    if fmt is None:
+        raise InvalidInputError(
+            "tool_choice: this model's chat template writes no tool-call format colibri can read"
+        )
+    special = special or {}
+    chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    if not chosen:
+        raise InvalidInputError(f"tool_choice: no tool named {name!r} in tools")
+
+    def lit(text: str) -> str:
+        return f"<[{special[text]}]>" if text in special else json.dumps(text, ensure_ascii=False)
+
+    def params(f: Mapping[str, Any]) -> Mapping[str, Any]:
+        p = f.get("parameters")
+        return _closed(p) if isinstance(p, Mapping) else {"type": "object", "properties": {}}
+
+    def xml_args(f: Mapping[str, Any], open_: Any, close: str) -> str:
+        """The parameters of one call, each ``open_(key, schema) VALUE close``."""
+        props = params(f).get("properties") or {}
+        required = [k for k in params(f).get("required") or [] if k in props]
+        parts = []
+        for k in [*required, *[k for k in props if k not in required]]:
+            value = _xml_text(props[k]) if _is_string(props[k]) else _embedded(props[k])
+            part = f"({open_(k, props[k])} {value} {lit(close)})"
+            parts.append(part if k in required else part + "?")
+        return " ".join(parts) if parts else '""'
+
+    rules: list[str] = []
+    calls: list[str] = []
+    for i, f in enumerate(chosen):
+        n, rule = f["name"], f"call_{i}"
+        if fmt == "hermes":
+            obj = {
+                "type": "object",
+                "properties": {"name": {"const": n}, "arguments": params(f)},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            body = f'{lit("<tool_call>")} "\\n" {_embedded(obj)} "\\n" {lit("</tool_call>")}'
+        elif fmt == "qwen_xml":
+            args = xml_args(
+                f, lambda k, _: json.dumps(f"<parameter={k}>\n", ensure_ascii=False), "\n</parameter>\n"
+            )
+            body = " ".join(
+                [
+                    lit("<tool_call>"),
+                    json.dumps(f"\n<function={n}>\n", ensure_ascii=False),
+                    args,
+                    json.dumps("</function>\n", ensure_ascii=False),
+                    lit("</tool_call>"),
+                ]
+            )
+        elif fmt == "glm":
+
+            def glm_key(k: str, _: Any) -> str:
+                key = json.dumps(k, ensure_ascii=False)
+                return f"{lit('<arg_key>')} {key} {lit('</arg_key>')} {lit('<arg_value>')}"
+
+            args = xml_args(f, glm_key, "</arg_value>")
+            body = f"{lit('<tool_call>')} {json.dumps(n, ensure_ascii=False)} {args} {lit('</tool_call>')}"
+        elif fmt in ("minimax", "dsml"):
+            p = "｜DSML｜" if fmt == "dsml" else ""
+
+            def open_(k: str, schema: Any, p: str = p) -> str:
+                flag = (' string="true"' if _is_string(schema) else ' string="false"') if p else ""
+                return json.dumps(f'<{p}parameter name="{k}"{flag}>', ensure_ascii=False)
+
+            args = xml_args(f, open_, f"</{p}parameter>\n")
+            body = " ".join(
+                [
+                    json.dumps(f'<{p}invoke name="{n}">\n', ensure_ascii=False),
+                    args,
+                    json.dumps(f"</{p}invoke>\n", ensure_ascii=False),
+                ]
+            )
+        elif fmt == "deepseek":
+            body = " ".join(
+                [
+                    lit("<｜tool▁call▁begin｜>"),
+                    json.dumps(n, ensure_ascii=False),
+                    lit("<｜tool▁sep｜>"),
+                    _embedded(params(f)),
+                    lit("<｜tool▁call▁end｜>"),
+                ]
+            )
+        elif fmt == "kimi":
+            body = " ".join(
+                [
+                    lit("<|tool_call_begin|>"),
+                    json.dumps(f"functions.{n}:", ensure_ascii=False),
+                    "/[0-9]{1,3}/",
+                    lit("<|tool_call_argument_begin|>"),
+                    _embedded(params(f)),
+                    lit("<|tool_call_end|>"),
+                ]
+            )
+        elif fmt == "harmony":
+            body = " ".join(
+                [
+                    lit("<|channel|>"),
+                    json.dumps(f"commentary to=functions.{n} ", ensure_ascii=False),
+                    lit("<|constrain|>"),
+                    '"json"',
+                    lit("<|message|>"),
+                    _embedded(params(f)),
+                    lit("<|call|>"),
+                ]
+            )
+        else:
+            raise InvalidInputError(f"tool_choice: forcing a call is not built for the {fmt} format")
+        rules.append(f"{rule}: {body}")
+        calls.append(rule)
+    rules.append("call: " + " | ".join(calls))
+    sep = {"hermes": '"\\n"', "qwen_xml": '"\\n"', "glm": '"\\n"'}.get(fmt, "")
+    many = f"call ({sep} call)*" if parallel else "call"
+    if fmt == "harmony" and parallel:
+        many = f'call ({lit("<|start|>")} "assistant" call)*'
+    section = {
+        "minimax": (lit("<minimax:tool_call>") + ' "\\n"', lit("</minimax:tool_call>")),
+        "dsml": (lit("<｜DSML｜function_calls>") + ' "\\n"', lit("</｜DSML｜function_calls>")),
+        "deepseek": (lit("<｜tool▁calls▁begin｜>"), lit("<｜tool▁calls▁end｜>")),
+        "kimi": (lit("<|tool_calls_section_begin|>"), lit("<|tool_calls_section_end|>")),
+    }.get(fmt)
+    start = f"{section[0]} {many} {section[1]}" if section else many
+    if after_think:
+        start = f'{lit(THINK_CLOSE)} "\\n\\n" {start}'
+    rules.insert(0, f"start: {start}")
+    rules.append(r"XML_TEXT: /[^<]*/")
+    return "\n".join(rules) + "\n"
 
 
 # ----------------------------------------------------------------------

@@ -333,8 +333,22 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
         "frequency_penalty",
         "seed",
     )
+    constraint: dict[str, Any] = {}
+    for flag, name in (("json_schema", "json_schema"), ("grammar", "grammar")):
+        path = getattr(args, flag, None)
+        if path is not None:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    constraint[name] = f.read()
+            except (OSError, UnicodeDecodeError) as e:
+                raise _UsageError(f"--{flag.replace('_', '-')}: cannot read {path}: {e}") from e
+    if getattr(args, "regex", None) is not None:
+        constraint["regex"] = args.regex
     return SamplingParams(
-        **{n: getattr(args, n) for n in names}, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos
+        **{n: getattr(args, n) for n in names},
+        stop=tuple(args.stop or ()),
+        ignore_eos=args.ignore_eos,
+        **constraint,
     )
 
 
@@ -564,6 +578,12 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
         "--stop", action="append", metavar="TEXT", help="stop at this text (not printed); repeatable"
     )
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    c = p.add_argument_group("constrained output (at most one)")
+    c.add_argument("--json-schema", metavar="FILE", help="write JSON valid against the JSON Schema in FILE")
+    c.add_argument("--regex", metavar="RX", help="write text matching the regular expression RX")
+    c.add_argument(
+        "--grammar", metavar="FILE", help="write text of the Lark grammar in FILE (llguidance syntax)"
+    )
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:

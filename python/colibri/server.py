@@ -211,6 +211,8 @@ class Job:
     parallel_calls: bool = True
     #: Makes each choice's tool-call / reasoning parser (None: plain text).
     make_parser: Callable[[], Any] = field(default=lambda: _no_parser())
+    #: The request field a constraint (json_schema / grammar option) came from.
+    constraint_field: str = "response_format"
 
 
 def _parse(
@@ -234,8 +236,8 @@ def _parse(
     for name in ("echo", "suffix"):
         if body.get(name):
             raise _bad(name, "is not supported")
-    if chat:
-        _no_op_chat_fields(body)
+    constraint = _response_format(body) if chat else {}
+    parallel = _bool(body, "parallel_tool_calls") is not False
     _int(body, "best_of", 1, 1)  # checked only: 1, the default, is all there is
     n = _int(body, "n", 1, MAX_N) or 1
     stream = bool(_bool(body, "stream"))
@@ -292,8 +294,13 @@ def _parse(
     else:
         logprobs = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     make_parser: Callable[[], Any] = _no_parser
+    constraint_field = "response_format"
     if chat:
-        ids, make_parser = _render(body, engine, call_id)
+        ids, make_parser, forced = _render(body, engine, call_id, parallel)
+        if forced and constraint:
+            raise _bad("response_format", "cannot be JSON while tool_choice forces a tool call")
+        if forced:
+            constraint, constraint_field = forced, "tool_choice"
         prompts: list[Any] = [ids]
     else:
         prompts = _prompts(body)
@@ -301,7 +308,9 @@ def _parse(
         raise _bad("n", f"{len(prompts)} prompts x n={n} asks {len(prompts) * n} choices; at most {MAX_N}")
     job = Job(prompts, n, stream, include_usage, logprobs, "messages" if chat else "prompt", opts)
     job.make_parser = make_parser
-    job.parallel_calls = _bool(body, "parallel_tool_calls") is not False
+    job.parallel_calls = parallel
+    job.options.update(constraint)
+    job.constraint_field = constraint_field
     if make_parser() is not None:
         # Tool-call and reasoning markers can be special tokens: the parser
         # reads them, and drops the end-of-sequence and padding texts.
@@ -317,21 +326,29 @@ def _parse(
     return job
 
 
-def _no_op_chat_fields(body: Mapping[str, Any]) -> None:
-    """Checks the chat fields taken only in their no-op forms: plain text
-    out. Asking for JSON output is a 400 rather than an answer that silently
-    ignores it (it needs constrained decoding, not built yet)."""
+def _response_format(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The constraint ``response_format`` asks for: none for ``text``, any
+    JSON object for ``json_object``, the given schema for ``json_schema``
+    (strict or not, the output is constrained to it)."""
     fmt = body.get("response_format")
-    if fmt is not None:
-        if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
-            raise _bad("response_format", 'must be an object with a type, such as {"type": "text"}')
-        if fmt["type"] != "text":
-            raise _bad(
-                "response_format",
-                f"type {fmt['type']!r} needs constrained decoding, which this server does not have yet; "
-                "only 'text' is supported",
-            )
-    _bool(body, "parallel_tool_calls")
+    if fmt is None:
+        return {}
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise _bad("response_format", 'must be an object with a type, such as {"type": "text"}')
+    kind = fmt["type"]
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_schema": {"type": "object"}}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name", ""), str):
+            raise _bad("response_format", 'json_schema must be an object {"name": ..., "schema": {...}}')
+        schema = spec.get("schema", {"type": "object"})
+        if not isinstance(schema, (dict, bool)):
+            raise _bad("response_format", "json_schema.schema must be a JSON Schema object")
+        return {"json_schema": schema}
+    raise _bad("response_format", f"type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
 
 
 def _field_error(e: InvalidInputError, default: str) -> APIError:
@@ -342,7 +359,9 @@ def _field_error(e: InvalidInputError, default: str) -> APIError:
     return APIError(400, text if param != default or head == default else f"{default}: {text}", param=param)
 
 
-def _render(body: Mapping[str, Any], engine: Any, call_id: Any = None) -> tuple[list[int], Callable[[], Any]]:
+def _render(
+    body: Mapping[str, Any], engine: Any, call_id: Any = None, parallel: bool = True
+) -> tuple[list[int], Callable[[], Any], dict[str, str]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "must be a non-empty list of messages")
@@ -374,12 +393,17 @@ def _render(body: Mapping[str, Any], engine: Any, call_id: Any = None) -> tuple[
     if choice is not None and not isinstance(choice, (str, dict)):
         raise _bad("tool_choice", "must be 'none', 'auto', 'required' or a named function")
     try:
-        text, make_parser = engine._prepare_chat(
-            messages, tools=tools, tool_choice=choice, chat_template_kwargs=kwargs, call_id=call_id
+        text, make_parser, constraint = engine._prepare_chat(
+            messages,
+            tools=tools,
+            tool_choice=choice,
+            chat_template_kwargs=kwargs,
+            call_id=call_id,
+            parallel_tool_calls=parallel,
         )
     except InvalidInputError as e:
         raise _field_error(e, "messages") from e
-    return list(engine.tokenize(text, add_special_tokens=False)), make_parser
+    return list(engine.tokenize(text, add_special_tokens=False)), make_parser, constraint
 
 
 def _prompts(body: Mapping[str, Any]) -> list[Any]:
@@ -517,6 +541,9 @@ class _Run:
             self.cancel()
             # The engine's checks start their messages with the option's name.
             name = str(e).split(" ", 1)[0]
+            if name.rstrip(":") in ("json_schema", "regex", "grammar"):
+                # A constraint the engine could not compile: the field it came from.
+                raise APIError(400, f"{job.constraint_field}: {e}", param=job.constraint_field) from e
             raise APIError(400, str(e), param=name if name in _COMMON else None) from e
         for c, s in zip(self.choices, self.streams):
             threading.Thread(target=self._pump, args=(c, s), daemon=True, name="colibri-pump").start()
@@ -980,7 +1007,7 @@ def create_app(
                 chat = _anthropic.to_chat(body, counting=True)
             except _anthropic.MessagesError as err:
                 raise APIError(400, str(err)) from err
-            ids, _ = await asyncio.to_thread(_render, chat, e)
+            ids, _, _ = await asyncio.to_thread(_render, chat, e)
             return JSONResponse({"input_tokens": len(ids)})
         except APIError as err:
             return JSONResponse(

@@ -7,6 +7,7 @@
 
 pub mod batch;
 pub mod generation;
+pub mod guide;
 pub mod sampling;
 mod step;
 use crate::model::session;
@@ -24,6 +25,7 @@ use crate::model::forward::{Capture, forward};
 use crate::quant::DType;
 pub use batch::{BatchOptions, BatchStats, Scheduler, Ticket};
 pub use generation::Generation;
+pub use guide::Constraint;
 pub use sampling::SamplingParams;
 use session::{DEFAULT_CHUNK, Session};
 pub use step::{FinishReason, GenerateOptions, MAX_TOP_LOGPROBS, Timings, TokenLogprobs};
@@ -46,6 +48,9 @@ pub struct Engine {
     pool: Arc<rayon::ThreadPool>,
     /// The KV cache element type, resolved once at open.
     kv_dtype: DType,
+    /// What constrained decoding needs of the vocabulary, built on the
+    /// first constrained request.
+    guides: guide::GuideSlot,
 }
 
 impl std::fmt::Debug for Engine {
@@ -65,12 +70,58 @@ impl Engine {
         let pool = crate::threads::pool(opts.threads)?;
         let model = Arc::new(Model::open_with(path, &opts.store)?);
         let kv_dtype = opts.kv_cache.resolve(&model);
-        Ok(Engine { model, pool: Arc::new(pool), kv_dtype })
+        Ok(Engine { model, pool: Arc::new(pool), kv_dtype, guides: Default::default() })
     }
 
     /// The loaded model.
     pub fn model(&self) -> &Model {
         &self.model
+    }
+
+    /// The end-of-sequence ids the file names: generation_config.json's and
+    /// config.json's `eos_token_id`, and tokenizer_config.json's `eos_token`
+    /// looked up in the tokenizer (as the Python layer gathers them).
+    pub fn eos_ids(&self) -> Vec<u32> {
+        let src = &self.model.file().meta().source;
+        let vocab = self.model.config.vocab_size as u64;
+        let mut out = Vec::new();
+        let mut push = |v: &serde_json::Value| {
+            let ids: Vec<u64> = match v {
+                serde_json::Value::Array(a) => a.iter().filter_map(|x| x.as_u64()).collect(),
+                x => x.as_u64().into_iter().collect(),
+            };
+            for id in ids {
+                if id < vocab && !out.contains(&(id as u32)) {
+                    out.push(id as u32);
+                }
+            }
+        };
+        for cfg in [&src.generation_config, &src.config].into_iter().flatten() {
+            if let Some(v) = cfg.get("eos_token_id") {
+                push(v);
+            }
+        }
+        let text = src.tokenizer_config.as_ref().and_then(|t| t.get("eos_token")).and_then(|e| match e {
+            serde_json::Value::String(s) => Some(s.clone()),
+            o => o.get("content").and_then(|c| c.as_str()).map(str::to_string),
+        });
+        if let (Some(text), Some(tok)) = (text, src.tokenizer.as_ref()) {
+            let added = tok.get("added_tokens").and_then(|a| a.as_array()).into_iter().flatten();
+            let id = added
+                .filter(|t| t.get("content").and_then(|c| c.as_str()) == Some(text.as_str()))
+                .find_map(|t| t.get("id").and_then(|i| i.as_u64()))
+                .or_else(|| tok.get("model")?.get("vocab")?.get(&text)?.as_u64());
+            if let Some(id) = id {
+                push(&serde_json::Value::from(id));
+            }
+        }
+        out
+    }
+
+    /// What constrained decoding needs of this engine's vocabulary (built
+    /// once, on the first call, from the file's tokenizer.json).
+    pub fn guides(&self) -> Result<Arc<guide::Guides>> {
+        guide::guides(&self.guides, self)
     }
 
     /// Worker threads in the pool.

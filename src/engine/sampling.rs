@@ -211,6 +211,20 @@ impl Sampler {
     /// Chooses the next token from `logits` (`[V]`). Call [`Sampler::accept`]
     /// with the token actually used.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        self.choose(logits, None)
+    }
+
+    /// Chooses the next token among those `mask` allows: a bit set of `[V]`
+    /// (bit `i % 32` of word `i / 32` for id `i`), at least one bit set.
+    /// The mask applies after the penalties and before temperature, top-k,
+    /// top-p and min-p, which then see only the allowed tokens; the draw
+    /// takes one number from the generator as an unmasked one does, so a
+    /// seed gives the same tokens run after run.
+    pub fn sample_masked(&mut self, logits: &[f32], mask: &[u32]) -> u32 {
+        self.choose(logits, Some(mask))
+    }
+
+    fn choose(&mut self, logits: &[f32], mask: Option<&[u32]>) -> u32 {
         debug_assert_eq!(logits.len(), self.scores.len());
         let p = &self.params;
         let s = &mut self.scores;
@@ -232,14 +246,22 @@ impl Sampler {
                 *l = *l - p.frequency_penalty * c - p.presence_penalty;
             }
         }
-        if p.greedy() {
-            return argmax(s);
-        }
-
-        // Temperature, then top-k over the whole vocabulary.
         let cand = &mut self.cand;
         cand.clear();
-        cand.extend(0..s.len() as u32);
+        match mask {
+            None if p.greedy() => return argmax(s),
+            None => cand.extend(0..s.len() as u32),
+            Some(mask) => {
+                allowed(mask, s.len(), cand);
+                if p.greedy() {
+                    // The first allowed maximum; NaN scores never win.
+                    let best = cand.iter().copied().reduce(|a, b| if s[b as usize] > s[a as usize] { b } else { a });
+                    return best.unwrap_or(0);
+                }
+            }
+        }
+
+        // Temperature, then top-k over the whole vocabulary (or what the mask allows).
         if p.top_k > 0 && p.top_k < cand.len() {
             cand.select_nth_unstable_by(p.top_k - 1, by_score_desc(s));
             cand.truncate(p.top_k);
@@ -291,8 +313,31 @@ impl Sampler {
             }
         }
         // Rounding left a sliver of mass past the last candidate; or every
-        // logit was NaN, and min-p kept nothing: the argmax, as greedy would.
-        cand.last().copied().unwrap_or_else(|| argmax(s))
+        // logit was NaN, and min-p kept nothing: the argmax, as greedy would
+        // (under a mask, the first allowed token).
+        cand.last().copied().unwrap_or_else(|| match mask {
+            None => argmax(s),
+            Some(mask) => {
+                allowed(mask, s.len(), cand);
+                cand.first().copied().unwrap_or(0)
+            }
+        })
+    }
+}
+
+/// The ids below `n` whose bit is set in `mask`, ascending, into `out`.
+fn allowed(mask: &[u32], n: usize, out: &mut Vec<u32>) {
+    out.clear();
+    for (w, &bits) in mask.iter().enumerate() {
+        let mut bits = bits;
+        while bits != 0 {
+            let id = w * 32 + bits.trailing_zeros() as usize;
+            if id >= n {
+                return;
+            }
+            out.push(id as u32);
+            bits &= bits - 1;
+        }
     }
 }
 
@@ -508,6 +553,35 @@ mod tests {
         };
         assert_eq!(run(7), run(7));
         assert_ne!(run(7), run(8));
+    }
+
+    #[test]
+    fn a_mask_limits_every_mode_to_its_tokens_and_keeps_the_draws() {
+        // Tokens 0, 2 and 5 allowed (bits 0, 2, 5 of one word).
+        let mask = [0b100101u32];
+        let greedy = sampler(SamplingParams::default(), L.len()).sample_masked(&L, &mask);
+        assert_eq!(greedy, 5, "the best allowed token, not the best one (1)");
+        for p in [sampled(1.0, 4), SamplingParams { top_k: 2, top_p: 0.5, min_p: 0.1, ..sampled(2.0, 4) }] {
+            let mut s = sampler(p.clone(), L.len());
+            let mut seen = [0usize; 6];
+            for _ in 0..2000 {
+                seen[s.sample_masked(&L, &mask) as usize] += 1;
+            }
+            assert_eq!(seen[1] + seen[3] + seen[4], 0, "{p:?}: {seen:?}");
+        }
+        // Masked, all three share the softmax of their logits.
+        let want = softmax(&[1.0, f64::NEG_INFINITY, -0.5, f64::NEG_INFINITY, f64::NEG_INFINITY, 1.5]);
+        let mut s = sampler(sampled(1.0, 8), L.len());
+        let mut counts = [0usize; 6];
+        for _ in 0..40_000 {
+            counts[s.sample_masked(&L, &mask) as usize] += 1;
+        }
+        close(&counts.iter().map(|&c| c as f64 / 40_000.0).collect::<Vec<_>>(), &want, 0.012);
+        let run = |seed| {
+            let mut s = sampler(sampled(1.3, seed), L.len());
+            (0..50).map(|_| s.sample_masked(&L, &mask)).collect::<Vec<_>>()
+        };
+        assert_eq!(run(7), run(7));
     }
 
     #[test]

@@ -3,8 +3,12 @@
 //! the generation ends there.
 //!
 //! ```text
-//! seq.logits ─► sample ─► accept (penalties) ─► logprobs ─► time ─► finish?
+//! seq.logits ─► [mask] ─► sample ─► accept (penalties) ─► logprobs ─► time ─► finish?
 //! ```
+//!
+//! A request with a [`Constraint`] has its mask (`engine/guide.rs`) applied
+//! by the sampler after the penalties and before temperature and truncation;
+//! one without pays a `None` check.
 //!
 //! A [`Decoder`] is one generation's side of that step: its sampler, its stop
 //! rules and the tokens so far. [`Generation`](super::Generation) (one
@@ -21,6 +25,7 @@
 use std::time::{Duration, Instant};
 
 use super::Engine;
+use super::guide::{After, Constraint, Guided};
 use super::sampling::{Sampler, SamplingParams};
 use crate::error::{Error, Result};
 use crate::model::forward::check_ids;
@@ -38,6 +43,9 @@ pub struct GenerateOptions {
     /// Record each generated token's log-probability and this many of the
     /// most likely alternatives (at most [`MAX_TOP_LOGPROBS`]); `None`: off.
     pub logprobs: Option<usize>,
+    /// What the output must be (a JSON Schema, a regex, a grammar); `None`:
+    /// anything.
+    pub constraint: Option<Constraint>,
 }
 
 impl Default for GenerateOptions {
@@ -47,6 +55,7 @@ impl Default for GenerateOptions {
             sampling: SamplingParams::default(),
             stop_ids: Vec::new(),
             logprobs: None,
+            constraint: None,
         }
     }
 }
@@ -154,6 +163,8 @@ pub(super) struct Decoder {
     tokens: Vec<u32>,
     timings: Timings,
     finish: Option<FinishReason>,
+    /// The mask of a constrained request.
+    guided: Option<Box<Guided>>,
 }
 
 /// What one step decided.
@@ -188,6 +199,10 @@ impl Decoder {
         }
         let sampler = Sampler::new(opts.sampling.clone(), model.config.vocab_size, prompt)?;
         check_ids(model, prompt)?;
+        let guided = match &opts.constraint {
+            None => None,
+            Some(c) => Some(Box::new(Guided::new(&*engine.guides()?, c, &opts.stop_ids)?)),
+        };
         Ok(Decoder {
             sampler,
             stop_ids: opts.stop_ids.clone(),
@@ -196,6 +211,7 @@ impl Decoder {
             tokens: Vec::with_capacity(opts.max_new_tokens.min(ctx)),
             timings: Timings { prompt_tokens: prompt.len(), ..Timings::default() },
             finish: (opts.max_new_tokens == 0).then_some(FinishReason::Length),
+            guided,
         })
     }
 
@@ -205,7 +221,23 @@ impl Decoder {
     /// first token, when the prompt's first chunk did) to the choice.
     pub fn step(&mut self, seq: &Sequence, began: Instant) -> Decoded {
         debug_assert!(self.finish.is_none(), "a finished generation takes no more steps");
-        let token = self.sampler.sample(&seq.logits);
+        let mut done = false;
+        let token = match self.guided.as_deref_mut() {
+            None => self.sampler.sample(&seq.logits),
+            Some(g) => match g.mask() {
+                Some(mask) => {
+                    let t = self.sampler.sample_masked(&seq.logits, mask.as_slice());
+                    done = g.is_end(t) || matches!(g.consume(t), After::Done);
+                    t
+                }
+                // llguidance failed (it should not): end here with the
+                // first end id rather than write text the grammar refuses.
+                None => {
+                    done = true;
+                    g.first_end()
+                }
+            },
+        };
         self.sampler.accept(token);
         self.tokens.push(token);
         let logprobs = self.logprobs_k.map(|k| TokenLogprobs::of(&seq.logits, token, k));
@@ -216,7 +248,10 @@ impl Decoder {
             self.timings.decode += at - began;
         }
         self.timings.generated_tokens = self.tokens.len();
-        if self.stop_ids.contains(&token) {
+        // A constrained output ends where its grammar says (a stop id the
+        // grammar took as text does not end it).
+        let stop = if self.guided.is_some() { done } else { self.stop_ids.contains(&token) };
+        if stop {
             self.finish = Some(FinishReason::Stop);
         } else if self.tokens.len() >= self.max_new_tokens || seq.pos + 1 >= seq.max_seq {
             // The last condition: prompt plus output now fill the sequence (at

@@ -200,7 +200,7 @@ fn thread_count_does_not_change_a_single_bit() {
         frequency_penalty: 0.2,
         seed: 5,
     };
-    let opts = GenerateOptions { max_new_tokens: 9, sampling, stop_ids: vec![], logprobs: None };
+    let opts = GenerateOptions { max_new_tokens: 9, sampling, stop_ids: vec![], ..Default::default() };
     let g1 = one.generate(&toks[..4], &opts, &never, &mut |_| true).unwrap();
     assert_eq!(g1.len(), 9);
     assert_eq!(two.generate(&toks[..4], &opts, &never, &mut |_| true).unwrap(), g1);
@@ -502,6 +502,7 @@ fn batched_generations_give_the_tokens_each_gives_alone() {
             stop_ids: Vec::new(),
             // Some ask for log-probabilities (which change no token).
             logprobs: [None, Some(0), Some(3)][k % 3],
+            constraint: None,
         };
         let alone: Vec<(Vec<u32>, Vec<TokenLogprobs>)> = prompts
             .iter()
@@ -657,4 +658,76 @@ fn a_sliding_window_cache_slides_and_gives_the_bits_of_a_full_one() {
         e.run(&mut s, &toks[..5], Capture::default(), &never).unwrap();
         assert_eq!(s.seq.logits, want[4 * v..5 * v], "after a reset");
     }
+}
+
+/// The synthetic vocabulary as text: 52 one-character byte-level tokens
+/// (enough for JSON) and an end token, id 52.
+const CHARS: &str = "{}[]\":, abcdefghijklmnopqrstuvwxyz0123456789-._ABCDE";
+
+fn with_tiny_tokenizer(e: &Engine) {
+    let table: serde_json::Map<String, serde_json::Value> =
+        CHARS.chars().enumerate().map(|(i, c)| (if c == ' ' { "Ġ".into() } else { c.to_string() }, i.into())).collect();
+    let tok = serde_json::json!({
+        "added_tokens": [{"id": 52, "content": "<|end|>", "special": true}],
+        "decoder": {"type": "ByteLevel"},
+        "model": {"type": "BPE", "vocab": table},
+    });
+    let guides = guide::Guides::new(&tok, e.model().config.vocab_size, &[52]).unwrap();
+    e.guides.set(Ok(Arc::new(guides))).unwrap();
+}
+
+fn text(tokens: &[u32]) -> String {
+    tokens.iter().filter(|&&t| t != 52).map(|&t| CHARS.chars().nth(t as usize).unwrap()).collect()
+}
+
+/// Constrained and free sequences share a batch: the free ones give the
+/// tokens they give alone, the constrained ones the tokens they give alone,
+/// which follow their constraint (greedy and seeded), and a seed repeats.
+#[test]
+fn constrained_and_free_sequences_share_a_batch() {
+    let (_d, e) = engine(DType::F32, 2);
+    with_tiny_tokenizer(&e);
+    let schema = r#"{"type": "object", "properties": {"k": {"enum": ["x", "yy"]}, "b": {"type": "boolean"}},
+        "required": ["k", "b"], "additionalProperties": false}"#;
+    let hot = SamplingParams { temperature: 0.9, seed: 5, ..SamplingParams::default() };
+    let reqs = [
+        GenerateOptions { max_new_tokens: 12, ..Default::default() },
+        GenerateOptions {
+            max_new_tokens: 30,
+            stop_ids: vec![52],
+            constraint: Some(Constraint::Regex("[a-z]{3,8}".into())),
+            ..Default::default()
+        },
+        GenerateOptions { max_new_tokens: 12, sampling: hot.clone(), ..Default::default() },
+        GenerateOptions {
+            max_new_tokens: 40,
+            sampling: hot,
+            stop_ids: vec![52],
+            constraint: Some(Constraint::JsonSchema(schema.into())),
+            ..Default::default()
+        },
+    ];
+    let prompts: Vec<Vec<u32>> = (0..4u32).map(|k| ids(5 + k as usize)).collect();
+    let alone: Vec<Vec<u32>> =
+        prompts.iter().zip(&reqs).map(|(p, o)| e.generate(p, o, &never, &mut |_| true).unwrap()).collect();
+    let sched = Scheduler::new(&e, BatchOptions { max_batch: 4, ..Default::default() }).unwrap();
+    let mut tickets: Vec<Ticket> = prompts.iter().zip(&reqs).map(|(p, o)| sched.submit(p, o).unwrap()).collect();
+    for (k, t) in tickets.iter_mut().enumerate() {
+        assert_eq!(collect(t), alone[k], "request {k}: batched as alone");
+    }
+    let word = text(&alone[1]);
+    assert!((3..=8).contains(&word.len()) && word.chars().all(|c| c.is_ascii_lowercase()), "{word:?}");
+    assert_eq!(tickets[1].finish_reason(), Some(FinishReason::Stop));
+    let json: serde_json::Value = serde_json::from_str(&text(&alone[3])).unwrap();
+    assert!(json["k"] == "x" || json["k"] == "yy", "{json}");
+    assert!(json["b"].is_boolean() && json.as_object().unwrap().len() == 2, "{json}");
+    // Cut short by max_new_tokens: "length", as an unconstrained one would be.
+    let short = GenerateOptions { max_new_tokens: 3, ..reqs[3].clone() };
+    let mut g = e.start(&prompts[3], &short).unwrap();
+    while g.next_token(&never).unwrap().is_some() {}
+    assert_eq!(g.finish_reason(), Some(FinishReason::Length));
+    assert_eq!(g.tokens(), &alone[3][..3], "a seed repeats");
+    // A grammar that cannot compile is refused at submission.
+    let bad = GenerateOptions { constraint: Some(Constraint::Regex("(".into())), ..Default::default() };
+    assert!(matches!(sched.submit(&prompts[0], &bad), Err(Error::InvalidInput(m)) if m.starts_with("regex")));
 }

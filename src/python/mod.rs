@@ -13,11 +13,13 @@ use std::sync::Mutex;
 
 use pyo3::exceptions::{PyKeyboardInterrupt, PyRuntimeError};
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyDict};
+use pyo3::types::{PyByteArray, PyBytes, PyDict};
 
 use crate::convert::{ConvertOptions, Recipe, convert};
 use crate::engine::batch::Canceller;
-use crate::engine::{BatchOptions, Engine, EngineOptions, GenerateOptions, SamplingParams, Scheduler, Ticket};
+use crate::engine::{
+    BatchOptions, Constraint, Engine, EngineOptions, GenerateOptions, SamplingParams, Scheduler, Ticket,
+};
 use crate::error::Error;
 use crate::io::IoMode;
 use crate::model::session::KvCacheType;
@@ -215,6 +217,7 @@ impl NativeEngine {
     #[pyo3(signature = (
         token_ids, *, max_new_tokens, stop_ids, temperature, top_k, top_p, min_p,
         repetition_penalty, presence_penalty, frequency_penalty, seed, logprobs=None,
+        json_schema=None, regex=None, grammar=None,
     ))]
     #[allow(clippy::too_many_arguments)] // keyword-only on the Python side
     fn start(
@@ -232,6 +235,9 @@ impl NativeEngine {
         frequency_penalty: f32,
         seed: u64,
         logprobs: Option<usize>,
+        json_schema: Option<String>,
+        regex: Option<String>,
+        grammar: Option<String>,
     ) -> PyResult<NativeGeneration> {
         let ids = to_ids(token_ids).map_err(to_py)?;
         // An id no token can have never matches; dropping it is harmless.
@@ -246,7 +252,17 @@ impl NativeEngine {
             frequency_penalty,
             seed,
         };
-        let opts = GenerateOptions { max_new_tokens, sampling, stop_ids, logprobs };
+        let mut given =
+            [json_schema.map(Constraint::JsonSchema), regex.map(Constraint::Regex), grammar.map(Constraint::Grammar)]
+                .into_iter()
+                .flatten();
+        let constraint = given.next();
+        if given.next().is_some() {
+            return Err(to_py(Error::InvalidInput(
+                "at most one of json_schema, regex and grammar may be given".into(),
+            )));
+        }
+        let opts = GenerateOptions { max_new_tokens, sampling, stop_ids, logprobs, constraint };
         let t = py.detach(|| self.batch.submit(&ids, &opts)).map_err(to_py)?;
         Ok(NativeGeneration { canceller: t.canceller(), inner: Mutex::new(t) })
     }
@@ -549,6 +565,16 @@ fn supported_architectures() -> Vec<&'static str> {
     crate::arch::REGISTRY.iter().map(|a| a.hf_class).collect()
 }
 
+/// The bytes constrained decoding gives each of `vocab` token ids of a
+/// tokenizer.json (special tokens after a 0xFF marker), for tests.
+#[pyfunction]
+fn token_bytes<'py>(py: Python<'py>, tokenizer_json: &str, vocab: usize) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    let tok: serde_json::Value = serde_json::from_str(tokenizer_json)
+        .map_err(|e| to_py(Error::InvalidInput(format!("tokenizer_json: not JSON: {e}"))))?;
+    let words = crate::engine::guide::token_bytes(&tok, vocab).map_err(to_py)?;
+    Ok(words.iter().map(|w| PyBytes::new(py, w)).collect())
+}
+
 #[pymodule]
 fn _colibri(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativeEngine>()?;
@@ -561,6 +587,7 @@ fn _colibri(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parse_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_tables, m)?)?;
     m.add_function(wrap_pyfunction!(plan_json, m)?)?;
+    m.add_function(wrap_pyfunction!(token_bytes, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -8,6 +8,7 @@
  * Output lines: "logits T V" then T*V hex floats, "greedy ...", "sampled ...",
  * "stream ...", "eos ...", "default ...", "stopped ...". Exit status 1 on a failed check. */
 #include <pthread.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -162,6 +163,35 @@ int main(int argc, char **argv)
     CHECK(st == COLIBRI_STATUS_OK && n_out <= 11 && out[n_out - 1] == greedy[10], "stop id: %s",
           colibri_last_error());
     print_ids("stopped", out, n_out);
+
+    /* A constraint: the output is three digits (on a model with a tokenizer). */
+    colibri_sampling_default(&s);
+    s.max_new_tokens = 12;
+    s.regex = "[0-9]{3}";
+    st = colibri_generate(m, ids, n, &s, out, 64, &n_out);
+    if (st == COLIBRI_STATUS_OK)
+        print_ids("regex", out, n_out);
+    else
+        CHECK(st == COLIBRI_STATUS_INVALID_INPUT && strstr(colibri_last_error(), "tokenizer") != NULL,
+              "regex: %s", colibri_last_error());
+    s.regex = "(";
+    st = colibri_generate(m, ids, n, &s, out, 64, &n_out);
+    CHECK(st == COLIBRI_STATUS_INVALID_INPUT, "a regex that cannot compile: status %d", (int)st);
+    s.regex = "[0-9]";
+    s.grammar = "start: \"a\"";
+    st = colibri_generate(m, ids, n, &s, out, 64, &n_out);
+    CHECK(st == COLIBRI_STATUS_INVALID_INPUT && strstr(colibri_last_error(), "at most one") != NULL,
+          "two constraints: %s", colibri_last_error());
+    /* A caller built before the constraint fields passes a shorter struct:
+       what lies past its size is not read. */
+    colibri_sampling_default(&s);
+    s.struct_size = (uint32_t)offsetof(colibri_sampling, json_schema);
+    s.max_new_tokens = 4;
+    s.ignore_eos = 1;
+    s.regex = "(";
+    st = colibri_generate(m, ids, n, &s, out, 64, &n_out);
+    CHECK(st == COLIBRI_STATUS_OK && n_out == 4 && memcmp(out, greedy, 4 * sizeof(uint32_t)) == 0,
+          "an older struct: %s", colibri_last_error());
 
     /* Bad input: codes and messages, never a crash. */
     uint32_t bad_id = 1u << 30;

@@ -100,6 +100,10 @@ def check(libdir: Path, engine: colibri.Engine, ids: list[int]) -> int:
             ids, max_new_tokens=24, temperature=0, ignore_eos=True, stop_token_ids=[want["greedy"][10]]
         )
     )
+    if engine.has_tokenizer:
+        want["regex"] = list(
+            engine.generate(ids, max_new_tokens=12, temperature=0, **plain, regex="[0-9]{3}")
+        )
     checks = [("logits", np.array_equal(c_logits.view(np.uint32), engine.logits(ids).view(np.uint32)))]
     checks += [(k, got.get(k) == w) for k, w in want.items()]
     failed = [k for k, ok in checks if not ok]
