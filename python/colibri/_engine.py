@@ -950,6 +950,11 @@ class Engine:
                 "(see the serving guide for the families it knows)"
             )
         prepared = prepare_messages(check_messages(messages))
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+            raise ChatTemplateError(
+                "chat_template_kwargs must be a dict whose keys are variable names, "
+                f"got {chat_template_kwargs!r:.80}"
+            )
         kwargs = dict(chat_template_kwargs or {})
         if shown:
             kwargs["tools"] = shown
