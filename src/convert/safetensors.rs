@@ -542,7 +542,7 @@ impl Checkpoint {
     /// The int4 tensor `t` (or slice `index` of its first axis, one expert
     /// of a stacked tensor) as `dtype` (q4_0 or its interleaved q4_0x8):
     /// each group whose scale is an f16 becomes a q4_0 block as it is, any
-    /// other is quantised from its exact values ([`dequant::int4_to_q4_0`]).
+    /// other is quantised from its exact values (`dequant::int4_to_q4_0`).
     /// The caller has checked that no scale overflows f16
     /// ([`Checkpoint::int4_scales`]) and that a slice exists.
     pub fn int4_as_q4_0(&self, t: &SrcTensor, dtype: DType, index: Option<usize>) -> Vec<u8> {

@@ -17,7 +17,7 @@
 //! both map to the bytes each token writes; special tokens are marked so a
 //! grammar never produces them unless it names them.
 //!
-//! A constrained sequence owns a [`Guided`]: its matcher, and with
+//! A constrained sequence owns a `Guided`: its matcher, and with
 //! `COLIBRI_GUIDE_OVERLAP=1` a worker thread that computes the next mask
 //! while the next forward pass runs (the step consumes the chosen token at
 //! once, since whether the grammar is finished decides whether there is a
@@ -29,7 +29,7 @@
 //! the cores (inline -4%, worker -8% against unconstrained, medians of 7).
 //! The worker can pay where masks are dear (large vocabularies, intricate
 //! grammars) and cores are spare. A sequence without a constraint has no
-//! [`Guided`] and pays one `Option` check per token.
+//! `Guided` and pays one `Option` check per token.
 //!
 //! End of output: when the matcher says the text so far is complete, the
 //! request's stop ids are allowed (llguidance's own end-of-sequence bit is
