@@ -671,6 +671,18 @@ class _Body:
             return True
         return False
 
+    def _open_call(self, s: str, pattern: str) -> bool:
+        """Starts a call where ``s`` (the buffer without its leading space)
+        opens one by ``pattern``, whose first group is the name; False while
+        it does not."""
+        m = re.match(pattern, s)
+        if m is None:
+            return False
+        self.raw += self.buf[: len(self.buf) - len(s) + m.end()]
+        self.calls.start(m.group(1).strip())
+        self.buf = s[m.end() :]
+        return True
+
     def _value(self, name: str, key: str, text: str) -> Any:
         return typed_value(text, self.props.get(name, {}).get(key))
 
@@ -770,13 +782,9 @@ class _QwenXmlBody(_Body):
             if not self.calls.open:
                 if self._close():
                     return True
-                m = re.match(r"<function=([^>]*)>", s)
-                if m is None:
+                if not self._open_call(s, r"<function=([^>]*)>"):
                     return False
-                self.raw += self.buf[: len(self.buf) - len(s) + m.end()]
-                self.calls.start(m.group(1).strip())
                 self.nparams = 0
-                self.buf = s[m.end() :]
                 continue
             if s.startswith("</function>") or s.startswith(self.end):
                 # (a model may leave </function> out)
@@ -868,13 +876,9 @@ class _InvokeBody(_Body):
             if not self.calls.open:
                 if self._close():
                     return True
-                m = re.match(rf'<{re.escape(p)}invoke\s+name\s*=\s*"?([^">]*)"?\s*>', s)
-                if m is None:
+                if not self._open_call(s, rf'<{re.escape(p)}invoke\s+name\s*=\s*"?([^">]*)"?\s*>'):
                     return False
-                self.raw += self.buf[: len(self.buf) - len(s) + m.end()]
-                self.calls.start(m.group(1).strip())
                 self.nparams = 0
-                self.buf = s[m.end() :]
                 continue
             close = f"</{p}invoke>"
             if s.startswith(close):
