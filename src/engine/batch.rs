@@ -28,6 +28,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::Engine;
+use super::prefix::{BLOCK, PrefixCache, PrefixStats};
 use super::step::{Decoder, FinishReason, GenerateOptions, Timings, TokenLogprobs};
 use crate::canonical::state::StateLayout;
 use crate::error::{Error, Result};
@@ -51,11 +52,20 @@ pub struct BatchOptions {
     /// would pass it waits for running ones to finish, and one that alone
     /// needs more is refused. `0` = unbounded.
     pub max_state_bytes: usize,
+    /// Most bytes the prefix cache holds (see [`super::prefix`]); `0` = no
+    /// prefix cache.
+    pub prefix_cache_bytes: usize,
 }
 
 impl Default for BatchOptions {
     fn default() -> Self {
-        BatchOptions { max_batch: 16, step_tokens: DEFAULT_CHUNK, max_queue: 0, max_state_bytes: 0 }
+        BatchOptions {
+            max_batch: 16,
+            step_tokens: DEFAULT_CHUNK,
+            max_queue: 0,
+            max_state_bytes: 0,
+            prefix_cache_bytes: 0,
+        }
     }
 }
 
@@ -90,6 +100,8 @@ pub struct BatchStats {
     pub busy_seconds: f64,
     /// Positions held in the KV caches of the running requests.
     pub kv_tokens: usize,
+    /// The prefix cache's counters (`None` without one).
+    pub prefix: Option<PrefixStats>,
 }
 
 /// What a running request sends its ticket.
@@ -113,6 +125,14 @@ struct Running {
     req: Request,
     seq: Sequence,
     fed: usize,
+    /// Whether some layer keeps a recurrent state, which the prefix cache
+    /// saves at block ends only.
+    recurrent: bool,
+    /// The recurrent states at position `saved_at`, for the prefix cache.
+    saved: Vec<f32>,
+    saved_at: Option<usize>,
+    /// Blocks of it already offered to the prefix cache.
+    offered: usize,
     /// Where the time of its next token runs from: the start of its first
     /// step, then the moment its last token was chosen.
     since: Option<Instant>,
@@ -141,6 +161,8 @@ struct Shared {
     queue: Mutex<Queue>,
     wake: Condvar,
     counters: Counters,
+    /// The prefix cache's counters as of its last change.
+    prefix: Mutex<Option<PrefixStats>>,
 }
 
 impl Shared {
@@ -193,6 +215,9 @@ impl Scheduler {
                 busy_nanos: AtomicU64::new(0),
                 kv_tokens: AtomicUsize::new(0),
             },
+            prefix: Mutex::new(
+                (opts.prefix_cache_bytes > 0).then(|| PrefixCache::new(opts.prefix_cache_bytes).stats()),
+            ),
         });
         let (e, sh) = (engine.clone(), shared.clone());
         let thread = std::thread::Builder::new()
@@ -275,6 +300,7 @@ impl Scheduler {
             finished: c.finished.load(Ordering::Relaxed),
             busy_seconds: c.busy_nanos.load(Ordering::Relaxed) as f64 * 1e-9,
             kv_tokens: c.kv_tokens.load(Ordering::Relaxed),
+            prefix: self.shared.prefix.lock().unwrap_or_else(|p| p.into_inner()).clone(),
         }
     }
 }
@@ -422,6 +448,40 @@ impl Running {
     fn decoding(&self) -> bool {
         !self.req.decoder.tokens().is_empty()
     }
+
+    /// After a pass: saves the recurrent states where the prefix cache
+    /// keeps them, and offers the cache the blocks completed since the last
+    /// offer (while a sliding window still holds their rows).
+    fn offer(&mut self, cache: &mut PrefixCache, prefilling: bool) {
+        let pos = self.seq.pos;
+        let last_block_end = self.req.prompt.len().saturating_sub(1) / BLOCK * BLOCK;
+        // At the prompt's last block end (a prefill chunk ends there), kept
+        // at once; at each block end of the generation, kept when it ends.
+        let prompt_state = prefilling && pos == last_block_end;
+        if self.recurrent && pos > 0 && (prompt_state || (!prefilling && pos.is_multiple_of(BLOCK))) {
+            self.seq.copy_recurrent(&mut self.saved);
+            self.saved_at = Some(pos);
+        }
+        if pos / BLOCK > self.offered {
+            let state = self.saved_at.filter(|_| prompt_state).map(|p| (p, &self.saved[..]));
+            cache.insert(&self.req.prompt, self.req.decoder.tokens(), &self.seq, state);
+            self.offered = pos / BLOCK;
+        }
+    }
+
+    /// Puts what this sequence computed into the prefix cache as it ends:
+    /// the rest of its blocks and its last saved recurrent states.
+    fn keep_state(&self, cache: &mut PrefixCache) {
+        let state = self.saved_at.map(|p| (p, &self.saved[..]));
+        cache.insert(&self.req.prompt, self.req.decoder.tokens(), &self.seq, state);
+    }
+}
+
+/// Makes the prefix cache's counters readable from other threads.
+fn publish(shared: &Shared, cache: Option<&PrefixCache>) {
+    if let Some(pc) = cache {
+        *shared.prefix.lock().unwrap_or_else(|p| p.into_inner()) = Some(pc.stats());
+    }
 }
 
 /// The scheduling thread: admit, step, deliver, until shut down.
@@ -430,6 +490,7 @@ fn run(engine: Engine, opts: BatchOptions, shared: Arc<Shared>) {
     let mut ws = Workspace::new(model, opts.step_tokens, opts.max_batch);
     let mut running: Vec<Running> = Vec::new();
     let c = &shared.counters;
+    let mut cache = (opts.prefix_cache_bytes > 0).then(|| PrefixCache::new(opts.prefix_cache_bytes));
     loop {
         {
             let mut q = shared.queue();
@@ -453,22 +514,43 @@ fn run(engine: Engine, opts: BatchOptions, shared: Arc<Shared>) {
                 if opts.max_state_bytes > 0 && !running.is_empty() && held + need > opts.max_state_bytes {
                     break; // first come, first served: it waits for memory to free
                 }
-                let req = q.waiting.pop_front().expect("peeked");
+                let mut req = q.waiting.pop_front().expect("peeked");
                 let max_seq = req.prompt.len().saturating_add(req.decoder.max_new_tokens());
-                let seq = Sequence::new(model, max_seq, opts.step_tokens, engine.kv_dtype());
+                let mut seq = Sequence::new(model, max_seq, opts.step_tokens, engine.kv_dtype());
+                let fed = cache.as_mut().map_or(0, |pc| pc.lookup(&req.prompt, &mut seq).tokens);
+                req.decoder.set_cached(fed);
                 held += need;
-                running.push(Running { req, seq, fed: 0, since: None });
+                let recurrent = seq.is_recurrent();
+                let offered = fed / BLOCK;
+                running.push(Running {
+                    req,
+                    seq,
+                    fed,
+                    recurrent,
+                    saved: Vec::new(),
+                    saved_at: None,
+                    offered,
+                    since: None,
+                });
             }
         }
         let before = running.len();
-        running.retain(|r| !r.req.cancel.load(Ordering::Relaxed));
+        running.retain(|r| {
+            let cancelled = r.req.cancel.load(Ordering::Relaxed);
+            if cancelled && let Some(pc) = cache.as_mut() {
+                r.keep_state(pc); // what it computed stays useful
+            }
+            !cancelled
+        });
+        publish(&shared, cache.as_ref());
         c.finished.fetch_add((before - running.len()) as u64, Ordering::Relaxed);
         c.running.store(running.len(), Ordering::Relaxed);
         if running.is_empty() {
             c.kv_tokens.store(0, Ordering::Relaxed);
             continue;
         }
-        step(&engine, &mut ws, &mut running, opts, c);
+        step(&engine, &mut ws, &mut running, opts, c, cache.as_mut());
+        publish(&shared, cache.as_ref());
         c.running.store(running.len(), Ordering::Relaxed);
         c.kv_tokens.store(running.iter().map(|r| r.seq.pos).sum(), Ordering::Relaxed);
     }
@@ -476,7 +558,14 @@ fn run(engine: Engine, opts: BatchOptions, shared: Arc<Shared>) {
 
 /// One step over every running request; delivers the new tokens and drops
 /// the requests that finished, failed or whose ticket is gone.
-fn step(engine: &Engine, ws: &mut Workspace, running: &mut Vec<Running>, opts: BatchOptions, c: &Counters) {
+fn step(
+    engine: &Engine,
+    ws: &mut Workspace,
+    running: &mut Vec<Running>,
+    opts: BatchOptions,
+    c: &Counters,
+    mut cache: Option<&mut PrefixCache>,
+) {
     let t0 = Instant::now();
     // Decoders first (one token each), then prompt chunks in arrival order.
     let decoding = running.iter().filter(|r| r.decoding()).count();
@@ -486,7 +575,15 @@ fn step(engine: &Engine, ws: &mut Workspace, running: &mut Vec<Running>, opts: B
         if r.decoding() {
             plan.push((1, true));
         } else {
-            let take = (r.req.prompt.len() - r.fed).min(budget);
+            let mut take = (r.req.prompt.len() - r.fed).min(budget);
+            if cache.is_some() && r.recurrent {
+                // End a chunk at the prompt's last block end, where the
+                // cache keeps the recurrent states.
+                let at = r.req.prompt.len().saturating_sub(1) / BLOCK * BLOCK;
+                if r.fed < at {
+                    take = take.min(at - r.fed);
+                }
+            }
             budget -= take;
             plan.push((take, r.fed + take == r.req.prompt.len()));
         }
@@ -536,8 +633,14 @@ fn step(engine: &Engine, ws: &mut Workspace, running: &mut Vec<Running>, opts: B
     }
     let mut keep = Vec::with_capacity(running.len());
     for (mut r, (n, logits)) in running.drain(..).zip(plan) {
-        if !r.decoding() {
+        let prefilling = !r.decoding();
+        if prefilling {
             r.fed += n;
+        }
+        if let Some(pc) = cache.as_deref_mut()
+            && n > 0
+        {
+            r.offer(pc, prefilling);
         }
         if !logits {
             keep.push(r);
@@ -551,6 +654,9 @@ fn step(engine: &Engine, ws: &mut Workspace, running: &mut Vec<Running>, opts: B
         if delivered && step.finish.is_none() {
             keep.push(r);
         } else {
+            if let Some(pc) = cache.as_deref_mut() {
+                r.keep_state(pc);
+            }
             c.finished.fetch_add(1, Ordering::Relaxed);
         }
     }

@@ -8,6 +8,7 @@
 pub mod batch;
 pub mod generation;
 pub mod guide;
+pub mod prefix;
 pub mod sampling;
 mod step;
 use crate::model::session;
@@ -26,6 +27,7 @@ use crate::quant::DType;
 pub use batch::{BatchOptions, BatchStats, Scheduler, Ticket};
 pub use generation::Generation;
 pub use guide::Constraint;
+pub use prefix::{PrefixCache, PrefixStats};
 pub use sampling::SamplingParams;
 use session::{DEFAULT_CHUNK, Session};
 pub use step::{FinishReason, GenerateOptions, MAX_TOP_LOGPROBS, Timings, TokenLogprobs};

@@ -127,6 +127,9 @@ impl FinishReason {
 pub struct Timings {
     /// Tokens of the prompt.
     pub prompt_tokens: usize,
+    /// Of them, tokens whose state came from the prefix cache instead of
+    /// being computed.
+    pub cached_tokens: usize,
     /// Tokens generated so far.
     pub generated_tokens: usize,
     /// Time to run the prompt and choose the first token.
@@ -136,9 +139,10 @@ pub struct Timings {
 }
 
 impl Timings {
-    /// Prompt tokens per second of prefill (0 before the first token).
+    /// Prompt tokens computed per second of prefill (those from the prefix
+    /// cache not counted; 0 before the first token).
     pub fn prefill_tokens_per_second(&self) -> f64 {
-        rate(self.prompt_tokens, self.prefill)
+        rate(self.prompt_tokens - self.cached_tokens, self.prefill)
     }
 
     /// Generated tokens per second of decoding, not counting the first token
@@ -284,6 +288,11 @@ impl Decoder {
     /// Counts and times so far.
     pub fn timings(&self) -> Timings {
         self.timings
+    }
+
+    /// Records that the first `n` prompt tokens came from the prefix cache.
+    pub fn set_cached(&mut self, n: usize) {
+        self.timings.cached_tokens = n;
     }
 
     /// The sampling parameters in use.

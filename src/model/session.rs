@@ -178,6 +178,125 @@ impl Sequence {
     }
 }
 
+/// What a layer of a sequence keeps, as the prefix cache sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Keeps {
+    /// Rows per position (keys and values, a latent, index keys): of every
+    /// position, or of a sliding window's last `w` ones.
+    Rows {
+        /// The sliding window, if any.
+        window: Option<usize>,
+    },
+    /// A recurrent state of fixed size, for the position reached.
+    State,
+}
+
+impl Keeps {
+    /// The positions whose rows a pass starting at `pos` reads (`None` for
+    /// a recurrent state, which is needed whole): every earlier one, or the
+    /// window's `w − 1` before it.
+    pub fn rows_for(self, pos: usize) -> Option<std::ops::Range<usize>> {
+        match self {
+            Keeps::Rows { window: None } => Some(0..pos),
+            Keeps::Rows { window: Some(w) } => Some((pos + 1).saturating_sub(w)..pos),
+            Keeps::State => None,
+        }
+    }
+}
+
+impl Sequence {
+    /// What each layer keeps.
+    pub fn keeps(&self) -> Vec<Keeps> {
+        let keeps = |l: &LayerCache| match l {
+            LayerCache::Kv(c) => Keeps::Rows { window: c.window() },
+            LayerCache::Indexed(..) => Keeps::Rows { window: None },
+            LayerCache::Delta(_) => Keeps::State,
+        };
+        self.layers.iter().map(keeps).collect()
+    }
+
+    /// Layer `l`'s rows of positions `pos0..pos0 + n`, as bytes (every head's
+    /// keys, then values, then a sparse layer's index keys), or `None` when
+    /// the layer holds no rows or no longer holds these (a sliding window
+    /// moved past them). The positions must be below `pos`.
+    pub fn copy_rows(&self, l: usize, pos0: usize, n: usize) -> Option<Box<[u8]>> {
+        assert!(pos0 + n <= self.pos, "positions {pos0}..{} are not computed yet", pos0 + n);
+        let mut out = Vec::new();
+        match &self.layers[l] {
+            LayerCache::Kv(c) if c.holds(pos0, n) => {
+                out.reserve_exact(n * c.position_bytes());
+                c.copy_rows(pos0, n, &mut out);
+            }
+            LayerCache::Indexed(c, keys) => {
+                out.reserve_exact(n * (c.position_bytes() + keys.rows().position_bytes()));
+                c.copy_rows(pos0, n, &mut out);
+                keys.rows().copy_rows(pos0, n, &mut out);
+            }
+            LayerCache::Kv(_) | LayerCache::Delta(_) => return None,
+        }
+        Some(out.into_boxed_slice())
+    }
+
+    /// Whether any layer keeps a recurrent state.
+    pub fn is_recurrent(&self) -> bool {
+        self.layers.iter().any(|l| matches!(l, LayerCache::Delta(_)))
+    }
+
+    /// Values of every recurrent state, all layers (0 without any).
+    pub fn recurrent_len(&self) -> usize {
+        self.layers.iter().map(|l| if let LayerCache::Delta(d) = l { d.len() } else { 0 }).sum()
+    }
+
+    /// Every layer's recurrent state at the current position, layer after
+    /// layer, into `out` (cleared first; its buffer is reused).
+    pub fn copy_recurrent(&self, out: &mut Vec<f32>) {
+        out.clear();
+        for layer in &self.layers {
+            if let LayerCache::Delta(d) = layer {
+                d.copy_to(out);
+            }
+        }
+    }
+
+    /// Makes this fresh sequence one that has processed `pos` tokens, from
+    /// saved state: `blocks[i][l]` holds layer `l`'s rows of positions
+    /// `i·block..(i + 1)·block` (as [`Sequence::copy_rows`] gave them; only
+    /// the rows [`Keeps::rows_for`] names are read, and must be there), and
+    /// `recurrent` the recurrent states at `pos` (as
+    /// [`Sequence::copy_recurrent`] gave them). The logits are not restored:
+    /// the next pass computes them.
+    pub fn resume(&mut self, pos: usize, block: usize, blocks: &[&[Option<Box<[u8]>>]], recurrent: Option<&[f32]>) {
+        assert!(self.pos == 0 && pos <= self.max_seq && pos <= blocks.len() * block, "a fresh sequence");
+        let mut state = recurrent.unwrap_or(&[]);
+        for (l, layer) in self.layers.iter_mut().enumerate() {
+            let (c, mut keys) = match layer {
+                LayerCache::Kv(c) => (c, None),
+                LayerCache::Indexed(c, keys) => (c, Some(keys)),
+                LayerCache::Delta(d) => {
+                    state = d.copy_from(state);
+                    continue;
+                }
+            };
+            let want = Keeps::Rows { window: c.window() }.rows_for(pos).expect("rows");
+            c.start_at(pos);
+            let first = want.start / block;
+            for (i, saved) in blocks.iter().enumerate().take(want.end.div_ceil(block)).skip(first) {
+                let p0 = i * block;
+                let (from, to) = (want.start.max(p0) - p0, want.end.min(p0 + block) - p0);
+                let rows = saved[l].as_deref().expect("the rows a resumed pass reads");
+                let (own, index) = rows.split_at(block * c.position_bytes());
+                c.put_rows(p0, block, own, from, to);
+                if let Some(k) = keys.as_mut() {
+                    k.cache().put_rows(p0, block, index, from, to);
+                }
+            }
+        }
+        assert!(state.is_empty(), "recurrent states of another shape");
+        self.pos = pos;
+        self.checkpoint = None;
+    }
+}
+
 /// The state one layer keeps for a sequence, of the layer's kind.
 enum LayerCache {
     /// Keys and values (or MLA's latent) of every position.

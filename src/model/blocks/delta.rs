@@ -204,6 +204,32 @@ impl DeltaState {
         self.saved.extend_from_slice(&self.s);
     }
 
+    /// Values in the state (`conv` and `s`).
+    pub fn len(&self) -> usize {
+        self.conv.len() + self.s.len()
+    }
+
+    /// Whether the state holds no values (a layer of no width).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Appends the state to `out` (`conv`, then `s`).
+    pub fn copy_to(&self, out: &mut Vec<f32>) {
+        out.extend_from_slice(&self.conv);
+        out.extend_from_slice(&self.s);
+    }
+
+    /// Takes the state from the front of `src` (as [`DeltaState::copy_to`]
+    /// wrote it) and returns the rest.
+    pub fn copy_from<'a>(&mut self, src: &'a [f32]) -> &'a [f32] {
+        let (conv, rest) = src.split_at(self.conv.len());
+        let (s, rest) = rest.split_at(self.s.len());
+        self.conv.copy_from_slice(conv);
+        self.s.copy_from_slice(s);
+        rest
+    }
+
     /// Goes back to the state of the last [`DeltaState::save`] (which stays
     /// saved).
     pub fn restore(&mut self) {

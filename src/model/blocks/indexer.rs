@@ -104,6 +104,16 @@ impl IndexKeys {
         self.0.store(pos0, k, &[]);
     }
 
+    /// The cache under the keys, for copying rows out and back in.
+    pub fn cache(&mut self) -> &mut KvCache {
+        &mut self.0
+    }
+
+    /// The cache under the keys, to read.
+    pub fn rows(&self) -> &KvCache {
+        &self.0
+    }
+
     /// The keys of positions `0..len`.
     pub fn view(&self, len: usize) -> KvView<'_> {
         self.0.view(len)

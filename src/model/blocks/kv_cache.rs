@@ -118,6 +118,73 @@ impl KvCache {
         }
     }
 
+    /// Bytes of one position's keys and values, all heads.
+    pub fn position_bytes(&self) -> usize {
+        self.dtype.row_bytes(self.k_width + self.v_width).expect("an element type")
+    }
+
+    /// Whether the rows of positions `pos0..pos0 + n` are still held (all of
+    /// them, unless a sliding window has moved past some).
+    pub fn holds(&self, pos0: usize, n: usize) -> bool {
+        pos0 >= self.base && pos0 + n - self.base <= self.max_seq
+    }
+
+    /// Appends the stored rows of positions `pos0..pos0 + n` to `out`: every
+    /// head's `n` key rows, head after head, then the value rows the same
+    /// way (`n ·` [`KvCache::position_bytes`] bytes). The rows must be held.
+    pub fn copy_rows(&self, pos0: usize, n: usize, out: &mut Vec<u8>) {
+        assert!(self.holds(pos0, n), "positions {pos0}..{} are not in the cache", pos0 + n);
+        let es = self.dtype.row_bytes(1).expect("an element type");
+        let (s, hs, at) = (self.max_seq, self.heads, pos0 - self.base);
+        for (buf, w) in [(&self.k, self.k_width), (&self.v, self.v_width)] {
+            let row = w / hs * es;
+            let b: &[u8] = bytemuck::cast_slice(buf);
+            for g in 0..hs {
+                let head = (g * s + at) * row;
+                out.extend_from_slice(&b[head..head + n * row]);
+            }
+        }
+    }
+
+    /// Makes a fresh cache one whose next pass starts at `pos`: a sliding
+    /// window's row 0 becomes the first position [`KvCache::put_rows`] may
+    /// fill (`w − 1 + ROLLBACK` before `pos`, as after a slide).
+    pub fn start_at(&mut self, pos: usize) {
+        if let Some(w) = self.window {
+            self.base = pos.saturating_sub(w - 1 + ROLLBACK);
+        }
+    }
+
+    /// Writes rows `from..to` of `rows`, a block of `n` positions from
+    /// [`KvCache::copy_rows`] starting at position `pos0`, back as positions
+    /// `pos0 + from..pos0 + to`, which the cache must have room for (see
+    /// [`KvCache::start_at`]).
+    pub fn put_rows(&mut self, pos0: usize, n: usize, rows: &[u8], from: usize, to: usize) {
+        assert!(from <= to && to <= n && rows.len() == n * self.position_bytes(), "a block of {n} positions");
+        if from == to {
+            return;
+        }
+        assert!(self.holds(pos0 + from, to - from), "no room for positions {}..{}", pos0 + from, pos0 + to);
+        let es = self.dtype.row_bytes(1).expect("an element type");
+        let (s, hs, at) = (self.max_seq, self.heads, pos0 + from - self.base);
+        let mut src = rows;
+        for (buf, w) in [(&mut self.k, self.k_width), (&mut self.v, self.v_width)] {
+            let row = w / hs * es;
+            let b: &mut [u8] = bytemuck::cast_slice_mut(buf);
+            for g in 0..hs {
+                let (block, rest) = src.split_at(n * row);
+                src = rest;
+                let head = (g * s + at) * row;
+                b[head..head + (to - from) * row].copy_from_slice(&block[from * row..to * row]);
+            }
+        }
+    }
+
+    /// The sliding window, if the layer has one.
+    pub fn window(&self) -> Option<usize> {
+        self.window
+    }
+
     /// The keys and values of positions `0..len` (of `base..len` for a
     /// sliding window's cache, which holds no older ones).
     pub fn view(&self, len: usize) -> KvView<'_> {
