@@ -531,3 +531,46 @@ def test_markers_that_are_special_tokens_reach_the_parser(demo):
     # What skipping them would have given: no markers, so no call to find.
     ids = codec.encode(script, add_special_tokens=False)
     assert "<tool_call>" not in codec.decode(ids, skip_special_tokens=True)
+
+
+# ----------------------------------------------------------------------
+# Prefix cache
+
+
+def test_cached_prompt_tokens_are_reported_by_both_apis_and_metrics():
+    """A repeated conversation is served from the prefix cache: the same
+    answer, OpenAI's ``cached_tokens`` and Anthropic's
+    ``cache_read_input_tokens`` (whole and streamed) say how much, and
+    /metrics has the hit rate and the memory."""
+    engine = colibri.Engine.demo(threads=2, prefix_cache="32MiB")
+    history = [{"role": "user", "content": "Tell me about the weather in Paris and Rome. " * 6}]
+    greedy = {"extra_body": {"temperature": 0}}
+    with live(create_app(engine)) as u:
+        o = oai(u)
+        first = o.chat.completions.create(model="demo", messages=history, max_tokens=4, temperature=0)
+        again = o.chat.completions.create(model="demo", messages=history, max_tokens=4, temperature=0)
+        n = first.usage.prompt_tokens
+        assert n > 32 and again.usage.prompt_tokens == n
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert again.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
+        assert again.choices[0].message.content == first.choices[0].message.content
+        c = claude(u)
+        r = c.messages.create(model="claude-any", max_tokens=4, messages=history, **greedy)
+        assert r.usage.cache_read_input_tokens == (n - 1) // 16 * 16
+        assert r.usage.input_tokens + r.usage.cache_read_input_tokens == n
+        assert r.usage.cache_creation_input_tokens == 0
+        with c.messages.stream(model="claude-any", max_tokens=4, messages=history, **greedy) as s:
+            starts = [e.message.usage for e in s if e.type == "message_start"]
+            final = s.get_final_message()
+        assert starts[0].cache_read_input_tokens == (n - 1) // 16 * 16
+        assert final.usage.input_tokens + final.usage.cache_read_input_tokens == n
+        assert final.content[0].text == r.content[0].text
+        metrics = httpx.get(u + "/metrics", timeout=10).text
+        rate = next(
+            float(x.split()[1]) for x in metrics.splitlines() if x.startswith("colibri_prefix_cache_hit_rate")
+        )
+        assert 0 < rate < 1
+        held = next(
+            float(x.split()[1]) for x in metrics.splitlines() if x.startswith("colibri_prefix_cache_bytes")
+        )
+        assert 0 < held <= 32 << 20

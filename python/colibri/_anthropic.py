@@ -307,7 +307,7 @@ def message_body(
     calls: list[ToolCall],
     finish: str | None,
     stop: Any,
-    usage: Mapping[str, int],
+    usage: Mapping[str, Any],
 ) -> dict[str, Any]:
     """A whole response: content blocks in the order the model wrote them
     (thinking, text, tool_use)."""
@@ -327,7 +327,21 @@ def message_body(
         "content": content,
         "stop_reason": reason,
         "stop_sequence": seq,
-        "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]},
+        "usage": {
+            **input_usage(usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]),
+            "output_tokens": usage["completion_tokens"],
+        },
+    }
+
+
+def input_usage(prompt_tokens: int, cached_tokens: int) -> dict[str, int]:
+    """Anthropic's input counts: ``input_tokens`` are those computed, apart
+    from those read from the prefix cache (the cache is filled as a side
+    effect, never on request, so nothing counts as a cache write)."""
+    return {
+        "input_tokens": prompt_tokens - cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached_tokens,
     }
 
 
@@ -342,11 +356,16 @@ class Events:
 
     def __init__(self, model: str, input_tokens: int) -> None:
         self.model, self.input_tokens = model, input_tokens
+        self.cached_tokens = 0
+        self.started = False
         self.index = -1
         self.open: str | None = None  # "text", "thinking" or "tool_use"
         self.call = -1  # the parser's index of the open tool call
 
-    def start(self) -> str:
+    def start(self, cached_tokens: int) -> str:
+        """``message_start``, once ``cached_tokens`` of the prompt are known
+        to come from the prefix cache."""
+        self.started, self.cached_tokens = True, cached_tokens
         message: dict[str, Any] = {
             "id": new_message_id(),
             "type": "message",
@@ -355,7 +374,7 @@ class Events:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": self.input_tokens, "output_tokens": 0},
+            "usage": {**input_usage(self.input_tokens, cached_tokens), "output_tokens": 0},
         }
         return event("message_start", {"message": message})
 
@@ -403,7 +422,10 @@ class Events:
             "message_delta",
             {
                 "delta": {"stop_reason": reason, "stop_sequence": seq},
-                "usage": {"output_tokens": output_tokens},
+                "usage": {
+                    **input_usage(self.input_tokens, self.cached_tokens),
+                    "output_tokens": output_tokens,
+                },
             },
         )
         yield event("message_stop", {})

@@ -105,7 +105,10 @@ def _budget_bytes(ram_budget: int | str | None, name: str = "ram_budget") -> int
     if ram_budget is None:
         return None
     if isinstance(ram_budget, str):
-        return int(_colibri.parse_bytes(ram_budget))
+        try:
+            return int(_colibri.parse_bytes(ram_budget))
+        except InvalidInputError as e:
+            raise InvalidInputError(f"{name}: {e}") from None
     if isinstance(ram_budget, bool) or not isinstance(ram_budget, int) or ram_budget <= 0:
         raise InvalidInputError(
             f"{name} must be a positive number of bytes or a size string, got {ram_budget!r}"
@@ -190,6 +193,16 @@ class Engine:
             that would pass it waits for others to finish; one that alone
             needs more raises :class:`ContextLengthError`. Default ``None``:
             no limit.
+        prefix_cache: most memory the prefix cache may hold, bytes or a size
+            string such as ``"2GiB"`` (default ``None``: no prefix cache).
+            With one, the state each generation computes (KV caches, MLA
+            latents, recurrent states at block ends) is kept in blocks of 16
+            tokens, least recently used dropped first, and a prompt that
+            begins with tokens already processed starts from them instead of
+            computing them again: the same tokens and logits, bit for bit,
+            with its prefill cut to the new part (``Timings.cached_tokens``
+            says how much was served, ``batch_stats()["prefix_cache"]`` the
+            cache's size and hit counts).
         mmap: where the weights of a model held whole in RAM live. ``True``:
             the file's memory mapping (the OS page cache, shared with other
             processes, nothing to do at open). ``False``: a copy in this
@@ -221,6 +234,7 @@ class Engine:
         kv_cache: str | None = None,
         mmap: bool | None = None,
         max_state_memory: int | str | None = None,
+        prefix_cache: int | str | None = None,
     ) -> None:
         if kv_cache is not None:
             warnings.warn("Engine(kv_cache=...) is now kv_cache_dtype=...", DeprecationWarning, stacklevel=2)
@@ -252,6 +266,9 @@ class Engine:
             max_queue=int(max_queue),
             weights="auto" if mmap is None else "map" if mmap else "copy",
             max_state_bytes=_budget_bytes(max_state_memory, "max_state_memory") or 0,
+            prefix_cache_bytes=_budget_bytes(prefix_cache, "prefix_cache") or 0
+            if prefix_cache not in (None, 0, "0")
+            else 0,
         )
         self._meta = json.loads(self._native.metadata_json())
         self._lock = threading.Lock()
@@ -683,7 +700,9 @@ class Engine:
         steps), ``step_sequences`` (steps by decoding sequences, the last slot
         ``max_batch`` or more), ``finished``, ``busy_seconds``, ``kv_tokens``
         (positions in the running generations' KV caches) and the limits
-        ``max_batch``, ``max_queue`` and ``step_budget``."""
+        ``max_batch``, ``max_queue`` and ``step_budget``; ``prefix_cache``
+        (``None`` without one): its ``bytes``, ``blocks``, ``lookups``,
+        ``hits``, ``prompt_tokens`` looked up and ``cached_tokens`` served."""
         result: BatchStats = json.loads(self._native.batch_stats_json())
         return result
 

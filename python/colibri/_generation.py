@@ -30,11 +30,16 @@ class Timings:
     """Time to run the prompt and choose the first token."""
     decode_seconds: float
     """Time to produce every later token."""
+    cached_tokens: int = 0
+    """Of the prompt's tokens, those whose state came from the prefix cache
+    instead of being computed (``Engine(prefix_cache=...)``)."""
 
     @property
     def prefill_tokens_per_second(self) -> float:
-        """Prompt tokens per second of prefill (0 if nothing was run)."""
-        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+        """Prompt tokens computed per second of prefill (those from the prefix
+        cache not counted; 0 if nothing was run)."""
+        computed = self.prompt_tokens - self.cached_tokens
+        return computed / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
 
     @property
     def decode_tokens_per_second(self) -> float:

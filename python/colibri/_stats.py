@@ -99,6 +99,22 @@ class StoreStats(TypedDict):
     weights: StoreWeights
 
 
+class PrefixCacheStats(TypedDict):
+    """``BatchStats["prefix_cache"]``: the prefix cache's size and use."""
+
+    budget_bytes: int
+    bytes: int
+    blocks: int
+    #: Tokens per block: the granularity of what is cached.
+    block_tokens: int
+    lookups: int
+    hits: int
+    #: Prompt tokens of the requests looked up, and of them those served.
+    prompt_tokens: int
+    cached_tokens: int
+    evicted_blocks: int
+
+
 class BatchStats(TypedDict):
     """``Engine.batch_stats()``: the scheduler's counters since the engine opened."""
 
@@ -119,6 +135,8 @@ class BatchStats(TypedDict):
     max_batch: int
     max_queue: int
     step_budget: int
+    #: ``None`` without a prefix cache.
+    prefix_cache: Optional[PrefixCacheStats]
 
 
 class Plan(TypedDict):

@@ -308,7 +308,7 @@ def _open_model(args: argparse.Namespace, positional: list[str]) -> tuple[Engine
     store = {"ram_budget": args.ram, "io": args.io, "prefetch": args.prefetch}
     store["kv_cache_dtype"] = args.kv_cache_dtype
     store["mmap"] = {"auto": None, "on": True, "off": False}[args.mmap]
-    for name in ("max_batch", "max_queue", "max_state_memory"):
+    for name in ("max_batch", "max_queue", "max_state_memory", "prefix_cache"):
         if getattr(args, name, None) is not None:
             store[name] = getattr(args, name)
     if args.demo:
@@ -766,6 +766,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="most memory the running generations' KV caches and recurrent states take together "
         "(e.g. 8GB); requests wait for room, and one that alone needs more is refused (default: no limit)",
+    )
+    sv.add_argument(
+        "--prefix-cache",
+        metavar="SIZE",
+        default="1GiB",
+        help="most memory the prefix cache holds (default 1GiB; 0 turns it off): a request that begins "
+        "with tokens an earlier one processed (an agent's next turn, a shared system prompt) starts from "
+        "their state instead of computing it again, with the same output",
     )
     sv.add_argument(
         "--api-key",

@@ -431,6 +431,8 @@ _LOGPROB_CONTEXT = 4
 class _Choice:
     index: int
     prompt_tokens: int = 0
+    #: Of them, tokens whose state came from the prefix cache.
+    cached_tokens: int = 0
     #: The last few ids before the next log-probability entry to show: its
     #: token is decoded after them, keeping the space a tokenizer drops from
     #: the start of a text ("▁Paris" is " Paris" after a word, "Paris" alone).
@@ -559,6 +561,7 @@ class _Run:
                 now, n = time.perf_counter(), stream.num_tokens
                 if choice.first_token is None and n:
                     choice.first_token = now
+                    choice.cached_tokens = stream.timings.cached_tokens
                     self.metrics.ttft.observe(now - self.started)
                     self.metrics.monitor.ttfts.append(now - self.started)
                 elif n > choice.tokens:
@@ -582,6 +585,7 @@ class _Run:
                     choice.logprobs.extend(lps or ())
             choice.token_ids = stream.token_ids
             choice.tokens = len(choice.token_ids)
+            choice.cached_tokens = stream.timings.cached_tokens
             choice.finish_reason = stream.finish_reason
             choice.stop_reason = stream.stop_reason
             if choice.parser is not None:
@@ -675,10 +679,18 @@ class _Run:
             "text_offset": offsets,
         }
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage: prompt tokens once per prompt (``n`` choices share
+        it), of them those the prefix cache served, and the tokens generated."""
         prompt = sum(c.prompt_tokens for c in self.choices[:: self.job.n])
+        cached = sum(c.cached_tokens for c in self.choices[:: self.job.n])
         completion = sum(c.tokens for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
 
 # ----------------------------------------------------------------------
@@ -809,6 +821,9 @@ class _EngineCollector:
         h = HistogramMetricFamily("colibri_step_tokens", "Tokens per scheduler step.")
         h.add_metric([], buckets, sum_value=None)
         yield h
+        pc = b.get("prefix_cache")
+        if pc is not None:
+            yield from _prefix_metrics(pc)
         s = engine.store_stats()
         yield _gauge("colibri_expert_cache_hit_rate", "Routed-expert lookups served from RAM.", s["hit_rate"])
         yield _gauge(
@@ -836,6 +851,29 @@ class _EngineCollector:
                 v = layer[key]
                 g.add_metric([str(layer["layer"])], len(v) if isinstance(v, list) else v)
             yield g
+
+
+def _prefix_metrics(pc: dict[str, Any]) -> Iterable[Any]:
+    """The prefix cache's memory and how much of the prompts it served."""
+    for name, doc, key in (
+        ("bytes", "Bytes the prefix cache holds.", "bytes"),
+        ("budget_bytes", "Most bytes the prefix cache may hold.", "budget_bytes"),
+        ("blocks", "Blocks of prompt state the prefix cache holds.", "blocks"),
+    ):
+        yield _gauge(f"colibri_prefix_cache_{name}", doc, pc[key])
+    looked = pc["prompt_tokens"]
+    yield _gauge(
+        "colibri_prefix_cache_hit_rate",
+        "Share of the prompt tokens looked up that the prefix cache served.",
+        pc["cached_tokens"] / looked if looked else 0.0,
+    )
+    for name, doc, key in (
+        ("cached_tokens", "Prompt tokens served from the prefix cache.", "cached_tokens"),
+        ("hits", "Requests that started from cached state.", "hits"),
+        ("lookups", "Requests looked up in the prefix cache.", "lookups"),
+        ("evicted_blocks", "Blocks dropped to stay within the budget.", "evicted_blocks"),
+    ):
+        yield CounterMetricFamily(f"colibri_prefix_cache_{name}", doc, value=pc[key])
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -1166,7 +1204,7 @@ async def _sse(run: _Run, chat: bool, model: str, request: Request) -> AsyncIter
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
         body: dict[str, Any] = {
             "id": rid,
             "object": obj,
@@ -1246,10 +1284,12 @@ async def _anthropic_sse(run: _Run, model: str, request: Request) -> AsyncIterat
     c = run.choices[0]
     events = _anthropic.Events(model, c.prompt_tokens)
     try:
-        yield events.start()
         try:
             checked = time.perf_counter()
             async for _, piece, _ in run.events():
+                if not events.started:
+                    # After the first token, when the prefix cache's share is known.
+                    yield events.start(c.cached_tokens)
                 now = time.perf_counter()
                 if now - checked > 0.02:
                     checked = now
@@ -1260,10 +1300,14 @@ async def _anthropic_sse(run: _Run, model: str, request: Request) -> AsyncIterat
                 for ev in events.delta(piece if isinstance(piece, Delta) else Delta(content=piece)):
                     yield ev
         except APIError as err:
+            if not events.started:
+                yield events.start(0)
             yield _anthropic.event(
                 "error", {"error": _anthropic.error_body(err.status, err.message)["error"]}
             )
             return
+        if not events.started:
+            yield events.start(c.cached_tokens)
         for ev in events.stop(_anthropic_finish(run, c), c.stop_reason, c.tokens):
             yield ev
     finally:

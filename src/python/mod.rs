@@ -110,6 +110,7 @@ impl NativeEngine {
     #[pyo3(signature = (
         path, *, threads=None, ram_budget=None, lru=true, pin_hot=true, prefetch=false, io="buffered",
         heat_file=None, kv_cache_dtype="auto", max_batch=16, max_queue=0, weights="auto", max_state_bytes=0,
+        prefix_cache_bytes=0,
     ))]
     #[allow(clippy::too_many_arguments)] // mirrors keyword arguments of the Python constructor
     fn new(
@@ -127,6 +128,7 @@ impl NativeEngine {
         max_queue: usize,
         weights: &str,
         max_state_bytes: u64,
+        prefix_cache_bytes: u64,
     ) -> PyResult<Self> {
         let io = IoMode::parse(io).map_err(to_py)?;
         let backing = Backing::parse(weights).map_err(to_py)?;
@@ -151,7 +153,9 @@ impl NativeEngine {
         let opts = EngineOptions { threads, store, kv_cache };
         let inner = py.detach(|| Engine::open(&path, &opts)).map_err(to_py)?;
         let max_state_bytes = usize::try_from(max_state_bytes).unwrap_or(usize::MAX);
-        let batch_opts = BatchOptions { max_batch, max_queue, max_state_bytes, ..BatchOptions::default() };
+        let prefix_cache_bytes = usize::try_from(prefix_cache_bytes).unwrap_or(usize::MAX);
+        let batch_opts =
+            BatchOptions { max_batch, max_queue, max_state_bytes, prefix_cache_bytes, ..BatchOptions::default() };
         let batch = Scheduler::new(&inner, batch_opts).map_err(to_py)?;
         Ok(NativeEngine { inner, batch })
     }
@@ -300,6 +304,17 @@ impl NativeEngine {
             "max_batch": o.max_batch,
             "max_queue": o.max_queue,
             "step_budget": o.step_tokens,
+            "prefix_cache": s.prefix.map(|p| serde_json::json!({
+                "budget_bytes": p.budget,
+                "bytes": p.bytes,
+                "blocks": p.blocks,
+                "block_tokens": crate::engine::prefix::BLOCK,
+                "lookups": p.lookups,
+                "hits": p.hits,
+                "prompt_tokens": p.prompt_tokens,
+                "cached_tokens": p.cached_tokens,
+                "evicted_blocks": p.evicted,
+            })),
         })
         .to_string()
     }
@@ -469,10 +484,11 @@ impl NativeGeneration {
         Ok(rows.iter().map(|t| (t.logprob, t.top.clone())).collect())
     }
 
-    /// (prompt tokens, generated tokens, prefill seconds, decode seconds).
-    fn timings(&self) -> PyResult<(usize, usize, f64, f64)> {
+    /// (prompt tokens, generated tokens, prefill seconds, decode seconds,
+    /// prompt tokens from the prefix cache).
+    fn timings(&self) -> PyResult<(usize, usize, f64, f64, usize)> {
         let t = self.lock()?.timings();
-        Ok((t.prompt_tokens, t.generated_tokens, t.prefill.as_secs_f64(), t.decode.as_secs_f64()))
+        Ok((t.prompt_tokens, t.generated_tokens, t.prefill.as_secs_f64(), t.decode.as_secs_f64(), t.cached_tokens))
     }
 }
 
