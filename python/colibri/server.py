@@ -1155,6 +1155,24 @@ async def _until_done_or_gone(run: _Run, request: Request, work: Any) -> Any:
             task.cancel()
 
 
+class _ClientGone(Exception):
+    """The client of a streamed response went away."""
+
+
+async def _while_connected(run: _Run, request: Request) -> AsyncIterator[tuple[Any, Any, Any]]:
+    """The run's events; raises :class:`_ClientGone` once the client has gone.
+    The transport does not fail a write to a closed socket, so the server is
+    asked, at most every 20 ms."""
+    checked = time.perf_counter()
+    async for ev in run.events():
+        now = time.perf_counter()
+        if now - checked > 0.02:
+            checked = now
+            if await request.is_disconnected():
+                raise _ClientGone
+        yield ev
+
+
 async def _whole(run: _Run, chat: bool, model: str, request: Request) -> dict[str, Any]:
     async def collect() -> None:
         # The pumps of a non-streamed request keep their own text and
@@ -1239,21 +1257,15 @@ async def _sse(run: _Run, chat: bool, model: str, request: Request) -> AsyncIter
             for c in run.choices:
                 yield chunk([choice(c, None, None, role=True)])
         try:
-            checked = time.perf_counter()
-            async for c, piece, lps in run.events():
-                now = time.perf_counter()
-                if now - checked > 0.02:
-                    # The transport does not fail a write to a closed socket:
-                    # ask the server whether the client is still there.
-                    checked = now
-                    if await request.is_disconnected():
-                        return
+            async for c, piece, lps in _while_connected(run, request):
                 if piece is None:
                     yield chunk([choice(c, None if chat else "", c.finish, lps)])
                 else:
                     yield chunk([choice(c, piece, None, lps)])
         except APIError as err:
             yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.type}})}\n\n"
+            return
+        except _ClientGone:
             return
         if run.job.include_usage:
             body = {
@@ -1285,16 +1297,10 @@ async def _anthropic_sse(run: _Run, model: str, request: Request) -> AsyncIterat
     events = _anthropic.Events(model, c.prompt_tokens)
     try:
         try:
-            checked = time.perf_counter()
-            async for _, piece, _ in run.events():
+            async for _, piece, _ in _while_connected(run, request):
                 if not events.started:
                     # After the first token, when the prefix cache's share is known.
                     yield events.start(c.cached_tokens)
-                now = time.perf_counter()
-                if now - checked > 0.02:
-                    checked = now
-                    if await request.is_disconnected():
-                        return
                 if piece is None:
                     continue
                 for ev in events.delta(piece if isinstance(piece, Delta) else Delta(content=piece)):
@@ -1305,6 +1311,8 @@ async def _anthropic_sse(run: _Run, model: str, request: Request) -> AsyncIterat
             yield _anthropic.event(
                 "error", {"error": _anthropic.error_body(err.status, err.message)["error"]}
             )
+            return
+        except _ClientGone:
             return
         if not events.started:
             yield events.start(c.cached_tokens)
