@@ -17,7 +17,9 @@ reply, which a template that re-renders history the same way gives.
   exact).
 
 Each mode runs in a fresh process, ``--reps`` times, alternating; the table
-gives medians. The model is made by ``benches/make_models.py`` (random
+gives medians. The raw runs are kept in ``benches/.cache/agent-*.json``;
+``--results NAME`` writes the table's results file (``--report RAW`` makes
+it from saved runs). The model is made by ``benches/make_models.py`` (random
 weights at real widths, default Qwen3-30B-A3B's with 4 layers), converted
 once into ``benches/.cache``.
 
@@ -30,7 +32,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -91,12 +92,16 @@ def main() -> None:
     ap.add_argument("--reply", type=int, default=24, help="tokens the model writes each turn")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--results", help="also write benches/results/NAME.json")
+    ap.add_argument("--report", metavar="RAW", help="print (and with --results write) a saved raw run")
     ap.add_argument("--mode", choices=["cache", "none"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--conversation", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.mode:
         print(json.dumps(worker(args)))
+        return
+    if args.report:
+        report(json.loads(Path(args.report).read_text()), args.results)
         return
 
     sys.path.insert(0, str(HERE))
@@ -132,40 +137,96 @@ def main() -> None:
                 f"rep {rep + 1}: turn 10 of {t10['prompt']} tokens: {t10['ttft']:.3f} s with the cache "
                 f"({t10['cached']} cached), {n['ttft']:.3f} s without"
             )
-    with_cache = statistics.median(c["turns"][-1]["ttft"] for c in cached)
+    raw = {"args": vars(args), "model": f"{shape.name} l{args.layers} {args.dtype}", "cached": cached}
+    raw["fresh"], raw["commit"], raw["date"] = fresh, commit(), dt.date.today().isoformat()
+    saved = mm.CACHE / f"agent-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
+    saved.write_text(json.dumps(raw) + "\n")
+    log(f"raw runs: {saved}")
+    report(raw, args.results)
+
+
+def cpu_text(facts: str) -> str:
+    """``facts`` with the CPU's family and model numbers after its name (which
+    says no generation on some virtual machines)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return facts
+    fields = dict(line.split(":", 1) for line in info.splitlines()[:30] if ":" in line)
+    fam, model = fields.get("cpu family\t", "").strip(), fields.get("model\t\t", "").strip()
+    if not fam:
+        return facts
+    name, rest = facts.split(", ", 1)
+    return f"{name}, CPU family {fam} model {model}, {rest}"
+
+
+def commit() -> str:
+    git = ["git", "rev-parse", "--short", "HEAD"]
+    return subprocess.run(git, capture_output=True, text=True, cwd=HERE).stdout.strip()
+
+
+def report(raw: dict, results: str | None) -> None:
+    """Prints the table of a raw run and, with ``results``, writes it as a
+    results file docs/benchmarks.md renders (benches/render_results.py)."""
+    cached, fresh, a = raw["cached"], raw["fresh"], raw["args"]
+    reps = len(cached)
+    rows = []
+    for k, t in enumerate(cached[0]["turns"]):
+        row = {"turn": k + 1, "prompt": t["prompt"], "cached": t["cached"]}
+        row["with_cache_s"] = round(statistics.median(c["turns"][k]["ttft"] for c in cached), 3)
+        rows.append(row)
     without = statistics.median(n["ttft"] for n in fresh)
-    turns = cached[0]["turns"]
-    print(f"\nmodel {shape.name} l{args.layers} {args.dtype}, {args.threads} threads, medians of {args.reps}")
-    print("| turn | prompt tokens | from the cache | TTFT with the cache (s) |")
-    print("|---|---|---|---|")
-    for k, t in enumerate(turns):
-        med = statistics.median(c["turns"][k]["ttft"] for c in cached)
-        print(f"| {k + 1} | {t['prompt']} | {t['cached']} | {med:.3f} |")
-    print(
-        f"\nturn 10 ({turns[-1]['prompt']} tokens): {with_cache:.3f} s with the cache, "
-        f"{without:.3f} s without: {without / with_cache:.1f}x (target >= 10x)"
-    )
-    if args.results:
-        git = ["git", "rev-parse", "--short", "HEAD"]
-        commit = subprocess.run(git, capture_output=True, text=True).stdout
-        out = {
-            "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads},
-            "date": dt.date.today().isoformat(),
-            "commit": commit.strip(),
-            "command": " ".join(sys.argv),
-            "model": f"{shape.name} l{args.layers} {args.dtype}",
-            "turns": [
-                {**t, "ttft_median": statistics.median(c["turns"][k]["ttft"] for c in cached)}
-                for k, t in enumerate(turns)
-            ],
-            "turn10_with_cache": with_cache,
-            "turn10_without": without,
-            "speedup": without / with_cache,
-            "runs": {"cache": cached, "none": fresh},
-        }
-        path = HERE / "results" / f"{args.results}.json"
-        path.write_text(json.dumps(out, indent=1) + "\n")
-        log(f"wrote {path}")
+    rows[-1]["without_s"] = round(without, 3)
+    rows[-1]["speedup"] = round(without / rows[-1]["with_cache_s"], 2)
+    print(f"\nmodel {raw['model']}, {a['threads']} threads, medians of {reps}")
+    print("| turn | prompt tokens | from the cache | TTFT with the cache (s) | without (s) |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        cells = [r["turn"], r["prompt"], r["cached"], r["with_cache_s"], r.get("without_s", "")]
+        print("| " + " | ".join(map(str, cells)) + " |")
+    print(f"\nturn 10: {rows[-1]['speedup']}x faster with the cache (target >= 10x)")
+    if not results:
+        return
+    sys.path.insert(0, str(HERE))
+    import bench
+
+    info = bench.machine_info()
+    out = {
+        "title": f"An agent's turns with and without the prefix cache, {raw['model']}",
+        "axis": ["agents"],
+        "machine": {"cpu": cpu_text(bench.machine_facts(info).splitlines()[0][len("- CPU: ") :])},
+        "date": raw["date"],
+        "commit": raw["commit"],
+        "recorded_in": raw["commit"],
+        "method": (
+            f"agent_bench.py: an agent's token stream on a random-weight model at real widths "
+            f"({raw['model']}): an opening of {a['opening']} tokens, then per turn the model's greedy "
+            f"reply of {a['reply']} tokens and a tool result of {a['tool']} tokens; time to first token "
+            f"(prefill and the first choice) of each turn on one engine with a prefix cache, and of turn "
+            f"10's prompt on a fresh engine without one (after a 16-token warm-up request); each mode in "
+            f"a fresh process, {a['threads']} threads, alternating, medians of {reps}; the fresh engine's "
+            f"first token equals the cached one's in every run"
+        ),
+        "commands": [
+            f"python benches/agent_bench.py --shape {a['shape']} --layers {a['layers']} --dtype {a['dtype']} "
+            f"--reps {a['reps']} --results NAME"
+        ],
+        "columns": {
+            "turn": {"label": "turn", "cell": "{turn}"},
+            "prompt": {"label": "prompt tokens", "cell": "{prompt}"},
+            "cached": {"label": "from the cache", "cell": "{cached}"},
+            "with": {"label": "TTFT with the cache (s)", "cell": "{with_cache_s:.2f}"},
+            "without": {"label": "without (s)", "cell": "{without_s:.2f}"},
+            "speedup": {"label": "faster with it", "cell": "{speedup:.1f}x"},
+        },
+        "views": {"agents": {"columns": ["turn", "prompt", "cached", "with", "without", "speedup"]}},
+        "rows": rows,
+    }
+    path = HERE / "results" / f"{results}.json"
+    if path.exists():
+        sys.exit(f"{path} exists: remove it first")
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {path}; show it with <!-- render: {results}.json agents -->", file=sys.stderr)
 
 
 if __name__ == "__main__":
