@@ -438,7 +438,14 @@ unsafe fn options(m: &Model, s: *const Sampling) -> Result<GenerateOptions, Erro
             _ => Constraint::Grammar(text),
         });
     }
-    Ok(GenerateOptions { max_new_tokens: d.max_new_tokens as usize, sampling, stop_ids, logprobs: None, constraint })
+    Ok(GenerateOptions {
+        max_new_tokens: d.max_new_tokens as usize,
+        sampling,
+        stop_ids,
+        logprobs: None,
+        constraint,
+        speculation: None,
+    })
 }
 
 /// Continues `prompt` (`n` ids): writes the new ids to `out` (room for

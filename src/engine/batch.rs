@@ -102,6 +102,10 @@ pub struct BatchStats {
     pub kv_tokens: usize,
     /// The prefix cache's counters (`None` without one).
     pub prefix: Option<PrefixStats>,
+    /// Tokens drafted for speculative decoding.
+    pub drafted_tokens: u64,
+    /// Of them, tokens the model's own choice confirmed.
+    pub accepted_tokens: u64,
 }
 
 /// What a running request sends its ticket.
@@ -120,6 +124,20 @@ struct Request {
     state_bytes: usize,
 }
 
+/// A speculating request's drafts and buffers (allocated once).
+struct Spec {
+    /// Most tokens drafted per step.
+    tokens: usize,
+    /// Prompt and output so far: where n-gram drafts are looked up.
+    text: Vec<u32>,
+    /// This step's drafts.
+    drafts: Vec<u32>,
+    /// This step's tokens: the last chosen one and the drafts.
+    feed: Vec<u32>,
+    /// Confirmed tokens a linear-attention rollback dropped, fed again next.
+    refeed: Vec<u32>,
+}
+
 /// A request with its place: its sequence, how much of the prompt is in.
 struct Running {
     req: Request,
@@ -133,6 +151,8 @@ struct Running {
     saved_at: Option<usize>,
     /// Blocks of it already offered to the prefix cache.
     offered: usize,
+    /// Speculative decoding's state, when asked for.
+    spec: Option<Box<Spec>>,
     /// Where the time of its next token runs from: the start of its first
     /// step, then the moment its last token was chosen.
     since: Option<Instant>,
@@ -155,6 +175,8 @@ struct Counters {
     finished: AtomicU64,
     busy_nanos: AtomicU64,
     kv_tokens: AtomicUsize,
+    drafted_tokens: AtomicU64,
+    accepted_tokens: AtomicU64,
 }
 
 struct Shared {
@@ -214,6 +236,8 @@ impl Scheduler {
                 finished: AtomicU64::new(0),
                 busy_nanos: AtomicU64::new(0),
                 kv_tokens: AtomicUsize::new(0),
+                drafted_tokens: AtomicU64::new(0),
+                accepted_tokens: AtomicU64::new(0),
             },
             prefix: Mutex::new(
                 (opts.prefix_cache_bytes > 0).then(|| PrefixCache::new(opts.prefix_cache_bytes).stats()),
@@ -301,6 +325,8 @@ impl Scheduler {
             busy_seconds: c.busy_nanos.load(Ordering::Relaxed) as f64 * 1e-9,
             kv_tokens: c.kv_tokens.load(Ordering::Relaxed),
             prefix: self.shared.prefix.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+            drafted_tokens: c.drafted_tokens.load(Ordering::Relaxed),
+            accepted_tokens: c.accepted_tokens.load(Ordering::Relaxed),
         }
     }
 }
@@ -487,7 +513,7 @@ fn publish(shared: &Shared, cache: Option<&PrefixCache>) {
 /// The scheduling thread: admit, step, deliver, until shut down.
 fn run(engine: Engine, opts: BatchOptions, shared: Arc<Shared>) {
     let model = engine.model();
-    let mut ws = Workspace::new(model, opts.step_tokens, opts.max_batch);
+    let mut ws = Workspace::new(model, opts.step_tokens, opts.max_batch + DRAFT_ROWS);
     let mut running: Vec<Running> = Vec::new();
     let c = &shared.counters;
     let mut cache = (opts.prefix_cache_bytes > 0).then(|| PrefixCache::new(opts.prefix_cache_bytes));
@@ -522,16 +548,19 @@ fn run(engine: Engine, opts: BatchOptions, shared: Arc<Shared>) {
                 held += need;
                 let recurrent = seq.is_recurrent();
                 let offered = fed / BLOCK;
-                running.push(Running {
-                    req,
-                    seq,
-                    fed,
-                    recurrent,
-                    saved: Vec::new(),
-                    saved_at: None,
-                    offered,
-                    since: None,
+                let spec = req.decoder.speculation().map(|s| {
+                    seq.allow_logit_rows(1 + s.tokens);
+                    let cap = s.tokens + 1;
+                    Box::new(Spec {
+                        tokens: s.tokens,
+                        text: req.prompt.clone(),
+                        drafts: Vec::with_capacity(cap),
+                        feed: Vec::with_capacity(2 * cap),
+                        refeed: Vec::with_capacity(cap),
+                    })
                 });
+                let saved = Vec::new();
+                running.push(Running { req, seq, fed, recurrent, saved, saved_at: None, offered, spec, since: None });
             }
         }
         let before = running.len();
@@ -556,6 +585,24 @@ fn run(engine: Engine, opts: BatchOptions, shared: Arc<Shared>) {
     }
 }
 
+/// Extra logit rows a step may spend verifying drafted tokens, shared by
+/// the speculating sequences in arrival order (each decoder and finishing
+/// prompt has its own row besides).
+pub const DRAFT_ROWS: usize = 16;
+
+/// What a step feeds one request.
+#[derive(Clone, Copy, Default)]
+struct Planned {
+    /// Tokens fed.
+    tokens: usize,
+    /// Of them, the last ones whose logits are computed.
+    rows: usize,
+    /// Of them, drafted tokens to verify.
+    drafted: usize,
+    /// The sequence's position before the pass.
+    pos: usize,
+}
+
 /// One step over every running request; delivers the new tokens and drops
 /// the requests that finished, failed or whose ticket is gone.
 fn step(
@@ -567,13 +614,16 @@ fn step(
     mut cache: Option<&mut PrefixCache>,
 ) {
     let t0 = Instant::now();
-    // Decoders first (one token each), then prompt chunks in arrival order.
+    // Decoders first (one token each, and their drafts), then prompt chunks
+    // in arrival order.
     let decoding = running.iter().filter(|r| r.decoding()).count();
     let mut budget = opts.step_tokens - decoding;
-    let mut plan: Vec<(usize, bool)> = Vec::with_capacity(running.len()); // (tokens, logits) per request
-    for r in running.iter() {
+    let mut rows = ws.logit_rows.saturating_sub(running.len());
+    let mut plan: Vec<Planned> = Vec::with_capacity(running.len());
+    for r in running.iter_mut() {
+        let pos = r.seq.pos;
         if r.decoding() {
-            plan.push((1, true));
+            plan.push(Planned { pos, ..r.draft(&mut budget, &mut rows) });
         } else {
             let mut take = (r.req.prompt.len() - r.fed).min(budget);
             if cache.is_some() && r.recurrent {
@@ -585,25 +635,29 @@ fn step(
                 }
             }
             budget -= take;
-            plan.push((take, r.fed + take == r.req.prompt.len()));
+            let rows = usize::from(take > 0 && r.fed + take == r.req.prompt.len());
+            plan.push(Planned { tokens: take, rows, drafted: 0, pos });
         }
     }
     let mut prompt_tokens = 0;
     let mut segs: Vec<Segment> = Vec::with_capacity(running.len());
-    for (r, &(n, logits)) in running.iter_mut().zip(&plan) {
-        if n == 0 {
+    for (r, p) in running.iter_mut().zip(&plan) {
+        if p.tokens == 0 {
             continue;
         }
         r.since.get_or_insert(t0);
-        let generated = r.req.decoder.tokens();
+        let Running { req, seq, fed, spec, .. } = r;
+        let generated = req.decoder.tokens();
         let tokens = if generated.is_empty() {
-            prompt_tokens += n;
-            &r.req.prompt[r.fed..r.fed + n]
+            prompt_tokens += p.tokens;
+            &req.prompt[*fed..*fed + p.tokens]
+        } else if let Some(s) = spec {
+            &s.feed[..]
         } else {
             &generated[generated.len() - 1..]
         };
-        let end = if generated.is_empty() { r.req.prompt.len() } else { r.seq.pos + 1 };
-        segs.push(Segment { seq: &mut r.seq, tokens, end, wants_logits: logits });
+        let end = if generated.is_empty() { req.prompt.len() } else { seq.pos + tokens.len() };
+        segs.push(Segment { seq, tokens, end, logit_rows: p.rows });
     }
     let n_tokens: usize = segs.iter().map(|g| g.tokens.len()).sum();
     let result = forward_batch(engine.model(), ws, &mut segs, Some(&engine.pool));
@@ -611,7 +665,7 @@ fn step(
     let now = Instant::now();
     c.steps.fetch_add(1, Ordering::Relaxed);
     c.prompt_tokens.fetch_add(prompt_tokens as u64, Ordering::Relaxed);
-    c.last_batch.store(plan.iter().filter(|p| p.0 > 0).count(), Ordering::Relaxed);
+    c.last_batch.store(plan.iter().filter(|p| p.tokens > 0).count(), Ordering::Relaxed);
     let bucket = STEP_BUCKETS.iter().position(|&b| n_tokens <= b).unwrap_or(STEP_BUCKETS.len());
     c.step_tokens[bucket].fetch_add(1, Ordering::Relaxed);
     c.step_sequences[decoding.min(opts.max_batch)].fetch_add(1, Ordering::Relaxed);
@@ -621,7 +675,7 @@ fn step(
         let before = running.len();
         let mut i = 0;
         running.retain(|r| {
-            let took = plan[i].0 > 0;
+            let took = plan[i].tokens > 0;
             i += 1;
             if took {
                 let _ = r.req.tx.send(Event::Failed(e.clone()));
@@ -632,26 +686,26 @@ fn step(
         return;
     }
     let mut keep = Vec::with_capacity(running.len());
-    for (mut r, (n, logits)) in running.drain(..).zip(plan) {
+    for (mut r, p) in running.drain(..).zip(plan) {
         let prefilling = !r.decoding();
         if prefilling {
-            r.fed += n;
+            r.fed += p.tokens;
         }
+        let done = if p.rows > 0 { r.choose(p, prefilling, t0, c) } else { Ok(false) };
+        let done = match done {
+            Ok(done) => done,
+            Err(e) => {
+                let _ = r.req.tx.send(Event::Failed(e));
+                c.finished.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+        };
         if let Some(pc) = cache.as_deref_mut()
-            && n > 0
+            && p.tokens > 0
         {
             r.offer(pc, prefilling);
         }
-        if !logits {
-            keep.push(r);
-            continue;
-        }
-        let step = r.req.decoder.step(&r.seq, r.since.unwrap_or(t0));
-        r.since = Some(step.at);
-        c.generated_tokens.fetch_add(1, Ordering::Relaxed);
-        let event = Event::Token(step.token, step.logprobs, r.req.decoder.timings(), step.finish);
-        let delivered = r.req.tx.send(event).is_ok();
-        if delivered && step.finish.is_none() {
+        if !done {
             keep.push(r);
         } else {
             if let Some(pc) = cache.as_deref_mut() {
@@ -661,4 +715,97 @@ fn step(
         }
     }
     *running = keep;
+}
+
+impl Running {
+    /// Plans a decoding step: its tokens (the last chosen one, after any
+    /// tokens a rollback left to feed again, and the drafts) into
+    /// `spec.feed`, within the step's token and logit-row budgets (its own
+    /// token and row are reserved).
+    fn draft(&mut self, budget: &mut usize, rows: &mut usize) -> Planned {
+        let Some(spec) = self.spec.as_deref_mut() else { return Planned { tokens: 1, rows: 1, ..Planned::default() } };
+        let last = *self.req.decoder.tokens().last().expect("a decoding sequence has a token");
+        spec.feed.clear();
+        if !spec.refeed.is_empty() {
+            // A rollback left confirmed tokens to feed again: no drafts this
+            // step (a second rollback would have to feed them once more).
+            if spec.refeed.len() > *budget {
+                // More than the step has room for: some now, no choice yet.
+                spec.feed.extend(spec.refeed.drain(..*budget + 1));
+                *budget = 0;
+                return Planned { tokens: spec.feed.len(), ..Planned::default() };
+            }
+            *budget -= spec.refeed.len();
+            spec.feed.append(&mut spec.refeed);
+            spec.feed.push(last);
+            return Planned { tokens: spec.feed.len(), rows: 1, ..Planned::default() };
+        }
+        spec.feed.push(last);
+        let left = self.req.decoder.max_new_tokens() - self.req.decoder.tokens().len();
+        let room = self.seq.max_seq.saturating_sub(self.seq.pos + 1);
+        let k = spec.tokens.min(*budget).min(*rows).min(left.saturating_sub(1)).min(room);
+        if k > 0 {
+            crate::engine::draft::ngram(&spec.text, k, &mut spec.drafts);
+            spec.feed.extend_from_slice(&spec.drafts);
+        }
+        let drafted = spec.feed.len() - 1;
+        *budget -= drafted;
+        *rows -= drafted;
+        if drafted > 0 && self.recurrent {
+            // A linear-attention state goes back only to a checkpoint.
+            self.seq.checkpoint();
+        }
+        Planned { tokens: spec.feed.len(), rows: 1 + drafted, drafted, pos: 0 }
+    }
+
+    /// After a pass that computed `p.rows` logit rows: chooses a token from
+    /// each in turn and delivers it, while the choices confirm the drafted
+    /// tokens, then rolls the sequence back past rejected ones. Returns
+    /// whether the request is done (finished, or its ticket is gone).
+    fn choose(&mut self, p: Planned, prefilling: bool, t0: Instant, c: &Counters) -> Result<bool> {
+        let vocab = self.seq.logits.len();
+        let mut accepted = 0;
+        let mut done = false;
+        if !prefilling {
+            self.req.decoder.record_pass(p.drafted);
+            c.drafted_tokens.fetch_add(p.drafted as u64, Ordering::Relaxed);
+        }
+        for i in 0..p.rows {
+            let logits = if i + 1 == p.rows {
+                &self.seq.logits[..]
+            } else {
+                &self.seq.earlier_logits[i * vocab..(i + 1) * vocab]
+            };
+            // Tokens in the sequence once row i's token is: the rows end the pass.
+            let fed = p.pos + p.tokens - p.rows + i + 1;
+            let step = self.req.decoder.step_row(logits, fed, self.seq.max_seq, self.since.unwrap_or(t0));
+            self.since = Some(step.at);
+            c.generated_tokens.fetch_add(1, Ordering::Relaxed);
+            if let Some(spec) = self.spec.as_deref_mut() {
+                spec.text.push(step.token);
+            }
+            let event = Event::Token(step.token, step.logprobs, self.req.decoder.timings(), step.finish);
+            let delivered = self.req.tx.send(event).is_ok();
+            done = !delivered || step.finish.is_some();
+            let confirmed = i < p.drafted && self.spec.as_ref().is_some_and(|s| s.drafts[i] == step.token);
+            if done || !confirmed {
+                break;
+            }
+            accepted += 1;
+            self.req.decoder.record_accepted();
+            c.accepted_tokens.fetch_add(1, Ordering::Relaxed);
+        }
+        if accepted < p.drafted {
+            // The rows of the rejected drafts go.
+            let keep = p.pos + p.tokens - p.drafted + accepted;
+            if self.recurrent {
+                self.seq.truncate(p.pos)?;
+                let spec = self.spec.as_deref_mut().expect("drafts come from speculation");
+                spec.refeed.extend_from_slice(&spec.feed[..keep - p.pos]);
+            } else {
+                self.seq.truncate(keep)?;
+            }
+        }
+        Ok(done)
+    }
 }

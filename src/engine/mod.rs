@@ -6,6 +6,7 @@
 //! that started it.
 
 pub mod batch;
+pub mod draft;
 pub mod generation;
 pub mod guide;
 pub mod prefix;
@@ -25,6 +26,7 @@ use crate::model::Model;
 use crate::model::forward::{Capture, forward};
 use crate::quant::DType;
 pub use batch::{BatchOptions, BatchStats, Scheduler, Ticket};
+pub use draft::{Drafts, Speculation};
 pub use generation::Generation;
 pub use guide::Constraint;
 pub use prefix::{PrefixCache, PrefixStats};

@@ -25,6 +25,7 @@
 use std::time::{Duration, Instant};
 
 use super::Engine;
+use super::draft::Speculation;
 use super::guide::{After, Constraint, Guided};
 use super::sampling::{Sampler, SamplingParams};
 use crate::error::{Error, Result};
@@ -46,6 +47,9 @@ pub struct GenerateOptions {
     /// What the output must be (a JSON Schema, a regex, a grammar); `None`:
     /// anything.
     pub constraint: Option<Constraint>,
+    /// Speculative decoding (drafted tokens verified in one pass; the same
+    /// output); `None`: one token per pass.
+    pub speculation: Option<Speculation>,
 }
 
 impl Default for GenerateOptions {
@@ -56,6 +60,7 @@ impl Default for GenerateOptions {
             stop_ids: Vec::new(),
             logprobs: None,
             constraint: None,
+            speculation: None,
         }
     }
 }
@@ -134,7 +139,15 @@ pub struct Timings {
     pub generated_tokens: usize,
     /// Time to run the prompt and choose the first token.
     pub prefill: Duration,
-    /// Time of every later step (one forward pass of one token, and a choice).
+    /// Tokens drafted for speculative decoding.
+    pub drafted_tokens: usize,
+    /// Of them, tokens the model's own choice confirmed (each saves a
+    /// forward pass).
+    pub accepted_tokens: usize,
+    /// Forward passes after the first token (one per token without
+    /// speculation, fewer with accepted drafts).
+    pub decode_passes: usize,
+    /// Time of every later step (one forward pass, and its choices).
     pub decode: Duration,
 }
 
@@ -169,6 +182,7 @@ pub(super) struct Decoder {
     finish: Option<FinishReason>,
     /// The mask of a constrained request.
     guided: Option<Box<Guided>>,
+    speculation: Option<Speculation>,
 }
 
 /// What one step decided.
@@ -203,6 +217,9 @@ impl Decoder {
         }
         let sampler = Sampler::new(opts.sampling.clone(), model.config.vocab_size, prompt)?;
         check_ids(model, prompt)?;
+        if let Some(s) = &opts.speculation {
+            s.check()?;
+        }
         let guided = match &opts.constraint {
             None => None,
             Some(c) => Some(Box::new(Guided::new(&*engine.guides()?, c, &opts.stop_ids)?)),
@@ -216,6 +233,7 @@ impl Decoder {
             timings: Timings { prompt_tokens: prompt.len(), ..Timings::default() },
             finish: (opts.max_new_tokens == 0).then_some(FinishReason::Length),
             guided,
+            speculation: opts.speculation,
         })
     }
 
@@ -224,13 +242,20 @@ impl Decoder {
     /// step's time runs from `began` (when its forward pass started; for the
     /// first token, when the prompt's first chunk did) to the choice.
     pub fn step(&mut self, seq: &Sequence, began: Instant) -> Decoded {
+        self.step_row(&seq.logits, seq.pos, seq.max_seq, began)
+    }
+
+    /// [`Decoder::step`] from one row of logits: those after the sequence's
+    /// first `fed` tokens, in a sequence of at most `max_seq` (a drafted
+    /// token's row, when a pass verifies several).
+    pub fn step_row(&mut self, logits: &[f32], fed: usize, max_seq: usize, began: Instant) -> Decoded {
         debug_assert!(self.finish.is_none(), "a finished generation takes no more steps");
         let mut done = false;
         let token = match self.guided.as_deref_mut() {
-            None => self.sampler.sample(&seq.logits),
+            None => self.sampler.sample(logits),
             Some(g) => match g.mask() {
                 Some(mask) => {
-                    let t = self.sampler.sample_masked(&seq.logits, mask.as_slice());
+                    let t = self.sampler.sample_masked(logits, mask.as_slice());
                     done = g.is_end(t) || matches!(g.consume(t), After::Done);
                     t
                 }
@@ -244,7 +269,7 @@ impl Decoder {
         };
         self.sampler.accept(token);
         self.tokens.push(token);
-        let logprobs = self.logprobs_k.map(|k| TokenLogprobs::of(&seq.logits, token, k));
+        let logprobs = self.logprobs_k.map(|k| TokenLogprobs::of(logits, token, k));
         let at = Instant::now();
         if self.tokens.len() == 1 {
             self.timings.prefill = at - began;
@@ -257,7 +282,7 @@ impl Decoder {
         let stop = if self.guided.is_some() { done } else { self.stop_ids.contains(&token) };
         if stop {
             self.finish = Some(FinishReason::Stop);
-        } else if self.tokens.len() >= self.max_new_tokens || seq.pos + 1 >= seq.max_seq {
+        } else if self.tokens.len() >= self.max_new_tokens || fed + 1 >= max_seq {
             // The last condition: prompt plus output now fill the sequence (at
             // most the context), so there is no room to run this token.
             self.finish = Some(FinishReason::Length);
@@ -288,6 +313,22 @@ impl Decoder {
     /// Counts and times so far.
     pub fn timings(&self) -> Timings {
         self.timings
+    }
+
+    /// Speculative decoding, if asked for.
+    pub fn speculation(&self) -> Option<Speculation> {
+        self.speculation
+    }
+
+    /// Counts one decode pass, which verifies `drafted` tokens.
+    pub fn record_pass(&mut self, drafted: usize) {
+        self.timings.decode_passes += 1;
+        self.timings.drafted_tokens += drafted;
+    }
+
+    /// Counts a drafted token the model's choice confirmed.
+    pub fn record_accepted(&mut self) {
+        self.timings.accepted_tokens += 1;
     }
 
     /// Records that the first `n` prompt tokens came from the prefix cache.

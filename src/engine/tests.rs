@@ -447,7 +447,7 @@ fn a_batch_of_sequences_gives_each_the_bits_it_gets_alone() {
             for ((seq, stream), &(n, logits)) in seqs.iter_mut().zip(&streams).zip(plan) {
                 if n > 0 {
                     let p = seq.pos;
-                    segs.push(Segment { seq, tokens: &stream[p..p + n], end: p + n, wants_logits: logits });
+                    segs.push(Segment { seq, tokens: &stream[p..p + n], end: p + n, logit_rows: usize::from(logits) });
                 }
             }
             forward_batch(m, &mut ws, &mut segs, None).unwrap();
@@ -461,12 +461,8 @@ fn a_batch_of_sequences_gives_each_the_bits_it_gets_alone() {
         // A batch larger than the workspace is refused, not run.
         let mut big = Sequence::new(m, 24, 12, e.kv_dtype());
         let toks = ids(13);
-        let err = forward_batch(
-            m,
-            &mut ws,
-            &mut [Segment { seq: &mut big, tokens: &toks, end: 13, wants_logits: true }],
-            None,
-        );
+        let err =
+            forward_batch(m, &mut ws, &mut [Segment { seq: &mut big, tokens: &toks, end: 13, logit_rows: 1 }], None);
         assert!(matches!(err, Err(Error::InvalidInput(_))), "{dt}: {err:?}");
     }
 }
@@ -503,6 +499,7 @@ fn batched_generations_give_the_tokens_each_gives_alone() {
             // Some ask for log-probabilities (which change no token).
             logprobs: [None, Some(0), Some(3)][k % 3],
             constraint: None,
+            speculation: None,
         };
         let alone: Vec<(Vec<u32>, Vec<TokenLogprobs>)> = prompts
             .iter()
@@ -807,5 +804,69 @@ fn a_prefix_cache_is_exact_for_every_state_kind() {
             }
         }
         assert!(plain.stats().prefix.is_none());
+    }
+}
+
+/// Speculative decoding with n-gram drafts gives the tokens and
+/// log-probabilities of plain decoding, bit for bit, greedy and seeded, for
+/// every kind of layer state (rejected drafts roll KV rows back; a
+/// linear-attention state goes back to its checkpoint and the confirmed
+/// tokens are fed again), alone and beside other requests, with and
+/// without a prefix cache; drafts are made and some confirmed.
+#[test]
+fn speculative_decoding_changes_no_token() {
+    use super::draft::{Drafts, Speculation};
+    let configs = [
+        config_for(DType::F32),
+        crate::synth::frontier_config(),
+        crate::synth::sparse_config(),
+        crate::synth::hybrid_config(),
+        crate::synth::kda_hybrid_config(),
+        crate::synth::gemma4_config(),
+    ];
+    for (case, mut cfg) in configs.into_iter().enumerate() {
+        cfg.max_seq_len = 400;
+        let (_d, e) = engine_with(&cfg, DType::F32, 2);
+        let v = e.model().config.vocab_size as u32;
+        let mut accepted = 0;
+        // A prompt that repeats itself, so n-grams recur.
+        let unit: Vec<u32> = (0..9).map(|i| (i * 7 + 3) % v).collect();
+        let prompt: Vec<u32> = unit.iter().cycle().take(40).copied().collect();
+        let spec = Some(Speculation { drafts: Drafts::Ngram, tokens: 5 });
+        for sampling in [
+            SamplingParams::default(),
+            SamplingParams { temperature: 0.9, top_p: 0.95, seed: 11, ..SamplingParams::default() },
+        ] {
+            let greedy = sampling.temperature == 0.0;
+            let plain = GenerateOptions { max_new_tokens: 150, logprobs: Some(2), sampling, ..Default::default() };
+            let fast = GenerateOptions { speculation: spec, ..plain.clone() };
+            for prefix_cache_bytes in [0, 8 << 20] {
+                let batch = BatchOptions { max_batch: 4, step_tokens: 16, prefix_cache_bytes, ..Default::default() };
+                let sched = Scheduler::new(&e, batch).unwrap();
+                let mut want = sched.submit(&prompt, &plain).unwrap();
+                let want_ids = collect(&mut want);
+                // Beside a plain request, and twice (the second from the
+                // prefix cache when there is one).
+                for round in 0..2 {
+                    let mut other = sched.submit(&prompt[..13], &plain).unwrap();
+                    let mut got = sched.submit(&prompt, &fast).unwrap();
+                    assert_eq!(collect(&mut got), want_ids, "config {case}, round {round}");
+                    assert_eq!(got.logprobs(), want.logprobs(), "config {case}, round {round}");
+                    collect(&mut other);
+                    let t = got.timings();
+                    // (Greedy output of a random model repeats itself; sampled
+                    // output may never repeat an n-gram.)
+                    assert!(
+                        t.accepted_tokens <= t.drafted_tokens && (t.drafted_tokens > 0 || !greedy),
+                        "{case}: {t:?}"
+                    );
+                    assert_eq!(t.decode_passes + t.accepted_tokens + 1, t.generated_tokens, "config {case}: {t:?}");
+                }
+                let st = sched.stats();
+                assert!(st.accepted_tokens <= st.drafted_tokens, "config {case}: {st:?}");
+                accepted += st.accepted_tokens;
+            }
+        }
+        assert!(accepted > 0, "config {case}: no draft was ever confirmed");
     }
 }

@@ -89,7 +89,8 @@ pub fn forward(
             return Err(Error::Interrupted);
         }
         let n = (total - done).min(s.ws.chunk);
-        let seg = Segment { seq: &mut s.seq, tokens: &tokens[done..done + n], end, wants_logits: done + n == total };
+        let logit_rows = usize::from(done + n == total);
+        let seg = Segment { seq: &mut s.seq, tokens: &tokens[done..done + n], end, logit_rows };
         let ws = &mut s.ws;
         let mut segs = [seg];
         match pool {
@@ -110,8 +111,10 @@ pub struct Segment<'a> {
     /// Where the run of tokens these belong to ends (a prompt fed over several
     /// passes ends where the prompt does): LongRoPE's sequence length.
     pub end: usize,
-    /// Leave the logits of the last token in `seq.logits`.
-    pub wants_logits: bool,
+    /// How many of the last tokens' logits to compute (0 or 1, or more to
+    /// verify drafted tokens): the last one's go to `seq.logits`, the ones
+    /// before it to `seq.earlier_logits`.
+    pub logit_rows: usize,
 }
 
 /// One pass over the tokens of several sequences at once: every weight is
@@ -128,7 +131,17 @@ pub fn forward_batch(
     pool: Option<&rayon::ThreadPool>,
 ) -> Result<()> {
     let n: usize = segs.iter().map(|g| g.tokens.len()).sum();
-    let logit_rows = segs.iter().filter(|g| g.wants_logits).count();
+    let logit_rows: usize = segs.iter().map(|g| g.logit_rows).sum();
+    if let Some(g) = segs.iter().find(|g| {
+        g.logit_rows > g.tokens.len()
+            || g.seq.earlier_logits.len() < g.logit_rows.saturating_sub(1) * model.config.vocab_size
+    }) {
+        return Err(Error::InvalidInput(format!(
+            "a segment of {} tokens asks the logits of {} rows, more than it has or its sequence holds",
+            g.tokens.len(),
+            g.logit_rows
+        )));
+    }
     if n > ws.chunk || logit_rows > ws.logit_rows {
         return Err(Error::InvalidInput(format!(
             "a batch of {n} tokens and {logit_rows} logit rows does not fit a workspace of {} and {}",
@@ -614,28 +627,37 @@ fn lm_head(model: &Model, s: &mut Workspace, segs: &mut [Segment], n: usize, off
         let y = &mut all[off * vocab..(off + n) * vocab];
         matmul(&head, &s.xq.prepare(xn, d), y); // [T, V]
         bias_and_scale(y);
-        for g in segs.iter_mut().filter(|g| g.wants_logits) {
-            g.seq.logits.copy_from_slice(&y[(n - 1) * vocab..n * vocab]);
+        for g in segs.iter_mut().filter(|g| g.logit_rows > 0) {
+            keep_logits(g, &y[(n - g.logit_rows) * vocab..n * vocab], vocab);
         }
         return;
     }
     // The last rows whose logits are wanted, gathered: [S, D].
     let mut wanted = 0;
     for (g, (r0, m)) in segs.iter().zip(rows(segs)) {
-        if g.wants_logits {
-            let last = r0 + m - 1;
-            s.head_x[wanted * d..(wanted + 1) * d].copy_from_slice(&xn[last * d..(last + 1) * d]);
-            wanted += 1;
-        }
+        let first = r0 + m - g.logit_rows;
+        s.head_x[wanted * d..(wanted + g.logit_rows) * d].copy_from_slice(&xn[first * d..(r0 + m) * d]);
+        wanted += g.logit_rows;
     }
     if wanted == 0 {
         return;
     }
     let y = &mut s.head_y[..wanted * vocab];
     matmul(&head, &s.xq.prepare(&s.head_x[..wanted * d], d), y); // [S, V]
-    for (row, g) in y.chunks_exact_mut(vocab).zip(segs.iter_mut().filter(|g| g.wants_logits)) {
-        bias_and_scale(row);
-        g.seq.logits.copy_from_slice(row);
+    y.chunks_exact_mut(vocab).for_each(bias_and_scale);
+    let mut at = 0;
+    for g in segs.iter_mut() {
+        keep_logits(g, &y[at * vocab..(at + g.logit_rows) * vocab], vocab);
+        at += g.logit_rows;
+    }
+}
+
+/// A segment's logit rows `[R, V]` into its sequence: the last to `logits`,
+/// the ones before it to `earlier_logits`.
+fn keep_logits(g: &mut Segment, y: &[f32], vocab: usize) {
+    if let Some((earlier, last)) = g.logit_rows.checked_sub(1).map(|r| y.split_at(r * vocab)) {
+        g.seq.earlier_logits[..earlier.len()].copy_from_slice(earlier);
+        g.seq.logits.copy_from_slice(last);
     }
 }
 

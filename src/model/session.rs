@@ -66,6 +66,10 @@ pub struct Sequence {
     layers: Vec<LayerCache>,
     /// `[V]` logits of the last token processed.
     pub logits: Vec<f32>,
+    /// `[R − 1, V]` logits of the tokens before the last, when a pass asked
+    /// for `R` rows to verify drafted tokens (empty until
+    /// [`Sequence::allow_logit_rows`] makes room).
+    pub earlier_logits: Vec<f32>,
     /// The position of the last [`Sequence::checkpoint`], while it is still
     /// at or before `pos`.
     checkpoint: Option<usize>,
@@ -80,7 +84,8 @@ impl Sequence {
         let max_seq = max_seq.clamp(1, c.max_seq_len);
         let layers =
             c.layer_states().into_iter().map(|st| LayerCache::new(c, st, kv_dtype, max_seq, chunk.max(1))).collect();
-        Sequence { max_seq, pos: 0, layers, logits: vec![0.0; c.vocab_size], checkpoint: None }
+        let logits = vec![0.0; c.vocab_size];
+        Sequence { max_seq, pos: 0, layers, logits, earlier_logits: Vec::new(), checkpoint: None }
     }
 
     /// Layer `l`'s key/value cache. This is the one place that turns a
@@ -113,6 +118,14 @@ impl Sequence {
 }
 
 impl Sequence {
+    /// Makes room for passes asking the logits of up to `rows` tokens.
+    pub fn allow_logit_rows(&mut self, rows: usize) {
+        let want = rows.saturating_sub(1) * self.logits.len();
+        if self.earlier_logits.len() < want {
+            self.earlier_logits.resize(want, 0.0);
+        }
+    }
+
     /// Rolls the sequence back to its first `pos` tokens, so the next token
     /// goes to position `pos` (how speculative decoding drops rejected
     /// tokens). A KV layer only moves back its position: the rows past it are

@@ -266,7 +266,7 @@ impl NativeEngine {
                 "at most one of json_schema, regex and grammar may be given".into(),
             )));
         }
-        let opts = GenerateOptions { max_new_tokens, sampling, stop_ids, logprobs, constraint };
+        let opts = GenerateOptions { max_new_tokens, sampling, stop_ids, logprobs, constraint, speculation: None };
         let t = py.detach(|| self.batch.submit(&ids, &opts)).map_err(to_py)?;
         Ok(NativeGeneration { canceller: t.canceller(), inner: Mutex::new(t) })
     }
