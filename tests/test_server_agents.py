@@ -574,3 +574,34 @@ def test_cached_prompt_tokens_are_reported_by_both_apis_and_metrics():
             float(x.split()[1]) for x in metrics.splitlines() if x.startswith("colibri_prefix_cache_bytes")
         )
         assert 0 < held <= 32 << 20
+
+
+# ----------------------------------------------------------------------
+# Speculative decoding
+
+
+def test_speculative_requests_and_the_server_default(demo):
+    """A request may ask for n-gram drafts, a server may draft by default;
+    either way the answer is the one without, the counts reach /metrics, and
+    a bad value is a 400 naming the field."""
+    text = "The cat sat on the mat. The cat sat on the mat. The cat sat on the"
+    with live(create_app(demo)) as u:
+        o = oai(u)
+        plain = o.completions.create(model="demo", prompt=text, max_tokens=24, temperature=0)
+        fast = o.completions.create(
+            model="demo", prompt=text, max_tokens=24, temperature=0, extra_body={"speculative": "ngram"}
+        )
+        assert fast.choices[0].text == plain.choices[0].text
+        for bad in ({"speculative": "eagle"}, {"speculative": "ngram", "draft_tokens": 99}):
+            with pytest.raises(openai.BadRequestError) as err:
+                o.completions.create(model="demo", prompt=text, max_tokens=4, extra_body=bad)
+            assert err.value.body["param"] in bad  # type: ignore[index]
+    with live(create_app(demo, speculative="ngram", draft_tokens=6)) as u:
+        before = demo.batch_stats()["drafted_tokens"]
+        r = oai(u).completions.create(model="demo", prompt=text, max_tokens=24, temperature=0)
+        assert r.choices[0].text == plain.choices[0].text
+        assert demo.batch_stats()["drafted_tokens"] > before
+        metrics = httpx.get(u + "/metrics", timeout=10).text
+        assert "colibri_drafted_tokens_total" in metrics and "colibri_accepted_draft_tokens_total" in metrics
+    with pytest.raises(colibri.InvalidInputError, match="draft_tokens"):
+        create_app(demo, speculative="ngram", draft_tokens=0)

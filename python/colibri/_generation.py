@@ -33,6 +33,23 @@ class Timings:
     cached_tokens: int = 0
     """Of the prompt's tokens, those whose state came from the prefix cache
     instead of being computed (``Engine(prefix_cache=...)``)."""
+    drafted_tokens: int = 0
+    """Tokens drafted by speculative decoding (``speculative=``)."""
+    accepted_tokens: int = 0
+    """Of them, those the model's own choice confirmed."""
+    decode_passes: int = 0
+    """Forward passes after the first token (fewer than the tokens when drafts were confirmed)."""
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Share of the drafted tokens confirmed (0 without drafts)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Tokens after the first per forward pass (1 without speculation)."""
+        steps = self.generated_tokens - 1
+        return steps / self.decode_passes if self.decode_passes else 0.0
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -48,10 +65,18 @@ class Timings:
         return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else 0.0
 
     def __str__(self) -> str:
-        return (
+        text = (
             f"prompt {self.prompt_tokens} tokens ({self.prefill_tokens_per_second:.1f} tok/s), "
             f"generated {self.generated_tokens} tokens ({self.decode_tokens_per_second:.1f} tok/s)"
         )
+        if self.cached_tokens:
+            text += f", {self.cached_tokens} prompt tokens from the prefix cache"
+        if self.drafted_tokens:
+            text += (
+                f", {self.accepted_tokens} of {self.drafted_tokens} drafts confirmed "
+                f"({self.tokens_per_pass:.2f} tokens per pass)"
+            )
+        return text
 
 
 class TokenLogprob(NamedTuple):

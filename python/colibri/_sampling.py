@@ -20,6 +20,9 @@ import numpy as np
 
 from ._errors import InvalidInputError
 
+#: Most tokens ``draft_tokens`` may ask to draft per step (the engine's limit).
+MAX_DRAFT_TOKENS = 16
+
 #: Most alternatives ``logprobs`` may ask for per token (the engine's limit).
 MAX_TOP_LOGPROBS = 20
 
@@ -99,6 +102,14 @@ class SamplingParams:
             (Rust ``regex`` syntax), whole.
         grammar: constrain the output to this grammar, in llguidance's Lark
             syntax (``start: ...``; ``%json {...}`` embeds a JSON Schema).
+        speculative: ``"ngram"`` drafts up to ``draft_tokens`` tokens a step
+            from an earlier occurrence of the text's last few tokens (prompt
+            lookup) and verifies them in one forward pass; ``None`` (default):
+            one token per pass. The output is the same token for token, greedy
+            or seeded; it comes faster where the output repeats its input.
+            (``"mtp"``, the model's own prediction layers, is refused: no
+            ``.colibri`` file holds them yet.)
+        draft_tokens: most tokens drafted per step, 1 to 16 (default 4).
 
     At most one of ``json_schema``, ``regex`` and ``grammar``: the engine masks
     every token the constraint does not allow before sampling, so greedy
@@ -129,6 +140,8 @@ class SamplingParams:
     json_schema: str | Mapping[str, Any] | None = None
     regex: str | None = None
     grammar: str | None = None
+    speculative: str | None = None
+    draft_tokens: int = 4
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here
@@ -200,6 +213,12 @@ class SamplingParams:
             raise InvalidInputError(
                 f"give at most one of json_schema, regex and grammar, got {' and '.join(given)}"
             )
+        if self.speculative not in (None, "ngram", "mtp"):
+            raise InvalidInputError(f'speculative must be "ngram", "mtp" or None, got {self.speculative!r}')
+        if not _is_int(self.draft_tokens) or not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            raise InvalidInputError(
+                f"draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], got {self.draft_tokens!r}"
+            )
 
     @property
     def constrained(self) -> bool:
@@ -228,6 +247,8 @@ class SamplingParams:
         if missing:
             raise InvalidInputError(f"{missing[0]} has no value and the model gives no default")
         out.update({n: getattr(self, n) for n in _CONSTRAINTS if getattr(self, n) is not None})
+        if self.speculative is not None:
+            out.update(speculative=self.speculative, draft_tokens=self.draft_tokens)
         return out
 
 
@@ -251,6 +272,8 @@ class SamplingOptions(TypedDict, total=False):
     json_schema: str | Mapping[str, Any] | None
     regex: str | None
     grammar: str | None
+    speculative: str | None
+    draft_tokens: int
 
 
 _CONSTRAINTS = ("json_schema", "regex", "grammar")

@@ -137,6 +137,9 @@ class BatchStats(TypedDict):
     step_budget: int
     #: ``None`` without a prefix cache.
     prefix_cache: Optional[PrefixCacheStats]
+    #: Tokens drafted by speculative decoding, and of them those confirmed.
+    drafted_tokens: int
+    accepted_tokens: int
 
 
 class Plan(TypedDict):

@@ -348,6 +348,8 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
         **{n: getattr(args, n) for n in names},
         stop=tuple(args.stop or ()),
         ignore_eos=args.ignore_eos,
+        speculative=args.speculative,
+        draft_tokens=args.draft_tokens,
         **constraint,
     )
 
@@ -384,6 +386,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         model_name=args.served_model_name or ("demo" if args.demo else None),
         log_level="info" if args.verbose else "warning",
+        speculative=args.speculative,
+        draft_tokens=args.draft_tokens,
     )
     return 0
 
@@ -584,6 +588,19 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     c.add_argument(
         "--grammar", metavar="FILE", help="write text of the Lark grammar in FILE (llguidance syntax)"
     )
+    _add_speculation_flags(p)
+
+
+def _add_speculation_flags(p: argparse.ArgumentParser) -> None:
+    s = p.add_argument_group("speculative decoding (the same output, faster where it repeats its input)")
+    s.add_argument(
+        "--speculative",
+        choices=["ngram"],
+        help="draft tokens from earlier occurrences of the text's last few tokens, verify them in one pass",
+    )
+    s.add_argument(
+        "--draft-tokens", type=int, default=4, metavar="K", help="most tokens drafted per step (default 4)"
+    )
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -767,6 +784,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="most memory the running generations' KV caches and recurrent states take together "
         "(e.g. 8GB); requests wait for room, and one that alone needs more is refused (default: no limit)",
     )
+    _add_speculation_flags(sv)
     sv.add_argument(
         "--prefix-cache",
         metavar="SIZE",

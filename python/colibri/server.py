@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 from . import _anthropic
 from ._errors import BusyError, ColibriError, ContextLengthError, InvalidInputError
-from ._sampling import MAX_TOP_LOGPROBS, SamplingParams
+from ._sampling import MAX_DRAFT_TOKENS, MAX_TOP_LOGPROBS, SamplingParams
 from ._tools import Delta
 
 try:
@@ -88,6 +88,9 @@ _COMMON = {
     "ignore_eos",
     "stop_token_ids",
     "skip_special_tokens",
+    # colibri's: speculative decoding for this request.
+    "speculative",
+    "draft_tokens",
     # Accepted and ignored: they change nothing a local server does.
     "metadata",
     "store",
@@ -273,6 +276,14 @@ def _parse(
     }
     if opts["top_k"] == -1:  # vLLM's spelling of "off"
         opts["top_k"] = 0
+    if "speculative" in body:
+        spec = body["speculative"]
+        if spec not in (None, "ngram", "mtp"):
+            raise _bad("speculative", 'must be "ngram", "mtp" or null')
+        opts["speculative"] = spec
+    draft = _int(body, "draft_tokens", 1, MAX_DRAFT_TOKENS)
+    if draft is not None:
+        opts["draft_tokens"] = draft
     if opts["seed"] is not None and opts["seed"] < 0:
         opts["seed"] += 1 << 64
     skip = _bool(body, "skip_special_tokens")
@@ -795,6 +806,14 @@ class _EngineCollector:
         yield CounterMetricFamily(
             "colibri_generation_tokens", "Tokens generated.", value=b["generated_tokens"]
         )
+        yield CounterMetricFamily(
+            "colibri_drafted_tokens", "Tokens drafted by speculative decoding.", value=b["drafted_tokens"]
+        )
+        yield CounterMetricFamily(
+            "colibri_accepted_draft_tokens",
+            "Drafted tokens the model's own choice confirmed (each saved a forward pass).",
+            value=b["accepted_tokens"],
+        )
         yield _gauge("colibri_queue_depth", "Generations waiting for a place.", b["waiting"])
         yield _gauge("colibri_running_sequences", "Generations running.", b["running"])
         yield _gauge("colibri_batch_size", "Sequences in the last step.", b["last_batch"])
@@ -889,9 +908,21 @@ def create_app(
     *,
     model_name: str | None = None,
     api_key: str | None = None,
+    speculative: str | None = None,
+    draft_tokens: int = 4,
 ) -> Starlette:
     """The ASGI app serving ``engine``; pass a callable to load the engine in
-    the background (requests are answered 503 until it returns)."""
+    the background (requests are answered 503 until it returns).
+    ``speculative`` and ``draft_tokens`` are the defaults of requests that do
+    not set them (see :class:`~colibri.SamplingParams`)."""
+    SamplingParams(speculative=speculative, draft_tokens=draft_tokens)  # checked now, not per request
+    spec_default = {"speculative": speculative, "draft_tokens": draft_tokens}
+
+    def with_defaults(job: Job) -> Job:
+        for k, v in spec_default.items():
+            job.options.setdefault(k, v)
+        return job
+
     state: dict[str, Any] = {"engine": None, "error": None}
     name = model_name
     if callable(engine) and not hasattr(engine, "generate"):
@@ -955,9 +986,8 @@ def create_app(
                 e = ready()
                 body = await body_of(request)
                 chat = kind == "chat"
-                job = await asyncio.to_thread(
-                    _parse, body, _CHAT if chat else _COMPLETION, chat, e, served_name()
-                )
+                allowed = _CHAT if chat else _COMPLETION
+                job = with_defaults(await asyncio.to_thread(_parse, body, allowed, chat, e, served_name()))
                 loop = asyncio.get_running_loop()
                 queue: asyncio.Queue[tuple[int, Any, Any]] = asyncio.Queue()
                 run = await asyncio.to_thread(_Run, e, job, loop, queue, metrics)
@@ -992,7 +1022,9 @@ def create_app(
                 chat = _anthropic.to_chat(body)
             except _anthropic.MessagesError as err:
                 raise APIError(400, str(err)) from err
-            job = await asyncio.to_thread(_parse, chat, _CHAT, True, e, served_name(), _anthropic.tool_use_id)
+            job = with_defaults(
+                await asyncio.to_thread(_parse, chat, _CHAT, True, e, served_name(), _anthropic.tool_use_id)
+            )
             # max_tokens is an upper bound here: the context ends a longer one.
             job.length_field = None
             loop = asyncio.get_running_loop()
@@ -1357,13 +1389,16 @@ def serve(
     api_key: str | None = None,
     model_name: str | None = None,
     log_level: str = "info",
+    speculative: str | None = None,
+    draft_tokens: int = 4,
     **engine_options: Any,
 ) -> None:
     """Serves a model until interrupted: ``model`` is an
     :class:`~colibri.Engine`, a callable returning one (loaded in the
     background; requests are answered 503 meanwhile), a ``.colibri`` path, a
     Hugging Face folder, or ``"demo"``. ``engine_options`` go to the engine
-    (``threads``, ``ram_budget``, ``max_batch``, ``max_queue``, ...)."""
+    (``threads``, ``ram_budget``, ``max_batch``, ``max_queue``, ...);
+    ``speculative`` and ``draft_tokens`` are the requests' defaults."""
     import uvicorn
 
     from ._engine import Engine
@@ -1379,5 +1414,7 @@ def serve(
             return Engine(path, **engine_options)
 
         model = load
-    app = create_app(model, model_name=model_name, api_key=api_key)
+    app = create_app(
+        model, model_name=model_name, api_key=api_key, speculative=speculative, draft_tokens=draft_tokens
+    )
     uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -18,7 +18,8 @@ use pyo3::types::{PyByteArray, PyBytes, PyDict};
 use crate::convert::{ConvertOptions, Recipe, convert};
 use crate::engine::batch::Canceller;
 use crate::engine::{
-    BatchOptions, Constraint, Engine, EngineOptions, GenerateOptions, SamplingParams, Scheduler, Ticket,
+    BatchOptions, Constraint, Drafts, Engine, EngineOptions, GenerateOptions, SamplingParams, Scheduler, Speculation,
+    Ticket,
 };
 use crate::error::Error;
 use crate::io::IoMode;
@@ -221,7 +222,7 @@ impl NativeEngine {
     #[pyo3(signature = (
         token_ids, *, max_new_tokens, stop_ids, temperature, top_k, top_p, min_p,
         repetition_penalty, presence_penalty, frequency_penalty, seed, logprobs=None,
-        json_schema=None, regex=None, grammar=None,
+        json_schema=None, regex=None, grammar=None, speculative=None, draft_tokens=4,
     ))]
     #[allow(clippy::too_many_arguments)] // keyword-only on the Python side
     fn start(
@@ -242,6 +243,8 @@ impl NativeEngine {
         json_schema: Option<String>,
         regex: Option<String>,
         grammar: Option<String>,
+        speculative: Option<&str>,
+        draft_tokens: usize,
     ) -> PyResult<NativeGeneration> {
         let ids = to_ids(token_ids).map_err(to_py)?;
         // An id no token can have never matches; dropping it is harmless.
@@ -266,7 +269,11 @@ impl NativeEngine {
                 "at most one of json_schema, regex and grammar may be given".into(),
             )));
         }
-        let opts = GenerateOptions { max_new_tokens, sampling, stop_ids, logprobs, constraint, speculation: None };
+        let speculation = match speculative {
+            None => None,
+            Some(s) => Some(Speculation { drafts: Drafts::parse(s).map_err(to_py)?, tokens: draft_tokens }),
+        };
+        let opts = GenerateOptions { max_new_tokens, sampling, stop_ids, logprobs, constraint, speculation };
         let t = py.detach(|| self.batch.submit(&ids, &opts)).map_err(to_py)?;
         Ok(NativeGeneration { canceller: t.canceller(), inner: Mutex::new(t) })
     }
@@ -301,6 +308,8 @@ impl NativeEngine {
             "finished": s.finished,
             "busy_seconds": s.busy_seconds,
             "kv_tokens": s.kv_tokens,
+            "drafted_tokens": s.drafted_tokens,
+            "accepted_tokens": s.accepted_tokens,
             "max_batch": o.max_batch,
             "max_queue": o.max_queue,
             "step_budget": o.step_tokens,
@@ -419,6 +428,9 @@ impl NativeEngine {
 /// Per token: its log-probability and the top alternatives.
 type LogprobRows = Vec<(f32, Vec<(u32, f32)>)>;
 
+/// What `NativeGeneration.timings` returns (see there).
+type TimingsTuple = (usize, usize, f64, f64, usize, usize, usize, usize);
+
 #[pyclass(frozen, module = "colibri._colibri", name = "NativeGeneration")]
 struct NativeGeneration {
     inner: Mutex<Ticket>,
@@ -485,10 +497,20 @@ impl NativeGeneration {
     }
 
     /// (prompt tokens, generated tokens, prefill seconds, decode seconds,
-    /// prompt tokens from the prefix cache).
-    fn timings(&self) -> PyResult<(usize, usize, f64, f64, usize)> {
+    /// prompt tokens from the prefix cache, drafted tokens, accepted
+    /// drafts, decode passes).
+    fn timings(&self) -> PyResult<TimingsTuple> {
         let t = self.lock()?.timings();
-        Ok((t.prompt_tokens, t.generated_tokens, t.prefill.as_secs_f64(), t.decode.as_secs_f64(), t.cached_tokens))
+        Ok((
+            t.prompt_tokens,
+            t.generated_tokens,
+            t.prefill.as_secs_f64(),
+            t.decode.as_secs_f64(),
+            t.cached_tokens,
+            t.drafted_tokens,
+            t.accepted_tokens,
+            t.decode_passes,
+        ))
     }
 }
 

@@ -1,0 +1,58 @@
+"""Speculative decoding with n-gram drafts: on every family's fixture and the
+demo model, the output is token for token (and log-probability for
+log-probability) the output without it, greedy and seeded; drafts are made,
+some confirmed, and the counts are reported."""
+
+from __future__ import annotations
+
+import pytest
+
+import colibri
+from colibri import InvalidInputError
+from conftest import CASES
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_drafts_change_no_token_on_any_family(case, converted, golden):
+    g = golden(case)
+    engine = colibri.Engine(converted(case))
+    # A prompt that repeats itself, so its n-grams recur.
+    prompt = (g["ids_7"].tolist() * 5)[:33]
+    for sampling in ({"temperature": 0}, {"temperature": 0.8, "seed": 5}):
+        want = engine.generate(prompt, max_new_tokens=20, logprobs=2, **sampling)
+        got = engine.generate(prompt, max_new_tokens=20, logprobs=2, speculative="ngram", **sampling)
+        assert list(got) == list(want) and got.logprobs == want.logprobs, f"{case} {sampling}"
+        t = got.timings
+        assert t.decode_passes + t.accepted_tokens == t.generated_tokens - 1, t
+        assert want.timings.drafted_tokens == 0 and want.timings.decode_passes == len(want) - 1
+
+
+def test_seeded_sampling_and_greedy_on_the_demo_model():
+    engine = colibri.Engine.demo()
+    text = "It is a truth universally acknowledged. It is a truth universally acknowledged. It is a"
+    confirmed = 0
+    for seed in range(6):
+        opts = {"max_new_tokens": 48, "temperature": 0.7 if seed else 0, "top_p": 0.9, "seed": seed}
+        want = engine.generate(text, **opts)
+        for k in (1, 4, 16):
+            got = engine.generate(text, speculative="ngram", draft_tokens=k, **opts)
+            assert got.token_ids == want.token_ids, (seed, k)
+            confirmed += got.timings.accepted_tokens
+    assert confirmed > 0
+    stats = engine.batch_stats()
+    assert 0 < stats["accepted_tokens"] <= stats["drafted_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"speculative": "eagle"}, "speculative"),
+        ({"speculative": "ngram", "draft_tokens": 0}, "draft_tokens"),
+        ({"speculative": "ngram", "draft_tokens": 17}, "draft_tokens"),
+        ({"speculative": "mtp"}, "multi-token-prediction"),
+    ],
+)
+def test_bad_speculation_is_refused(options, match):
+    engine = colibri.Engine.demo()
+    with pytest.raises(InvalidInputError, match=match):
+        engine.generate("Hello", max_new_tokens=4, **options)
