@@ -1,8 +1,8 @@
 """Speculative decoding with n-gram drafts against plain decoding.
 
 Greedy decode tokens/s of one sequence (``--tokens`` new tokens; the time
-after the first token, so prefill is apart), and aggregate tokens/s of eight
-sequences at once, with drafts of up to K tokens and without. Prompts:
+after the first token, so prefill is apart), and aggregate tokens/s of several
+sequences at once (``--clients``), with drafts of up to K tokens and without. Prompts:
 
 - ``edit``: a passage given twice and begun a third time, as a code edit
   gives the file it changes: output that repeats its input, where drafts pay;
@@ -62,13 +62,15 @@ def worker(args: argparse.Namespace) -> dict[str, float]:
         r = engine.generate(prompt, **opts)
         out[f"{name}_one"] = r.timings.decode_tokens_per_second
         out[f"{name}_per_pass"] = r.timings.tokens_per_pass
-        t0 = time.perf_counter()
-        threads = [threading.Thread(target=engine.generate, args=(prompt,), kwargs=opts) for _ in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        out[f"{name}_eight"] = 8 * args.tokens / (time.perf_counter() - t0)
+        for n in map(int, args.clients.split(",")):
+            t0 = time.perf_counter()
+            gen = engine.generate
+            threads = [threading.Thread(target=gen, args=(prompt,), kwargs=opts) for _ in range(n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            out[f"{name}_x{n}"] = n * args.tokens / (time.perf_counter() - t0)
     return out
 
 
@@ -79,6 +81,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=160)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--drafts", default="4,8", help="draft lengths to try")
+    ap.add_argument("--clients", default="8", help="sequences at once for the aggregate figures")
     ap.add_argument("--mode", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.mode:
@@ -97,6 +100,8 @@ def main() -> None:
                 str(args.tokens),
                 "--threads",
                 str(args.threads),
+                "--clients",
+                args.clients,
             ]
             if args.model:
                 cmd += ["--model", args.model]
@@ -104,17 +109,21 @@ def main() -> None:
             runs[m].append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(f"round {r + 1} {m}: {runs[m][-1]}", file=sys.stderr, flush=True)
     med = {m: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for m, rs in runs.items()}
+    clients = [int(n) for n in args.clients.split(",")]
     print(f"\nmedians of {args.rounds} rounds, {args.tokens} new tokens, {args.threads} threads")
-    print("| prompt | mode | one sequence tok/s | vs none | tokens per pass | 8 sequences tok/s | vs none |")
-    print("|---|---|---|---|---|---|---|")
+    head = " | ".join(f"{n} sequences tok/s (vs none)" for n in clients)
+    print(f"| prompt | mode | one sequence tok/s | vs none | tokens per pass | {head} |")
+    print("|---" * (5 + len(clients)) + "|")
     for p in ("edit", "fresh"):
         base = med["none"]
         for m in modes:
             x = med[m]
-            one, eight = x[p + "_one"], x[p + "_eight"]
+            one = x[p + "_one"]
+            cells = [f"{x[f'{p}_x{n}']:.0f} ({x[f'{p}_x{n}'] / base[f'{p}_x{n}']:.2f}x)" for n in clients]
             print(
                 f"| {p} | {m} | {one:.0f} | {one / base[p + '_one']:.2f}x | {x[p + '_per_pass']:.2f} | "
-                f"{eight:.0f} | {eight / base[p + '_eight']:.2f}x |"
+                + " | ".join(cells)
+                + " |"
             )
     print(json.dumps({"runs": runs, "medians": med}), file=sys.stderr)
 

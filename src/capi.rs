@@ -445,6 +445,7 @@ unsafe fn options(m: &Model, s: *const Sampling) -> Result<GenerateOptions, Erro
         logprobs: None,
         constraint,
         speculation: None,
+        prediction: Vec::new(),
     })
 }
 

@@ -605,3 +605,26 @@ def test_speculative_requests_and_the_server_default(demo):
         assert "colibri_drafted_tokens_total" in metrics and "colibri_accepted_draft_tokens_total" in metrics
     with pytest.raises(colibri.InvalidInputError, match="draft_tokens"):
         create_app(demo, speculative="ngram", draft_tokens=0)
+
+
+def test_openai_predicted_outputs(plain_url):
+    """``prediction`` (OpenAI's predicted outputs) gives drafts: the same
+    answer, right or wrong; a malformed one is a 400 naming it."""
+    o = oai(plain_url)
+    msgs = [{"role": "user", "content": "Tell me about Mr. Darcy."}]
+    want = o.chat.completions.create(model="demo", messages=msgs, max_tokens=24, temperature=0)
+    text = want.choices[0].message.content or ""
+    for guess in (text, [{"type": "text", "text": text[:20]}, {"type": "text", "text": "!" + text[20:]}]):
+        got = o.chat.completions.create(
+            model="demo",
+            messages=msgs,
+            max_tokens=24,
+            temperature=0,
+            prediction={"type": "content", "content": guess},
+        )
+        assert got.choices[0].message.content == text
+    with pytest.raises(openai.BadRequestError) as err:
+        o.chat.completions.create(
+            model="demo", messages=msgs, max_tokens=4, extra_body={"prediction": {"type": "image"}}
+        )
+    assert err.value.body["param"] == "prediction"  # type: ignore[index]

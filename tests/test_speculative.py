@@ -56,3 +56,21 @@ def test_bad_speculation_is_refused(options, match):
     engine = colibri.Engine.demo()
     with pytest.raises(InvalidInputError, match=match):
         engine.generate("Hello", max_new_tokens=4, **options)
+
+
+def test_a_prediction_speeds_up_what_it_gets_right_and_changes_nothing():
+    """OpenAI-style predicted output: drafts come from it too, most hold
+    where it is right, and a wrong prediction changes no token."""
+    engine = colibri.Engine.demo()
+    prompt = "Rewrite the sentence: The cat sat on the mat."
+    want = engine.generate(prompt, max_new_tokens=40, temperature=0)
+    text = str(want)
+    for guess in (text, text[:30] + " something else entirely " + text[30:], "nothing like it at all"):
+        got = engine.generate(prompt, max_new_tokens=40, temperature=0, prediction=guess)
+        assert got.token_ids == want.token_ids
+    right = engine.generate(prompt, max_new_tokens=40, temperature=0, prediction=text)
+    assert right.timings.accepted_tokens >= 20 and right.timings.tokens_per_pass > 2
+    ids = engine.generate(prompt, max_new_tokens=40, temperature=0, prediction=want.token_ids)
+    assert ids.token_ids == want.token_ids and ids.timings.accepted_tokens >= 20
+    with pytest.raises(InvalidInputError, match="prediction"):
+        engine.generate(prompt, max_new_tokens=4, prediction=[engine.vocab_size])

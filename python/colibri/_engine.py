@@ -1026,7 +1026,13 @@ class Engine:
         if not params.ignore_eos:
             stop_ids += [t for t in self.eos_token_ids if t not in stop_ids]
         full = params.with_defaults(self._defaults)
-        native = self._native.start(ids, stop_ids=stop_ids, **full.native())
+        extra: dict[str, Any] = {}
+        if full.prediction is not None:
+            guess = full.prediction
+            extra["prediction"] = (
+                self.tokenize(guess, add_special_tokens=False) if isinstance(guess, str) else list(guess)
+            )
+        native = self._native.start(ids, stop_ids=stop_ids, **full.native(), **extra)
         return Stream(
             native,
             codec=codec,

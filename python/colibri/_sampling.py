@@ -110,6 +110,11 @@ class SamplingParams:
             (``"mtp"``, the model's own prediction layers, is refused: no
             ``.colibri`` file holds them yet.)
         draft_tokens: most tokens drafted per step, 1 to 16 (default 4).
+        prediction: what the output is expected to be, mostly (a text, or
+            token ids): the file an edit rewrites, say, as OpenAI's predicted
+            outputs. Drafts are also taken from it, so the output comes
+            faster where it agrees; it changes no token. Turns on
+            ``speculative="ngram"`` unless ``speculative`` says otherwise.
 
     At most one of ``json_schema``, ``regex`` and ``grammar``: the engine masks
     every token the constraint does not allow before sampling, so greedy
@@ -142,6 +147,7 @@ class SamplingParams:
     grammar: str | None = None
     speculative: str | None = None
     draft_tokens: int = 4
+    prediction: str | tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here
@@ -215,6 +221,12 @@ class SamplingParams:
             )
         if self.speculative not in (None, "ngram", "mtp"):
             raise InvalidInputError(f'speculative must be "ngram", "mtp" or None, got {self.speculative!r}')
+        guess = self.prediction
+        if guess is not None:
+            if not isinstance(guess, str):
+                set_(self, "prediction", tuple(_as_ids(guess, "prediction")))
+            if self.speculative is None:
+                set_(self, "speculative", "ngram")
         if not _is_int(self.draft_tokens) or not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
             raise InvalidInputError(
                 f"draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], got {self.draft_tokens!r}"
@@ -274,6 +286,7 @@ class SamplingOptions(TypedDict, total=False):
     grammar: str | None
     speculative: str | None
     draft_tokens: int
+    prediction: str | Sequence[int] | None
 
 
 _CONSTRAINTS = ("json_schema", "regex", "grammar")

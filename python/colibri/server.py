@@ -108,6 +108,8 @@ _CHAT = _COMMON | {
     "tools",
     "tool_choice",
     "parallel_tool_calls",
+    # OpenAI's predicted outputs: drafts for speculative decoding.
+    "prediction",
 }
 _COMPLETION = _COMMON | {"prompt", "echo", "suffix", "best_of", "return_token_ids"}
 
@@ -218,6 +220,19 @@ class Job:
     constraint_field: str = "response_format"
 
 
+def _prediction(p: Any) -> str:
+    """The text of OpenAI's ``prediction`` field (``{"type": "content",
+    "content": text or text parts}``)."""
+    content = p.get("content") if isinstance(p, dict) and p.get("type") == "content" else None
+    if isinstance(content, list) and all(
+        isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str) for c in content
+    ):
+        content = "".join(c["text"] for c in content)
+    if not isinstance(content, str):
+        raise _bad("prediction", 'must be {"type": "content", "content": a string or text parts}')
+    return content
+
+
 def _parse(
     body: Any, allowed: set[str], chat: bool, engine: Any, model_name: str, call_id: Any = None
 ) -> Job:
@@ -284,6 +299,8 @@ def _parse(
     draft = _int(body, "draft_tokens", 1, MAX_DRAFT_TOKENS)
     if draft is not None:
         opts["draft_tokens"] = draft
+    if body.get("prediction") is not None:
+        opts["prediction"] = _prediction(body["prediction"])
     if opts["seed"] is not None and opts["seed"] < 0:
         opts["seed"] += 1 << 64
     skip = _bool(body, "skip_special_tokens")

@@ -128,7 +128,8 @@ struct Request {
 struct Spec {
     /// Most tokens drafted per step.
     tokens: usize,
-    /// Prompt and output so far: where n-gram drafts are looked up.
+    /// The expected output, the prompt and the output so far: where n-gram
+    /// drafts are looked up.
     text: Vec<u32>,
     /// This step's drafts.
     drafts: Vec<u32>,
@@ -136,7 +137,19 @@ struct Spec {
     feed: Vec<u32>,
     /// Confirmed tokens a linear-attention rollback dropped, fed again next.
     refeed: Vec<u32>,
+    /// Passes in a row whose drafts all failed, and steps left before the
+    /// next draft: a text that does not repeat itself stops paying for
+    /// rows that are thrown away.
+    misses: u32,
+    pause: usize,
+    /// Tokens to draft next: one more than the last pass confirmed, up to
+    /// `tokens`, so rows that would be thrown away are not computed.
+    next: usize,
 }
+
+/// Most steps a sequence whose drafts keep failing waits before drafting
+/// again (the wait doubles with each failed pass: 2, 4, ... this).
+const MAX_DRAFT_PAUSE: usize = 32;
 
 /// A request with its place: its sequence, how much of the prompt is in.
 struct Running {
@@ -553,10 +566,15 @@ fn run(engine: Engine, opts: BatchOptions, shared: Arc<Shared>) {
                     let cap = s.tokens + 1;
                     Box::new(Spec {
                         tokens: s.tokens,
-                        text: req.prompt.clone(),
+                        // The expected output first: the prompt and the
+                        // output, later in the text, are matched first.
+                        text: [req.decoder.take_prediction(), req.prompt.clone()].concat(),
                         drafts: Vec::with_capacity(cap),
                         feed: Vec::with_capacity(2 * cap),
                         refeed: Vec::with_capacity(cap),
+                        misses: 0,
+                        pause: 0,
+                        next: s.tokens,
                     })
                 });
                 let saved = Vec::new();
@@ -589,6 +607,14 @@ fn run(engine: Engine, opts: BatchOptions, shared: Arc<Shared>) {
 /// the speculating sequences in arrival order (each decoder and finishing
 /// prompt has its own row besides).
 pub const DRAFT_ROWS: usize = 16;
+
+/// Most sequences decoding at once for drafts to be made. A drafted token's
+/// row costs nearly a token's whole pass on a fine-grained MoE (it is routed
+/// to experts of its own: a pass of 5 tokens takes 2.6x one of 1 at
+/// Qwen3-30B-A3B's widths), and a batch already fills its pass with other
+/// sequences' tokens: on the demo model 8 sequences drafting ran 1-23%
+/// slower than 8 without where drafts held less than they did for one.
+pub const DRAFT_MAX_DECODERS: usize = 4;
 
 /// What a step feeds one request.
 #[derive(Clone, Copy, Default)]
@@ -623,7 +649,9 @@ fn step(
     for r in running.iter_mut() {
         let pos = r.seq.pos;
         if r.decoding() {
-            plan.push(Planned { pos, ..r.draft(&mut budget, &mut rows) });
+            let mut none = 0;
+            let rows = if decoding <= DRAFT_MAX_DECODERS { &mut rows } else { &mut none };
+            plan.push(Planned { pos, ..r.draft(&mut budget, rows) });
         } else {
             let mut take = (r.req.prompt.len() - r.fed).min(budget);
             if cache.is_some() && r.recurrent {
@@ -743,7 +771,11 @@ impl Running {
         spec.feed.push(last);
         let left = self.req.decoder.max_new_tokens() - self.req.decoder.tokens().len();
         let room = self.seq.max_seq.saturating_sub(self.seq.pos + 1);
-        let k = spec.tokens.min(*budget).min(*rows).min(left.saturating_sub(1)).min(room);
+        let mut k = spec.next.min(*budget).min(*rows).min(left.saturating_sub(1)).min(room);
+        if spec.pause > 0 {
+            spec.pause -= 1;
+            k = 0;
+        }
         if k > 0 {
             crate::engine::draft::ngram(&spec.text, k, &mut spec.drafts);
             spec.feed.extend_from_slice(&spec.drafts);
@@ -794,6 +826,17 @@ impl Running {
             accepted += 1;
             self.req.decoder.record_accepted();
             c.accepted_tokens.fetch_add(1, Ordering::Relaxed);
+        }
+        if let Some(spec) = self.spec.as_deref_mut()
+            && p.drafted > 0
+        {
+            if accepted == 0 {
+                spec.misses += 1;
+                spec.pause = (1usize << spec.misses.min(16)).min(MAX_DRAFT_PAUSE);
+            } else {
+                spec.misses = 0;
+            }
+            spec.next = (accepted + 1).min(spec.tokens);
         }
         if accepted < p.drafted {
             // The rows of the rejected drafts go.

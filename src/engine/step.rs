@@ -50,6 +50,10 @@ pub struct GenerateOptions {
     /// Speculative decoding (drafted tokens verified in one pass; the same
     /// output); `None`: one token per pass.
     pub speculation: Option<Speculation>,
+    /// What the output is expected to be, mostly (OpenAI's predicted
+    /// outputs: the file an edit rewrites): n-gram drafts are looked up in
+    /// it too. Changes no token; empty: none.
+    pub prediction: Vec<u32>,
 }
 
 impl Default for GenerateOptions {
@@ -61,6 +65,7 @@ impl Default for GenerateOptions {
             logprobs: None,
             constraint: None,
             speculation: None,
+            prediction: Vec::new(),
         }
     }
 }
@@ -183,6 +188,8 @@ pub(super) struct Decoder {
     /// The mask of a constrained request.
     guided: Option<Box<Guided>>,
     speculation: Option<Speculation>,
+    /// The expected output drafts are also looked up in (moved out at admission).
+    prediction: Vec<u32>,
 }
 
 /// What one step decided.
@@ -220,6 +227,12 @@ impl Decoder {
         if let Some(s) = &opts.speculation {
             s.check()?;
         }
+        let v = model.config.vocab_size;
+        if let Some(t) = opts.prediction.iter().find(|&&t| t as usize >= v) {
+            return Err(Error::InvalidInput(format!(
+                "prediction: token id {t} is out of range for a vocabulary of {v}"
+            )));
+        }
         let guided = match &opts.constraint {
             None => None,
             Some(c) => Some(Box::new(Guided::new(&*engine.guides()?, c, &opts.stop_ids)?)),
@@ -234,6 +247,7 @@ impl Decoder {
             finish: (opts.max_new_tokens == 0).then_some(FinishReason::Length),
             guided,
             speculation: opts.speculation,
+            prediction: opts.prediction.clone(),
         })
     }
 
@@ -318,6 +332,11 @@ impl Decoder {
     /// Speculative decoding, if asked for.
     pub fn speculation(&self) -> Option<Speculation> {
         self.speculation
+    }
+
+    /// The expected output, once (empty afterwards).
+    pub fn take_prediction(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.prediction)
     }
 
     /// Counts one decode pass, which verifies `drafted` tokens.

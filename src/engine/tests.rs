@@ -500,6 +500,7 @@ fn batched_generations_give_the_tokens_each_gives_alone() {
             logprobs: [None, Some(0), Some(3)][k % 3],
             constraint: None,
             speculation: None,
+            prediction: Vec::new(),
         };
         let alone: Vec<(Vec<u32>, Vec<TokenLogprobs>)> = prompts
             .iter()
@@ -812,7 +813,8 @@ fn a_prefix_cache_is_exact_for_every_state_kind() {
 /// every kind of layer state (rejected drafts roll KV rows back; a
 /// linear-attention state goes back to its checkpoint and the confirmed
 /// tokens are fed again), alone and beside other requests, with and
-/// without a prefix cache; drafts are made and some confirmed.
+/// without a prefix cache, from n-grams of prompt and output and from a
+/// predicted output that is wrong in places; drafts are made and confirmed.
 #[test]
 fn speculative_decoding_changes_no_token() {
     use super::draft::{Drafts, Speculation};
@@ -838,18 +840,25 @@ fn speculative_decoding_changes_no_token() {
             SamplingParams { temperature: 0.9, top_p: 0.95, seed: 11, ..SamplingParams::default() },
         ] {
             let greedy = sampling.temperature == 0.0;
-            let plain = GenerateOptions { max_new_tokens: 150, logprobs: Some(2), sampling, ..Default::default() };
+            let plain = GenerateOptions { max_new_tokens: 80, logprobs: Some(2), sampling, ..Default::default() };
             let fast = GenerateOptions { speculation: spec, ..plain.clone() };
             for prefix_cache_bytes in [0, 8 << 20] {
                 let batch = BatchOptions { max_batch: 4, step_tokens: 16, prefix_cache_bytes, ..Default::default() };
                 let sched = Scheduler::new(&e, batch).unwrap();
                 let mut want = sched.submit(&prompt, &plain).unwrap();
                 let want_ids = collect(&mut want);
-                // Beside a plain request, and twice (the second from the
-                // prefix cache when there is one).
-                for round in 0..2 {
+                // The output as the prediction, wrong at three places: drafts
+                // from it hold up to a wrong token, which is rejected there.
+                let mut predicted = want_ids.clone();
+                for at in [9, 10, 31] {
+                    predicted[at] = (predicted[at] + 1) % v;
+                }
+                // Beside a plain request, and thrice (the later ones from the
+                // prefix cache when there is one; the last with the prediction).
+                for round in 0..3 {
                     let mut other = sched.submit(&prompt[..13], &plain).unwrap();
-                    let mut got = sched.submit(&prompt, &fast).unwrap();
+                    let prediction = if round == 2 { predicted.clone() } else { Vec::new() };
+                    let mut got = sched.submit(&prompt, &GenerateOptions { prediction, ..fast.clone() }).unwrap();
                     assert_eq!(collect(&mut got), want_ids, "config {case}, round {round}");
                     assert_eq!(got.logprobs(), want.logprobs(), "config {case}, round {round}");
                     collect(&mut other);
@@ -861,6 +870,9 @@ fn speculative_decoding_changes_no_token() {
                         "{case}: {t:?}"
                     );
                     assert_eq!(t.decode_passes + t.accepted_tokens + 1, t.generated_tokens, "config {case}: {t:?}");
+                    if round == 2 {
+                        assert!(t.accepted_tokens >= 20, "config {case}: the prediction's drafts held: {t:?}");
+                    }
                 }
                 let st = sched.stats();
                 assert!(st.accepted_tokens <= st.drafted_tokens, "config {case}: {st:?}");

@@ -222,7 +222,7 @@ impl NativeEngine {
     #[pyo3(signature = (
         token_ids, *, max_new_tokens, stop_ids, temperature, top_k, top_p, min_p,
         repetition_penalty, presence_penalty, frequency_penalty, seed, logprobs=None,
-        json_schema=None, regex=None, grammar=None, speculative=None, draft_tokens=4,
+        json_schema=None, regex=None, grammar=None, speculative=None, draft_tokens=4, prediction=Vec::new(),
     ))]
     #[allow(clippy::too_many_arguments)] // keyword-only on the Python side
     fn start(
@@ -245,6 +245,7 @@ impl NativeEngine {
         grammar: Option<String>,
         speculative: Option<&str>,
         draft_tokens: usize,
+        prediction: Vec<i64>,
     ) -> PyResult<NativeGeneration> {
         let ids = to_ids(token_ids).map_err(to_py)?;
         // An id no token can have never matches; dropping it is harmless.
@@ -273,7 +274,9 @@ impl NativeEngine {
             None => None,
             Some(s) => Some(Speculation { drafts: Drafts::parse(s).map_err(to_py)?, tokens: draft_tokens }),
         };
-        let opts = GenerateOptions { max_new_tokens, sampling, stop_ids, logprobs, constraint, speculation };
+        let prediction = to_ids(prediction).map_err(to_py)?;
+        let opts =
+            GenerateOptions { max_new_tokens, sampling, stop_ids, logprobs, constraint, speculation, prediction };
         let t = py.detach(|| self.batch.submit(&ids, &opts)).map_err(to_py)?;
         Ok(NativeGeneration { canceller: t.canceller(), inner: Mutex::new(t) })
     }
