@@ -9,6 +9,10 @@ sequences at once (``--clients``), with drafts of up to K tokens and without. Pr
 - ``fresh``: a passage's opening with nothing repeated, where drafts rarely
   come or hold, to show what trying costs.
 
+Modes: ``none``; ``ngram:K`` (n-gram drafts of up to K tokens); and
+``predict:K``, the same with the plain run's own output given as the
+prediction (OpenAI's predicted outputs at their best: every draft right).
+
 Each mode runs in a fresh process, the modes interleaved ``--rounds`` times;
 the table gives medians. On the demo model by default (``--model FILE`` for
 another; a model without a tokenizer gets its prompts as ids: a random
@@ -53,11 +57,16 @@ def worker(args: argparse.Namespace) -> dict[str, float]:
         else colibri.Engine.demo(threads=args.threads, max_batch=8)
     )
     k = int(args.mode.split(":")[1]) if ":" in args.mode else 0
-    opts: dict[str, object] = {"max_new_tokens": args.tokens, "temperature": 0, "ignore_eos": True}
-    if k:
-        opts.update(speculative="ngram", draft_tokens=k)
+    base: dict[str, object] = {"max_new_tokens": args.tokens, "temperature": 0, "ignore_eos": True}
     out: dict[str, float] = {}
     for name, prompt in prompts(engine).items():
+        opts = dict(base)
+        if k:
+            opts.update(speculative="ngram", draft_tokens=k)
+        if args.mode.startswith("predict"):
+            # The output itself as the prediction: the best case of a
+            # client that knows most of the answer (an edit's unchanged lines).
+            opts["prediction"] = engine.generate(prompt, **base).token_ids
         engine.generate(prompt, max_new_tokens=4)  # warm-up
         r = engine.generate(prompt, **opts)
         out[f"{name}_one"] = r.timings.decode_tokens_per_second
@@ -87,7 +96,8 @@ def main() -> None:
     if args.mode:
         print(json.dumps(worker(args)))
         return
-    modes = ["none"] + [f"ngram:{k}" for k in args.drafts.split(",")]
+    drafts = args.drafts.split(",")
+    modes = ["none"] + [f"ngram:{k}" for k in drafts] + [f"predict:{drafts[-1]}"]
     runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     for r in range(args.rounds):
         for m in modes if r % 2 == 0 else modes[::-1]:

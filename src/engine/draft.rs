@@ -71,19 +71,22 @@ impl Speculation {
     }
 }
 
-/// Up to `k` tokens that followed the latest earlier occurrence of the last
-/// n tokens of `text` (n from 4 down to 2), into `out` (cleared first).
-/// Nothing when no such n-gram occurred before.
+/// Up to `k` tokens that followed an earlier occurrence of the last n
+/// tokens of `text` (n from 4 down to 2; the latest occurrence with `k`
+/// tokens after it, else the latest), into `out` (cleared first). Nothing
+/// when no such n-gram occurred before.
 pub fn ngram(text: &[u32], k: usize, out: &mut Vec<u32>) {
     out.clear();
     let len = text.len();
     for n in (NGRAM_MIN..=NGRAM_MAX.min(len.saturating_sub(1))).rev() {
         let tail = &text[len - n..];
-        // The latest start before the tail's own, so a continuation exists.
-        if let Some(at) = (0..len - n).rev().find(|&i| &text[i..i + n] == tail) {
-            out.extend_from_slice(&text[at + n..(at + n + k).min(len)]);
-            return;
-        }
+        // Starts before the tail's own, so a continuation exists; a match
+        // near the end has only a few tokens after it.
+        let mut found = (0..len - n).rev().filter(|&i| &text[i..i + n] == tail);
+        let Some(latest) = found.next() else { continue };
+        let at = if latest + n + k <= len { latest } else { found.find(|&i| i + n + k <= len).unwrap_or(latest) };
+        out.extend_from_slice(&text[at + n..(at + n + k).min(len)]);
+        return;
     }
 }
 
@@ -92,13 +95,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_latest_longest_match_gives_the_draft() {
+    fn the_latest_longest_match_with_room_gives_the_draft() {
         let mut out = Vec::new();
         // "a b c d" occurs twice; the text ends with "c d": the latest
         // earlier "c d" (at 6) is followed by "x y".
         let text = [1, 2, 3, 4, 9, 1, 3, 4, 7, 8, 5, 3, 4];
         ngram(&text, 2, &mut out);
         assert_eq!(out, [7, 8]);
+        // Asked for more than the latest match has after it: an earlier
+        // match with enough; none has, so the latest.
+        ngram(&text, 6, &mut out);
+        assert_eq!(out, [9, 1, 3, 4, 7, 8]);
         ngram(&text, 10, &mut out);
         assert_eq!(out, [7, 8, 5, 3, 4]);
         // A longer match wins over a later shorter one.
