@@ -612,9 +612,10 @@ pub const DRAFT_ROWS: usize = 16;
 /// row costs nearly a token's whole pass on a fine-grained MoE (it is routed
 /// to experts of its own: a pass of 5 tokens takes 2.6x one of 1 at
 /// Qwen3-30B-A3B's widths), and a batch already fills its pass with other
-/// sequences' tokens: on the demo model 8 sequences drafting ran 1-23%
-/// slower than 8 without where drafts held less than they did for one.
-pub const DRAFT_MAX_DECODERS: usize = 4;
+/// sequences' tokens. On the demo model drafting gained 4-9% at 2 sequences
+/// and ranged from -9% to +5% at 4 and -22% to -1% at 8 (medians of 5, on a
+/// busy machine).
+pub const DRAFT_MAX_DECODERS: usize = 2;
 
 /// What a step feeds one request.
 #[derive(Clone, Copy, Default)]
