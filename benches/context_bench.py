@@ -43,7 +43,7 @@ import make_models as mm  # noqa: E402
 import render_results as R  # noqa: E402
 
 # The dense twin's index_topk: more keys than any context here, so every query keeps all.
-DENSE_TOPK = 1 << 20
+DENSE_TOPK = 65536  # the most colibri accepts
 # The target: DSA decode at 32k context at least this fraction of its speed at 2k.
 KEPT_TARGET = 0.7
 
