@@ -448,3 +448,22 @@ def test_context_run_becomes_a_results_file() -> None:
     assert "| deepseek_v32 | dsa | 32768 | copied | 8.10 | 123.5 | 80% | 4.05x | met | 3 |" in table
     assert "| deepseek_v32 | dense | 32768 | copied | 2.00 | 500.0 | 19% |  |  | 3 |" in table
     assert "| deepseek_v32 | dsa | 2048 | prefilled | 9.80 |" in table
+
+
+def test_best_runs_and_the_targets_they_mark() -> None:
+    raw = bench_raw()
+    cell = raw["cells"][1]
+    cell["model"] = "glm4_7_flash"
+    run = {"decode_n": 64, "prefill64_s": 0.16, "prefill512_s": 0.6}
+    # Three runs each; one llama.cpp run disturbed by other work (its decode collapses).
+    cell["runs"] = {
+        "colibri": [{**run, "decode_s": 64 / v} for v in (50.0, 60.0, 55.0)],
+        "llama.cpp": [{**run, "decode_s": 64 / v} for v in (40.0, 4.0, 44.0)],
+    }
+    data = bench.bench_results([raw])
+    row = next(r for r in data["rows"] if r["shape"] == "glm4_7_flash")
+    assert row["decode_best"] == {"colibri": 60.0, "llama": 44.0, "ratio": 1.36}
+    assert row["targets"]["decode_ratio"] == "met"  # on the best runs: 60 / 44
+    tables = dict(zip(data["views"], renders(data, "x-bench.json")))
+    assert "| glm4_7_flash | q8_0 | 60.00 / 44.00 (1.36x) |" in tables["best"]
+    assert "decode ≥ 1.3x llama.cpp, best runs" in tables["targets"]
