@@ -31,10 +31,9 @@ use colibri::{Engine, EngineOptions};
 fn rows_f32(view: &KvView, n: usize) -> Vec<f32> {
     let w = view.k_row;
     match view.dtype {
-        DType::F16 => view.k[..n * w * 2]
-            .chunks_exact(2)
-            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
+        DType::F16 => {
+            view.k[..n * w * 2].chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+        }
         DType::F32 => bytemuck::cast_slice::<u8, f32>(&view.k[..n * w * 4]).to_vec(),
         other => panic!("a cache of {other}"),
     }
