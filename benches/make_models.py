@@ -91,6 +91,17 @@ class Shape:
     partial_rotary: float = 1.0
     # The released model's depth, for state-memory figures at full size (0: not used).
     hub_layers: int = 0
+    # DeepSeek-V3-style MLA with a low-rank query path (GLM-4.7-Flash, DeepSeek-V3.2):
+    # the query latent's width; 0: one q_proj (DeepSeek-V2-Lite).
+    q_lora_rank: int = 0
+    # Sigmoid routing with a selection-only e_score_correction_bias (GLM-4.7-Flash,
+    # MiniMax-M2, DeepSeek-V3.2), the chosen weights times `routed_scale`.
+    sigmoid_router: bool = False
+    routed_scale: float = 1.0
+    # DeepSeek-V3.2's lightning indexer (DSA); 0 heads: none.
+    index_heads: int = 0
+    index_dim: int = 0
+    index_topk: int = 0
 
     def layer_types(self, layers: int) -> list[str]:
         """Qwen3.5's `layer_types`: three linear-attention layers to one full."""
@@ -102,6 +113,10 @@ class Shape:
         """config.json as the Hub's checkpoint spells it, with `layers` layers."""
         if self.model_type == "deepseek_v2":
             return self._deepseek_v2_config(layers)
+        if self.model_type in ("glm4_moe_lite", "deepseek_v32"):
+            return self._deepseek_v3_config(layers)
+        if self.model_type == "minimax_m2":
+            return self._minimax_m2_config(layers)
         if self.model_type == "gpt_oss":
             return self._gpt_oss_config(layers)
         if self.model_type == "qwen3_5_moe_text":
@@ -218,6 +233,97 @@ class Shape:
             "torch_dtype": "float16",
             "use_cache": True,
             "v_head_dim": self.v_head_dim,
+            "vocab_size": self.vocab,
+        }
+
+    def _deepseek_v3_config(self, layers: int) -> dict:
+        # zai-org/GLM-4.7-Flash's or deepseek-ai/DeepSeek-V3.2's config.json,
+        # less the multi-token-prediction layer and (DeepSeek-V3.2) its YaRN
+        # rope scaling, not needed at these lengths.
+        dense = min(self.dense_layers, layers)
+        cfg = {
+            "architectures": [self.hf_class],
+            "model_type": self.model_type,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "hidden_act": "silu",
+            "hidden_size": self.hidden,
+            "initializer_range": 0.02,
+            "intermediate_size": self.dense_ffn,
+            "kv_lora_rank": self.kv_lora_rank,
+            "max_position_embeddings": self.max_pos,
+            "moe_intermediate_size": self.expert_ffn,
+            "n_group": 1 if self.model_type == "glm4_moe_lite" else 8,
+            "n_routed_experts": self.experts,
+            "n_shared_experts": self.shared_experts,
+            "norm_topk_prob": self.norm_topk_prob,
+            "num_attention_heads": self.heads,
+            "num_experts_per_tok": self.top_k,
+            "num_hidden_layers": layers,
+            "num_key_value_heads": self.kv_heads,
+            "num_nextn_predict_layers": 0,
+            "q_lora_rank": self.q_lora_rank,
+            "qk_nope_head_dim": self.qk_nope_dim,
+            "qk_rope_head_dim": self.qk_rope_dim,
+            "rms_norm_eps": self.rms_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "routed_scaling_factor": self.routed_scale,
+            "scoring_func": "sigmoid",
+            "tie_word_embeddings": False,
+            "topk_group": 1 if self.model_type == "glm4_moe_lite" else 4,
+            "topk_method": "noaux_tc",
+            "torch_dtype": "float16",
+            "use_cache": True,
+            "v_head_dim": self.v_head_dim,
+            "vocab_size": self.vocab,
+        }
+        if self.model_type == "glm4_moe_lite":
+            # GLM-4.7-Flash names its dense layers in mlp_layer_types (transformers
+            # reads no first_k_dense_replace for it) and spells the rope width head_dim.
+            cfg["mlp_layer_types"] = ["dense" if i < dense else "sparse" for i in range(layers)]
+            cfg["head_dim"] = self.qk_rope_dim
+            cfg["rope_interleave"] = True
+        else:
+            cfg["first_k_dense_replace"] = dense
+            cfg["index_n_heads"] = self.index_heads
+            cfg["index_head_dim"] = self.index_dim
+            cfg["index_topk"] = self.index_topk
+        return cfg
+
+    def _minimax_m2_config(self, layers: int) -> dict:
+        # MiniMaxAI/MiniMax-M2's config.json, less its FP8 quantization_config
+        # (the checkpoint here is f16) and the multi-token-prediction keys.
+        return {
+            "architectures": [self.hf_class],
+            "model_type": self.model_type,
+            "attn_type_list": [1] * layers,
+            "bos_token_id": 200034,
+            "eos_token_id": 200020,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "hidden_size": self.hidden,
+            "initializer_range": 0.02,
+            "intermediate_size": self.expert_ffn,
+            "max_position_embeddings": self.max_pos,
+            "num_attention_heads": self.heads,
+            "num_experts_per_tok": self.top_k,
+            "num_hidden_layers": layers,
+            "num_key_value_heads": self.kv_heads,
+            "num_local_experts": self.experts,
+            "qk_norm_type": "per_layer",
+            "rms_norm_eps": self.rms_eps,
+            "rope_theta": self.rope_theta,
+            "rotary_dim": int(self.head_dim * self.partial_rotary),
+            "scoring_func": "sigmoid",
+            "shared_intermediate_size": 0,
+            "tie_word_embeddings": False,
+            "torch_dtype": "float16",
+            "use_cache": True,
+            "use_qk_norm": True,
+            "use_routing_bias": True,
             "vocab_size": self.vocab,
         }
 
@@ -450,6 +556,108 @@ SHAPES = {
         partial_rotary=0.25,
         hub_layers=40,
     ),
+    # zai-org/GLM-4.7-Flash (`glm4_moe_lite`): DeepSeek-V3's latent attention
+    # (q latent 768, kv latent 512, 20 heads of 192 + 64 / 256) under 64 routed
+    # experts, top-4, sigmoid routing with a correction bias, one shared
+    # expert; layer 0 dense as on the Hub (47 layers there).
+    "glm4_7_flash": Shape(
+        name="glm4_7_flash",
+        hf_class="Glm4MoeLiteForCausalLM",
+        model_type="glm4_moe_lite",
+        gguf_arch="deepseek2",
+        hidden=2048,
+        experts=64,
+        top_k=4,
+        expert_ffn=1536,
+        heads=20,
+        kv_heads=20,
+        head_dim=256,  # qk_nope + qk_rope
+        vocab=154880,
+        qk_norm="none",
+        norm_topk_prob=True,
+        rope_theta=1000000.0,
+        rms_eps=1e-5,
+        max_pos=202752,
+        shared_experts=1,
+        dense_layers=1,
+        dense_ffn=10240,
+        kv_lora_rank=512,
+        qk_nope_dim=192,
+        qk_rope_dim=64,
+        v_head_dim=256,
+        q_lora_rank=768,
+        sigmoid_router=True,
+        routed_scale=1.8,
+        hub_layers=47,
+    ),
+    # deepseek-ai/DeepSeek-V3.2 (`deepseek_v32`): DeepSeek Sparse Attention,
+    # MLA of 128 heads behind a lightning indexer (64 heads of 128, 2048 keys
+    # kept) at hidden 7168. The Hub model's first three layers are dense
+    # (18432 wide) and the rest have 256 experts of 2048, top-8, plus one
+    # shared; here all four layers are dense: a dense layer reads the bytes
+    # of a MoE layer's 8 routed + 1 shared experts per token (9 x 2048 =
+    # 18432), and the checkpoint stays 8.5 GB instead of 30 GB.
+    "deepseek_v32": Shape(
+        name="deepseek_v32",
+        hf_class="DeepseekV32ForCausalLM",
+        model_type="deepseek_v32",
+        gguf_arch="deepseek32",
+        hidden=7168,
+        experts=256,
+        top_k=8,
+        expert_ffn=2048,
+        heads=128,
+        kv_heads=128,
+        head_dim=192,
+        vocab=129280,
+        qk_norm="none",
+        norm_topk_prob=True,
+        rope_theta=10000.0,
+        rms_eps=1e-6,
+        max_pos=163840,
+        shared_experts=1,
+        dense_layers=4,
+        dense_ffn=18432,
+        kv_lora_rank=512,
+        qk_nope_dim=128,
+        qk_rope_dim=64,
+        v_head_dim=128,
+        q_lora_rank=1536,
+        sigmoid_router=True,
+        routed_scale=2.5,
+        index_heads=64,
+        index_dim=128,
+        index_topk=2048,
+        hub_layers=61,
+    ),
+    # MiniMaxAI/MiniMax-M2 (`minimax_m2`): GQA 48 / 8 heads of 128 with q/k
+    # norms over the whole projection and rope on 64 of 128, experts of 1536,
+    # top-8, sigmoid routing with a correction bias, no shared expert, 62
+    # layers on the Hub. 64 of the released 256 experts per layer: 4 layers of
+    # 256 are a 29 GB f16 checkpoint; a decoded token reads the same bytes
+    # either way (8 experts a layer), prefill gives each expert 4x the rows.
+    "minimax_m2": Shape(
+        name="minimax_m2",
+        hf_class="MiniMaxM2ForCausalLM",
+        model_type="minimax_m2",
+        gguf_arch="minimax-m2",
+        hidden=3072,
+        experts=64,
+        top_k=8,
+        expert_ffn=1536,
+        heads=48,
+        kv_heads=8,
+        head_dim=128,
+        vocab=200064,
+        qk_norm="full",
+        norm_topk_prob=True,
+        rope_theta=5000000.0,
+        rms_eps=1e-6,
+        max_pos=196608,
+        partial_rotary=0.5,
+        sigmoid_router=True,
+        hub_layers=62,
+    ),
 }
 
 # The shapes written when --shapes is not given (the first two of the suite).
@@ -472,8 +680,10 @@ class Tensor:
 
 def hf_tensors(s: Shape, layers: int) -> list[Tensor]:
     """Every tensor of the Hub checkpoint, in file order."""
-    if s.model_type == "deepseek_v2":
+    if s.model_type in ("deepseek_v2", "glm4_moe_lite", "deepseek_v32"):
         return _deepseek_v2_tensors(s, layers)
+    if s.model_type == "minimax_m2":
+        return _minimax_m2_tensors(s, layers)
     if s.model_type == "gpt_oss":
         return _gpt_oss_tensors(s, layers)
     if s.model_type == "qwen3_5_moe_text":
@@ -524,15 +734,31 @@ def _deepseek_v2_tensors(s: Shape, layers: int) -> list[Tensor]:
     for layer in range(layers):
         p = f"model.layers.{layer}"
         a = f"{p}.self_attn"
+        out.append(Tensor(f"{p}.input_layernorm.weight", (d,), "norm"))
+        if s.q_lora_rank:
+            out += [
+                Tensor(f"{a}.q_a_proj.weight", (s.q_lora_rank, d), "matrix"),
+                Tensor(f"{a}.q_a_layernorm.weight", (s.q_lora_rank,), "norm"),
+                Tensor(f"{a}.q_b_proj.weight", (h * qk, s.q_lora_rank), "matrix"),
+            ]
+        else:
+            out.append(Tensor(f"{a}.q_proj.weight", (h * qk, d), "matrix"))
         out += [
-            Tensor(f"{p}.input_layernorm.weight", (d,), "norm"),
-            Tensor(f"{a}.q_proj.weight", (h * qk, d), "matrix"),
             Tensor(f"{a}.kv_a_proj_with_mqa.weight", (s.kv_lora_rank + s.qk_rope_dim, d), "matrix"),
             Tensor(f"{a}.kv_a_layernorm.weight", (s.kv_lora_rank,), "norm"),
             Tensor(f"{a}.kv_b_proj.weight", (h * (s.qk_nope_dim + s.v_head_dim), s.kv_lora_rank), "matrix"),
             Tensor(f"{a}.o_proj.weight", (d, h * s.v_head_dim), "matrix"),
-            Tensor(f"{p}.post_attention_layernorm.weight", (d,), "norm"),
         ]
+        if s.index_heads:
+            x = f"{a}.indexer"
+            out += [
+                Tensor(f"{x}.wq_b.weight", (s.index_heads * s.index_dim, s.q_lora_rank), "matrix"),
+                Tensor(f"{x}.wk.weight", (s.index_dim, d), "matrix"),
+                Tensor(f"{x}.k_norm.weight", (s.index_dim,), "norm"),
+                Tensor(f"{x}.k_norm.bias", (s.index_dim,), "bias"),
+                Tensor(f"{x}.weights_proj.weight", (s.index_heads, d), "matrix"),
+            ]
+        out.append(Tensor(f"{p}.post_attention_layernorm.weight", (d,), "norm"))
         if layer < s.dense_layers:
             f = s.dense_ffn
             out += [
@@ -542,6 +768,8 @@ def _deepseek_v2_tensors(s: Shape, layers: int) -> list[Tensor]:
             ]
             continue
         out.append(Tensor(f"{p}.mlp.gate.weight", (s.experts, d), "router"))
+        if s.sigmoid_router:
+            out.append(Tensor(f"{p}.mlp.gate.e_score_correction_bias", (s.experts,), "bias"))
         f = s.expert_ffn
         for e in range(s.experts):
             out += [
@@ -555,6 +783,40 @@ def _deepseek_v2_tensors(s: Shape, layers: int) -> list[Tensor]:
             Tensor(f"{p}.mlp.shared_experts.up_proj.weight", (fs, d), "matrix"),
             Tensor(f"{p}.mlp.shared_experts.down_proj.weight", (d, fs), "matrix"),
         ]
+    out += [Tensor("model.norm.weight", (d,), "norm"), Tensor("lm_head.weight", (s.vocab, d), "matrix")]
+    return out
+
+
+def _minimax_m2_tensors(s: Shape, layers: int) -> list[Tensor]:
+    """MiniMaxM2ForCausalLM's tensors: q/k norms over the whole projection,
+    Mixtral's block_sparse_moe names (w1 gate, w3 up, w2 down) and the
+    router's correction bias."""
+    d, q, kv, f = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim, s.expert_ffn
+    out = [Tensor("model.embed_tokens.weight", (s.vocab, d), "embed")]
+    for layer in range(layers):
+        p, a, m = (
+            f"model.layers.{layer}",
+            f"model.layers.{layer}.self_attn",
+            f"model.layers.{layer}.block_sparse_moe",
+        )
+        out += [
+            Tensor(f"{p}.input_layernorm.weight", (d,), "norm"),
+            Tensor(f"{a}.q_proj.weight", (q, d), "matrix"),
+            Tensor(f"{a}.k_proj.weight", (kv, d), "matrix"),
+            Tensor(f"{a}.v_proj.weight", (kv, d), "matrix"),
+            Tensor(f"{a}.o_proj.weight", (d, q), "matrix"),
+            Tensor(f"{a}.q_norm.weight", (q,), "norm"),
+            Tensor(f"{a}.k_norm.weight", (kv,), "norm"),
+            Tensor(f"{p}.post_attention_layernorm.weight", (d,), "norm"),
+            Tensor(f"{m}.gate.weight", (s.experts, d), "router"),
+            Tensor(f"{m}.e_score_correction_bias", (s.experts,), "bias"),
+        ]
+        for e in range(s.experts):
+            out += [
+                Tensor(f"{m}.experts.{e}.w1.weight", (f, d), "matrix"),
+                Tensor(f"{m}.experts.{e}.w3.weight", (f, d), "matrix"),
+                Tensor(f"{m}.experts.{e}.w2.weight", (d, f), "matrix"),
+            ]
     out += [Tensor("model.norm.weight", (d,), "norm"), Tensor("lm_head.weight", (s.vocab, d), "matrix")]
     return out
 
@@ -754,10 +1016,14 @@ def gguf_plan(s: Shape, layers: int) -> list[Entry]:
     gate/up and ``[E, D, F]`` for down (GGUF reverses the dimensions, so
     llama.cpp sees ``{D, F, E}`` and ``{F, D, E}``).
     """
-    if s.model_type == "deepseek_v2":
+    if s.model_type in ("deepseek_v2", "glm4_moe_lite"):
         return _deepseek_v2_plan(s, layers)
+    if s.model_type == "minimax_m2":
+        return _minimax_m2_plan(s, layers)
     if s.model_type == "gpt_oss":
         return _gpt_oss_plan(s, layers)
+    if s.model_type == "deepseek_v32":
+        raise ValueError(f"{s.name}: no GGUF layout here (the DSA shape is timed in colibri only)")
     if s.model_type == "qwen3_5_moe_text":
         return _qwen35moe_plan(s, layers)
 
@@ -825,9 +1091,16 @@ def _deepseek_v2_plan(s: Shape, layers: int) -> list[Entry]:
     for layer in range(layers):
         p, b, a = f"model.layers.{layer}", f"blk.{layer}", f"model.layers.{layer}.self_attn"
         kvb = f"{a}.kv_b_proj.weight"
+        plan.append(e(f"{b}.attn_norm.weight", [f"{p}.input_layernorm.weight"], "norm"))
+        if s.q_lora_rank:
+            plan += [
+                e(f"{b}.attn_q_a.weight", [f"{a}.q_a_proj.weight"], "matrix"),
+                e(f"{b}.attn_q_a_norm.weight", [f"{a}.q_a_layernorm.weight"], "norm"),
+                e(f"{b}.attn_q_b.weight", [f"{a}.q_b_proj.weight"], "matrix"),
+            ]
+        else:
+            plan.append(e(f"{b}.attn_q.weight", [f"{a}.q_proj.weight"], "matrix"))
         plan += [
-            e(f"{b}.attn_norm.weight", [f"{p}.input_layernorm.weight"], "norm"),
-            e(f"{b}.attn_q.weight", [f"{a}.q_proj.weight"], "matrix"),
             e(f"{b}.attn_kv_a_mqa.weight", [f"{a}.kv_a_proj_with_mqa.weight"], "matrix"),
             e(f"{b}.attn_kv_a_norm.weight", [f"{a}.kv_a_layernorm.weight"], "norm"),
             e(
@@ -852,6 +1125,8 @@ def _deepseek_v2_plan(s: Shape, layers: int) -> list[Entry]:
                 plan.append(e(f"{b}.ffn_{gg}.weight", [f"{p}.mlp.{gg}_proj.weight"], "matrix"))
             continue
         plan.append(e(f"{b}.ffn_gate_inp.weight", [f"{p}.mlp.gate.weight"], "norm"))
+        if s.sigmoid_router:
+            plan.append(e(f"{b}.exp_probs_b.bias", [f"{p}.mlp.gate.e_score_correction_bias"], "norm"))
         for gg in ("gate", "up", "down"):
             names = [f"{p}.mlp.experts.{x}.{gg}_proj.weight" for x in range(s.experts)]
             plan.append(e(f"{b}.ffn_{gg}_exps.weight", names, "matrix"))
@@ -859,6 +1134,41 @@ def _deepseek_v2_plan(s: Shape, layers: int) -> list[Entry]:
             plan.append(
                 e(f"{b}.ffn_{gg}_shexp.weight", [f"{p}.mlp.shared_experts.{gg}_proj.weight"], "matrix")
             )
+    plan += [
+        e("output_norm.weight", ["model.norm.weight"], "norm"),
+        e("output.weight", ["lm_head.weight"], "matrix"),
+    ]
+    return plan
+
+
+def _minimax_m2_plan(s: Shape, layers: int) -> list[Entry]:
+    """llama.cpp's `minimax-m2` layout (its converter's MiniMaxM2Model): the
+    Llama names, experts w1 / w3 / w2 stacked into gate / up / down, the
+    correction bias as ``exp_probs_b.bias``. Rope rotates halves in both
+    engines (llama.cpp's NEOX type), so q and k are not permuted."""
+
+    def e(name, hf, kind):
+        return Entry(name, tuple(hf), kind)
+
+    plan = [e("token_embd.weight", ["model.embed_tokens.weight"], "matrix")]
+    for layer in range(layers):
+        p, b = f"model.layers.{layer}", f"blk.{layer}"
+        a, m = f"{p}.self_attn", f"{p}.block_sparse_moe"
+        plan += [
+            e(f"{b}.attn_norm.weight", [f"{p}.input_layernorm.weight"], "norm"),
+            e(f"{b}.attn_q.weight", [f"{a}.q_proj.weight"], "matrix"),
+            e(f"{b}.attn_k.weight", [f"{a}.k_proj.weight"], "matrix"),
+            e(f"{b}.attn_v.weight", [f"{a}.v_proj.weight"], "matrix"),
+            e(f"{b}.attn_output.weight", [f"{a}.o_proj.weight"], "matrix"),
+            e(f"{b}.attn_q_norm.weight", [f"{a}.q_norm.weight"], "norm"),
+            e(f"{b}.attn_k_norm.weight", [f"{a}.k_norm.weight"], "norm"),
+            e(f"{b}.ffn_norm.weight", [f"{p}.post_attention_layernorm.weight"], "norm"),
+            e(f"{b}.ffn_gate_inp.weight", [f"{m}.gate.weight"], "norm"),
+            e(f"{b}.exp_probs_b.bias", [f"{m}.e_score_correction_bias"], "norm"),
+        ]
+        for gg, w in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+            names = [f"{m}.experts.{x}.{w}.weight" for x in range(s.experts)]
+            plan.append(e(f"{b}.ffn_{gg}_exps.weight", names, "matrix"))
     plan += [
         e("output_norm.weight", ["model.norm.weight"], "norm"),
         e("output.weight", ["lm_head.weight"], "matrix"),
@@ -1115,16 +1425,16 @@ def _add_metadata(w, s: Shape, layers: int, cfg: dict) -> None:
     w.add_expert_count(s.experts)
     w.add_expert_used_count(s.top_k)
     w.add_vocab_size(s.vocab)
-    if s.model_type == "deepseek_v2":
+    if s.model_type in ("deepseek_v2", "glm4_moe_lite"):
         # MLA is stored as MQA over the latent: one kv head, keys of
         # kv_lora_rank + rope, values of kv_lora_rank; the MLA head sizes
         # (nope + rope, v) separately.
         w.add_feed_forward_length(s.dense_ffn)
         w.add_head_count_kv(1)
-        w.add_leading_dense_block_count(s.dense_layers)
+        w.add_leading_dense_block_count(min(s.dense_layers, layers))
         # llama.cpp reads q_lora_rank unless the layer count is a known
         # "lite" one (26 or 27 layers); 0 means q_proj, no q_a/q_b.
-        w.add_q_lora_rank(0)
+        w.add_q_lora_rank(s.q_lora_rank)
         w.add_kv_lora_rank(s.kv_lora_rank)
         w.add_key_length(s.kv_lora_rank + s.qk_rope_dim)
         w.add_value_length(s.kv_lora_rank)
@@ -1133,8 +1443,27 @@ def _add_metadata(w, s: Shape, layers: int, cfg: dict) -> None:
         w.add_expert_feed_forward_length(s.expert_ffn)
         w.add_expert_shared_count(s.shared_experts)
         w.add_expert_weights_scale(cfg["routed_scaling_factor"])
-        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
+        if s.sigmoid_router:
+            # GLM-4.7-Flash: as the converter writes it from scoring_func,
+            # norm_topk_prob, n_group and topk_group.
+            w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+            w.add_expert_weights_norm(s.norm_topk_prob)
+            w.add_expert_group_count(cfg["n_group"])
+            w.add_expert_group_used_count(cfg["topk_group"])
+        else:
+            w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
         w.add_rope_dimension_count(s.qk_rope_dim)
+        return
+    if s.model_type == "minimax_m2":
+        # As the converter's MiniMaxM2Model writes them: the expert width is
+        # intermediate_size, rope on rotary_dim of head_dim, sigmoid gating.
+        w.add_feed_forward_length(s.expert_ffn)
+        w.add_head_count_kv(s.kv_heads)
+        w.add_key_length(s.head_dim)
+        w.add_value_length(s.head_dim)
+        w.add_expert_feed_forward_length(s.expert_ffn)
+        w.add_rope_dimension_count(cfg["rotary_dim"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         return
     if s.model_type == "qwen3_5_moe_text":
         # As llama.cpp's converter (Qwen3_5MoeTextModel) writes them; the

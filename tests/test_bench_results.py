@@ -3,6 +3,7 @@ files by benches/render_results.py, and this test fails when either changes with
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -404,3 +405,66 @@ def test_serve_report_writes_a_results_file(tmp_path: Path, monkeypatch, capsys)
     assert render_results.render("zen-test.json", "serving").startswith(
         "*Serving many clients against llama-server"
     )
+
+
+import context_bench  # noqa: E402
+
+
+def context_raw() -> dict:
+    """context_bench.py's raw run: DSA and its dense twin at two contexts, plus a real prefill."""
+    runs = []
+    for ctx, fill, dsa, dense in ((2048, 256, 10.0, 10.5), (32768, 256, 8.0, 2.0), (2048, 2048, 9.8, 10.4)):
+        for rep in range(1 if fill == ctx else 3):
+            for variant, tok_s in (("dsa", dsa + rep * 0.1), ("dense", dense)):
+                runs.append(
+                    {
+                        "model": "deepseek_v32",
+                        "variant": variant,
+                        "rep": rep,
+                        "ctx": ctx,
+                        "fill": fill,
+                        "prefill_s": 1.0,
+                        "decode_tokens": 16,
+                        "decode_s": 16 / tok_s,
+                        "median_step_s": 1 / tok_s,
+                        "tok_s": tok_s,
+                        "threads": 2,
+                        "load_avg": "2.0 2.0 2.0",
+                    }
+                )
+    return {
+        "started": "2026-12-06T17:00:00",
+        "runs": runs,
+        "command": "python benches/context_bench.py --contexts 2048,32768 --check 2048",
+        "machine_info": MACHINE_INFO,
+    }
+
+
+def test_context_run_becomes_a_results_file() -> None:
+    args = argparse.Namespace(layers=4, type="q8_0", threads=2, fill=256, tokens=16)
+    data = context_bench.results(context_raw(), args)
+    (table,) = renders(data, "x-context.json")
+    # Medians of three; DSA at 32k against its own 2k speed and against dense MLA there.
+    dsa_32k = "| deepseek_v32 | dsa | 32768 | copied | 8.10 | 123.5 | 80% | 8.20 | 80% | 4.05x | met | 3 |"
+    assert dsa_32k in table
+    assert "| deepseek_v32 | dense | 32768 | copied | 2.00 | 500.0 | 19% | 2.00 | 19% |  |  | 3 |" in table
+    assert "| deepseek_v32 | dsa | 2048 | prefilled | 9.80 |" in table
+
+
+def test_best_runs_and_the_targets_they_mark() -> None:
+    raw = bench_raw()
+    cell = raw["cells"][1]
+    cell["model"] = "glm4_7_flash"
+    run = {"decode_n": 64, "prefill64_s": 0.16, "prefill512_s": 0.6}
+    # Three runs each; one llama.cpp run disturbed by other work (its decode collapses).
+    cell["runs"] = {
+        "colibri": [{**run, "decode_s": 64 / v} for v in (50.0, 60.0, 55.0)],
+        "llama.cpp": [{**run, "decode_s": 64 / v} for v in (40.0, 4.0, 44.0)],
+    }
+    data = bench.bench_results([raw])
+    row = next(r for r in data["rows"] if r["shape"] == "glm4_7_flash")
+    assert row["decode_best"] == {"colibri": 60.0, "llama": 44.0, "ratio": 1.36}
+    assert row["targets"]["decode_ratio"] == "met"  # on the best runs: 60 / 44
+    tables = dict(zip(data["views"], renders(data, "x-bench.json")))
+    assert "| glm4_7_flash | q8_0 | 60.00 / 44.00 (1.36x) |" in tables["best"]
+    assert "decode ≥ 1.3x llama.cpp, best runs" in tables["targets"]
