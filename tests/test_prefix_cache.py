@@ -86,3 +86,19 @@ def test_concurrent_requests_share_a_cached_prefix(converted, golden):
     for p, (ids, lps, hit) in zip(prompts, got):
         assert (ids, lps) == _run(fresh, p)[:2]
         assert hit == 32
+
+
+def test_longrope_rows_are_reused_only_in_their_regime(converted, golden):
+    """Phi-MoE's LongRoPE rotates a run of tokens ending past 24 (the
+    fixture's threshold) with other magnitudes: rows cached under a short
+    prompt do not serve a long one, and the output stays exact."""
+    g = golden("phimoe")
+    path = converted("phimoe")
+    fresh, cached = colibri.Engine(path), colibri.Engine(path, prefix_cache="16MiB")
+    short = g["ids_33"].tolist()[:20]
+    long = short + g["ids_7"].tolist() + [5, 6, 7]
+    for prompt, served in ((short, 0), (long, 0), (long, 16), (short, 16)):
+        want_ids, want_lps, _ = _run(fresh, prompt)
+        got_ids, got_lps, hit = _run(cached, prompt)
+        assert (got_ids, got_lps) == (want_ids, want_lps)
+        assert hit == served, (len(prompt), hit)

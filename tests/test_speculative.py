@@ -74,3 +74,18 @@ def test_a_prediction_speeds_up_what_it_gets_right_and_changes_nothing():
     assert ids.token_ids == want.token_ids and ids.timings.accepted_tokens >= 20
     with pytest.raises(InvalidInputError, match="prediction"):
         engine.generate(prompt, max_new_tokens=4, prediction=[engine.vocab_size])
+
+
+def test_drafts_never_cross_the_longrope_threshold(converted, golden):
+    """A generation that crosses Phi-MoE's LongRoPE threshold (24 in the
+    fixture) gives the same tokens with drafts: no draft pass ends past it
+    while the rows before it are short."""
+    g = golden("phimoe")
+    engine = colibri.Engine(converted("phimoe"))
+    prompt = g["ids_7"].tolist() * 2
+    want = engine.generate(prompt, max_new_tokens=30, logprobs=1, temperature=0)
+    got = engine.generate(
+        prompt, max_new_tokens=30, logprobs=1, temperature=0, prediction=list(want), draft_tokens=8
+    )
+    assert list(got) == list(want) and got.logprobs == want.logprobs
+    assert got.timings.accepted_tokens > 0

@@ -805,6 +805,16 @@ impl ModelConfig {
         self.layers.len()
     }
 
+    /// LongRoPE's threshold: a pass over a run of tokens ending past it
+    /// rotates them with the long magnitude, so a row's bits depend on the
+    /// length of the run it was computed in (`None` without LongRoPE).
+    pub fn long_rope_after(&self) -> Option<usize> {
+        match &self.rope.scaling {
+            RopeScaling::LongRope { original_max_position_embeddings, .. } => Some(*original_max_position_embeddings),
+            _ => None,
+        }
+    }
+
     /// Routed experts in layer `l`: E for a MoE layer, 0 for a dense one.
     pub fn experts_in_layer(&self, l: usize) -> usize {
         match (&self.layers[l].ffn, &self.moe) {

@@ -166,6 +166,8 @@ struct Running {
     offered: usize,
     /// Speculative decoding's state, when asked for.
     spec: Option<Box<Spec>>,
+    /// The model's LongRoPE threshold: no draft pass crosses it.
+    long_after: Option<usize>,
     /// Where the time of its next token runs from: the start of its first
     /// step, then the moment its last token was chosen.
     since: Option<Instant>,
@@ -253,7 +255,7 @@ impl Scheduler {
                 accepted_tokens: AtomicU64::new(0),
             },
             prefix: Mutex::new(
-                (opts.prefix_cache_bytes > 0).then(|| PrefixCache::new(opts.prefix_cache_bytes).stats()),
+                (opts.prefix_cache_bytes > 0).then(|| PrefixCache::new(opts.prefix_cache_bytes, None).stats()),
             ),
         });
         let (e, sh) = (engine.clone(), shared.clone());
@@ -529,7 +531,8 @@ fn run(engine: Engine, opts: BatchOptions, shared: Arc<Shared>) {
     let mut ws = Workspace::new(model, opts.step_tokens, opts.max_batch + DRAFT_ROWS);
     let mut running: Vec<Running> = Vec::new();
     let c = &shared.counters;
-    let mut cache = (opts.prefix_cache_bytes > 0).then(|| PrefixCache::new(opts.prefix_cache_bytes));
+    let long_after = model.config.long_rope_after();
+    let mut cache = (opts.prefix_cache_bytes > 0).then(|| PrefixCache::new(opts.prefix_cache_bytes, long_after));
     loop {
         {
             let mut q = shared.queue();
@@ -578,7 +581,18 @@ fn run(engine: Engine, opts: BatchOptions, shared: Arc<Shared>) {
                     })
                 });
                 let saved = Vec::new();
-                running.push(Running { req, seq, fed, recurrent, saved, saved_at: None, offered, spec, since: None });
+                running.push(Running {
+                    req,
+                    seq,
+                    fed,
+                    recurrent,
+                    saved,
+                    saved_at: None,
+                    offered,
+                    spec,
+                    long_after,
+                    since: None,
+                });
             }
         }
         let before = running.len();
@@ -773,6 +787,14 @@ impl Running {
         let left = self.req.decoder.max_new_tokens() - self.req.decoder.tokens().len();
         let room = self.seq.max_seq.saturating_sub(self.seq.pos + 1);
         let mut k = spec.next.min(*budget).min(*rows).min(left.saturating_sub(1)).min(room);
+        if let Some(t) = self.long_after
+            && self.seq.pos < t
+        {
+            // A pass ending past LongRoPE's threshold rotates all its rows
+            // with the long magnitude; one token at a time, the rows before
+            // the threshold keep the short one.
+            k = k.min(t - self.seq.pos - 1);
+        }
         if spec.pause > 0 {
             spec.pause -= 1;
             k = 0;

@@ -93,6 +93,8 @@ struct Block {
 
 /// Cached prefix state within a byte budget; see the module notes.
 pub struct PrefixCache {
+    /// LongRoPE's threshold (see [`Regime`]).
+    long_after: Option<usize>,
     blocks: HashMap<u64, Block>,
     /// (last use, deepest first, key): eviction takes the first.
     order: BTreeSet<(u64, Reverse<usize>, u64)>,
@@ -106,19 +108,35 @@ pub struct Hit {
     pub tokens: usize,
 }
 
-fn key(parent: u64, tokens: &[u32]) -> u64 {
+fn key(parent: u64, tokens: &[u32], regime: Regime) -> u64 {
     // SipHash with fixed keys: the same tokens give the same key in every
     // run. A collision is harmless: blocks are matched on their tokens.
     let mut h = std::hash::DefaultHasher::new();
     parent.hash(&mut h);
     tokens.hash(&mut h);
+    regime.hash(&mut h);
     h.finish()
 }
 
+/// Which LongRoPE magnitude a block's rows were rotated with: a row's bits
+/// depend on the length of the run of tokens it was computed in (past the
+/// threshold, the long one), so blocks of one regime serve only prompts of
+/// that regime. Always `Short` without LongRoPE.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+enum Regime {
+    Short,
+    Long,
+    /// Rows of both (a block across a prompt's end past the threshold):
+    /// kept for its children's keys, never resumed from.
+    Mixed,
+}
+
 impl PrefixCache {
-    /// An empty cache of at most `budget` bytes.
-    pub fn new(budget: usize) -> PrefixCache {
+    /// An empty cache of at most `budget` bytes, for a model whose LongRoPE
+    /// threshold is `long_after` ([`crate::canonical::config::ModelConfig::long_rope_after`]).
+    pub fn new(budget: usize, long_after: Option<usize>) -> PrefixCache {
         PrefixCache {
+            long_after,
             blocks: HashMap::new(),
             order: BTreeSet::new(),
             clock: 0,
@@ -131,12 +149,22 @@ impl PrefixCache {
         PrefixStats { blocks: self.blocks.len(), ..self.stats.clone() }
     }
 
-    /// The keys of the cached blocks `tokens` begins with, in order.
+    /// The regime of a row at `pos` of a sequence whose prompt has
+    /// `prompt` tokens: prompt rows are computed in runs ending at the
+    /// prompt's end, each generated row in a run ending just after it.
+    fn regime(&self, pos: usize, prompt: usize) -> Regime {
+        let end = if pos < prompt { prompt } else { pos + 1 };
+        if self.long_after.is_some_and(|t| end > t) { Regime::Long } else { Regime::Short }
+    }
+
+    /// The keys of the cached blocks `tokens` (a whole prompt) begins
+    /// with, in order.
     fn chain(&self, tokens: &[u32], most: usize) -> Vec<u64> {
         let mut out = Vec::new();
         let mut parent = ROOT;
+        let regime = self.regime(0, tokens.len());
         for part in tokens.chunks_exact(BLOCK).take(most) {
-            let k = key(parent, part);
+            let k = key(parent, part, regime);
             match self.blocks.get(&k) {
                 Some(b) if b.parent == parent && b.tokens == part => out.push(k),
                 _ => break,
@@ -209,7 +237,8 @@ impl PrefixCache {
                 let at = pos0 + j;
                 *t = if at < prompt.len() { prompt[at] } else { more[at - prompt.len()] };
             }
-            let k = key(parent, &part);
+            let (first, last) = (self.regime(pos0, prompt.len()), self.regime(pos0 + BLOCK - 1, prompt.len()));
+            let k = key(parent, &part, if first == last { first } else { Regime::Mixed });
             let saved = state.filter(|s| s.0 == pos0 + BLOCK).map(|s| s.1);
             match self.blocks.get_mut(&k) {
                 Some(b) if b.parent == parent && b.tokens == part => {

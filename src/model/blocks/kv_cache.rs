@@ -22,6 +22,11 @@ pub struct KvCache {
     max_seq: usize,
     /// The position of row 0 (moves forward as a sliding window slides).
     base: usize,
+    /// The first position whose rows hold computed values: 0, or for a
+    /// window's cache resumed at a later position, the first one
+    /// [`KvCache::put_rows`] fills (rows before it stay zero until they
+    /// slide out).
+    first: usize,
     /// The sliding window, if the layer has one.
     window: Option<usize>,
     /// Hkv: heads (1 for MLA).
@@ -54,13 +59,13 @@ impl KvCache {
         // Zeroed allocations: pages are only committed as positions fill.
         let words = |w: usize| (rows * w * es).div_ceil(4);
         let (k, v) = (vec![0.0; words(k_width)], vec![0.0; words(v_width)]);
-        KvCache { dtype, max_seq: rows, base: 0, window, heads, k_width, v_width, k, v }
+        KvCache { dtype, max_seq: rows, base: 0, first: 0, window, heads, k_width, v_width, k, v }
     }
 
     /// Whether the next pass may start at `pos`: the cache still holds
     /// every row its first query reads (always, for a cache of every position).
     pub fn can_resume_at(&self, pos: usize) -> bool {
-        self.window.is_none_or(|w| pos == 0 || (pos + 1).saturating_sub(w) >= self.base)
+        self.window.is_none_or(|w| pos == 0 || (pos + 1).saturating_sub(w) >= self.base.max(self.first))
     }
 
     /// Makes room for positions `pos0..pos0+n` in a sliding window's cache:
@@ -73,6 +78,7 @@ impl KvCache {
         let keep = w - 1 + ROLLBACK;
         if pos0 == 0 {
             self.base = 0;
+            self.first = 0;
         }
         if pos0 + n - self.base <= self.max_seq {
             return;
@@ -126,7 +132,7 @@ impl KvCache {
     /// Whether the rows of positions `pos0..pos0 + n` are still held (all of
     /// them, unless a sliding window has moved past some).
     pub fn holds(&self, pos0: usize, n: usize) -> bool {
-        pos0 >= self.base && pos0 + n - self.base <= self.max_seq
+        pos0 >= self.base.max(self.first) && pos0 + n - self.base <= self.max_seq
     }
 
     /// Appends the stored rows of positions `pos0..pos0 + n` to `out`: every
@@ -147,11 +153,13 @@ impl KvCache {
     }
 
     /// Makes a fresh cache one whose next pass starts at `pos`: a sliding
-    /// window's row 0 becomes the first position [`KvCache::put_rows`] may
-    /// fill (`w − 1 + ROLLBACK` before `pos`, as after a slide).
+    /// window's row 0 becomes `w − 1 + ROLLBACK` positions before `pos` (as
+    /// after a slide), and only the window's `w − 1` rows before `pos` count
+    /// as held once [`KvCache::put_rows`] fills them.
     pub fn start_at(&mut self, pos: usize) {
         if let Some(w) = self.window {
             self.base = pos.saturating_sub(w - 1 + ROLLBACK);
+            self.first = (pos + 1).saturating_sub(w);
         }
     }
 
@@ -208,6 +216,25 @@ impl KvCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A window's cache resumed at a later position holds the window's rows
+    /// before it once they are put back, and not the rows before those
+    /// (zeros, never computed), until a pass from position 0 starts again.
+    #[test]
+    fn a_resumed_window_holds_only_the_rows_put_back() {
+        let (w, pos, n) = (8, 100, 16);
+        let mut c = KvCache::new(DType::F32, 2 * (w + ROLLBACK) + 16, 2, 6, 6, Some(w));
+        c.start_at(pos);
+        let block = vec![0u8; n * c.position_bytes()];
+        // The window's 7 rows before position 100: 93..96 of one block, 96..100 of the next.
+        c.put_rows(80, n, &block, 13, 16);
+        c.put_rows(96, n, &block, 0, 4);
+        assert!(c.holds(pos + 1 - w, w - 1));
+        assert!(!c.holds(pos - w, 1), "a row before the window was never computed");
+        assert!(c.can_resume_at(pos) && !c.can_resume_at(pos - 2));
+        c.store(0, &[0.0; 6], &[0.0; 6]);
+        assert!(c.holds(0, 1));
+    }
     use crate::model::blocks::attention::{Heads, attend};
 
     /// The head-by-head cache, filled in two stores, gives attention the
