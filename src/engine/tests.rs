@@ -730,6 +730,22 @@ fn constrained_and_free_sequences_share_a_batch() {
     assert!(matches!(sched.submit(&prompts[0], &bad), Err(Error::InvalidInput(m)) if m.starts_with("regex")));
 }
 
+/// One random model per kind of layer state (full and sliding-window KV,
+/// MLA's latent, DSA's latent and index keys, Gated DeltaNet and KDA
+/// states, Gemma 4's shape), each with room for 400 positions.
+fn every_state_kind() -> Vec<crate::canonical::config::ModelConfig> {
+    let mut configs = vec![
+        config_for(DType::F32),
+        crate::synth::frontier_config(),
+        crate::synth::sparse_config(),
+        crate::synth::hybrid_config(),
+        crate::synth::kda_hybrid_config(),
+        crate::synth::gemma4_config(),
+    ];
+    configs.iter_mut().for_each(|c| c.max_seq_len = 400);
+    configs
+}
+
 /// A scheduler with a prefix cache gives every request the tokens and
 /// log-probabilities of one without, bit for bit, for every kind of layer
 /// state (full and sliding-window KV, MLA's latent, DSA's latent and index
@@ -741,16 +757,7 @@ fn constrained_and_free_sequences_share_a_batch() {
 #[test]
 fn a_prefix_cache_is_exact_for_every_state_kind() {
     use super::prefix::BLOCK;
-    let configs = [
-        config_for(DType::F32),
-        crate::synth::frontier_config(),
-        crate::synth::sparse_config(),
-        crate::synth::hybrid_config(),
-        crate::synth::kda_hybrid_config(),
-        crate::synth::gemma4_config(),
-    ];
-    for (case, mut cfg) in configs.into_iter().enumerate() {
-        cfg.max_seq_len = 400;
+    for (case, cfg) in every_state_kind().into_iter().enumerate() {
         let (_d, e) = engine_with(&cfg, DType::F32, 2);
         let arch = format!("config {case}");
         let v = e.model().config.vocab_size as u32;
@@ -818,16 +825,7 @@ fn a_prefix_cache_is_exact_for_every_state_kind() {
 #[test]
 fn speculative_decoding_changes_no_token() {
     use super::draft::{Drafts, Speculation};
-    let configs = [
-        config_for(DType::F32),
-        crate::synth::frontier_config(),
-        crate::synth::sparse_config(),
-        crate::synth::hybrid_config(),
-        crate::synth::kda_hybrid_config(),
-        crate::synth::gemma4_config(),
-    ];
-    for (case, mut cfg) in configs.into_iter().enumerate() {
-        cfg.max_seq_len = 400;
+    for (case, cfg) in every_state_kind().into_iter().enumerate() {
         let (_d, e) = engine_with(&cfg, DType::F32, 2);
         let v = e.model().config.vocab_size as u32;
         let mut accepted = 0;
