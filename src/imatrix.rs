@@ -310,7 +310,7 @@ pub fn calibrate(
         if !w.is_empty() {
             let mut s = engine.session(w.len());
             let all = Some(&mut logits[..w.len() * model.config.vocab_size]);
-            engine.run(&mut s, w, Capture { logits: all, hidden: None }, interrupted)?;
+            engine.run(&mut s, w, Capture { logits: all, hidden: None, mtp_logits: None }, interrupted)?;
             tokens += w.len() as u64;
         }
         progress(i + 1, windows.len());

@@ -137,3 +137,14 @@ mod tests {
         }
     }
 }
+
+/// Index of the largest logit (the first one on ties, as torch.argmax).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}

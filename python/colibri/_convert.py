@@ -24,6 +24,7 @@ def convert(
     imatrix: PathLike | None = None,
     force: bool = False,
     progress: bool | None = None,
+    keep_mtp: bool | None = None,
 ) -> dict[str, Any]:
     """Converts a Hugging Face checkpoint folder into one ``.colibri`` file,
     or re-encodes a ``.colibri`` file into another weight type.
@@ -53,6 +54,11 @@ def convert(
             activation. Refused with a clear error if it was made for
             another model.
         progress: draw a progress bar on stderr (default: when stderr is a terminal).
+        keep_mtp: keep the checkpoint's multi-token-prediction layer, which
+            drafts tokens for ``speculative="mtp"`` (DeepSeek-V3 and GLM-4.5's
+            ``num_nextn_predict_layers`` layer, Qwen3-Next and Qwen3.5's
+            ``mtp.*``). ``None`` keeps it when it adds at most 5% to the
+            file; ``True`` is an error for a checkpoint without one.
 
     Returns a summary: ``path``, ``architecture``, ``dtype``, ``recipe``,
     ``tensors``, ``bytes``; with an importance matrix, ``weighted``:
@@ -73,6 +79,7 @@ def convert(
         force=bool(force),
         progress=bool(progress),
         imatrix=imatrix,
+        keep_mtp=keep_mtp,
     )
     return dict(summary)
 

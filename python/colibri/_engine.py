@@ -426,8 +426,14 @@ class Engine:
 
     @property
     def num_layers(self) -> int:
-        """Number of decoder layers."""
-        return len(self._meta["config"]["layers"])
+        """Number of decoder layers (without a multi-token-prediction layer)."""
+        return len(self._meta["config"]["layers"]) - int(self.has_mtp)
+
+    @property
+    def has_mtp(self) -> bool:
+        """Whether the file keeps a multi-token-prediction layer, which drafts
+        tokens for ``speculative="mtp"``."""
+        return self._meta["config"].get("mtp") is not None
 
     @property
     def threads(self) -> int:
@@ -736,6 +742,22 @@ class Engine:
         buf = self._native.hidden_states(ids)
         d = int(self._meta["config"]["hidden_size"])
         return np.frombuffer(buf, dtype=np.float32).reshape(self.num_layers + 1, len(ids), d)
+
+    def mtp_draft_logits(self, token_ids: TokenIds, k: int = 1) -> np.ndarray:
+        """The multi-token-prediction layer's logits, shape
+        ``(len(token_ids) - 1 + k, vocab_size)``.
+
+        Row ``i`` of the first ``len(token_ids) - 1`` comes from the hidden
+        state at position ``i`` and token ``i + 1`` and predicts token
+        ``i + 2``; then ``k`` draft steps follow the model's own most likely
+        next token, each fed the step before's most likely token, as
+        ``speculative="mtp"`` drafts. For checking the layer against a
+        reference; raises :class:`InvalidInputError` for a file without
+        the layer.
+        """
+        ids = _as_ids(token_ids)
+        buf = self._native.mtp_draft_logits(ids, int(k))
+        return np.frombuffer(buf, dtype=np.float32).reshape(len(ids) - 1 + int(k), self.vocab_size)
 
     # ------------------------------------------------------------------
     # Generation

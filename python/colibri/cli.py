@@ -73,6 +73,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         imatrix=args.imatrix,
         force=args.force,
         progress=not args.quiet,
+        keep_mtp=args.keep_mtp,
     )
     if not args.quiet:
         kind = report["recipe"] or report["dtype"]
@@ -234,6 +235,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
             },
             "source_format": _source_format(engine),
             "not_converted": engine.skipped_parts,
+            "mtp_layer": engine.has_mtp,
             "tokenizer": engine.has_tokenizer,
             "chat_template": engine.chat_template is not None,
             "kernels": kernels(),
@@ -248,13 +250,15 @@ def _cmd_info(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
         return 0
     moe = cfg.get("moe") or {}
-    n_moe = sum(1 for layer in cfg["layers"] if layer["ffn"]["kind"] == "moe")
+    main_layers = cfg["layers"][: engine.num_layers]
+    n_moe = sum(1 for layer in main_layers if layer["ffn"]["kind"] == "moe")
+    mtp_note = "; and 1 multi-token-prediction layer (speculative=\"mtp\")" if engine.has_mtp else ""
     rows = [
         ("file", f"{engine.path} ({_human(engine.file_size)})"),
         ("architecture", engine.architecture),
         ("weights", _weights_line(engine)),
         ("parameters", f"{total / 1e6:.2f}M total, {active / 1e6:.2f}M active per token"),
-        ("layers", f"{len(cfg['layers'])} ({n_moe} MoE)"),
+        ("layers", f"{engine.num_layers} ({n_moe} MoE){mtp_note}"),
         (
             "experts",
             f"{moe.get('num_experts', 0)} routed, top-{moe.get('router', {}).get('top_k', 0)}"
@@ -665,6 +669,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="an importance matrix from `colibri calibrate` of the same model: quantise to "
         "minimise the error weighted by each column's activations",
+    )
+    c.add_argument(
+        "--keep-mtp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep (or drop) the checkpoint's multi-token-prediction layer, which drafts tokens for "
+        "--speculative mtp (default: keep it when it adds at most 5%% to the file)",
     )
     c.add_argument("--force", action="store_true", help="overwrite the output if it exists")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")

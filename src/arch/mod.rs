@@ -467,6 +467,8 @@ pub(crate) fn llama_name(id: TensorId) -> Option<String> {
         TensorId::FinalNormBias => "model.norm.bias".into(),
         TensorId::LmHead => "lm_head.weight".into(),
         TensorId::LmHeadBias => "lm_head.bias".into(),
+        // The converter names them by the checkpoint's MTP layout.
+        TensorId::Mtp(_) => return None,
         TensorId::Layer(l, t) => {
             let p = format!("model.layers.{l}");
             match t {

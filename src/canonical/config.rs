@@ -61,8 +61,13 @@ pub struct ModelConfig {
     /// layer attends.
     #[serde(default, skip_serializing_if = "is_default")]
     pub linear: Option<LinearSpec>,
-    /// One entry per decoder layer, in order.
+    /// One entry per decoder layer, in order; the multi-token-prediction
+    /// layers, when kept, last (see [`MtpSpec`]).
     pub layers: Vec<LayerSpec>,
+    /// Multi-token-prediction layers kept from the checkpoint: drafts for
+    /// speculative decoding, never part of the ordinary forward pass.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub mtp: Option<MtpSpec>,
     /// lm_head shares the embedding matrix.
     pub tie_embeddings: bool,
     /// lm_head carries a bias (Phi-MoE).
@@ -89,6 +94,29 @@ pub struct ModelConfig {
     /// by a learned scalar, `LayerScale` (Gemma 4's `layer_scalar`).
     #[serde(default, skip_serializing_if = "is_default")]
     pub layer_scale: bool,
+}
+
+/// A multi-token-prediction (MTP) layer: from the hidden state the model
+/// handed its output head at position `i` and the embedding of token
+/// `i + 1`, a decoder layer of its own predicts token `i + 2`:
+///
+/// ```text
+/// x_i = W · [norm_e(embed(t_{i+1})) ; norm_h(h_i)]        W: [D, 2D]
+/// y   = decoder layer (x) over the MTP rows, position i   (its own KV cache)
+/// logits_i = lm_head(norm_o(y_i))
+/// ```
+///
+/// A second draft step feeds `y` (or `norm_o(y)`) back as the hidden with
+/// the first draft as the token. The layer is the last of
+/// [`ModelConfig::layers`]; its glue tensors are [`TensorId::Mtp`].
+///
+/// [`TensorId::Mtp`]: crate::canonical::tensors::TensorId::Mtp
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MtpSpec {
+    /// The hidden a draft step passes to the next is the layer's output
+    /// after its output norm (Qwen3-Next, Qwen3.5), not before (DeepSeek-V3,
+    /// GLM-4.5).
+    pub chain_normed: bool,
 }
 
 /// The shape of the full-attention layers when it differs from the windowed
@@ -695,6 +723,7 @@ impl Default for ModelConfig {
             moe: None,
             linear: None,
             layers: vec![LayerSpec { mixer: MixerSpec::FULL_ATTENTION, ffn: FfnSpec::Dense { ffn_dim: 11008 } }; 32],
+            mtp: None,
             tie_embeddings: false,
             lm_head_bias: false,
             scales: Scales::default(),
@@ -800,9 +829,21 @@ impl NormSpec {
 }
 
 impl ModelConfig {
-    /// Number of decoder layers.
+    /// Number of layers holding weights and state, the
+    /// multi-token-prediction layer included.
     pub fn num_layers(&self) -> usize {
         self.layers.len()
+    }
+
+    /// Number of layers of the ordinary forward pass (without the
+    /// multi-token-prediction layer).
+    pub fn main_layers(&self) -> usize {
+        self.layers.len() - usize::from(self.mtp.is_some())
+    }
+
+    /// The multi-token-prediction layer's index, when the file keeps one.
+    pub fn mtp_layer(&self) -> Option<usize> {
+        self.mtp.map(|_| self.layers.len() - 1)
     }
 
     /// LongRoPE's threshold: a pass over a run of tokens ending past it
@@ -931,6 +972,19 @@ impl ModelConfig {
         }
         if self.post_norms && self.norm.kind != NormKind::Rms {
             return bad("post-block norms are RMSNorms: they need an RMSNorm model".into());
+        }
+        if self.mtp.is_some() {
+            // One full-attention layer after at least one ordinary one: the
+            // draft step runs it over its own KV cache, rows shifted by one.
+            if self.layers.len() < 2 {
+                return bad("a multi-token-prediction layer needs at least one ordinary layer before it".into());
+            }
+            if self.layers.last().map(|l| l.mixer) != Some(MixerSpec::Attention { window: None }) {
+                return bad("the multi-token-prediction layer must be a full-attention layer".into());
+            }
+            if self.norm.kind != NormKind::Rms {
+                return bad("multi-token-prediction norms are RMSNorms: they need an RMSNorm model".into());
+            }
         }
         if let Some(c) = self.logit_softcap
             && !(c.is_finite() && c > 0.0)

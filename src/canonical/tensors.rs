@@ -183,6 +183,35 @@ pub enum TensorId {
     Layer(usize, LayerTensor),
     /// (layer, expert, which)
     Expert(usize, usize, ExpertTensor),
+    /// The multi-token-prediction layer's glue (its decoder layer is an
+    /// ordinary [`TensorId::Layer`], the last).
+    Mtp(MtpTensor),
+}
+
+/// The tensors around a multi-token-prediction layer (see
+/// [`crate::canonical::config::MtpSpec`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum MtpTensor {
+    /// `[D]` RMSNorm of the next token's embedding.
+    EmbedNorm,
+    /// `[D]` RMSNorm of the hidden state.
+    HiddenNorm,
+    /// `[D, 2D]` projection of the two, embedding first.
+    Proj,
+    /// `[D]` RMSNorm before the output head.
+    OutNorm,
+}
+
+impl MtpTensor {
+    /// The tensor's name in a `.colibri` file, after `mtp.`.
+    pub fn name(self) -> &'static str {
+        match self {
+            MtpTensor::EmbedNorm => "embed_norm",
+            MtpTensor::HiddenNorm => "hidden_norm",
+            MtpTensor::Proj => "proj",
+            MtpTensor::OutNorm => "out_norm",
+        }
+    }
 }
 
 impl std::fmt::Display for TensorId {
@@ -194,6 +223,7 @@ impl std::fmt::Display for TensorId {
             TensorId::FinalNormBias => f.write_str("final_norm.bias"),
             TensorId::LmHead => f.write_str("lm_head"),
             TensorId::LmHeadBias => f.write_str("lm_head.bias"),
+            TensorId::Mtp(t) => write!(f, "mtp.{}", t.name()),
             TensorId::Layer(l, t) => {
                 let n = match t {
                     L::AttnNorm => "attn_norm",
@@ -356,6 +386,7 @@ impl TensorId {
         match self {
             TensorId::Embed => Some(TensorClass::Embed),
             TensorId::LmHead => Some(TensorClass::LmHead),
+            TensorId::Mtp(MtpTensor::Proj) => Some(TensorClass::Attention),
             TensorId::Layer(_, t) => match t {
                 L::Wq | L::Wo | L::WqA | L::WqB | L::Wg | L::IdxWq => Some(TensorClass::Attention),
                 L::Wk | L::Wv | L::WkvA | L::WkB | L::WvB | L::IdxWk => Some(TensorClass::AttentionKv),
@@ -581,6 +612,12 @@ pub fn tensor_plan(cfg: &ModelConfig) -> Vec<PlannedTensor> {
     }
     if cfg.lm_head_bias {
         push(TensorId::LmHeadBias, vec![v], Role::Small);
+    }
+    if cfg.mtp.is_some() {
+        push(TensorId::Mtp(MtpTensor::EmbedNorm), vec![d], Role::Small);
+        push(TensorId::Mtp(MtpTensor::HiddenNorm), vec![d], Role::Small);
+        push(TensorId::Mtp(MtpTensor::Proj), vec![d, 2 * d], Role::Matrix);
+        push(TensorId::Mtp(MtpTensor::OutNorm), vec![d], Role::Small);
     }
     out
 }

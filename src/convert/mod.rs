@@ -14,6 +14,7 @@
 //! instead (`recode.rs`).
 
 mod dequant;
+mod mtp;
 pub mod recipe;
 mod recode;
 pub mod safetensors;
@@ -47,6 +48,10 @@ pub struct ConvertOptions {
     pub force: bool,
     /// Draw a progress bar on stderr (only when it is a terminal).
     pub progress: bool,
+    /// Keep the checkpoint's multi-token-prediction layer (drafts for
+    /// speculative decoding): `None` keeps it when it adds at most a few
+    /// percent to the file.
+    pub keep_mtp: Option<bool>,
 }
 
 /// What a conversion produced.
@@ -444,13 +449,20 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
     // quantisation in text_config.
     let quant = hf.get("quantization_config").or_else(|| hf.get("text_config")?.get("quantization_config"));
     let ck = Checkpoint::open(src, quant.filter(|q| !q.is_null()))?;
+    let mtp_layout = mtp::Layout::find(&hf, |n| ck.get(n).is_some());
+    let cfg = mtp::with_mtp(&hf, cfg, mtp_layout, opts.keep_mtp)?;
+    cfg.validate().map_err(|e| Error::checkpoint(&cfg_path, e.to_string()))?;
+    let source_of = |id| {
+        mtp_layout.and_then(|l| mtp::source(arch, &hf, &cfg, l, id)).unwrap_or_else(|| (arch.source)(&hf, &cfg, id))
+    };
+    let ignored = |n: &str| (arch.ignored)(&hf, n) || mtp_layout.is_some_and(|l| l.owns(n));
     let plan = tensor_plan(&cfg);
 
     // Map every planned tensor to its source, checking presence and shape.
     let mut sources: Vec<(&_, Source, &SrcTensor)> = Vec::with_capacity(plan.len());
     let mut missing = Vec::new();
     for p in &plan {
-        let s = (arch.source)(&hf, &cfg, p.id).resolve(|n| ck.get(n).is_some());
+        let s = source_of(p.id).resolve(|n| ck.get(n).is_some());
         match ck.get(&s.name) {
             None => missing.push(format!("{} (shape {:?})", s.name, p.shape)),
             Some(t) => {
@@ -491,7 +503,7 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
     let used: std::collections::HashSet<&str> = sources.iter().map(|(_, s, _)| s.name.as_str()).collect();
     let tied_head = |n: &str| cfg.tie_embeddings && n == "lm_head.weight";
     let unused: Vec<&str> =
-        ck.names().filter(|n| !used.contains(n) && !ignorable(n) && !tied_head(n) && !(arch.ignored)(&hf, n)).collect();
+        ck.names().filter(|n| !used.contains(n) && !ignorable(n) && !tied_head(n) && !ignored(n)).collect();
     if !unused.is_empty() {
         let more = if unused.len() > 5 { format!(" and {} more", unused.len() - 5) } else { String::new() };
         return Err(Error::checkpoint(
@@ -589,7 +601,7 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
         tokenizer_config: tok_cfg,
         chat_template,
         generation_config: read_json(&src.join("generation_config.json"))?,
-        skipped: skipped_parts(ck.names().filter(|n| !used.contains(n) && (arch.ignored)(&hf, n))),
+        skipped: skipped_parts(ck.names().filter(|n| !used.contains(n) && ignored(n))),
     };
     let meta = FileMeta {
         architecture: arch.hf_class.to_string(),

@@ -28,11 +28,12 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::Engine;
+use super::draft::Drafts;
 use super::prefix::{BLOCK, PrefixCache, PrefixStats};
 use super::step::{Decoder, FinishReason, GenerateOptions, Timings, TokenLogprobs};
 use crate::canonical::state::StateLayout;
 use crate::error::{Error, Result};
-use crate::model::forward::{Segment, forward_batch};
+use crate::model::forward::{Segment, forward_batch, mtp_draft};
 use crate::model::session::{DEFAULT_CHUNK, Sequence, Workspace};
 
 /// How a scheduler batches.
@@ -126,6 +127,8 @@ struct Request {
 
 /// A speculating request's drafts and buffers (allocated once).
 struct Spec {
+    /// Where its drafts come from.
+    from: Drafts,
     /// Most tokens drafted per step.
     tokens: usize,
     /// The expected output, the prompt and the output so far: where n-gram
@@ -559,7 +562,18 @@ fn run(engine: Engine, opts: BatchOptions, shared: Arc<Shared>) {
                 let mut req = q.waiting.pop_front().expect("peeked");
                 let max_seq = req.prompt.len().saturating_add(req.decoder.max_new_tokens());
                 let mut seq = Sequence::new(model, max_seq, opts.step_tokens, engine.kv_dtype());
-                let fed = cache.as_mut().map_or(0, |pc| pc.lookup(&req.prompt, &mut seq).tokens);
+                let mtp = req.decoder.speculation().is_some_and(|s| s.drafts == Drafts::Mtp);
+                if mtp {
+                    // Checked when the request was made: the model has the layer.
+                    seq.enable_mtp(model).expect("a model with a multi-token-prediction layer");
+                }
+                // A resumed prefix would leave the multi-token-prediction
+                // layer without the rows of its positions: such a sequence
+                // computes its whole prompt (its blocks are still offered).
+                let fed = match cache.as_mut() {
+                    Some(pc) if !mtp => pc.lookup(&req.prompt, &mut seq).tokens,
+                    _ => 0,
+                };
                 req.decoder.set_cached(fed);
                 held += need;
                 let recurrent = seq.is_recurrent();
@@ -568,6 +582,7 @@ fn run(engine: Engine, opts: BatchOptions, shared: Arc<Shared>) {
                     seq.allow_logit_rows(1 + s.tokens);
                     let cap = s.tokens + 1;
                     Box::new(Spec {
+                        from: s.drafts,
                         tokens: s.tokens,
                         // The expected output first: the prompt and the
                         // output, later in the text, are matched first.
@@ -666,7 +681,16 @@ fn step(
         if r.decoding() {
             let mut none = 0;
             let rows = if decoding <= DRAFT_MAX_DECODERS { &mut rows } else { &mut none };
-            plan.push(Planned { pos, ..r.draft(&mut budget, rows) });
+            let planned = match r.draft(&mut budget, rows, engine, ws) {
+                Ok(p) => p,
+                Err(e) => {
+                    // The drafting layer failed: the request fails, as a failed pass's would.
+                    let _ = r.req.tx.send(Event::Failed(e));
+                    r.req.cancel.store(true, Ordering::Relaxed);
+                    Planned::default()
+                }
+            };
+            plan.push(Planned { pos, ..planned });
         } else {
             let mut take = (r.req.prompt.len() - r.fed).min(budget);
             if cache.is_some() && r.recurrent {
@@ -765,8 +789,10 @@ impl Running {
     /// tokens a rollback left to feed again, and the drafts) into
     /// `spec.feed`, within the step's token and logit-row budgets (its own
     /// token and row are reserved).
-    fn draft(&mut self, budget: &mut usize, rows: &mut usize) -> Planned {
-        let Some(spec) = self.spec.as_deref_mut() else { return Planned { tokens: 1, rows: 1, ..Planned::default() } };
+    fn draft(&mut self, budget: &mut usize, rows: &mut usize, engine: &Engine, ws: &mut Workspace) -> Result<Planned> {
+        let Some(spec) = self.spec.as_deref_mut() else {
+            return Ok(Planned { tokens: 1, rows: 1, ..Planned::default() });
+        };
         let last = *self.req.decoder.tokens().last().expect("a decoding sequence has a token");
         spec.feed.clear();
         if !spec.refeed.is_empty() {
@@ -776,12 +802,12 @@ impl Running {
                 // More than the step has room for: some now, no choice yet.
                 spec.feed.extend(spec.refeed.drain(..*budget + 1));
                 *budget = 0;
-                return Planned { tokens: spec.feed.len(), ..Planned::default() };
+                return Ok(Planned { tokens: spec.feed.len(), ..Planned::default() });
             }
             *budget -= spec.refeed.len();
             spec.feed.append(&mut spec.refeed);
             spec.feed.push(last);
-            return Planned { tokens: spec.feed.len(), rows: 1, ..Planned::default() };
+            return Ok(Planned { tokens: spec.feed.len(), rows: 1, ..Planned::default() });
         }
         spec.feed.push(last);
         let left = self.req.decoder.max_new_tokens() - self.req.decoder.tokens().len();
@@ -800,7 +826,13 @@ impl Running {
             k = 0;
         }
         if k > 0 {
-            crate::engine::draft::ngram(&spec.text, k, &mut spec.drafts);
+            match spec.from {
+                Drafts::Ngram => crate::engine::draft::ngram(&spec.text, k, &mut spec.drafts),
+                Drafts::Mtp => {
+                    let (model, pool) = (engine.model(), Some(&*engine.pool));
+                    mtp_draft(model, ws, &mut self.seq, last, k, &mut spec.drafts, None, pool)?;
+                }
+            }
             spec.feed.extend_from_slice(&spec.drafts);
         }
         let drafted = spec.feed.len() - 1;
@@ -810,7 +842,7 @@ impl Running {
             // A linear-attention state goes back only to a checkpoint.
             self.seq.checkpoint();
         }
-        Planned { tokens: spec.feed.len(), rows: 1 + drafted, drafted, pos: 0 }
+        Ok(Planned { tokens: spec.feed.len(), rows: 1 + drafted, drafted, pos: 0 })
     }
 
     /// After a pass that computed `p.rows` logit rows: chooses a token from

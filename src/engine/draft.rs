@@ -7,6 +7,11 @@
 //! earlier occurrence of the text's last few tokens. No weights, nothing to
 //! train; they pay where the output repeats its input (code edits,
 //! retrieval, structured answers).
+//!
+//! MTP drafts: the model's own multi-token-prediction layer, run one row
+//! per drafted token from the last hidden state
+//! ([`crate::model::forward::mtp_draft`]). They cost a layer and an output
+//! head per token and guess any text the layer was trained on.
 
 use crate::error::{Error, Result};
 
@@ -27,8 +32,8 @@ pub enum Drafts {
     /// Prompt lookup: the continuation of an earlier occurrence of the last
     /// n-gram, in prompt and output.
     Ngram,
-    /// The model's own multi-token-prediction layers (not in `.colibri`
-    /// files yet: refused).
+    /// The model's own multi-token-prediction layer (when the file keeps
+    /// it: `convert --keep-mtp`).
     Mtp,
 }
 
@@ -54,18 +59,17 @@ pub struct Speculation {
 }
 
 impl Speculation {
-    /// Checks the options against what the model file holds.
-    pub fn check(&self) -> Result<()> {
+    /// Checks the options against what the model file holds (`has_mtp`:
+    /// a multi-token-prediction layer).
+    pub fn check(&self, has_mtp: bool) -> Result<()> {
         if !(1..=MAX_DRAFT_TOKENS).contains(&self.tokens) {
             return Err(Error::InvalidInput(format!(
                 "draft_tokens must be 1 to {MAX_DRAFT_TOKENS}, got {}",
                 self.tokens
             )));
         }
-        if self.drafts == Drafts::Mtp {
-            return Err(Error::InvalidInput(
-                "speculative=\"mtp\": this model file holds no multi-token-prediction layers; use \"ngram\"".into(),
-            ));
+        if self.drafts == Drafts::Mtp && !has_mtp {
+            return Err(Error::InvalidInput(format!("speculative=\"mtp\": {}", crate::model::session::NO_MTP)));
         }
         Ok(())
     }
@@ -125,10 +129,11 @@ mod tests {
 
     #[test]
     fn bad_options_are_refused() {
-        assert!(Speculation { drafts: Drafts::Ngram, tokens: 0 }.check().is_err());
-        assert!(Speculation { drafts: Drafts::Ngram, tokens: MAX_DRAFT_TOKENS + 1 }.check().is_err());
-        assert!(Speculation { drafts: Drafts::Ngram, tokens: 4 }.check().is_ok());
-        assert!(Speculation { drafts: Drafts::Mtp, tokens: 4 }.check().is_err());
+        assert!(Speculation { drafts: Drafts::Ngram, tokens: 0 }.check(false).is_err());
+        assert!(Speculation { drafts: Drafts::Ngram, tokens: MAX_DRAFT_TOKENS + 1 }.check(true).is_err());
+        assert!(Speculation { drafts: Drafts::Ngram, tokens: 4 }.check(false).is_ok());
+        assert!(Speculation { drafts: Drafts::Mtp, tokens: 4 }.check(false).is_err());
+        assert!(Speculation { drafts: Drafts::Mtp, tokens: 4 }.check(true).is_ok());
         assert!(Drafts::parse("eagle").is_err());
     }
 }

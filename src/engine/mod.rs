@@ -170,7 +170,7 @@ impl Engine {
         let mut s = self.session(ids.len());
         crate::model::forward::check_tokens(&self.model, &s.seq, ids)?;
         let mut out = vec![0.0; ids.len() * self.model.config.vocab_size];
-        self.run(&mut s, ids, Capture { logits: Some(&mut out), hidden: None }, interrupted)?;
+        self.run(&mut s, ids, Capture { logits: Some(&mut out), hidden: None, mtp_logits: None }, interrupted)?;
         Ok(out)
     }
 
@@ -180,8 +180,39 @@ impl Engine {
         let mut s = self.session(ids.len());
         crate::model::forward::check_tokens(&self.model, &s.seq, ids)?;
         let c = &self.model.config;
-        let mut out = vec![0.0; (c.num_layers() + 1) * ids.len() * c.hidden_size];
-        self.run(&mut s, ids, Capture { logits: None, hidden: Some(&mut out) }, interrupted)?;
+        let mut out = vec![0.0; (c.main_layers() + 1) * ids.len() * c.hidden_size];
+        self.run(&mut s, ids, Capture { logits: None, hidden: Some(&mut out), mtp_logits: None }, interrupted)?;
+        Ok(out)
+    }
+
+    /// The multi-token-prediction layer's logits for a fresh sequence of
+    /// `ids` (T tokens), `[T − 1 + k, V]` row-major: row `i < T − 1` from the
+    /// hidden state of position `i` and token `i + 1` (predicting token
+    /// `i + 2`), then `k` draft steps continuing from the token the model
+    /// itself ranks first after `ids`, each from the one before's draft (its
+    /// most likely token). What the drafts of speculative decoding are made
+    /// of, for checking against a reference.
+    pub fn mtp_draft_logits(&self, ids: &[u32], k: usize, interrupted: &dyn Fn() -> bool) -> Result<Vec<f32>> {
+        let vocab = self.model.config.vocab_size;
+        self.check_len(ids.len() + k)?;
+        let mut s = self.session(ids.len() + k);
+        s.seq.enable_mtp(&self.model)?;
+        crate::model::forward::check_tokens(&self.model, &s.seq, ids)?;
+        let teacher = (ids.len() - 1) * vocab;
+        let mut out = vec![0.0; teacher + k * vocab];
+        let (rows, steps) = out.split_at_mut(teacher);
+        self.run(&mut s, ids, Capture { mtp_logits: Some(rows), ..Capture::default() }, interrupted)?;
+        let first = crate::engine::sampling::argmax(&s.seq.logits);
+        let mut drafts = Vec::with_capacity(k);
+        let Session { seq, ws } = &mut s;
+        crate::model::forward::mtp_draft(&self.model, ws, seq, first, k, &mut drafts, Some(steps), Some(&*self.pool))?;
+        if drafts.len() < k {
+            return Err(Error::InvalidInput(format!(
+                "{k} draft steps do not fit a context of {} after {} tokens",
+                self.model.config.max_seq_len,
+                ids.len()
+            )));
+        }
         Ok(out)
     }
 

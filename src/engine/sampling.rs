@@ -48,16 +48,7 @@ impl Rng {
     }
 }
 
-/// Index of the largest logit (the first one on ties, as torch.argmax).
-pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
+pub use crate::math::argmax;
 
 /// How the next token is chosen. The neutral value of every knob switches it
 /// off; [`SamplingParams::default`] is plain greedy decoding.

@@ -225,7 +225,7 @@ impl Decoder {
         let sampler = Sampler::new(opts.sampling.clone(), model.config.vocab_size, prompt)?;
         check_ids(model, prompt)?;
         if let Some(s) = &opts.speculation {
-            s.check()?;
+            s.check(model.mtp.is_some())?;
         }
         let v = model.config.vocab_size;
         if let Some(t) = opts.prediction.iter().find(|&&t| t as usize >= v) {

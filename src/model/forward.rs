@@ -39,6 +39,10 @@ pub struct Capture<'a> {
     /// [L+1, T, D]: the embedding, then each layer's output, the last one
     /// after the final norm (transformers' `output_hidden_states` convention).
     pub hidden: Option<&'a mut [f32]>,
+    /// [P, V]: the multi-token-prediction layer's logits of every row a
+    /// drafting sequence computes, by position (row `i` predicts token
+    /// `i + 2`).
+    pub mtp_logits: Option<&'a mut [f32]>,
 }
 
 /// Checks that `tokens` can be appended to the sequence.
@@ -173,7 +177,7 @@ fn forward_chunk(
     let c = &model.config;
     let d = c.hidden_size;
     let n: usize = segs.iter().map(|g| g.tokens.len()).sum();
-    debug_assert!(segs.len() == 1 || (cap.logits.is_none() && cap.hidden.is_none()));
+    debug_assert!(segs.len() == 1 || (cap.logits.is_none() && cap.hidden.is_none() && cap.mtp_logits.is_none()));
     let snap = |hidden: &mut Option<&mut [f32]>, slot: usize, x: &[f32]| {
         if let Some(h) = hidden.as_deref_mut() {
             let at = (slot * total + off) * d;
@@ -184,30 +188,50 @@ fn forward_chunk(
     embed(model, s, segs); // x: [T, D]
     snap(&mut cap.hidden, 0, &s.x);
     rope_angles(model, s, segs);
-    for (l, lw) in model.layers.iter().enumerate() {
-        norm(model, lw.attn_norm, &s.x[..n * d], &mut s.xn[..n * d]);
-        attention(model, l, s, segs, n); // proj: [T, D]
-        post_norm(model, lw.post_norms.map(|[a, _]| a), &mut s.proj[..n * d]);
-        residual(&mut s.x[..n * d], &s.proj[..n * d], c.scales.residual);
-        prefetch_next_layer(model, l, s, n);
-        norm(model, lw.ffn_norm, &s.x[..n * d], &mut s.xn[..n * d]);
-        ffn_or_moe(model, l, s, n)?; // proj: [T, D]
-        post_norm(model, lw.post_norms.map(|[_, f]| f), &mut s.proj[..n * d]);
-        residual(&mut s.x[..n * d], &s.proj[..n * d], c.scales.residual);
-        if let Some(scale) = model.opt_vec(lw.layer_scale) {
-            s.x[..n * d].iter_mut().for_each(|v| *v *= scale[0]);
-        }
-        if l + 1 < c.num_layers() {
+    let layers = c.main_layers();
+    for l in 0..layers {
+        layer(model, l, s, segs, n)?; // x: [T, D]
+        if l + 1 < layers {
             snap(&mut cap.hidden, l + 1, &s.x);
         }
     }
     norm(model, model.final_norm, &s.x[..n * d], &mut s.xn[..n * d]);
-    snap(&mut cap.hidden, c.num_layers(), &s.xn);
+    snap(&mut cap.hidden, layers, &s.xn);
     lm_head(model, s, segs, n, off, cap);
+    let mut r0 = 0;
+    for g in segs.iter_mut() {
+        let m = g.tokens.len();
+        if let Some(rows) = g.seq.mtp.as_mut() {
+            rows.keep(g.seq.pos, &s.xn[r0 * d..(r0 + m) * d], d);
+        }
+        r0 += m;
+    }
     for g in segs.iter_mut() {
         g.seq.pos += g.tokens.len();
     }
     model.telemetry.tokens.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+    for g in segs.iter_mut() {
+        mtp_rows_of_pass(model, s, g, cap.mtp_logits.as_deref_mut())?;
+    }
+    Ok(())
+}
+
+/// One decoder layer over the chunk's `n` rows of `x`, in place.
+fn layer(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n: usize) -> Result<()> {
+    let (c, lw) = (&model.config, &model.layers[l]);
+    let d = c.hidden_size;
+    norm(model, lw.attn_norm, &s.x[..n * d], &mut s.xn[..n * d]);
+    attention(model, l, s, segs, n); // proj: [T, D]
+    post_norm(model, lw.post_norms.map(|[a, _]| a), &mut s.proj[..n * d]);
+    residual(&mut s.x[..n * d], &s.proj[..n * d], c.scales.residual);
+    prefetch_next_layer(model, l, s, n);
+    norm(model, lw.ffn_norm, &s.x[..n * d], &mut s.xn[..n * d]);
+    ffn_or_moe(model, l, s, n)?; // proj: [T, D]
+    post_norm(model, lw.post_norms.map(|[_, f]| f), &mut s.proj[..n * d]);
+    residual(&mut s.x[..n * d], &s.proj[..n * d], c.scales.residual);
+    if let Some(scale) = model.opt_vec(lw.layer_scale) {
+        s.x[..n * d].iter_mut().for_each(|v| *v *= scale[0]);
+    }
     Ok(())
 }
 
@@ -522,7 +546,10 @@ fn prefetch_next_layer(model: &Model, l: usize, s: &mut Workspace, n: usize) {
     if !model.experts.wants_prefetch() {
         return;
     }
-    let Some(next) = model.layers.get(l + 1) else { return };
+    if l + 1 >= model.config.main_layers() {
+        return; // the multi-token-prediction layer runs in a pass of its own
+    }
+    let next = &model.layers[l + 1];
     let Some(layer) = moe_layer(model, l + 1, next) else { return };
     let d = model.config.hidden_size;
     router_input(model, next, &s.x[..n * d], &mut s.moe.pred_x[..n * d]);
@@ -611,17 +638,7 @@ fn lm_head(model: &Model, s: &mut Workspace, segs: &mut [Segment], n: usize, off
     let c = &model.config;
     let (d, vocab) = (c.hidden_size, c.vocab_size);
     let head = model.mat(model.lm_head);
-    let bias_and_scale = |y: &mut [f32]| {
-        if let Some(b) = model.opt_vec(model.lm_head_bias) {
-            add_bias(y, b);
-        }
-        if c.scales.logits_divisor != 1.0 {
-            y.iter_mut().for_each(|v| *v /= c.scales.logits_divisor);
-        }
-        if let Some(cap) = c.logit_softcap {
-            y.iter_mut().for_each(|v| *v = crate::math::tanhf(*v / cap) * cap);
-        }
-    };
+    let bias_and_scale = |y: &mut [f32]| finish_logits(model, y);
     let xn = &s.xn[..n * d];
     if let Some(all) = cap.logits.as_deref_mut() {
         let y = &mut all[off * vocab..(off + n) * vocab];
@@ -652,6 +669,20 @@ fn lm_head(model: &Model, s: &mut Workspace, segs: &mut [Segment], n: usize, off
     }
 }
 
+/// The output head's bias, divisor and soft-cap on one row of logits.
+fn finish_logits(model: &Model, y: &mut [f32]) {
+    let c = &model.config;
+    if let Some(b) = model.opt_vec(model.lm_head_bias) {
+        add_bias(y, b);
+    }
+    if c.scales.logits_divisor != 1.0 {
+        y.iter_mut().for_each(|v| *v /= c.scales.logits_divisor);
+    }
+    if let Some(cap) = c.logit_softcap {
+        y.iter_mut().for_each(|v| *v = crate::math::tanhf(*v / cap) * cap);
+    }
+}
+
 /// A segment's logit rows `[R, V]` into its sequence: the last to `logits`,
 /// the ones before it to `earlier_logits`.
 fn keep_logits(g: &mut Segment, y: &[f32], vocab: usize) {
@@ -663,4 +694,137 @@ fn keep_logits(g: &mut Segment, y: &[f32], vocab: usize) {
 
 fn mlp(model: &Model, m: MlpRefs) -> Mlp<'_> {
     Mlp { gate: model.mat(m.gate), up: model.mat(m.up), down: model.mat(m.down), bias: None }
+}
+
+/// After a pass over a drafting sequence: the multi-token-prediction
+/// layer's rows whose next token the pass fed (positions `held..pos − 1`;
+/// the last position's waits for the token chosen from it). A sequence
+/// whose rows cannot go on (a hidden state they need is gone) drafts no
+/// more; its ordinary output is unaffected.
+fn mtp_rows_of_pass(model: &Model, s: &mut Workspace, g: &mut Segment, logits: Option<&mut [f32]>) -> Result<()> {
+    let d = model.config.hidden_size;
+    let Some(rows) = g.seq.mtp.as_mut().filter(|r| !r.lost) else { return Ok(()) };
+    let (pos, from) = (g.seq.pos, rows.held);
+    let count = (pos - 1).saturating_sub(from);
+    if count == 0 {
+        return Ok(());
+    }
+    let p0 = pos - g.tokens.len();
+    let Some(hidden) = rows.hidden_rows(from, count, d).filter(|_| from + 1 >= p0) else {
+        rows.lost = true;
+        return Ok(());
+    };
+    s.mtp_h[..count * d].copy_from_slice(hidden);
+    let next = &g.tokens[from + 1 - p0..];
+    mtp_layer(model, s, g.seq, from, next, g.end)?; // x: [count, D]
+    if let Some(out) = logits {
+        let vocab = model.config.vocab_size;
+        mtp_head(model, s, count, Some(&mut out[from * vocab..(from + count) * vocab]));
+    }
+    g.seq.mtp.as_mut().expect("checked above").held = from + count;
+    Ok(())
+}
+
+/// The multi-token-prediction layer over the rows of positions
+/// `from..from + t`, reading the hidden states in `s.mtp_h` ([t, D]) and the
+/// tokens `next` (the token after each position): its KV cache rows are
+/// stored, its output left in `s.x` ([t, D]).
+fn mtp_layer(
+    model: &Model,
+    s: &mut Workspace,
+    seq: &mut Sequence,
+    from: usize,
+    next: &[u32],
+    end: usize,
+) -> Result<()> {
+    let c = &model.config;
+    let (d, t) = (c.hidden_size, next.len());
+    let mtp = model.mtp.expect("a drafting sequence's model has the layer");
+    let at = c.mtp_layer().expect("a drafting sequence's model has the layer");
+    let (embed_norm, hidden_norm) = (model.vec(mtp.embed_norm), model.vec(mtp.hidden_norm));
+    let table = model.mat(model.embed);
+    for (i, &tok) in next.iter().enumerate() {
+        let e = &mut s.x[i * d..(i + 1) * d];
+        table.decode_row(tok as usize, e); // [D]
+        if c.scales.embedding != 1.0 {
+            e.iter_mut().for_each(|v| *v *= c.scales.embedding);
+        }
+        let (e_out, h_out) = s.mtp_in[i * 2 * d..(i + 1) * 2 * d].split_at_mut(d);
+        norm_rows(c.norm, e, embed_norm, None, e_out);
+        norm_rows(c.norm, &s.mtp_h[i * d..(i + 1) * d], hidden_norm, None, h_out);
+    }
+    matmul(&model.mat(mtp.proj), &s.xq.prepare(&s.mtp_in[..t * 2 * d], 2 * d), &mut s.x[..t * d]); // [t, D]
+    // The layer sees the sequence shifted by one: at position i, token i + 1.
+    let pos = seq.pos;
+    seq.pos = from;
+    let mut one = [Segment { seq, tokens: next, end, logit_rows: 0 }];
+    rope_angles(model, s, &one);
+    let done = layer(model, at, s, &mut one, t);
+    one[0].seq.pos = pos;
+    done
+}
+
+/// The logits `[t, V]` of the multi-token-prediction layer's `t` rows in
+/// `s.x`, into `out` (or `s.head_y`): its output norm, then the model's
+/// output head (the norm's output is left in `s.xn`).
+fn mtp_head(model: &Model, s: &mut Workspace, t: usize, out: Option<&mut [f32]>) {
+    let c = &model.config;
+    let d = c.hidden_size;
+    let out_norm = model.vec(model.mtp.expect("the layer's glue").out_norm);
+    norm_rows(c.norm, &s.x[..t * d], out_norm, None, &mut s.xn[..t * d]);
+    let out = out.unwrap_or(&mut s.head_y[..t * c.vocab_size]);
+    matmul(&model.mat(model.lm_head), &s.xq.prepare(&s.xn[..t * d], d), out); // [t, V]
+    out.chunks_exact_mut(c.vocab_size).for_each(|y| finish_logits(model, y));
+}
+
+/// Drafts up to `k` tokens with the multi-token-prediction layer into
+/// `out`: `last` is the token just chosen for the sequence's position (not
+/// fed yet). The first step reads the hidden state of the position before
+/// and `last`; each later one the step before's output and draft. Greedy:
+/// each draft is its row's most likely token. Nothing is drafted for a
+/// sequence whose layer rows are not up to its position. With `logits`,
+/// each step's logits row goes there too ([k, V]).
+#[allow(clippy::too_many_arguments)]
+pub fn mtp_draft(
+    model: &Model,
+    s: &mut Workspace,
+    seq: &mut Sequence,
+    last: u32,
+    k: usize,
+    out: &mut Vec<u32>,
+    mut logits: Option<&mut [f32]>,
+    pool: Option<&rayon::ThreadPool>,
+) -> Result<()> {
+    out.clear();
+    let (d, vocab) = (model.config.hidden_size, model.config.vocab_size);
+    let pos = seq.pos;
+    let Some(rows) = seq.mtp.as_ref().filter(|r| !r.lost && pos > 0 && r.held + 1 == pos) else { return Ok(()) };
+    let Some(h) = rows.hidden_rows(pos - 1, 1, d) else { return Ok(()) };
+    s.mtp_h[..d].copy_from_slice(h);
+    check_ids(model, &[last])?;
+    let chain_normed = model.config.mtp.is_some_and(|m| m.chain_normed);
+    let mut tok = last;
+    for j in 0..k.min(seq.max_seq.saturating_sub(pos)) {
+        let step = |s: &mut Workspace, seq: &mut Sequence| -> Result<()> {
+            mtp_layer(model, s, seq, pos - 1 + j, std::slice::from_ref(&tok), pos + k)?; // x: [1, D]
+            mtp_head(model, s, 1, None);
+            Ok(())
+        };
+        match pool {
+            Some(p) => p.install(|| step(s, seq))?,
+            None => step(s, seq)?,
+        }
+        if j == 0 {
+            seq.mtp.as_mut().expect("checked above").held = pos;
+        }
+        let row = &s.head_y[..vocab];
+        if let Some(l) = logits.as_deref_mut() {
+            l[j * vocab..(j + 1) * vocab].copy_from_slice(row);
+        }
+        tok = crate::math::argmax(row);
+        out.push(tok);
+        let chained = if chain_normed { &s.xn[..d] } else { &s.x[..d] };
+        s.mtp_h[..d].copy_from_slice(chained);
+    }
+    Ok(())
 }

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::canonical::config::{self, FfnSpec, MixerSpec, ModelConfig};
-use crate::canonical::tensors::{LayerTensor as L, TensorId};
+use crate::canonical::tensors::{LayerTensor as L, MtpTensor, TensorId};
 use crate::error::Result;
 use crate::format::reader::ColibriFile;
 use crate::kernels::Matrix;
@@ -145,6 +145,20 @@ pub struct LayerRefs {
     pub layer_scale: Option<TensorRef>,
 }
 
+/// The glue around the multi-token-prediction layer (the last of
+/// [`Model::layers`]).
+#[derive(Clone, Copy, Debug)]
+pub struct MtpRefs {
+    /// `[D]` norm of the next token's embedding.
+    pub embed_norm: TensorRef,
+    /// `[D]` norm of the hidden state.
+    pub hidden_norm: TensorRef,
+    /// [D, 2D] projection of the two, embedding first.
+    pub proj: TensorRef,
+    /// `[D]` norm before the output head.
+    pub out_norm: TensorRef,
+}
+
 /// A model ready to run.
 pub struct Model {
     file: Arc<ColibriFile>,
@@ -158,8 +172,10 @@ pub struct Model {
     pub lm_head: TensorRef,
     /// `[V]` lm_head bias.
     pub lm_head_bias: Option<TensorRef>,
-    /// One per decoder layer.
+    /// One per decoder layer, the multi-token-prediction layer last.
     pub layers: Vec<LayerRefs>,
+    /// The multi-token-prediction layer's glue, when the file keeps one.
+    pub mtp: Option<MtpRefs>,
     /// Source of the routed experts' weights.
     pub experts: Box<dyn ExpertStore>,
     /// Precomputed RoPE inverse frequencies and magnitude.
@@ -289,6 +305,15 @@ impl Model {
                 layer_scale: opt(cfg.layer_scale, L::LayerScale)?,
             });
         }
+        let mtp = match cfg.mtp {
+            None => None,
+            Some(_) => Some(MtpRefs {
+                embed_norm: r(TensorId::Mtp(MtpTensor::EmbedNorm))?,
+                hidden_norm: r(TensorId::Mtp(MtpTensor::HiddenNorm))?,
+                proj: r(TensorId::Mtp(MtpTensor::Proj))?,
+                out_norm: r(TensorId::Mtp(MtpTensor::OutNorm))?,
+            }),
+        };
         let embed = r(TensorId::Embed)?;
         let lm_head = if cfg.tie_embeddings { embed } else { r(TensorId::LmHead)? };
         let rope = blocks::rope::Rope::new(&cfg.rope);
@@ -328,6 +353,7 @@ impl Model {
             embed,
             lm_head,
             layers,
+            mtp,
             rope,
             global_rope,
             config: cfg,

@@ -73,6 +73,60 @@ pub struct Sequence {
     /// The position of the last [`Sequence::checkpoint`], while it is still
     /// at or before `pos`.
     checkpoint: Option<usize>,
+    /// Layers of the ordinary forward pass (the multi-token-prediction
+    /// layer, if any, is after them).
+    main_layers: usize,
+    /// The multi-token-prediction layer's rows, when this sequence drafts
+    /// with it ([`Sequence::enable_mtp`]).
+    pub mtp: Option<MtpRows>,
+}
+
+/// The error for drafts asked of a file without a multi-token-prediction layer.
+pub const NO_MTP: &str = "this model file holds no multi-token-prediction layer: convert the checkpoint \
+                          with --keep-mtp (keep_mtp=True), or draft with speculative=\"ngram\"";
+
+/// What a sequence drafting with the multi-token-prediction layer keeps
+/// besides that layer's KV cache. The layer's row at position `i` reads the
+/// hidden state of position `i` and the token at `i + 1`, so it trails the
+/// ordinary layers by one position: each pass computes the rows whose next
+/// token it has, and keeps its hidden states for the rows still to come.
+#[derive(Debug)]
+pub struct MtpRows {
+    /// Positions whose row the layer's cache holds (`0..held`).
+    pub held: usize,
+    /// `[count, D]` hidden states (after the final norm) of positions
+    /// `first..first + count`: the last pass's, after the one before it.
+    hidden: Vec<f32>,
+    first: usize,
+    count: usize,
+    /// A row could not be computed (its hidden state is gone): the layer
+    /// drafts no more for this sequence.
+    pub lost: bool,
+}
+
+impl MtpRows {
+    /// Keeps the hidden states `h` ([m, D]) of positions `pos..pos + m`,
+    /// and the one of `pos − 1` if it was kept.
+    pub fn keep(&mut self, pos: usize, h: &[f32], d: usize) {
+        let m = h.len() / d;
+        let carried = pos.checked_sub(1).and_then(|p| p.checked_sub(self.first)).filter(|&i| i < self.count);
+        let at = usize::from(carried.is_some());
+        if self.hidden.len() < (m + at) * d {
+            self.hidden.resize((m + at) * d, 0.0);
+        }
+        if let Some(i) = carried {
+            self.hidden.copy_within(i * d..(i + 1) * d, 0);
+        }
+        self.hidden[at * d..(at + m) * d].copy_from_slice(h);
+        self.first = pos - at;
+        self.count = m + at;
+    }
+
+    /// The hidden states `[n, D]` of positions `p..p + n`, if kept.
+    pub fn hidden_rows(&self, p: usize, n: usize, d: usize) -> Option<&[f32]> {
+        let i = p.checked_sub(self.first).filter(|&i| i + n <= self.count)?;
+        Some(&self.hidden[i * d..(i + n) * d])
+    }
 }
 
 impl Sequence {
@@ -85,7 +139,31 @@ impl Sequence {
         let layers =
             c.layer_states().into_iter().map(|st| LayerCache::new(c, st, kv_dtype, max_seq, chunk.max(1))).collect();
         let logits = vec![0.0; c.vocab_size];
-        Sequence { max_seq, pos: 0, layers, logits, earlier_logits: Vec::new(), checkpoint: None }
+        let main_layers = c.main_layers();
+        Sequence {
+            max_seq,
+            pos: 0,
+            layers,
+            logits,
+            earlier_logits: Vec::new(),
+            checkpoint: None,
+            main_layers,
+            mtp: None,
+        }
+    }
+
+    /// Makes this fresh sequence compute the multi-token-prediction layer's
+    /// rows as it goes, for drafts (an error when the model has no such
+    /// layer or the sequence has started).
+    pub fn enable_mtp(&mut self, model: &Model) -> Result<()> {
+        if model.mtp.is_none() {
+            return Err(Error::InvalidInput(NO_MTP.into()));
+        }
+        if self.pos != 0 {
+            return Err(Error::InvalidInput("multi-token prediction is enabled before a sequence starts".into()));
+        }
+        self.mtp = Some(MtpRows { held: 0, hidden: Vec::new(), first: 0, count: 0, lost: false });
+        Ok(())
     }
 
     /// Layer `l`'s key/value cache. This is the one place that turns a
@@ -168,6 +246,10 @@ impl Sequence {
         if self.checkpoint.is_some_and(|c| c > pos) {
             self.checkpoint = None;
         }
+        if let Some(m) = self.mtp.as_mut() {
+            // Row i reads token i + 1: rows up to pos − 2 keep theirs.
+            m.held = m.held.min(pos.saturating_sub(1));
+        }
         self.pos = pos;
         Ok(())
     }
@@ -225,7 +307,7 @@ impl Sequence {
             LayerCache::Indexed(..) => Keeps::Rows { window: None },
             LayerCache::Delta(_) => Keeps::State,
         };
-        self.layers.iter().map(keeps).collect()
+        self.layers[..self.main_layers].iter().map(keeps).collect()
     }
 
     /// Layer `l`'s rows of positions `pos0..pos0 + n`, as bytes (every head's
@@ -281,7 +363,7 @@ impl Sequence {
     pub fn resume(&mut self, pos: usize, block: usize, blocks: &[&[Option<Box<[u8]>>]], recurrent: Option<&[f32]>) {
         assert!(self.pos == 0 && pos <= self.max_seq && pos <= blocks.len() * block, "a fresh sequence");
         let mut state = recurrent.unwrap_or(&[]);
-        for (l, layer) in self.layers.iter_mut().enumerate() {
+        for (l, layer) in self.layers[..self.main_layers].iter_mut().enumerate() {
             let (c, mut keys) = match layer {
                 LayerCache::Kv(c) => (c, None),
                 LayerCache::Indexed(c, keys) => (c, Some(keys)),
@@ -422,6 +504,11 @@ pub struct Workspace {
     pub head_x: Vec<f32>,
     /// [S, V] their logits (the lm_head's output).
     pub head_y: Vec<f32>,
+    /// [C, 2D] the multi-token-prediction layer's input, the normed
+    /// embedding and hidden state side by side (empty without the layer).
+    pub mtp_in: Vec<f32>,
+    /// [C, D] the hidden states it reads.
+    pub mtp_h: Vec<f32>,
 }
 
 impl Workspace {
@@ -436,6 +523,7 @@ impl Workspace {
         let ad = c.att_dim().max(qd);
         let k_width = c.layer_states().into_iter().filter_map(|st| cache_shape(st).map(|s| s.1)).max().unwrap_or(0);
         let linear_out = c.linear.as_ref().map_or(0, |l| l.value_dim());
+        let mtp_in = if c.mtp.is_some() { 2 * d } else { 0 };
         let mut fmax = 1;
         for layer in &c.layers {
             if let FfnSpec::Dense { ffn_dim } = layer.ffn {
@@ -473,7 +561,7 @@ impl Workspace {
             shared: vec![0.0; chunk * d],
             g: vec![0.0; chunk * fmax],
             u: vec![0.0; chunk * fmax],
-            xq: Inputs::new(quantize, chunk * d.max(qd).max(ad).max(linear_out)),
+            xq: Inputs::new(quantize, chunk * d.max(qd).max(ad).max(linear_out).max(mtp_in)),
             hq: vec![BlockQ8::default(); q8_blocks(chunk * fmax)],
             cos: vec![0.0; chunk * half],
             sin: vec![0.0; chunk * half],
@@ -484,6 +572,8 @@ impl Workspace {
             moe: MoeScratch::new(chunk, e, k, d, fe),
             head_x: vec![0.0; logit_rows * d],
             head_y: vec![0.0; logit_rows * c.vocab_size],
+            mtp_in: vec![0.0; if c.mtp.is_some() { chunk * 2 * d } else { 0 }],
+            mtp_h: vec![0.0; if c.mtp.is_some() { chunk * d } else { 0 }],
         }
     }
 }

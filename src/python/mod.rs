@@ -217,6 +217,19 @@ impl NativeEngine {
         Ok(f32_bytes(py, &out))
     }
 
+    /// The multi-token-prediction layer's logits as a bytearray of f32,
+    /// shape (T − 1 + k, V) (see `Engine::mtp_draft_logits`).
+    fn mtp_draft_logits<'py>(
+        &self,
+        py: Python<'py>,
+        token_ids: Vec<i64>,
+        k: usize,
+    ) -> PyResult<Bound<'py, PyByteArray>> {
+        let ids = to_ids(token_ids).map_err(to_py)?;
+        let out = py.detach(|| self.inner.mtp_draft_logits(&ids, k, &interrupted)).map_err(to_py)?;
+        Ok(f32_bytes(py, &out))
+    }
+
     /// Queues a generation on the engine's scheduler; it runs beside every
     /// other one, its tokens arriving through `__next__`.
     #[pyo3(signature = (
@@ -520,7 +533,8 @@ impl NativeGeneration {
 /// Converts a Hugging Face folder to a .colibri file (or re-encodes a
 /// .colibri file into another weight type); returns a summary dict.
 #[pyfunction]
-#[pyo3(signature = (src, dst, *, dtype=None, force=false, progress=true, imatrix=None))]
+#[pyo3(signature = (src, dst, *, dtype=None, force=false, progress=true, imatrix=None, keep_mtp=None))]
+#[allow(clippy::too_many_arguments)] // keyword-only on the Python side
 fn convert_checkpoint<'py>(
     py: Python<'py>,
     src: PathBuf,
@@ -529,12 +543,13 @@ fn convert_checkpoint<'py>(
     force: bool,
     progress: bool,
     imatrix: Option<PathBuf>,
+    keep_mtp: Option<bool>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let recipe = match dtype {
         None | Some("auto") => None,
         Some(s) => Some(Recipe::parse(s).map_err(to_py)?),
     };
-    let opts = ConvertOptions { recipe, imatrix, force, progress };
+    let opts = ConvertOptions { recipe, imatrix, force, progress, keep_mtp };
     let report = py.detach(|| convert(&src, &dst, &opts, &interrupted)).map_err(to_py)?;
     let d = PyDict::new(py);
     d.set_item("path", report.path)?;
