@@ -1,0 +1,99 @@
+"""Multi-token-prediction (MTP) layers against the goldens of make_golden.py.
+
+The two fixtures carry one MTP layer each in a Hub layout: ``deepseek_v3_mtp``
+(DeepSeek-V3 / GLM-4.5: ``model.layers.{L}.*`` with enorm, hnorm, eh_proj,
+shared_head) and ``qwen3_5_moe_mtp`` (Qwen3.5 / Qwen3-Next: ``mtp.*``). Their
+``mtp_draft_logits`` [T-1+K, V] hold the teacher-forced rows for ``mtp_ids``
+(T ids) and then K draft steps; tests/fixtures/README.md gives the formula.
+Transformers runs no MTP layer in its forward, so the goldens come from the
+family's decoder layer run by the fixture script (and agree with transformers'
+own MtpModel to ~4e-7 of the logit range, meta.json ``mtp``).
+
+Tolerances as in test_parity.py: within 1e-4 * max(1, max|logit|) and the
+same argmax on every row (each row's top-1 leads its top-2 by more than 1e-2,
+meta.json ``mtp.min_teacher_forced_row_gap`` and the draft-step gaps), so the
+draft tokens, which feed the later steps, are those of the goldens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import colibri
+from conftest import GOLDEN
+
+MTP_CASES = ("deepseek_v3_mtp", "qwen3_5_moe_mtp")
+
+
+def rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got - want).max() / max(1.0, float(np.abs(want).max())))
+
+
+@pytest.fixture(scope="module")
+def with_mtp(tmp_path_factory):
+    """with_mtp(case) -> the case converted with keep_mtp=True (once per module)."""
+    root = tmp_path_factory.mktemp("mtp")
+    cache: dict[str, Path] = {}
+
+    def get(case: str) -> Path:
+        if case not in cache:
+            out = root / f"{case}-mtp.colibri"
+            colibri.convert(GOLDEN / case, out, keep_mtp=True, progress=False)
+            cache[case] = out
+        return cache[case]
+
+    return get
+
+
+def mtp_inputs(golden, case: str) -> tuple[list[int], int, np.ndarray]:
+    g = golden(case)
+    ids = g["mtp_ids"].tolist()
+    k = int(g["mtp_k"].item())
+    want = g["mtp_draft_logits"]
+    assert want.shape == (len(ids) - 1 + k, g["logits_33"].shape[-1])
+    return ids, k, want
+
+
+@pytest.mark.parametrize("case", MTP_CASES)
+def test_mtp_draft_logits_match_the_reference(case, with_mtp, golden):
+    ids, k, want = mtp_inputs(golden, case)
+    engine = colibri.Engine(with_mtp(case))
+    got = engine.mtp_draft_logits(ids, k=k)
+    assert isinstance(got, np.ndarray)
+    assert got.shape == want.shape and got.dtype == np.float32, (got.shape, got.dtype)
+    assert rel_err(got, want) <= 1e-4, f"{case}: {rel_err(got, want):.2e}"
+    teacher = len(ids) - 1
+    draft_got, draft_want = got[teacher:].argmax(-1), want[teacher:].argmax(-1)
+    assert (draft_got == draft_want).all(), f"{case}: draft tokens {draft_got} != {draft_want}"
+    assert (got.argmax(-1) == want.argmax(-1)).all(), f"{case}: argmax of a teacher-forced row differs"
+
+
+@pytest.mark.parametrize("case", MTP_CASES)
+def test_one_draft_step_gives_the_first_rows(case, with_mtp, golden):
+    """The teacher-forced rows and the first step do not depend on how many steps follow."""
+    ids, _, want = mtp_inputs(golden, case)
+    got = colibri.Engine(with_mtp(case)).mtp_draft_logits(ids, k=1)
+    assert got.shape == (len(ids), want.shape[-1])
+    assert rel_err(got, want[: len(ids)]) <= 1e-4, f"{case}: {rel_err(got, want[: len(ids)]):.2e}"
+
+
+@pytest.mark.parametrize("case", MTP_CASES)
+def test_keeping_the_mtp_layer_leaves_the_main_model_alone(case, with_mtp, golden):
+    """The MTP layer is not read as one more main layer: the ordinary goldens still hold."""
+    g = golden(case)
+    engine = colibri.Engine(with_mtp(case))
+    for t in (7, 33):
+        got, want = engine.logits(g[f"ids_{t}"]), g[f"logits_{t}"]
+        assert rel_err(got, want) <= 1e-4, f"{case} T={t}: {rel_err(got, want):.2e}"
+
+
+@pytest.mark.parametrize("case", MTP_CASES)
+def test_a_file_converted_without_keep_mtp_has_no_mtp_layers(case, converted, golden):
+    ids, k, _ = mtp_inputs(golden, case)
+    engine = colibri.Engine(converted(case))
+    with pytest.raises(colibri.InvalidInputError, match=r"(?i)mtp|multi-token") as err:
+        engine.mtp_draft_logits(ids, k=k)
+    assert isinstance(err.value, ValueError)
