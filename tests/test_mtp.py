@@ -97,3 +97,37 @@ def test_a_file_converted_without_keep_mtp_has_no_mtp_layers(case, converted, go
     with pytest.raises(colibri.InvalidInputError, match=r"(?i)mtp|multi-token") as err:
         engine.mtp_draft_logits(ids, k=k)
     assert isinstance(err.value, ValueError)
+
+
+@pytest.mark.parametrize("case", MTP_CASES)
+def test_mtp_drafts_change_no_token(case, with_mtp, golden):
+    """speculative="mtp": greedy and seeded output token for token (and
+    log-probability for log-probability) the output without drafts, alone
+    and beside other sequences; drafts are made and counted."""
+    engine = colibri.Engine(with_mtp(case))
+    g = golden(case)
+    prompts = [g["ids_33"].tolist(), g["ids_7"].tolist(), g["ids_33"].tolist()[5:20]]
+    for sampling in ({"temperature": 0}, {"temperature": 0.8, "seed": 5}):
+        want = [engine.generate(p, max_new_tokens=24, logprobs=2, **sampling) for p in prompts]
+        for k in (1, 3):
+            got = engine.generate(prompts[0], max_new_tokens=24, logprobs=2, speculative="mtp", draft_tokens=k, **sampling)
+            assert list(got) == list(want[0]) and got.logprobs == want[0].logprobs, (case, sampling, k)
+            t = got.timings
+            assert t.drafted_tokens > 0 and t.decode_passes + t.accepted_tokens == t.generated_tokens - 1, t
+        both = engine.generate(prompts, max_new_tokens=24, speculative="mtp", draft_tokens=2, **sampling)
+        assert [list(b) for b in both] == [list(w) for w in want], (case, sampling)
+
+
+def test_mtp_drafts_with_a_prefix_cache_change_nothing(with_mtp, golden):
+    """A drafting sequence computes its whole prompt (the layer needs its
+    rows) but still fills the prefix cache for others."""
+    case = "qwen3_5_moe_mtp"
+    g = golden(case)
+    prompt = g["ids_33"].tolist()
+    plain = colibri.Engine(with_mtp(case)).generate(prompt, max_new_tokens=16)
+    engine = colibri.Engine(with_mtp(case), prefix_cache="16MiB")
+    first = engine.generate(prompt, max_new_tokens=16, speculative="mtp")
+    again = engine.generate(prompt, max_new_tokens=16, speculative="mtp")
+    other = engine.generate(prompt, max_new_tokens=16)
+    assert list(first) == list(again) == list(other) == list(plain)
+    assert again.timings.cached_tokens == 0 and other.timings.cached_tokens > 0

@@ -772,7 +772,10 @@ fn mtp_head(model: &Model, s: &mut Workspace, t: usize, out: Option<&mut [f32]>)
     let d = c.hidden_size;
     let out_norm = model.vec(model.mtp.expect("the layer's glue").out_norm);
     norm_rows(c.norm, &s.x[..t * d], out_norm, None, &mut s.xn[..t * d]);
-    let out = out.unwrap_or(&mut s.head_y[..t * c.vocab_size]);
+    let out = match out {
+        Some(o) => o,
+        None => &mut s.head_y[..t * c.vocab_size],
+    };
     matmul(&model.mat(model.lm_head), &s.xq.prepare(&s.xn[..t * d], d), out); // [t, V]
     out.chunks_exact_mut(c.vocab_size).for_each(|y| finish_logits(model, y));
 }
