@@ -98,6 +98,13 @@ typedef struct {
   const char *regex;
   // A grammar in llguidance's Lark syntax (NUL-terminated) the output must follow; null = none.
   const char *grammar;
+  // Speculative decoding: 0 = off, 1 = n-gram drafts (prompt lookup),
+  // 2 = the model's multi-token-prediction layer (a file converted with
+  // `--keep-mtp`). The output is the same as without; only its speed
+  // changes. Callers built against a header before this field get 0.
+  int speculative;
+  // Most tokens drafted per step, 1 to 16.
+  uint32_t draft_tokens;
 } colibri_sampling;
 
 // Called with each new token; return nonzero to stop the generation.

@@ -22,7 +22,10 @@ use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::PathBuf;
 
-use crate::engine::{Constraint, Engine, EngineOptions, GenerateOptions, SamplingParams, never};
+use crate::engine::{
+    BatchOptions, Constraint, Drafts, Engine, EngineOptions, GenerateOptions, SamplingParams, Scheduler, Speculation,
+    never,
+};
 use crate::error::Error;
 use crate::model::store::{HeatFile, StoreOptions};
 
@@ -112,6 +115,8 @@ fn invalid(msg: impl Into<String>) -> Error {
 pub struct Model {
     engine: Engine,
     eos: Vec<u32>,
+    /// The scheduler that runs speculative generations, made at the first.
+    scheduler: std::sync::OnceLock<Scheduler>,
 }
 
 /// Options for [`colibri_init_model`]; `colibri_options_default` fills them.
@@ -166,6 +171,13 @@ pub struct Sampling {
     pub regex: *const c_char,
     /// A grammar in llguidance's Lark syntax (NUL-terminated) the output must follow; null = none.
     pub grammar: *const c_char,
+    /// Speculative decoding: 0 = off, 1 = n-gram drafts (prompt lookup),
+    /// 2 = the model's multi-token-prediction layer (a file converted with
+    /// `--keep-mtp`). The output is the same as without; only its speed
+    /// changes. Callers built against a header before this field get 0.
+    pub speculative: c_int,
+    /// Most tokens drafted per step, 1 to 16.
+    pub draft_tokens: u32,
 }
 
 /// Called with each new token; return nonzero to stop the generation.
@@ -214,6 +226,8 @@ fn default_sampling() -> Sampling {
         json_schema: std::ptr::null(),
         regex: std::ptr::null(),
         grammar: std::ptr::null(),
+        speculative: 0,
+        draft_tokens: 4,
     }
 }
 
@@ -257,8 +271,9 @@ pub unsafe extern "C" fn colibri_init_model(path: *const c_char, opts: *const Op
         let eo = EngineOptions { threads: (o.threads > 0).then_some(o.threads as usize), store, ..Default::default() };
         let engine = Engine::open(&path, &eo)?;
         let eos = engine.eos_ids();
+        let scheduler = std::sync::OnceLock::new();
         // SAFETY: checked non-null above.
-        unsafe { *out = Box::into_raw(Box::new(Model { engine, eos })) };
+        unsafe { *out = Box::into_raw(Box::new(Model { engine, eos, scheduler })) };
         Ok(())
     })
 }
@@ -438,15 +453,46 @@ unsafe fn options(m: &Model, s: *const Sampling) -> Result<GenerateOptions, Erro
             _ => Constraint::Grammar(text),
         });
     }
+    let speculation = match d.speculative {
+        0 => None,
+        1 => Some(Drafts::Ngram),
+        2 => Some(Drafts::Mtp),
+        other => return Err(invalid(format!("sampling.speculative must be 0, 1 (ngram) or 2 (mtp), got {other}"))),
+    }
+    .map(|drafts| Speculation { drafts, tokens: d.draft_tokens as usize });
     Ok(GenerateOptions {
         max_new_tokens: d.max_new_tokens as usize,
         sampling,
         stop_ids,
         logprobs: None,
         constraint,
-        speculation: None,
+        speculation,
         prediction: Vec::new(),
     })
+}
+
+/// Runs a generation, handing each new id to `on_token` (which returns
+/// false to stop): in the calling thread, or through the model's scheduler
+/// when it drafts (verification lives there).
+fn run(m: &Model, prompt: &[u32], opts: &GenerateOptions, on_token: &mut dyn FnMut(u32) -> bool) -> Result<(), Error> {
+    if opts.speculation.is_none() {
+        m.engine.generate(prompt, opts, &never, on_token)?;
+        return Ok(());
+    }
+    let scheduler = match m.scheduler.get() {
+        Some(s) => s,
+        None => {
+            let made = Scheduler::new(&m.engine, BatchOptions::default())?;
+            m.scheduler.get_or_init(|| made)
+        }
+    };
+    let mut ticket = scheduler.submit(prompt, opts)?;
+    while let Some(t) = ticket.next_token(&never)? {
+        if !on_token(t) {
+            break; // dropping the ticket cancels the rest
+        }
+    }
+    Ok(())
 }
 
 /// Continues `prompt` (`n` ids): writes the new ids to `out` (room for
@@ -489,7 +535,11 @@ pub unsafe extern "C" fn colibri_generate(
                 opts.max_new_tokens
             )));
         }
-        let tokens = m.engine.generate(prompt, &opts, &never, &mut |_| true)?;
+        let mut tokens = Vec::with_capacity(opts.max_new_tokens);
+        run(m, prompt, &opts, &mut |t| {
+            tokens.push(t);
+            true
+        })?;
         // SAFETY: non-null with room for cap >= max_new_tokens >= tokens.len() ids.
         unsafe { std::slice::from_raw_parts_mut(out, tokens.len()) }.copy_from_slice(&tokens);
         // SAFETY: checked non-null.
@@ -528,7 +578,7 @@ pub unsafe extern "C" fn colibri_generate_stream(
         let opts = unsafe { options(m, sampling) }?;
         let cb = callback.ok_or_else(|| invalid("colibri_generate_stream: callback is NULL"))?;
         let mut count = 0usize;
-        m.engine.generate(prompt, &opts, &never, &mut |t| {
+        run(m, prompt, &opts, &mut |t| {
             count += 1;
             // SAFETY: a valid callback per the contract, called on this thread.
             unsafe { cb(t, user) == 0 }

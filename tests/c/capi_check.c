@@ -193,6 +193,32 @@ int main(int argc, char **argv)
     CHECK(st == COLIBRI_STATUS_OK && n_out == 4 && memcmp(out, greedy, 4 * sizeof(uint32_t)) == 0,
           "an older struct: %s", colibri_last_error());
 
+    /* Speculative decoding: n-gram drafts give the greedy output; drafts
+       from a multi-token-prediction layer the file lacks are refused. */
+    colibri_sampling_default(&s);
+    s.max_new_tokens = 24;
+    s.ignore_eos = 1;
+    s.speculative = 1;
+    s.draft_tokens = 4;
+    st = colibri_generate(m, ids, n, &s, out, 64, &n_out);
+    CHECK(st == COLIBRI_STATUS_OK && n_out == 24 && memcmp(out, greedy, 24 * sizeof(uint32_t)) == 0,
+          "speculative ngram: %s", colibri_last_error());
+    ss.n = 0;
+    ss.stop_after = 5;
+    st = colibri_generate_stream(m, ids, n, &s, on_token, &ss, &n_out);
+    CHECK(st == COLIBRI_STATUS_OK && n_out == 5 && memcmp(ss.ids, greedy, 5 * sizeof(uint32_t)) == 0,
+          "speculative stream: %s", colibri_last_error());
+    s.speculative = 2;
+    st = colibri_generate(m, ids, n, &s, out, 64, &n_out);
+    if (st != COLIBRI_STATUS_OK)
+        CHECK(st == COLIBRI_STATUS_INVALID_INPUT && strstr(colibri_last_error(), "multi-token") != NULL,
+              "speculative mtp: %s", colibri_last_error());
+    else
+        CHECK(n_out == 24 && memcmp(out, greedy, 24 * sizeof(uint32_t)) == 0, "speculative mtp output differs");
+    s.speculative = 7;
+    expect_status(colibri_generate(m, ids, n, &s, out, 64, &n_out), COLIBRI_STATUS_INVALID_INPUT,
+                  "speculative = 7", "speculative must be");
+
     /* Bad input: codes and messages, never a crash. */
     uint32_t bad_id = 1u << 30;
     expect_status(colibri_generate(m, &bad_id, 1, NULL, out, 64, &n_out), COLIBRI_STATUS_INVALID_INPUT,
