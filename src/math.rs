@@ -96,6 +96,17 @@ pub fn expf_poly(x: f32) -> f32 {
     e * f32::from_bits(two_n)
 }
 
+/// Index of the largest logit (the first one on ties, as torch.argmax).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -136,15 +147,4 @@ mod tests {
             }
         }
     }
-}
-
-/// Index of the largest logit (the first one on ties, as torch.argmax).
-pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
 }

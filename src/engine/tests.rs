@@ -904,3 +904,74 @@ fn speculative_decoding_changes_no_token() {
         assert!(accepted > 0, "config {case}: no draft was ever confirmed");
     }
 }
+
+/// The multi-token-prediction layer keeps its rows exactly through what
+/// speculative decoding does to a sequence: prompt chunks, draft steps,
+/// verification passes whose rejected drafts are rolled back (KV rows
+/// truncated; recurrent states restored from their checkpoint and the
+/// confirmed tokens fed again). Its drafts at the end are those of a fresh
+/// sequence fed the kept tokens at once, for every state kind the layer can
+/// follow (a sparse-attention model's MTP layer is refused at conversion).
+#[test]
+fn mtp_rows_survive_rollbacks_for_every_state_kind() {
+    use crate::canonical::config::{FfnSpec, LayerSpec, MixerSpec, MtpSpec, NormKind};
+    use crate::model::forward::mtp_draft;
+    use crate::model::session::Session;
+    for (case, mut cfg) in every_state_kind().into_iter().enumerate() {
+        if cfg.layers.iter().any(|l| matches!(l.mixer, MixerSpec::Sparse { .. })) {
+            continue;
+        }
+        let ffn = if cfg.moe.is_some() { FfnSpec::Moe } else { cfg.layers[0].ffn.clone() };
+        cfg.layers.push(LayerSpec { mixer: MixerSpec::Attention { window: None }, ffn });
+        cfg.mtp = Some(MtpSpec { chain_normed: case % 2 == 0 });
+        cfg.norm.kind = NormKind::Rms; // every model with MTP layers uses RMSNorm
+        let (_d, e) = engine_with(&cfg, DType::F32, 2);
+        let m = e.model();
+        let (v, k) = (m.config.vocab_size, 3);
+        let toks: Vec<u32> = (0..120).map(|i| ((i * 13 + 5) % v) as u32).collect();
+        let draft = |s: &mut Session, last: u32| {
+            let (mut out, mut logits) = (Vec::new(), vec![0.0; k * v]);
+            mtp_draft(m, &mut s.ws, &mut s.seq, last, k, &mut out, Some(&mut logits), None).unwrap();
+            (out, logits)
+        };
+        let fresh = || {
+            let mut s = Session::new(m, 200, 8);
+            s.seq.enable_mtp(m).unwrap();
+            s
+        };
+        let mut s = fresh();
+        forward(m, &mut s, &toks[..21], Capture::default(), None, &never).unwrap(); // 3 chunks
+        let recurrent = s.seq.is_recurrent();
+        // (drafts the text confirms, wrong drafts after them)
+        for (j, wrong) in [(0, 3), (2, 1), (3, 0), (1, 2), (0, 3), (2, 1)] {
+            let n = s.seq.pos;
+            let last = toks[n];
+            let (made, _) = draft(&mut s, last);
+            assert_eq!(made.len(), k, "case {case}: a sequence up to date drafts");
+            let mut feed = toks[n..=n + j].to_vec();
+            feed.extend((0..wrong).map(|i| (toks[n + j + 1] + 1 + i as u32) % v as u32));
+            if recurrent {
+                s.seq.checkpoint();
+            }
+            forward(m, &mut s, &feed, Capture::default(), None, &never).unwrap();
+            if wrong > 0 {
+                if recurrent {
+                    s.seq.truncate(n).unwrap();
+                    forward(m, &mut s, &toks[n..=n + j], Capture::default(), None, &never).unwrap();
+                } else {
+                    s.seq.truncate(n + 1 + j).unwrap();
+                }
+            }
+            assert_eq!(s.seq.pos, n + 1 + j, "case {case}");
+        }
+        let pos = s.seq.pos;
+        let (got, got_logits) = draft(&mut s, toks[pos]);
+        let mut r = fresh();
+        forward(m, &mut r, &toks[..pos], Capture::default(), None, &never).unwrap();
+        let (want, want_logits) = draft(&mut r, toks[pos]);
+        assert_eq!(got, want, "case {case}: drafts after rollbacks");
+        let scale = want_logits.iter().fold(1f32, |a, x| a.max(x.abs()));
+        let err = got_logits.iter().zip(&want_logits).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+        assert!(err <= 1e-5 * scale, "case {case}: draft logits differ by {err} (scale {scale})");
+    }
+}
