@@ -110,7 +110,9 @@ def test_mtp_drafts_change_no_token(case, with_mtp, golden):
     for sampling in ({"temperature": 0}, {"temperature": 0.8, "seed": 5}):
         want = [engine.generate(p, max_new_tokens=24, logprobs=2, **sampling) for p in prompts]
         for k in (1, 3):
-            got = engine.generate(prompts[0], max_new_tokens=24, logprobs=2, speculative="mtp", draft_tokens=k, **sampling)
+            got = engine.generate(
+                prompts[0], max_new_tokens=24, logprobs=2, speculative="mtp", draft_tokens=k, **sampling
+            )
             assert list(got) == list(want[0]) and got.logprobs == want[0].logprobs, (case, sampling, k)
             t = got.timings
             assert t.drafted_tokens > 0 and t.decode_passes + t.accepted_tokens == t.generated_tokens - 1, t
