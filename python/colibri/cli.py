@@ -252,7 +252,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     moe = cfg.get("moe") or {}
     main_layers = cfg["layers"][: engine.num_layers]
     n_moe = sum(1 for layer in main_layers if layer["ffn"]["kind"] == "moe")
-    mtp_note = "; and 1 multi-token-prediction layer (speculative=\"mtp\")" if engine.has_mtp else ""
+    mtp_note = '; and 1 multi-token-prediction layer (speculative="mtp")' if engine.has_mtp else ""
     rows = [
         ("file", f"{engine.path} ({_human(engine.file_size)})"),
         ("architecture", engine.architecture),
