@@ -133,3 +133,38 @@ def test_mtp_drafts_with_a_prefix_cache_change_nothing(with_mtp, golden):
     other = engine.generate(prompt, max_new_tokens=16)
     assert list(first) == list(again) == list(other) == list(plain)
     assert again.timings.cached_tokens == 0 and other.timings.cached_tokens > 0
+
+
+def test_mtp_drafts_with_experts_streamed_change_nothing(with_mtp, golden):
+    """Under a RAM budget smaller than the experts (the MTP layer's among
+    them, read through the same store), drafting changes no token."""
+    case = "deepseek_v3_mtp"
+    prompt = golden(case)["ids_33"].tolist()
+    want = colibri.Engine(with_mtp(case)).generate(prompt, max_new_tokens=20)
+    small = colibri.Engine(with_mtp(case), ram_budget=60_000)
+    got = small.generate(prompt, max_new_tokens=20, speculative="mtp", draft_tokens=3)
+    assert list(got) == list(want) and got.timings.drafted_tokens > 0
+    stats = small.store_stats()
+    assert stats["streaming"] and stats["misses"] > 0, stats
+    # The MTP layer's experts come through the store too.
+    assert stats["layers"][-1]["hits"] + stats["layers"][-1]["misses"] > 0, stats["layers"][-1]
+
+
+def test_the_cli_keeps_the_layer_when_asked_and_info_says_so(tmp_path, capsys):
+    from colibri.cli import main
+
+    src = GOLDEN / "qwen3_5_moe_mtp"
+    out = tmp_path / "m.colibri"
+    assert main(["convert", str(src), "-o", str(out), "--keep-mtp", "-q"]) == 0
+    assert main(["info", str(out)]) == 0
+    assert "1 multi-token-prediction layer" in capsys.readouterr().out
+    assert main(["convert", str(src), "-o", str(out), "--force", "-q"]) == 0  # 5% rule: dropped here
+    assert main(["info", str(out)]) == 0
+    assert "multi-token-prediction" not in capsys.readouterr().out.split("not converted")[0]
+
+
+def test_a_server_default_of_mtp_drafts_needs_the_layer():
+    from colibri.server import create_app
+
+    with pytest.raises(colibri.InvalidInputError, match="--keep-mtp"):
+        create_app(colibri.Engine.demo(), speculative="mtp")

@@ -104,11 +104,13 @@ class SamplingParams:
             syntax (``start: ...``; ``%json {...}`` embeds a JSON Schema).
         speculative: ``"ngram"`` drafts up to ``draft_tokens`` tokens a step
             from an earlier occurrence of the text's last few tokens (prompt
-            lookup) and verifies them in one forward pass; ``None`` (default):
-            one token per pass. The output is the same token for token, greedy
-            or seeded; it comes faster where the output repeats its input.
-            (``"mtp"``, the model's own prediction layers, is refused: no
-            ``.colibri`` file holds them yet.)
+            lookup); ``"mtp"`` drafts them with the model's own
+            multi-token-prediction layer (a file converted with
+            ``keep_mtp``; :attr:`Engine.has_mtp`); either way they are
+            verified in one forward pass. ``None`` (default): one token per
+            pass. The output is the same token for token, greedy or seeded;
+            n-gram drafts pay where the output repeats its input, MTP drafts
+            wherever the layer predicts well.
         draft_tokens: most tokens drafted per step, 1 to 16 (default 4).
         prediction: what the output is expected to be, mostly (a text, or
             token ids): the file an edit rewrites, say, as OpenAI's predicted

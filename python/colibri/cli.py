@@ -596,11 +596,13 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_speculation_flags(p: argparse.ArgumentParser) -> None:
-    s = p.add_argument_group("speculative decoding (the same output, faster where it repeats its input)")
+    s = p.add_argument_group("speculative decoding (the same output, faster where the drafts hold)")
     s.add_argument(
         "--speculative",
-        choices=["ngram"],
-        help="draft tokens from earlier occurrences of the text's last few tokens, verify them in one pass",
+        choices=["ngram", "mtp"],
+        help="draft tokens from earlier occurrences of the text's last few tokens (ngram) or with the "
+        "model's multi-token-prediction layer (mtp: a file converted with --keep-mtp), and verify "
+        "them in one pass",
     )
     s.add_argument(
         "--draft-tokens", type=int, default=4, metavar="K", help="most tokens drafted per step (default 4)"

@@ -942,18 +942,28 @@ def create_app(
 
     state: dict[str, Any] = {"engine": None, "error": None}
     name = model_name
+
+    def usable(e: Any) -> Any:
+        # A server-wide default of MTP drafts needs the layer in the file.
+        if speculative == "mtp" and not getattr(e, "has_mtp", True):
+            raise InvalidInputError(
+                f"--speculative mtp: {e.path} holds no multi-token-prediction layer (convert the "
+                "checkpoint with --keep-mtp, or use --speculative ngram)"
+            )
+        return e
+
     if callable(engine) and not hasattr(engine, "generate"):
         loader = engine
 
         def load() -> None:
             try:
-                state["engine"] = loader()
+                state["engine"] = usable(loader())
             except BaseException as e:  # reported by /health and every request
                 state["error"] = e
 
         threading.Thread(target=load, daemon=True, name="colibri-load").start()
     else:
-        state["engine"] = engine
+        state["engine"] = usable(engine)
     metrics = _Metrics(lambda: state["engine"])
     created = int(time.time())
 
