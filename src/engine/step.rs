@@ -48,7 +48,10 @@ pub struct GenerateOptions {
     /// anything.
     pub constraint: Option<Constraint>,
     /// Speculative decoding (drafted tokens verified in one pass; the same
-    /// output); `None`: one token per pass.
+    /// output); `None`: one token per pass. Verification lives in the
+    /// [`Scheduler`](crate::engine::Scheduler): a generation on the caller's
+    /// thread ([`Engine::generate`](crate::engine::Engine::generate)) decodes
+    /// one token per pass whatever this says.
     pub speculation: Option<Speculation>,
     /// What the output is expected to be, mostly (OpenAI's predicted
     /// outputs: the file an edit rewrites): n-gram drafts are looked up in
