@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import struct
 import sys
@@ -101,11 +100,15 @@ def _read_colibri(path: Path):
 
 def _hub_name(name: str) -> str:
     """The Qwen3-MoE Hub name of a .colibri tensor name."""
-    fixed = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+    fixed = {
+        "embed": "model.embed_tokens.weight",
+        "final_norm": "model.norm.weight",
+        "lm_head": "lm_head.weight",
+    }
     if name in fixed:
         return fixed[name]
-    _, l, rest = name.split(".", 2)
-    p = f"model.layers.{l}"
+    _, layer, rest = name.split(".", 2)
+    p = f"model.layers.{layer}"
     parts = {
         "attn_norm": "input_layernorm",
         "ffn_norm": "post_attention_layernorm",
@@ -177,7 +180,10 @@ def cmd_check(args) -> None:
     diff = np.abs(got - want)
     rel = diff.max() / np.abs(want).max()
     agree = float((got.argmax(-1) == want.argmax(-1)).mean())
-    print(f"{len(ref['ids'])} tokens: max |diff| {diff.max():.2e}, relative {rel:.1e}, argmax agreement {agree:.4f}")
+    print(
+        f"{len(ref['ids'])} tokens: max |diff| {diff.max():.2e}, relative {rel:.1e}, "
+        f"argmax agreement {agree:.4f}"
+    )
 
 
 # ------------------------------------------------------------------------ the head
@@ -203,7 +209,8 @@ def _build_head(config):
 
         def forward(self, next_embeds, hidden, position_embeddings):
             """next_embeds, hidden: [B, T, D] -> mtp.norm(y): [B, T, D]."""
-            x = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], -1))
+            e, h = self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)
+            x = self.fc(torch.cat([e, h], -1))  # [B, T, D]: embedding half first
             # No mask: with sdpa, transformers' attention is causal over the sequence.
             y = self.layers[0](x, attention_mask=None, position_embeddings=position_embeddings)
             return self.norm(y)
