@@ -33,6 +33,9 @@ and, where colibri is installed (needs numpy only)::
 
     python scripts/demo/train_mtp.py check        # engine logits vs transformers on the rebuilt folder
 
+and ``train_mtp.py verify`` (numpy and safetensors only) recomputes the
+reference below with an independent float64 NumPy forward pass.
+
 ``hf`` is only needed when ``.cache/demo/hf`` does not exist (the full
 pipeline of train_demo.py exports it); it rebuilds the Hugging Face folder from
 the shipped file, whose matrices are the bf16-rounded trained weights.
@@ -532,6 +535,82 @@ def cmd_export(args) -> None:
     print(f"wrote {HF_MTP}, {td.REPORT / 'mtp.json'}, {td.REPORT / 'mtp_reference.npz'}")
 
 
+# ------------------------------------------------------------------------ verify
+
+
+def cmd_verify(args) -> None:
+    """Recompute mtp_reference.npz in float64 NumPy from hf-mtp's Hub-named
+    tensors, independently of transformers and of the training code."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    w = {k: v.astype(np.float64) for k, v in load_file(HF_MTP / "model.safetensors").items()}
+    cfg = json.loads((HF_MTP / "config.json").read_text())
+    eps, theta = cfg["rms_norm_eps"], cfg["rope_parameters"]["rope_theta"]
+    H, Hkv, Dh = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    top_k = cfg["num_experts_per_tok"]
+
+    def rms(x, weight):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * weight
+
+    def rope(x):  # [T, heads, Dh], rotate-half pairs (i, i + Dh/2), position = row
+        ang = np.arange(x.shape[0])[:, None] * theta ** (-np.arange(0, Dh, 2) / Dh)[None]
+        cos, sin = (
+            np.cos(np.concatenate([ang, ang], -1))[:, None],
+            np.sin(np.concatenate([ang, ang], -1))[:, None],
+        )
+        return x * cos + np.concatenate([-x[..., Dh // 2 :], x[..., : Dh // 2]], -1) * sin
+
+    def layer(x, p: str):  # x [T, D]
+        T = x.shape[0]
+        a = rms(x, w[p + "input_layernorm.weight"])
+        q = rope(
+            rms((a @ w[p + "self_attn.q_proj.weight"].T).reshape(T, H, Dh), w[p + "self_attn.q_norm.weight"])
+        )
+        k = rope(
+            rms(
+                (a @ w[p + "self_attn.k_proj.weight"].T).reshape(T, Hkv, Dh), w[p + "self_attn.k_norm.weight"]
+            )
+        )
+        v = (a @ w[p + "self_attn.v_proj.weight"].T).reshape(T, Hkv, Dh)
+        att = np.zeros((T, H, Dh))
+        for h in range(H):
+            g = h // (H // Hkv)
+            s = np.where(np.tri(T, dtype=bool), q[:, h] @ k[:, g].T / np.sqrt(Dh), -np.inf)
+            s = np.exp(s - s.max(-1, keepdims=True))
+            att[:, h] = (s / s.sum(-1, keepdims=True)) @ v[:, g]
+        x = x + att.reshape(T, -1) @ w[p + "self_attn.o_proj.weight"].T
+        m = rms(x, w[p + "post_attention_layernorm.weight"])
+        score = m @ w[p + "mlp.gate.weight"].T
+        prob = np.exp(score - score.max(-1, keepdims=True))
+        prob /= prob.sum(-1, keepdims=True)
+        out = np.zeros_like(x)
+        for t in range(T):
+            pick = np.argsort(-prob[t])[:top_k]
+            for e, g in zip(pick, prob[t, pick] / prob[t, pick].sum()):
+                e_ = f"{p}mlp.experts.{e}."
+                gate, up = w[e_ + "gate_proj.weight"] @ m[t], w[e_ + "up_proj.weight"] @ m[t]
+                out[t] += g * (w[e_ + "down_proj.weight"] @ (gate / (1 + np.exp(-gate)) * up))
+        return x + out
+
+    ref = np.load(td.REPORT / "mtp_reference.npz")
+    ids, emb = ref["ids"], w["model.embed_tokens.weight"]
+    x = emb[ids]
+    for i in range(cfg["num_hidden_layers"]):
+        x = layer(x, f"model.layers.{i}.")
+    h = rms(x, w["model.norm.weight"])
+    e = rms(emb[ids[1:]], w["mtp.pre_fc_norm_embedding.weight"])
+    xm = np.concatenate([e, rms(h[:-1], w["mtp.pre_fc_norm_hidden.weight"])], -1) @ w["mtp.fc.weight"].T
+    logits = rms(layer(xm, "mtp.layers.0."), w["mtp.norm.weight"]) @ emb.T
+    want = ref["logits"]
+    d = np.abs(logits - want).max()
+    print(
+        f"mtp_reference.npz ({want.shape[0]} rows) vs float64 NumPy: max |diff| {d:.2e} "
+        f"({d / np.abs(want).max():.1e} of the largest logit), "
+        f"argmax equal {float((logits.argmax(-1) == want.argmax(-1)).mean()):.3f}"
+    )
+
+
 # --------------------------------------------------------------------------- main
 
 DEFAULTS = {"lr": 2e-3, "warmup": 20}
@@ -542,6 +621,7 @@ def main() -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("hf")
     sub.add_parser("check")
+    sub.add_parser("verify")
     for name in ("train", "export"):
         p = sub.add_parser(name)
         p.add_argument("--threads", type=int, default=2)
@@ -564,7 +644,14 @@ def main() -> None:
     p.add_argument("--eval-stride", type=int, default=4)
     args = ap.parse_args()
     os.chdir(td.ROOT)
-    {"hf": cmd_hf, "check": cmd_check, "train": cmd_train, "export": cmd_export}[args.cmd](args)
+    commands = {
+        "hf": cmd_hf,
+        "check": cmd_check,
+        "train": cmd_train,
+        "export": cmd_export,
+        "verify": cmd_verify,
+    }
+    commands[args.cmd](args)
 
 
 if __name__ == "__main__":
