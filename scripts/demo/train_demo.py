@@ -31,6 +31,9 @@ then, with colibri installed::
 
 Run training under ``nice``; the shipped run took 65 minutes on 2 shared cores.
 
+``scripts/demo/train_mtp.py`` then trains the model's multi-token-prediction
+head for speculative decoding (its docstring lists the commands).
+
 Every artefact goes under ``.cache/demo/`` (git-ignored): ``corpus/`` (the
 .deb, the extracted text, train/valid splits, token caches), ``tokenizer/``,
 ``ckpt/`` (``last.pt``, written at every evaluation so an interrupted run
