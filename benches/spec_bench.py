@@ -348,9 +348,8 @@ def spec_results(raw: dict) -> dict:
     peer = None
     if llama:
         peer = (
-            f"llama.cpp through llama-cpp-python {raw['llama_version']} (built with GGML_NATIVE=OFF as the "
-            f"machine's record says), {Path(a['gguf']).name}, {a['llama_kv']} KV cache, "
-            f"LlamaPromptLookupDecoding(max_ngram_size=2, num_pred_tokens=K)"
+            f"llama.cpp through llama-cpp-python {raw['llama_version']}, {Path(a['gguf']).name}, "
+            f"{a['llama_kv']} KV cache, LlamaPromptLookupDecoding(max_ngram_size=2, num_pred_tokens=K)"
         )
     method = (
         f"spec_bench.py on {raw['model']}: greedy decode of {a['tokens']} new tokens after each prompt "
