@@ -53,7 +53,9 @@ def _add_vocab(w, vocab: int) -> None:
 class ColibriTensors:
     """The tensors of a .colibri file (docs/FORMAT.md), memory-mapped, under
     their Hugging Face names, with the ``header`` / ``get`` interface of
-    make_models.SafetensorsFile. Qwen3-MoE files only."""
+    make_models.SafetensorsFile. Qwen3-MoE files only. A multi-token-prediction
+    layer (``convert --keep-mtp``: the last layer and the ``mtp.*`` tensors) is
+    left out, since llama.cpp's qwen3moe has none: the GGUF is the main model."""
 
     # colibri name (docs/FORMAT.md) -> Hugging Face name
     _NAMES = [
@@ -83,18 +85,22 @@ class ColibriTensors:
             raise ValueError(f"{path}: only Qwen3MoeForCausalLM is handled, not {self.meta['architecture']}")
         self.raw, self.base = raw, data_off
         self.config = c = self.meta["config"]
+        self.layers = len(c["layers"]) - int(c.get("mtp") is not None)
         plain = (
             c["rope"]["scaling"]["type"] == "none"
             and c["rope"]["rotary_dim"] == c["head_dim"]
             and c["attention"]["qk_norm"] == "per_head"
             and c["moe"]["shared_expert"] is None
-            and all(x["sliding_window"] is None and x["ffn"]["kind"] == "moe" for x in c["layers"])
+            and all(
+                x["sliding_window"] is None and x["ffn"]["kind"] == "moe" for x in c["layers"][: self.layers]
+            )
         )
         if not plain:
             raise ValueError(f"{path}: rope scaling, partial rotary, dense or sliding layers are not handled")
         self.tied = bool(self.config["tie_embeddings"])
-        self.layers = len(self.config["layers"])
-        self.entries = {self.hf_name(t["name"]): t for t in self.meta["tensors"]}
+        mtp = (r"mtp\..*", rf"layers\.{self.layers}\..*")  # the MTP layer's own tensors and its decoder layer
+        main = [t for t in self.meta["tensors"] if not any(re.fullmatch(m, t["name"]) for m in mtp)]
+        self.entries = {self.hf_name(t["name"]): t for t in main}
         self.header = {k: {"shape": e["shape"]} for k, e in self.entries.items()}
 
     @classmethod
@@ -158,7 +164,7 @@ def build_gguf(colibri_path: Path, out: Path, gtype: str = "F16", name: str = "m
     src = ColibriTensors(colibri_path)
     s, cfg = src.shape(name)
     layers = src.layers
-    stored = {e["dtype"] for e in src.meta["tensors"] if e["dtype"] != "f32"}
+    stored = {e["dtype"] for e in src.entries.values() if e["dtype"] != "f32"}
     if gtype in ("F16", "BF16") and stored != {gtype.lower()}:
         raise ValueError(f"{colibri_path} stores {sorted(stored)}: a {gtype} GGUF would round the weights")
     ftype = {"F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "F32": "ALL_F32"}[gtype]
