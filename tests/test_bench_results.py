@@ -468,3 +468,64 @@ def test_best_runs_and_the_targets_they_mark() -> None:
     tables = dict(zip(data["views"], renders(data, "x-bench.json")))
     assert "| glm4_7_flash | q8_0 | 60.00 / 44.00 (1.36x) |" in tables["best"]
     assert "decode ≥ 1.3x llama.cpp, best runs" in tables["targets"]
+
+
+import spec_bench  # noqa: E402
+
+
+def spec_raw() -> dict:
+    """spec_bench.py's raw run: colibri's modes and llama.cpp's, two rounds, one client count."""
+    speed = {"none": 100.0, "ngram:4": 150.0, "mtp:2": 130.0, "llama:none": 80.0, "llama:ngram:4": 60.0}
+    plain = [1, 2, 3, 4]
+    runs: dict = {}
+    for mode, tps in speed.items():
+        runs[mode] = []
+        for rnd in range(2):
+            figures: dict = {}
+            for p in ("edit", "fresh"):
+                figures[f"{p}_one"] = tps + rnd
+                figures[f"{p}_per_pass"] = 1.0 if mode.endswith("none") else 2.5
+                figures[f"{p}_drafted"] = 0 if mode.endswith("none") else 6
+                figures[f"{p}_accepted"] = 0 if mode.endswith("none") else 3
+                if not mode.startswith("llama:"):
+                    figures[f"{p}_x8"] = 4 * tps
+            # llama.cpp parts from colibri at the third token of the edit prompt, and its
+            # prompt lookup from its own plain run at the fourth.
+            edit = {"llama:none": [1, 2, 9, 9], "llama:ngram:4": [1, 2, 9, 8]}.get(mode, plain)
+            runs[mode].append({"figures": figures, "tokens": {"edit": edit, "fresh": plain}})
+    return {
+        "args": {"tokens": 4, "threads": 2, "clients": [8], "gguf": "/c/demo-bf16.gguf", "llama_kv": "f32"},
+        "command": "python benches/spec_bench.py --gguf auto --rounds 2",
+        "model": "the demo model",
+        "prompts": {"edit": 131, "fresh": 15},
+        "modes": list(speed),
+        "runs": runs,
+        "llama_version": "0.3.36",
+        "machine_info": MACHINE_INFO,
+        "cpu": "AMD EPYC, CPU family 25 model 1, 2 logical cores (avx2 fma f16c)",
+        "date": "2026-12-06",
+    }
+
+
+def test_spec_run_becomes_a_results_file() -> None:
+    data = spec_bench.spec_results(spec_raw())
+    (table,) = renders(data, "x-spec.json")
+    assert data["commit"] == "abc1234" and "llama-cpp-python 0.3.36" in data["peer"]
+    # colibri rows against colibri's none (and llama.cpp's none); llama.cpp rows against llama.cpp's none.
+    assert "| edit | ngram:4 | 150 | 1.50x | 2.50 | 3/6 | yes | 4/4 | 1.87x | 600 (1.50x) |" in table
+    assert "| edit | llama:ngram:4 | 60 | 0.75x | 2.50 | 3/6 | no | 2/4 |  |  |" in table
+    assert "| fresh | llama:none | 80 | 1.00x | 1.00 | 0/0 | yes | 4/4 |  |  |" in table
+    lines = spec_bench.report_lines(spec_raw(), spec_bench.summarize(spec_raw()))
+    ratios = "edit 1.25x (100 / 80 tok/s), fresh 1.25x (100 / 80 tok/s)"
+    assert lines[-1] == f"\ncolibri none vs llama:none, one sequence: {ratios}"
+
+
+def test_spec_report_writes_a_results_file(tmp_path: Path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(render_results, "RESULTS", tmp_path / "results")
+    raw = tmp_path / "spec.json"
+    raw.write_text(json.dumps(spec_raw()))
+    spec_bench.main(["--report", str(raw), "--save", "zen3-test-spec"])
+    assert "<!-- render: zen3-test-spec.json speculative -->" in capsys.readouterr().out
+    assert render_results.render("zen3-test-spec.json", "speculative").startswith("*Speculative decoding")
+    with pytest.raises(SystemExit, match="--force"):
+        spec_bench.main(["--report", str(raw), "--results", "zen3-test-spec"])
