@@ -309,6 +309,11 @@ pub fn calibrate(
     for (i, w) in windows.iter().enumerate() {
         if !w.is_empty() {
             let mut s = engine.session(w.len());
+            if model.mtp.is_some() {
+                // The multi-token-prediction layer runs too, so its matrices
+                // are weighted by what they see when drafting.
+                s.seq.enable_mtp(model)?;
+            }
             let all = Some(&mut logits[..w.len() * model.config.vocab_size]);
             engine.run(&mut s, w, Capture { logits: all, hidden: None, mtp_logits: None }, interrupted)?;
             tokens += w.len() as u64;

@@ -42,7 +42,10 @@ def test_routing_stats_over_a_window():
     w = e.routing_stats(since=a)
     ran = len(e.tokenize("The house")) + len(out.token_ids) - 1  # the last token is never fed back
     assert w["tokens"] == b["tokens"] - a["tokens"] == ran
-    for la, lb, lw in zip(a["layers"], b["layers"], w["layers"]):
+    main = e.num_layers  # the multi-token-prediction layer after them runs only when drafting
+    assert len(w["layers"]) == main + int(e.has_mtp)
+    assert all(layer["tokens"] == 0 for layer in w["layers"][main:])
+    for la, lb, lw in zip(a["layers"][:main], b["layers"][:main], w["layers"][:main]):
         assert lw["tokens"] == ran
         assert lw["heat"] == [y - x for x, y in zip(la["heat"], lb["heat"])]
         assert sum(lw["heat"]) == top_k * ran
@@ -109,10 +112,10 @@ def test_dashboard_data_and_router_metrics():
         assert d["generated_tokens"] == 240 and d["queue"] == 0 and d["running"] == 0
         assert d["tokens_per_second_out"] > 0 and d["ttft_p50"] > 0
         layers = d["routing"]["layers"]
-        assert len(layers) == e.num_layers
+        assert len(layers) == e.num_layers + int(e.has_mtp)  # the MTP layer last
         total = e.routing_stats()["tokens"]
         assert total < ROUTING_WINDOW
-        for layer in layers:
+        for layer in layers[: e.num_layers]:
             # The window, or everything when less has run.
             assert layer["tokens"] == total
             assert sum(layer["heat"]) == 2 * layer["tokens"]
@@ -148,10 +151,12 @@ def test_the_dashboard_in_headless_chromium(tmp_path):
     assert updates >= 2, "the page polled its data more than once"
     canvas = re.search(r'<canvas id="heatmap"([^>]*)>', dom).group(1)
     attrs = dict(re.findall(r'data-(\w+)="([^"]*)"', canvas))
-    assert (int(attrs["layers"]), int(attrs["experts"])) == (e.num_layers, 8)
-    assert 0 < int(attrs["nonzero"]) <= e.num_layers * 8, "the heat map filled"
+    assert (int(attrs["layers"]), int(attrs["experts"])) == (e.num_layers + int(e.has_mtp), 8)
+    assert 0 < int(attrs["nonzero"]) <= (e.num_layers + int(e.has_mtp)) * 8, "the heat map filled"
     rows = re.findall(r'<tr data-layer="(\d+)">', dom)
-    assert [int(r) for r in rows] == list(range(e.num_layers)), "one router-health row per MoE layer"
+    assert [int(r) for r in rows] == list(range(e.num_layers + int(e.has_mtp))), (
+        "one router-health row per MoE layer"
+    )
     assert re.search(r'id="model">demo<', dom)
     tok_out = re.search(r'id="tok-out">([^<]*)<', dom).group(1)
     assert re.fullmatch(r"[0-9,]+\.[0-9]", tok_out), tok_out

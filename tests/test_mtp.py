@@ -163,8 +163,9 @@ def test_the_cli_keeps_the_layer_when_asked_and_info_says_so(tmp_path, capsys):
     assert "multi-token-prediction" not in capsys.readouterr().out.split("not converted")[0]
 
 
-def test_a_server_default_of_mtp_drafts_needs_the_layer():
+def test_a_server_default_of_mtp_drafts_needs_the_layer(converted):
     from colibri.server import create_app
 
     with pytest.raises(colibri.InvalidInputError, match="--keep-mtp"):
-        create_app(colibri.Engine.demo(), speculative="mtp")
+        create_app(colibri.Engine(converted("qwen3_moe")), speculative="mtp")
+    create_app(colibri.Engine.demo(), speculative="mtp")  # the demo keeps its MTP head

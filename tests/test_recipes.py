@@ -147,9 +147,19 @@ def test_calibrate_records_every_matrix_it_ran(demo_imatrix):
     assert header["tokens"] >= 3000
     # Attention sees every token; an expert only the tokens routed to it.
     assert names["layers.0.attn.wq"]["tokens"] == header["tokens"]
-    routed = [e["tokens"] for n, e in names.items() if ".moe.experts." in n and n.endswith(".gate")]
-    assert len(routed) == 4 * 8
-    assert sum(routed) == 4 * 2 * header["tokens"], "top-2 routing: two experts per token per layer"
+
+    def routed(layer: int) -> list[int]:
+        pre = f"layers.{layer}.moe.experts."
+        return [e["tokens"] for n, e in names.items() if n.startswith(pre) and n.endswith(".gate")]
+
+    assert [len(routed(layer)) for layer in range(5)] == [8] * 5
+    for layer in range(4):
+        assert sum(routed(layer)) == 2 * header["tokens"], "top-2 routing: two experts per token"
+    # The multi-token-prediction layer (layer 4) runs too, one row per
+    # position whose next token the window holds.
+    mtp_rows = names["layers.4.attn.wq"]["tokens"]
+    assert 0 < mtp_rows < header["tokens"] and sum(routed(4)) == 2 * mtp_rows
+    assert names["mtp.proj"]["tokens"] == mtp_rows
     assert names["embed"]["tokens"] == header["tokens"], "the tied output head reads the embedding"
 
 
@@ -159,7 +169,9 @@ def test_an_imatrix_changes_the_quantisation_and_is_reported(tmp_path, demo_imat
     colibri.convert(demo, plain, dtype="q4_1", progress=False)
     report = colibri.convert(demo, weighted, dtype="q4_1", imatrix=demo_imatrix, progress=False)
     done, missed = report["weighted"]
-    assert done > 100 and done + missed == 4 * 8 * 3 + 16 + 1
+    # Five layers' experts and attention (the fifth the multi-token-prediction
+    # layer), the embedding and the MTP projection.
+    assert done > 100 and done + missed == 5 * 8 * 3 + 5 * 4 + 1 + 1
     assert plain.read_bytes() != weighted.read_bytes()
     assert colibri.convert(demo, tmp_path / "x.colibri", dtype="q4_1", progress=False)["weighted"] is None
 
