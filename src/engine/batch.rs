@@ -150,6 +150,8 @@ struct Spec {
     next: usize,
     /// Time per emitted token of its steps with drafts and without.
     pays: Payoff,
+    /// Steps in a row it could not draft in because too many sequences decode.
+    crowded: u32,
 }
 
 /// Whether MTP drafting pays for one sequence, measured: the time per
@@ -659,6 +661,7 @@ fn run(engine: Engine, opts: BatchOptions, shared: Arc<Shared>) {
                         pause: 0,
                         next: s.tokens,
                         pays: Payoff::default(),
+                        crowded: 0,
                     })
                 });
                 let saved = Vec::new();
@@ -746,7 +749,16 @@ fn step(
         let pos = r.seq.pos;
         if r.decoding() {
             let mut none = 0;
-            let rows = if decoding <= DRAFT_MAX_DECODERS { &mut rows } else { &mut none };
+            let crowded = decoding > DRAFT_MAX_DECODERS;
+            if let Some(spec) = r.spec.as_deref_mut() {
+                spec.crowded = if crowded { spec.crowded + 1 } else { 0 };
+                if spec.crowded >= PAYOFF_DRAFTED && spec.from == Drafts::Mtp {
+                    // A batch this large drafts nothing, while the MTP layer's
+                    // rows still cost a layer per token: they stop for good.
+                    r.seq.mtp = None;
+                }
+            }
+            let rows = if crowded { &mut none } else { &mut rows };
             let planned = match r.draft(&mut budget, rows, engine, ws) {
                 Ok(p) => p,
                 Err(e) => {
@@ -833,7 +845,12 @@ fn step(
             // A decode step: its time per emitted token, with drafts (or the
             // confirmed tokens a rollback feeds again) or without.
             let emitted = r.req.decoder.tokens().len() - before;
-            spec.pays.record(p.tokens > 1, (now - t0).as_secs_f64(), emitted);
+            let drafted = p.tokens > 1;
+            // A step without drafts would not run the MTP layer at all
+            // without speculation: its time counts without the layer's.
+            let mtp = r.seq.mtp.as_mut().map_or(0.0, |m| std::mem::take(&mut m.secs));
+            let secs = (now - t0).as_secs_f64() - if drafted { 0.0 } else { mtp };
+            spec.pays.record(drafted, secs, emitted);
         }
         let done = match done {
             Ok(done) => done,

@@ -716,12 +716,15 @@ fn mtp_rows_of_pass(model: &Model, s: &mut Workspace, g: &mut Segment, logits: O
     };
     s.mtp_h[..count * d].copy_from_slice(hidden);
     let next = &g.tokens[from + 1 - p0..];
+    let t0 = std::time::Instant::now();
     mtp_layer(model, s, g.seq, from, next, g.end)?; // x: [count, D]
     if let Some(out) = logits {
         let vocab = model.config.vocab_size;
         mtp_head(model, s, count, Some(&mut out[from * vocab..(from + count) * vocab]));
     }
-    g.seq.mtp.as_mut().expect("checked above").held = from + count;
+    let rows = g.seq.mtp.as_mut().expect("checked above");
+    rows.held = from + count;
+    rows.secs += t0.elapsed().as_secs_f64();
     Ok(())
 }
 

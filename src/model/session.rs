@@ -102,6 +102,9 @@ pub struct MtpRows {
     /// A row could not be computed (its hidden state is gone): the layer
     /// drafts no more for this sequence.
     pub lost: bool,
+    /// Seconds the passes spent on these rows since the owner last took
+    /// them (what drafting costs beyond the drafts themselves).
+    pub secs: f64,
 }
 
 impl MtpRows {
@@ -162,7 +165,7 @@ impl Sequence {
         if self.pos != 0 {
             return Err(Error::InvalidInput("multi-token prediction is enabled before a sequence starts".into()));
         }
-        self.mtp = Some(MtpRows { held: 0, hidden: Vec::new(), first: 0, count: 0, lost: false });
+        self.mtp = Some(MtpRows { held: 0, hidden: Vec::new(), first: 0, count: 0, lost: false, secs: 0.0 });
         Ok(())
     }
 
