@@ -26,7 +26,7 @@
 //! and prints medians, then for per-draft acceptance rates `p` the
 //! projected speed-up of each `k`: with `a = 1 + p + p² + … + p^k` tokens
 //! per step, `a · t(1) / cycle(k)`, and the simpler
-//! `a · t(1) / (t(1 + k) + k · draft(1))`. With `DEPTH` it also projects to
+//! `a · t(1) / (t(1 + k) + k · draft(1))`. With `DEPTH` (> 0) it also projects to
 //! a model of that many layers, scaling what the model's own layers cost
 //! (`t(n) − head(n)`) by `DEPTH / layers` and keeping the draft step's cost.
 
@@ -135,7 +135,7 @@ fn main() {
         std::process::exit(2);
     };
     let reps: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(7).max(1);
-    let depth: Option<usize> = args.get(3).and_then(|s| s.parse().ok());
+    let depth: Option<usize> = args.get(3).and_then(|s| s.parse().ok()).filter(|&d| d > 0);
     let prompt: Vec<u32> = serde_json::from_str(&std::fs::read_to_string(ids).expect("the ids file")).expect("ids");
     assert!(prompt.len() >= 2, "a prompt of at least two tokens");
     let e = Engine::open(model.as_ref(), &EngineOptions::default()).expect("the model");
