@@ -86,12 +86,12 @@ impl Costs {
     fn print(&self, title: &str) {
         let (t1, step) = (self.pass[1], self.draft[1]);
         println!("\n### {title}\n");
-        println!("t(1) = {t1:.2} ms (a decode pass), one draft step = {step:.2} ms = {:.3} t(1)\n", step / t1);
+        println!("t(1) = {t1:.3} ms (a decode pass), one draft step = {step:.3} ms = {:.3} t(1)\n", step / t1);
         println!("| k | t(1+k) ms | draft(k) ms | per step / t(1) | verify(1+k) ms | cycle(k) ms | cycle / t(1) |");
         println!("|---|---|---|---|---|---|---|");
         for k in 1..=MAX_DRAFTS {
             println!(
-                "| {k} | {:.2} | {:.2} | {:.3} | {:.2} | {:.2} | {:.2} |",
+                "| {k} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.2} |",
                 self.pass[1 + k],
                 self.draft[k],
                 self.draft[k] / k as f64 / t1,
@@ -240,7 +240,7 @@ fn main() {
         e.threads(),
         prompt.len()
     );
-    println!("\nOutput head alone: {:.2} ms for 1 row, {:.2} ms for {rows}", costs.head[1], costs.head[rows]);
+    println!("\nOutput head alone: {:.3} ms for 1 row, {:.3} ms for {rows}", costs.head[1], costs.head[rows]);
     costs.print(&format!("As measured ({layers} layers)"));
     if let Some(depth) = depth {
         costs.deeper(layers, depth).print(&format!("Projected to {depth} layers (the draft step's cost as measured)"));
