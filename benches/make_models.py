@@ -27,6 +27,13 @@ Usage::
     python benches/make_models.py --sizes               # print sizes, write nothing
     python benches/make_models.py --shapes deepseek_v2_lite,gpt_oss_20b   # the MLA and GPT-OSS shapes
     python benches/make_models.py --shapes gpt_oss_20b --gguf-types MXFP4  # experts MXFP4, rest Q4_0
+    python benches/make_models.py --shapes qwen3moe --mtp --base benches/.cache/qwen3moe-l4/hf
+
+``--mtp`` adds one multi-token-prediction layer in Qwen3-Next's layout (``mtp.*``
+tensors, ``mtp_num_hidden_layers: 1``) and writes ``<shape>-l<layers>-mtp/hf/`` as
+two shards: the model's own tensors (the same values as without ``--mtp``,
+hard-linked from ``--base`` when given) and the layer's. No GGUF: llama.cpp
+does not run these layers for the family.
 """
 
 from __future__ import annotations
@@ -934,20 +941,45 @@ def draw(shape_name: str, t: Tensor) -> np.ndarray:
     return x
 
 
-def param_count(s: Shape, layers: int) -> int:
-    return sum(int(np.prod(t.shape)) for t in hf_tensors(s, layers))
+# The shapes --mtp can give a multi-token-prediction layer (Qwen3-Next's
+# layout, which colibri's converter reads for any family).
+MTP_SHAPES = ("qwen3moe",)
 
 
-def model_dir(s: Shape, layers: int, root: Path = CACHE) -> Path:
-    return root / f"{s.name}-l{layers}"
+def mtp_tensors(s: Shape, layers: int) -> list[Tensor]:
+    """One multi-token-prediction layer as Qwen3-Next and Qwen3.5 store it:
+    the two input norms, `mtp.fc` ([D, 2D], over the normed embedding then
+    the normed hidden state), a decoder layer named as layer `layers` would
+    be but under `mtp.layers.0.`, and the output norm."""
+    d = s.hidden
+    p = f"model.layers.{layers}."
+    layer = [t for t in hf_tensors(s, layers + 1) if t.name.startswith(p)]
+    return [
+        Tensor("mtp.pre_fc_norm_embedding.weight", (d,), "norm"),
+        Tensor("mtp.pre_fc_norm_hidden.weight", (d,), "norm"),
+        Tensor("mtp.fc.weight", (d, 2 * d), "matrix"),
+        *[Tensor("mtp.layers.0." + t.name[len(p) :], t.shape, t.kind) for t in layer],
+        Tensor("mtp.norm.weight", (d,), "norm"),
+    ]
+
+
+def param_count(s: Shape, layers: int, mtp: bool = False) -> int:
+    extra = mtp_tensors(s, layers) if mtp else []
+    return sum(int(np.prod(t.shape)) for t in hf_tensors(s, layers) + extra)
+
+
+def model_dir(s: Shape, layers: int, root: Path = CACHE, mtp: bool = False) -> Path:
+    return root / f"{s.name}-l{layers}{'-mtp' if mtp else ''}"
 
 
 # ---------------------------------------------------------------- safetensors
 
 
-def write_safetensors(s: Shape, layers: int, path: Path, log) -> None:
-    """Streams every tensor, drawn and rounded to f16, into one safetensors file."""
-    tensors = hf_tensors(s, layers)
+def write_safetensors(s: Shape, layers: int, path: Path, log, tensors: list[Tensor] | None = None) -> None:
+    """Streams every tensor (or those of `tensors`), drawn and rounded to
+    f16, into one safetensors file."""
+    if tensors is None:
+        tensors = hf_tensors(s, layers)
     header: dict = {"__metadata__": {"format": "pt"}}
     off = 0
     for t in tensors:
@@ -1588,8 +1620,51 @@ def gguf_path(s: Shape, layers: int, gtype: str, root: Path = CACHE) -> Path:
     return model_dir(s, layers, root) / "gguf" / f"model-{gtype}.gguf"
 
 
-def hf_dir(s: Shape, layers: int, root: Path = CACHE) -> Path:
-    return model_dir(s, layers, root) / "hf"
+def hf_dir(s: Shape, layers: int, root: Path = CACHE, mtp: bool = False) -> Path:
+    return model_dir(s, layers, root, mtp) / "hf"
+
+
+def make_mtp(s: Shape, layers: int, root: Path, force: bool, log, base: Path | None = None) -> None:
+    """The checkpoint with a multi-token-prediction layer, as two shards and
+    an index: the model's own tensors (hard-linked from `base`, a folder this
+    script wrote for the same shape and layers without --mtp, when given)
+    and the layer's."""
+    hdir = hf_dir(s, layers, root, mtp=True)
+    if force and hdir.exists():
+        shutil.rmtree(hdir)
+    index_path = hdir / "model.safetensors.index.json"
+    if index_path.exists():
+        return
+    hdir.mkdir(parents=True, exist_ok=True)
+    cfg = s.hf_config(layers)
+    shards = {"model-00001-of-00002.safetensors": hf_tensors(s, layers)}
+    shards["model-00002-of-00002.safetensors"] = mtp_tensors(s, layers)
+    main_path = hdir / "model-00001-of-00002.safetensors"
+    if base is not None:
+        base_cfg = json.loads((base / "config.json").read_text())
+        if base_cfg != cfg:
+            raise SystemExit(f"{base}: its config.json is not the {s.name} l{layers} one this script writes")
+        if not main_path.exists():
+            try:
+                os.link(base / "model.safetensors", main_path)
+            except OSError:
+                main_path.symlink_to((base / "model.safetensors").resolve())
+        log(f"{s.name} l{layers}: the model's tensors linked from {base}")
+    elif not main_path.exists():
+        log(f"{s.name} l{layers}: writing {main_path}")
+        write_safetensors(s, layers, main_path, log)
+    log(f"{s.name} l{layers}: writing the MTP layer")
+    write_safetensors(
+        s, layers, hdir / "model-00002-of-00002.safetensors", log, shards["model-00002-of-00002.safetensors"]
+    )
+    cfg["mtp_num_hidden_layers"] = 1
+    (hdir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    gen = {"eos_token_id": cfg["eos_token_id"], "do_sample": False}
+    (hdir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    total = 2 * param_count(s, layers, mtp=True)
+    weight_map = {t.name: f for f, ts in shards.items() for t in ts}
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    index_path.write_text(json.dumps(index, indent=2) + "\n")
 
 
 def make(s: Shape, layers: int, gguf_types: list[str], root: Path, force: bool, log) -> None:
@@ -1619,12 +1694,14 @@ def make(s: Shape, layers: int, gguf_types: list[str], root: Path, force: bool, 
         log(f"{s.name} l{layers}: {gtype} done in {time.time() - t0:.0f}s")
 
 
-def sizes(shapes: list[Shape], layers: int, gguf_types: list[str]) -> str:
+def sizes(shapes: list[Shape], layers: int, gguf_types: list[str], mtp: bool = False) -> str:
     lines = []
     for s in shapes:
-        n = param_count(s, layers)
+        n = param_count(s, layers, mtp)
+        extra = " and an MTP layer" if mtp else ""
         parts = [
-            f"{s.name} with {layers} layers: {n / 1e9:.2f} B parameters; f16 checkpoint {2 * n / 1e9:.1f} GB"
+            f"{s.name} with {layers} layers{extra}: {n / 1e9:.2f} B parameters; "
+            f"f16 checkpoint {2 * n / 1e9:.1f} GB"
         ]
         for g in gguf_types:
             if g in ("F16", "BF16"):
@@ -1654,6 +1731,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", type=Path, default=CACHE, help=f"output root (default {CACHE})")
     ap.add_argument("--force", action="store_true", help="rewrite files that exist")
     ap.add_argument("--sizes", action="store_true", help="print the sizes and exit")
+    ap.add_argument(
+        "--mtp",
+        action="store_true",
+        help="add a multi-token-prediction layer (Qwen3-Next's mtp.* layout; shapes "
+        + ", ".join(MTP_SHAPES)
+        + "); writes <shape>-l<layers>-mtp/hf/ and no GGUF",
+    )
+    ap.add_argument(
+        "--base",
+        type=Path,
+        help="with --mtp: the hf/ folder of the same shape and layers without it, whose "
+        "model.safetensors is hard-linked instead of written again",
+    )
     args = ap.parse_args(argv)
 
     shapes = [SHAPES[n] for n in args.shapes.split(",") if n]
@@ -1661,16 +1751,27 @@ def main(argv: list[str] | None = None) -> int:
     for t in types:
         if t not in GGUF_TYPES:
             ap.error(f"unknown GGUF type {t}")
+    if args.base is not None and not args.mtp:
+        ap.error("--base goes with --mtp")
+    if args.mtp:
+        if any(s.name not in MTP_SHAPES for s in shapes):
+            ap.error(f"--mtp is for the shapes {', '.join(MTP_SHAPES)}")
+        if args.base is not None and len(shapes) != 1:
+            ap.error("--base names one shape's folder")
+        types = []
     if args.sizes:
-        print(sizes(shapes, args.layers, types))
+        print(sizes(shapes, args.layers, types, args.mtp))
         return 0
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
     for s in shapes:
-        make(s, args.layers, types, args.cache, args.force, log)
-    print(sizes(shapes, args.layers, types))
+        if args.mtp:
+            make_mtp(s, args.layers, args.cache, args.force, log, args.base)
+        else:
+            make(s, args.layers, types, args.cache, args.force, log)
+    print(sizes(shapes, args.layers, types, args.mtp))
     return 0
 
 
