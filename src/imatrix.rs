@@ -315,7 +315,7 @@ pub fn calibrate(
                 s.seq.enable_mtp(model)?;
             }
             let all = Some(&mut logits[..w.len() * model.config.vocab_size]);
-            engine.run(&mut s, w, Capture { logits: all, hidden: None, mtp_logits: None }, interrupted)?;
+            engine.run(&mut s, w, Capture { logits: all, ..Capture::default() }, interrupted)?;
             tokens += w.len() as u64;
         }
         progress(i + 1, windows.len());

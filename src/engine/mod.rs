@@ -170,7 +170,7 @@ impl Engine {
         let mut s = self.session(ids.len());
         crate::model::forward::check_tokens(&self.model, &s.seq, ids)?;
         let mut out = vec![0.0; ids.len() * self.model.config.vocab_size];
-        self.run(&mut s, ids, Capture { logits: Some(&mut out), hidden: None, mtp_logits: None }, interrupted)?;
+        self.run(&mut s, ids, Capture { logits: Some(&mut out), ..Capture::default() }, interrupted)?;
         Ok(out)
     }
 
@@ -181,7 +181,7 @@ impl Engine {
         crate::model::forward::check_tokens(&self.model, &s.seq, ids)?;
         let c = &self.model.config;
         let mut out = vec![0.0; (c.main_layers() + 1) * ids.len() * c.hidden_size];
-        self.run(&mut s, ids, Capture { logits: None, hidden: Some(&mut out), mtp_logits: None }, interrupted)?;
+        self.run(&mut s, ids, Capture { hidden: Some(&mut out), ..Capture::default() }, interrupted)?;
         Ok(out)
     }
 

@@ -75,7 +75,7 @@ fn truncating_and_feeding_again_equals_a_plain_prefill() {
                     e.model(),
                     &mut s,
                     &toks,
-                    Capture { logits: Some(&mut got), hidden: None, mtp_logits: None },
+                    Capture { logits: Some(&mut got), ..Capture::default() },
                     None,
                     &never,
                 )
@@ -90,7 +90,7 @@ fn truncating_and_feeding_again_equals_a_plain_prefill() {
                 s.truncate(6).unwrap();
                 assert_eq!(s.pos(), 6);
                 let mut got = vec![0.0; 4 * v];
-                let cap = Capture { logits: Some(&mut got), hidden: None, mtp_logits: None };
+                let cap = Capture { logits: Some(&mut got), ..Capture::default() };
                 e.run(&mut s, &toks[6..], cap, &never).unwrap();
                 assert_eq!(got, want[6 * v..], "{kv_dtype} cache, fed {first:?} before the rollback");
             }
@@ -123,15 +123,8 @@ fn chunked_prefill_equals_single_pass() {
         for chunk in [1, 3, 7, 40] {
             let mut s = session::Session::new(e.model(), toks.len(), chunk);
             let mut got = vec![0.0; toks.len() * v];
-            forward(
-                e.model(),
-                &mut s,
-                &toks,
-                Capture { logits: Some(&mut got), hidden: None, mtp_logits: None },
-                None,
-                &never,
-            )
-            .unwrap();
+            forward(e.model(), &mut s, &toks, Capture { logits: Some(&mut got), ..Capture::default() }, None, &never)
+                .unwrap();
             assert_eq!(got, want, "{dt} chunk size {chunk}");
         }
     }
@@ -155,7 +148,7 @@ fn a_hybrid_sequence_goes_back_to_its_start_or_its_checkpoint() {
         s.truncate(7).unwrap();
         s.truncate(0).unwrap();
         let mut got = vec![0.0; want.len()];
-        e.run(&mut s, &toks, Capture { logits: Some(&mut got), hidden: None, mtp_logits: None }, &never).unwrap();
+        e.run(&mut s, &toks, Capture { logits: Some(&mut got), ..Capture::default() }, &never).unwrap();
         assert_eq!(got, want);
         s.reset();
         e.run(&mut s, &toks[..5], Capture::default(), &never).unwrap();
@@ -169,8 +162,7 @@ fn a_hybrid_sequence_goes_back_to_its_start_or_its_checkpoint() {
             assert!(matches!(s.truncate(6), Err(Error::InvalidInput(_))), "only to the checkpoint");
             s.truncate(5).unwrap();
             let mut got = vec![0.0; 7 * v];
-            e.run(&mut s, &toks[5..], Capture { logits: Some(&mut got), hidden: None, mtp_logits: None }, &never)
-                .unwrap();
+            e.run(&mut s, &toks[5..], Capture { logits: Some(&mut got), ..Capture::default() }, &never).unwrap();
             assert_eq!(got, want[5 * v..], "after dropping {drafts:?}");
             s.truncate(5).unwrap();
         }
@@ -654,15 +646,8 @@ fn a_sliding_window_cache_slides_and_gives_the_bits_of_a_full_one() {
         for chunk in [1, 7, 64] {
             let mut s = session::Session::new(e.model(), toks.len(), chunk);
             let mut got = vec![0.0; toks.len() * v];
-            forward(
-                e.model(),
-                &mut s,
-                &toks,
-                Capture { logits: Some(&mut got), hidden: None, mtp_logits: None },
-                None,
-                &never,
-            )
-            .unwrap();
+            forward(e.model(), &mut s, &toks, Capture { logits: Some(&mut got), ..Capture::default() }, None, &never)
+                .unwrap();
             assert_eq!(got, want, "chunk {chunk}");
         }
         // Back within the rollback reach, and fed again: the same bits.
@@ -671,7 +656,7 @@ fn a_sliding_window_cache_slides_and_gives_the_bits_of_a_full_one() {
         s.truncate(250 - crate::canonical::state::ROLLBACK).unwrap();
         let at = s.pos();
         let mut got = vec![0.0; (toks.len() - at) * v];
-        e.run(&mut s, &toks[at..], Capture { logits: Some(&mut got), hidden: None, mtp_logits: None }, &never).unwrap();
+        e.run(&mut s, &toks[at..], Capture { logits: Some(&mut got), ..Capture::default() }, &never).unwrap();
         assert_eq!(got, want[at * v..]);
         // Beyond it: an error, and the sequence is unchanged.
         assert!(matches!(s.truncate(100), Err(Error::InvalidInput(m)) if m.contains("sliding-window")));

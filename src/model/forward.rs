@@ -745,22 +745,17 @@ fn mtp_layer(
     let mtp = model.mtp.expect("a drafting sequence's model has the layer");
     let at = c.mtp_layer().expect("a drafting sequence's model has the layer");
     let (embed_norm, hidden_norm) = (model.vec(mtp.embed_norm), model.vec(mtp.hidden_norm));
-    let table = model.mat(model.embed);
-    for (i, &tok) in next.iter().enumerate() {
-        let e = &mut s.x[i * d..(i + 1) * d];
-        table.decode_row(tok as usize, e); // [D]
-        if c.scales.embedding != 1.0 {
-            e.iter_mut().for_each(|v| *v *= c.scales.embedding);
-        }
-        let (e_out, h_out) = s.mtp_in[i * 2 * d..(i + 1) * 2 * d].split_at_mut(d);
-        norm_rows(c.norm, e, embed_norm, None, e_out);
-        norm_rows(c.norm, &s.mtp_h[i * d..(i + 1) * d], hidden_norm, None, h_out);
-    }
-    matmul(&model.mat(mtp.proj), &s.xq.prepare(&s.mtp_in[..t * 2 * d], 2 * d), &mut s.x[..t * d]); // [t, D]
     // The layer sees the sequence shifted by one: at position i, token i + 1.
     let pos = seq.pos;
     seq.pos = from;
     let mut one = [Segment { seq, tokens: next, end, logit_rows: 0 }];
+    embed(model, s, &one); // x: [t, D]
+    for i in 0..t {
+        let (e_out, h_out) = s.mtp_in[i * 2 * d..(i + 1) * 2 * d].split_at_mut(d);
+        norm_rows(c.norm, &s.x[i * d..(i + 1) * d], embed_norm, None, e_out);
+        norm_rows(c.norm, &s.mtp_h[i * d..(i + 1) * d], hidden_norm, None, h_out);
+    }
+    matmul(&model.mat(mtp.proj), &s.xq.prepare(&s.mtp_in[..t * 2 * d], 2 * d), &mut s.x[..t * d]); // [t, D]
     rope_angles(model, s, &one);
     let done = layer(model, at, s, &mut one, t);
     one[0].seq.pos = pos;

@@ -82,14 +82,7 @@ fn run(model: &Model, pool: &rayon::ThreadPool, prompt: &[u32], steps: usize, ch
     let v = model.config.vocab_size;
     let mut s = Session::new(model, prompt.len() + steps, chunk);
     let mut all = vec![0.0; prompt.len() * v];
-    forward(
-        model,
-        &mut s,
-        prompt,
-        Capture { logits: Some(&mut all), hidden: None, mtp_logits: None },
-        Some(pool),
-        &never,
-    )?;
+    forward(model, &mut s, prompt, Capture { logits: Some(&mut all), ..Capture::default() }, Some(pool), &never)?;
     let (mut tokens, mut decode) = (Vec::new(), Vec::new());
     for _ in 0..steps {
         let next = argmax(&s.seq.logits);
