@@ -1,0 +1,5 @@
+"""colibri-moe on Ray: engine replicas behind Ray Serve, and one model split
+into pipeline stages across machines. Needs the ray extra:
+``pip install 'colibri-moe[ray]'``."""
+
+from __future__ import annotations
