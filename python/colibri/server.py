@@ -927,11 +927,15 @@ def create_app(
     api_key: str | None = None,
     speculative: str | None = None,
     draft_tokens: int = 4,
+    metrics_view: Callable[[CollectorRegistry], bytes] | None = None,
 ) -> Starlette:
     """The ASGI app serving ``engine``; pass a callable to load the engine in
     the background (requests are answered 503 until it returns).
     ``speculative`` and ``draft_tokens`` are the defaults of requests that do
-    not set them (see :class:`~colibri.SamplingParams`)."""
+    not set them (see :class:`~colibri.SamplingParams`). ``metrics_view``
+    renders ``/metrics`` from the app's registry (default: the registry as
+    it is; :mod:`colibri.ray` adds the other replicas' metrics). The
+    registry is ``app.state.metrics_registry``."""
     SamplingParams(speculative=speculative, draft_tokens=draft_tokens)  # checked now, not per request
     spec_default = {"speculative": speculative, "draft_tokens": draft_tokens}
 
@@ -1132,7 +1136,7 @@ def create_app(
             check_key(request)
         except APIError as err:
             return err.response()
-        data = await asyncio.to_thread(generate_latest, metrics.registry)
+        data = await asyncio.to_thread(metrics_view or generate_latest, metrics.registry)
         return Response(data, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def dashboard(request: Request) -> Response:
@@ -1186,7 +1190,9 @@ def create_app(
         Route("/", dashboard, methods=["GET"]),
         Route("/dashboard/data", dashboard_data, methods=["GET"]),
     ]
-    return Starlette(routes=routes, exception_handlers={404: not_found, 405: wrong_method})
+    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: wrong_method})
+    app.state.metrics_registry = metrics.registry
+    return app
 
 
 @functools.lru_cache(maxsize=1)
