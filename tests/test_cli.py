@@ -283,3 +283,26 @@ def test_mmap_flag_sets_where_the_weights_live():
     assert "weights: mapped, as asked" in r.stdout
     r = run(*base, "--mmap", "sideways")
     assert r.returncode != 0 and "--mmap" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--replicas", "2"], "--replicas needs --ray"),
+        (["--autoscale", "1:2"], "--autoscale needs --ray"),
+        (["--threads-per-replica", "2"], "--threads-per-replica needs --ray"),
+        (["--ray", "--replicas", "2", "--autoscale", "1:2"], "not both"),
+        (["--ray", "--replicas", "0"], "--replicas must be at least 1"),
+        (["--ray", "--threads-per-replica", "0"], "--threads-per-replica must be at least 1"),
+        (["--ray", "--autoscale", "4"], "MIN:MAX"),
+        (["--ray", "--autoscale", "3:2"], "MIN <= MAX"),
+        (["--ray", "--autoscale", "0:0"], "MAX >= 1"),
+        (["--ray", "--threads", "2"], "--threads-per-replica instead of --threads"),
+    ],
+)
+def test_serve_ray_flags_are_checked_before_anything_starts(flags, needle, capsys):
+    from colibri.cli import main
+
+    assert main(["serve", "--demo", *flags]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.startswith("colibri serve: error:") and err.count("\n") == 1

@@ -378,6 +378,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise _UsageError("give a model (a .colibri file or a Hugging Face folder), or --demo")
     if not 0 < args.port < 65536:
         raise _UsageError(f"--port must be in 1..65535, got {args.port}")
+    scale = _ray_scale(args)
+    if args.ray:
+        return _serve_on_ray(args, scale)
     try:
         from .server import serve
     except ImportError as e:
@@ -392,6 +395,66 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         log_level="info" if args.verbose else "warning",
         speculative=args.speculative,
         draft_tokens=args.draft_tokens,
+    )
+    return 0
+
+
+def _ray_scale(args: argparse.Namespace) -> tuple[int, int] | None:
+    """--autoscale MIN:MAX as numbers, after checking the Ray flags go together."""
+    for flag, value in (
+        ("--replicas", args.replicas),
+        ("--autoscale", args.autoscale),
+        ("--threads-per-replica", args.threads_per_replica),
+    ):
+        if value is not None and not args.ray:
+            raise _UsageError(f"{flag} needs --ray")
+    if args.replicas is not None and args.autoscale is not None:
+        raise _UsageError("give --replicas or --autoscale, not both")
+    if args.replicas is not None and args.replicas < 1:
+        raise _UsageError(f"--replicas must be at least 1, got {args.replicas}")
+    if args.threads_per_replica is not None and args.threads_per_replica < 1:
+        raise _UsageError(f"--threads-per-replica must be at least 1, got {args.threads_per_replica}")
+    if args.ray and args.threads is not None:
+        raise _UsageError("with --ray, give --threads-per-replica instead of --threads")
+    if args.autoscale is None:
+        return None
+    low, sep, high = args.autoscale.partition(":")
+    if not sep or not low.isdigit() or not high.isdigit():
+        raise _UsageError(f"--autoscale must be MIN:MAX (e.g. 1:4), got {args.autoscale!r}")
+    if int(high) < 1 or int(low) > int(high):
+        raise _UsageError(f"--autoscale needs MIN <= MAX and MAX >= 1, got {args.autoscale}")
+    return int(low), int(high)
+
+
+def _serve_on_ray(args: argparse.Namespace, scale: tuple[int, int] | None) -> int:
+    """``colibri serve --ray``: the replicas of colibri.ray on a Ray cluster."""
+    try:
+        from .ray import serve, server_extra
+
+        server_extra()
+    except ImportError as e:
+        raise _UsageError(str(e)) from e
+    options: dict[str, Any] = {"ram_budget": args.ram, "io": args.io, "prefetch": args.prefetch}
+    options["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.mmap != "auto":  # auto: the mapping, which replicas on one node share
+        options["mmap"] = args.mmap == "on"
+    for name in ("max_batch", "max_queue", "max_state_memory", "prefix_cache"):
+        if getattr(args, name, None) is not None:
+            options[name] = getattr(args, name)
+    serve(
+        "demo" if args.demo else args.args[0],
+        host=args.host,
+        port=args.port,
+        replicas=args.replicas,
+        autoscale=scale,
+        threads_per_replica=args.threads_per_replica,
+        api_key=args.api_key,
+        model_name=args.served_model_name,
+        speculative=args.speculative,
+        draft_tokens=args.draft_tokens,
+        log_level="info" if args.verbose else "warning",
+        log=lambda line: print(f"colibri: {line}", file=sys.stderr),
+        **options,
     )
     return 0
 
@@ -814,6 +877,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sv.add_argument(
         "--served-model-name", metavar="NAME", help="the model id clients use (default: file stem)"
+    )
+    sv.add_argument(
+        "--ray",
+        action="store_true",
+        help="run engine replicas behind Ray Serve (on the cluster at $RAY_ADDRESS, else a new one on this "
+        "machine); needs the ray extra: pip install 'colibri-moe[ray]'",
+    )
+    sv.add_argument("--replicas", type=int, metavar="N", help="with --ray: N engine replicas (default 1)")
+    sv.add_argument(
+        "--autoscale",
+        metavar="MIN:MAX",
+        help="with --ray: between MIN and MAX replicas, more when requests queue beyond full batches",
+    )
+    sv.add_argument(
+        "--threads-per-replica",
+        type=int,
+        metavar="T",
+        help="with --ray: CPUs each replica reserves and engine threads it runs (default: the cluster's "
+        "CPUs shared among the replicas)",
     )
     sv.set_defaults(func=_cmd_serve)
 

@@ -32,10 +32,10 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, MutableMapping
 from typing import Any, Callable
 
-__all__ = ["deployment", "serve"]
+__all__ = ["deployment", "serve", "server_extra"]
 
 #: Seconds between a replica's reports of its metrics.
 PUSH_SECONDS = 1.0
@@ -75,10 +75,15 @@ def _import_ray() -> tuple[Any, Any]:
         serve = importlib.import_module("ray.serve")
     except ImportError as e:
         raise ImportError(
-            "colibri's Ray replicas need the 'ray' extra: pip install 'colibri-moe[ray]' "
-            f"(missing: {e.name})"
+            f"colibri's Ray replicas need the 'ray' extra: pip install 'colibri-moe[ray]' (missing: {e.name})"
         ) from e
     return ray, serve
+
+
+def server_extra() -> None:
+    """Raises the ImportError naming the extra when ``colibri.server`` (which
+    every replica runs) cannot be imported here."""
+    importlib.import_module("colibri.server")
 
 
 # ----------------------------------------------------------------------
@@ -117,7 +122,7 @@ def _render(reports: Iterable[list[Any]]) -> bytes:
             return list(merged.values())
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(Merged())  # type: ignore[arg-type]
+    registry.register(Merged())
     return generate_latest(registry)
 
 
@@ -191,8 +196,10 @@ class _Replica:
             others = []
         return _render([own, *(fams for _, fams in others)])
 
-    async def request(self, scope: dict[str, Any], body: bytes) -> AsyncIterator[Message]:
-        """Runs one HTTP request through the app; yields its ASGI messages."""
+    async def request(self, scope: dict[str, Any], body: bytes) -> AsyncIterator[list[Message]]:
+        """Runs one HTTP request through the app; yields its ASGI messages,
+        as many at a time as are ready (a Ray object per token would cost
+        more than the token when a replica decodes fast)."""
         out: asyncio.Queue[Message | None] = asyncio.Queue()
         gone = asyncio.Event()
         body_sent = False
@@ -205,18 +212,28 @@ class _Replica:
             await gone.wait()
             return {"type": "http.disconnect"}
 
-        async def send(message: Message) -> None:
-            await out.put(message)
+        async def send(message: MutableMapping[str, Any]) -> None:
+            await out.put(dict(message))
 
         task = asyncio.ensure_future(self.app(scope, receive, send))
         task.add_done_callback(lambda _: out.put_nowait(None))
         try:
-            while (message := await out.get()) is not None:
-                if message["type"] == "http.response.start":
-                    # Which replica answered: for logs, and for tests that kill it.
-                    headers = [*message.get("headers", []), (b"x-colibri-replica", self.replica.encode())]
-                    message = {**message, "headers": headers}
-                yield message
+            done = False
+            while not done:
+                batch = []
+                message = await out.get()
+                while message is not None:
+                    if message["type"] == "http.response.start":
+                        # Which replica answered: for logs, and for tests that kill it.
+                        headers = [*message.get("headers", []), (b"x-colibri-replica", self.replica.encode())]
+                        message = {**message, "headers": headers}
+                    batch.append(message)
+                    if out.empty():
+                        break
+                    message = out.get_nowait()
+                done = message is None
+                if batch:
+                    yield batch
         finally:
             if not task.done():
                 # The caller went away: the app sees its client gone, and
@@ -301,13 +318,14 @@ class _Front:
         replies = self.engines.request.remote(scope, body)
         started, stream, finished = False, False, False
         try:
-            async for message in replies:
-                if message["type"] == "http.response.start":
-                    started = True
-                    headers = dict(message.get("headers", []))
-                    stream = headers.get(b"content-type", b"").startswith(b"text/event-stream")
-                await send(message)
-                finished = message["type"] == "http.response.body" and not message.get("more_body", False)
+            async for batch in replies:
+                for message in batch:
+                    if message["type"] == "http.response.start":
+                        started = True
+                        headers = dict(message.get("headers", []))
+                        stream = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+                    await send(message)
+                    finished = message["type"] == "http.response.body" and not message.get("more_body")
             return True
         except self.died as e:
             reason = f"the replica serving this request stopped ({type(e).__name__})"
@@ -336,10 +354,10 @@ def _autoscale(value: tuple[int, int] | str | None) -> tuple[int, int] | None:
     if value is None:
         return None
     if isinstance(value, str):
-        low, sep, high = value.partition(":")
-        if not sep or not low.strip().isdigit() or not high.strip().isdigit():
+        a, sep, b = value.partition(":")
+        if not sep or not a.strip().isdigit() or not b.strip().isdigit():
             raise ValueError(f"autoscale must be MIN:MAX (e.g. 1:4), got {value!r}")
-        value = (int(low), int(high))
+        value = (int(a), int(b))
     low, high = value
     if not 0 <= low <= high or high < 1:
         raise ValueError(f"autoscale needs 0 <= MIN <= MAX and MAX >= 1, got {low}:{high}")
@@ -368,6 +386,7 @@ def deployment(
     replicas of one node share the page cache); the rest are
     :func:`colibri.server.create_app`'s."""
     _, serve = _import_ray()
+    server_extra()
     if replicas is not None and autoscale is not None:
         raise ValueError("give replicas or autoscale, not both")
     if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
@@ -429,12 +448,14 @@ def serve(
     autoscale: tuple[int, int] | str | None = None,
     threads_per_replica: int | None = None,
     address: str | None = None,
+    log_level: str = "warning",
     log: Callable[[str], None] | None = None,
     **options: Any,
 ) -> None:
     """Runs :func:`deployment` on a Ray cluster until interrupted: the one at
     ``address`` (default: ``RAY_ADDRESS``, else a new one on this machine),
-    its HTTP proxy on ``host:port``. ``threads_per_replica`` defaults to the
+    its HTTP proxy on ``host:port``; ``log`` is told the address once the
+    replicas are up. ``threads_per_replica`` defaults to the
     cluster's CPUs shared among the replicas (the most of them, autoscaling).
     A checkpoint folder is converted here once, before the replicas start."""
     ray, rserve = _import_ray()
@@ -446,7 +467,13 @@ def serve(
             path = e.path
     started = not ray.is_initialized()
     if started:
-        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+        chatty = log_level in ("debug", "info")
+        settings: dict[str, Any] = {"log_to_driver": chatty, "logging_level": log_level.upper()}
+        if address is None and not os.environ.get("RAY_ADDRESS"):
+            # A cluster of this machine alone listens on loopback only.
+            settings["_node_ip_address"] = "127.0.0.1"
+        ray.init(address=address, include_dashboard=False, **settings)
+        logging.getLogger("ray.serve").setLevel(log_level.upper())
     try:
         if threads_per_replica is None:
             most = replicas or (_autoscale(autoscale) or (1, 1))[1]
@@ -458,8 +485,8 @@ def serve(
         rserve.run(app, name="colibri", route_prefix="/")
         if log is not None:
             log(
-                f"serving on http://{host}:{port}/v1 with Ray Serve "
-                f"({threads_per_replica} threads per replica; Ctrl-C stops)"
+                f"serving on http://{host}:{port}/v1 through Ray Serve "
+                f"(threads per replica: {threads_per_replica}; Ctrl-C stops)"
             )
         while True:
             time.sleep(3600)
