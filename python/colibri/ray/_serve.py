@@ -227,7 +227,12 @@ class _Replica:
                         # Which replica answered: for logs, and for tests that kill it.
                         headers = [*message.get("headers", []), (b"x-colibri-replica", self.replica.encode())]
                         message = {**message, "headers": headers}
-                    batch.append(message)
+                    last = batch[-1] if batch else None
+                    if last is not None and last["type"] == message["type"] == "http.response.body":
+                        # Consecutive pieces of a body travel as one.
+                        batch[-1] = {**message, "body": last["body"] + message.get("body", b"")}
+                    else:
+                        batch.append(message)
                     if out.empty():
                         break
                     message = out.get_nowait()
