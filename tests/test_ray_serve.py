@@ -45,7 +45,14 @@ def wait_for(what: str, check, timeout: float = TIMEOUT):
 
 @pytest.fixture(scope="module")
 def url():
-    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+    # A cluster of its own ("local"), even where another is running on this machine.
+    ray.init(
+        address="local",
+        num_cpus=2,
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        log_to_driver=False,
+    )
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -118,6 +125,17 @@ def test_replicas_answer_as_one_engine_does(url, demo):
     assert httpx.get(url + "/", timeout=TIMEOUT).status_code == 200
 
 
+def test_the_dashboard_adds_the_replicas_up(url):
+    def both() -> dict | None:
+        d = httpx.get(url + "/dashboard/data", timeout=TIMEOUT).json()
+        return d if d.get("replicas") == 2 else None
+
+    d = wait_for("both replicas in the dashboard's data", both)
+    assert d["max_batch"] == 2 * 16 and d["model"] == "demo"
+    # The joined window: each of its tokens chose top-2 experts.
+    assert d["routing"]["layers"][0]["tokens"] == sum(d["routing"]["layers"][0]["heat"]) // 2
+
+
 def test_metrics_label_every_replica(url):
     client(url).completions.create(model="demo", prompt="Emma", max_tokens=2, temperature=0)
     labels = wait_for("both replicas in /metrics", lambda: two(replica_labels(url)))
@@ -176,3 +194,22 @@ def test_a_killed_replica_ends_its_stream_with_an_error_and_comes_back(url, demo
         return len(labels) == 2 and victim not in labels
 
     wait_for("the new replica in /metrics", replaced)
+
+
+def test_routing_joined_over_replicas_is_what_one_engine_reports(demo):
+    """Joining one replica's routing changes nothing (the statistics are
+    worked out as the engine does); joining two adds their choices."""
+    from colibri.ray._serve import _merge_layer
+
+    for prompt in PROMPTS:
+        demo.generate(prompt, max_new_tokens=40)
+    layers = demo.routing_stats()["layers"]
+    for layer in layers:
+        once = _merge_layer([layer])
+        assert once.keys() == layer.keys()
+        for key, value in layer.items():
+            assert once[key] == (pytest.approx(value) if isinstance(value, float) else value), key
+        twice = _merge_layer([layer, layer])
+        assert twice["heat"] == [2 * h for h in layer["heat"]] and twice["tokens"] == 2 * layer["tokens"]
+        assert twice["entropy"] == pytest.approx(layer["entropy"])
+        assert twice["dead"] == layer["dead"] and twice["overloaded"] == layer["overloaded"]

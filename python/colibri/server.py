@@ -928,14 +928,17 @@ def create_app(
     speculative: str | None = None,
     draft_tokens: int = 4,
     metrics_view: Callable[[CollectorRegistry], bytes] | None = None,
+    dashboard_view: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> Starlette:
     """The ASGI app serving ``engine``; pass a callable to load the engine in
     the background (requests are answered 503 until it returns).
     ``speculative`` and ``draft_tokens`` are the defaults of requests that do
     not set them (see :class:`~colibri.SamplingParams`). ``metrics_view``
     renders ``/metrics`` from the app's registry (default: the registry as
-    it is; :mod:`colibri.ray` adds the other replicas' metrics). The
-    registry is ``app.state.metrics_registry``."""
+    it is) and ``dashboard_view`` turns the dashboard's data before it is
+    sent (default: as it is): :mod:`colibri.ray` adds the other replicas'.
+    The registry is ``app.state.metrics_registry``, and
+    ``app.state.dashboard_sample()`` reads the dashboard's data now."""
     SamplingParams(speculative=speculative, draft_tokens=draft_tokens)  # checked now, not per request
     spec_default = {"speculative": speculative, "draft_tokens": draft_tokens}
 
@@ -1144,15 +1147,11 @@ def create_app(
         # given after # in its address when the server has one).
         return HTMLResponse(_dashboard_page(), headers={"Cache-Control": "no-cache"})
 
-    async def dashboard_data(request: Request) -> Response:
-        try:
-            check_key(request)
-            e = ready()
-        except APIError as err:
-            return err.response()
-        m = await asyncio.to_thread(metrics.monitor.sample, e)
+    def dashboard_sample() -> dict[str, Any]:
+        e = ready()
+        m = metrics.monitor.sample(e)
         b, r = m.pop("batch"), m["routing"]
-        store = await asyncio.to_thread(e.store_stats)
+        store = e.store_stats()
         m.update(
             {
                 "model": served_name(),
@@ -1169,6 +1168,16 @@ def create_app(
             }
         )
         m["routing"] = {"tokens": r["tokens"], "layers": r["layers"]}
+        return m
+
+    async def dashboard_data(request: Request) -> Response:
+        try:
+            check_key(request)
+            m = await asyncio.to_thread(dashboard_sample)
+        except APIError as err:
+            return err.response()
+        if dashboard_view is not None:
+            m = await asyncio.to_thread(dashboard_view, m)
         return JSONResponse(m)
 
     async def not_found(request: Request, exc: Exception) -> Response:
@@ -1192,6 +1201,7 @@ def create_app(
     ]
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: wrong_method})
     app.state.metrics_registry = metrics.registry
+    app.state.dashboard_sample = dashboard_sample
     return app
 
 

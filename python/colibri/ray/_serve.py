@@ -13,11 +13,13 @@ An application of three deployments:
   replica that dies is handled here: a request that has had no answer yet is
   sent to another replica; a stream already under way ends with an error
   event in its API's shape.
-* ``ColibriMetrics``: where the replicas leave their Prometheus metrics, once
-  a second each. ``/metrics`` (answered by whichever replica Serve picks) is
-  that replica's own metrics, read now, plus the others' latest, every
-  sample labelled with its ``replica``. A replica that has not reported for
-  :data:`STALE_SECONDS` is left out (it has died; Serve starts another).
+* ``ColibriMetrics``: where the replicas leave their Prometheus metrics and
+  dashboard data, once a second each. ``/metrics`` (answered by whichever
+  replica Serve picks) is that replica's own metrics, read now, plus the
+  others' latest, every sample labelled with its ``replica``; the
+  dashboard's data adds the replicas' counts up and joins their routing
+  windows. A replica that has not reported for :data:`STALE_SECONDS` is left
+  out (it has died; Serve starts another).
 
 Ray is imported only when an application is built: ``pip install
 'colibri-moe[ray]'`` brings it.
@@ -29,7 +31,9 @@ import asyncio
 import importlib
 import json
 import logging
+import math
 import os
+import statistics
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, MutableMapping
@@ -126,24 +130,82 @@ def _render(reports: Iterable[list[Any]]) -> bytes:
     return generate_latest(registry)
 
 
+def _merge_layer(layers: list[dict[str, Any]]) -> dict[str, Any]:
+    """One MoE layer's routing over several replicas: the choices added up
+    and the statistics worked out again from them, as the engine does."""
+    heat = [sum(col) for col in zip(*(layer["heat"] for layer in layers))]
+    tokens = sum(layer["tokens"] for layer in layers)
+    chosen, experts = sum(heat), len(heat)
+    bits = -sum(h / chosen * math.log2(h / chosen) for h in heat if h) if chosen else 0.0
+    share = chosen / experts if experts else 0.0
+    margin = sum(layer["margin_sum"] for layer in layers)
+    return {
+        **layers[0],  # the layer number, and residency: the answering replica's
+        "tokens": tokens,
+        "heat": heat,
+        "entropy_bits": bits,
+        "entropy": bits / math.log2(experts) if experts > 1 else 0.0,
+        "margin_sum": margin,
+        "mean_margin": margin / tokens if tokens else 0.0,
+        "margin_histogram": [sum(col) for col in zip(*(layer["margin_histogram"] for layer in layers))],
+        "dead": [i for i, h in enumerate(heat) if h == 0] if chosen else [],
+        "overloaded": [i for i, h in enumerate(heat) if share and h > 3 * share],
+        "max_load": max(heat) / share if share else 0.0,
+    }
+
+
+#: Dashboard fields that add up over replicas.
+_SUMMED = (
+    "tokens_per_second_in",
+    "tokens_per_second_out",
+    "queue",
+    "running",
+    "batch_size",
+    "max_batch",
+    "kv_tokens",
+    "generated_tokens",
+)
+
+
+def _merge_dashboard(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """The dashboard's data over several replicas (the first answers):
+    counts and rates added up, the routing windows joined, the median of
+    the replicas' median times to first token, the mean hit rate."""
+    out = dict(samples[0])
+    for key in _SUMMED:
+        out[key] = sum(s[key] for s in samples)
+    ttfts = [s["ttft_p50"] for s in samples if s["ttft_p50"] is not None]
+    out["ttft_p50"] = statistics.median(ttfts) if ttfts else None
+    out["hit_rate"] = statistics.fmean(s["hit_rate"] for s in samples)
+    out["streaming"] = any(s["streaming"] for s in samples)
+    out["replicas"] = len(samples)
+    layers = zip(*(s["routing"]["layers"] for s in samples))
+    out["routing"] = {
+        "tokens": sum(s["routing"]["tokens"] for s in samples),
+        "layers": [_merge_layer(list(group)) for group in layers],
+    }
+    return out
+
+
 class _Board:
-    """The replicas' latest metrics (a one-replica deployment of its own)."""
+    """The replicas' latest metrics and dashboard data (a one-replica
+    deployment of its own)."""
 
     def __init__(self) -> None:
-        self.reports: dict[str, tuple[float, list[Any]]] = {}
+        self.reports: dict[str, tuple[float, list[Any], dict[str, Any] | None]] = {}
 
-    def put(self, replica: str, families: list[Any]) -> None:
-        self.reports[replica] = (time.monotonic(), families)
+    def put(self, replica: str, families: list[Any], dashboard: dict[str, Any] | None) -> None:
+        self.reports[replica] = (time.monotonic(), families, dashboard)
 
     def drop(self, replica: str) -> None:
         self.reports.pop(replica, None)
 
-    def take(self, exclude: str = "") -> list[tuple[str, list[Any]]]:
+    def take(self, exclude: str = "") -> list[tuple[str, list[Any], dict[str, Any] | None]]:
         """The fresh reports but ``exclude``'s, by replica id; stale ones are forgotten."""
         now = time.monotonic()
-        for rid in [r for r, (t, _) in self.reports.items() if now - t > STALE_SECONDS]:
+        for rid in [r for r, (t, _, _) in self.reports.items() if now - t > STALE_SECONDS]:
             del self.reports[rid]
-        return sorted((rid, fams) for rid, (_, fams) in self.reports.items() if rid != exclude)
+        return sorted((rid, fams, d) for rid, (_, fams, d) in self.reports.items() if rid != exclude)
 
 
 # ----------------------------------------------------------------------
@@ -173,8 +235,11 @@ class _Replica:
         self.replica = str(serve.get_replica_context().replica_id.unique_id)
         self.board = board
         self.engine = _open(model, engine_options)
-        self.app = create_app(self.engine, metrics_view=self._metrics_text, **app_options)
+        self.app = create_app(
+            self.engine, metrics_view=self._metrics_text, dashboard_view=self._dashboard, **app_options
+        )
         self.registry = self.app.state.metrics_registry
+        self.dashboard_sample = self.app.state.dashboard_sample
         self.stop = threading.Event()
         self.pusher = threading.Thread(target=self._push, daemon=True, name="colibri-metrics")
         self.pusher.start()
@@ -183,18 +248,24 @@ class _Replica:
         while not self.stop.wait(PUSH_SECONDS):
             try:
                 families = _labelled(self.registry.collect(), self.replica)
-                self.board.put.remote(self.replica, families).result(timeout_s=10)
+                dashboard = self.dashboard_sample()
+                self.board.put.remote(self.replica, families, dashboard).result(timeout_s=10)
             except Exception as e:  # the board restarting: the next report goes through
                 _log.debug("metrics report failed: %s", e)
 
+    def _others(self) -> list[tuple[str, list[Any], dict[str, Any] | None]]:
+        try:
+            return list(self.board.take.remote(self.replica).result(timeout_s=10))
+        except Exception as e:  # only this replica's then
+            _log.warning("could not read the other replicas' reports: %s", e)
+            return []
+
     def _metrics_text(self, registry: Any) -> bytes:
         own = _labelled(registry.collect(), self.replica)
-        try:
-            others = self.board.take.remote(self.replica).result(timeout_s=10)
-        except Exception as e:  # only this replica's metrics then
-            _log.warning("could not read the other replicas' metrics: %s", e)
-            others = []
-        return _render([own, *(fams for _, fams in others)])
+        return _render([own, *(fams for _, fams, _ in self._others())])
+
+    def _dashboard(self, own: dict[str, Any]) -> dict[str, Any]:
+        return _merge_dashboard([own, *(d for _, _, d in self._others() if d is not None)])
 
     async def request(self, scope: dict[str, Any], body: bytes) -> AsyncIterator[list[Message]]:
         """Runs one HTTP request through the app; yields its ASGI messages,
@@ -220,7 +291,7 @@ class _Replica:
         try:
             done = False
             while not done:
-                batch = []
+                batch: list[Message] = []
                 message = await out.get()
                 while message is not None:
                     if message["type"] == "http.response.start":
@@ -458,7 +529,7 @@ def serve(
     **options: Any,
 ) -> None:
     """Runs :func:`deployment` on a Ray cluster until interrupted: the one at
-    ``address`` (default: ``RAY_ADDRESS``, else a new one on this machine),
+    ``address`` (default: ``RAY_ADDRESS``, else a new one of this machine alone),
     its HTTP proxy on ``host:port``; ``log`` is told the address once the
     replicas are up. ``threads_per_replica`` defaults to the
     cluster's CPUs shared among the replicas (the most of them, autoscaling).
@@ -475,7 +546,9 @@ def serve(
         chatty = log_level in ("debug", "info")
         settings: dict[str, Any] = {"log_to_driver": chatty, "logging_level": log_level.upper()}
         if address is None and not os.environ.get("RAY_ADDRESS"):
-            # A cluster of this machine alone listens on loopback only.
+            # A new cluster of this machine alone (not one someone else
+            # started here), listening on loopback only.
+            address = "local"
             settings["_node_ip_address"] = "127.0.0.1"
         ray.init(address=address, include_dashboard=False, **settings)
         logging.getLogger("ray.serve").setLevel(log_level.upper())
