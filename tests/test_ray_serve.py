@@ -146,6 +146,26 @@ def test_metrics_label_every_replica(url):
         assert f'colibri_queue_depth{{replica="{label}"}}' in text
 
 
+def metric_sum(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=TIMEOUT).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_a_client_that_goes_away_stops_its_generations(url):
+    body = {"prompt": "Emma", "max_tokens": 480, "n": 8, "temperature": 0, "ignore_eos": True, "stream": True}
+    before = metric_sum(url, "colibri_generation_tokens_total")
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=TIMEOUT) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                break  # one chunk, then the connection closes
+    wait_for("the generations to stop", lambda: metric_sum(url, "colibri_running_sequences") == 0)
+    # Longer than the whole request takes (under 2 s here), and than the
+    # other replica's metrics can lag (a second).
+    time.sleep(3)
+    # Whole, the request makes 8 x 480 tokens; cancelled, a small part of them.
+    assert metric_sum(url, "colibri_generation_tokens_total") - before < 8 * 480 / 2
+
+
 def test_a_killed_replica_ends_its_stream_with_an_error_and_comes_back(url, demo):
     wait_for("two running replicas", lambda: running_replicas() == 2)
     c = client(url)
