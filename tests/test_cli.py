@@ -306,3 +306,13 @@ def test_serve_ray_flags_are_checked_before_anything_starts(flags, needle, capsy
     assert main(["serve", "--demo", *flags]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.startswith("colibri serve: error:") and err.count("\n") == 1
+
+
+def test_serve_ray_without_ray_names_the_extra(monkeypatch, capsys):
+    from colibri.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "ray.serve", None)
+    assert main(["serve", "--demo", "--ray"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'colibri-moe[ray]'" in err and err.count("\n") == 1

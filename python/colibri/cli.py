@@ -429,9 +429,9 @@ def _ray_scale(args: argparse.Namespace) -> tuple[int, int] | None:
 def _serve_on_ray(args: argparse.Namespace, scale: tuple[int, int] | None) -> int:
     """``colibri serve --ray``: the replicas of colibri.ray on a Ray cluster."""
     try:
-        from .ray import serve, server_extra
+        from .ray import require, serve
 
-        server_extra()
+        require()
     except ImportError as e:
         raise _UsageError(str(e)) from e
     options: dict[str, Any] = {"ram_budget": args.ram, "io": args.io, "prefetch": args.prefetch}

@@ -4,6 +4,6 @@ into pipeline stages across machines. Needs the ray extra:
 
 from __future__ import annotations
 
-from ._serve import deployment, serve, server_extra
+from ._serve import deployment, require, serve
 
-__all__ = ["deployment", "serve", "server_extra"]
+__all__ = ["deployment", "require", "serve"]

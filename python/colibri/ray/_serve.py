@@ -39,7 +39,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, MutableMapping
 from typing import Any, Callable
 
-__all__ = ["deployment", "serve", "server_extra"]
+__all__ = ["deployment", "require", "serve"]
 
 #: Seconds between a replica's reports of its metrics.
 PUSH_SECONDS = 1.0
@@ -84,9 +84,10 @@ def _import_ray() -> tuple[Any, Any]:
     return ray, serve
 
 
-def server_extra() -> None:
-    """Raises the ImportError naming the extra when ``colibri.server`` (which
-    every replica runs) cannot be imported here."""
+def require() -> None:
+    """Raises the ImportError naming the extra when Ray, or what
+    ``colibri.server`` (which every replica runs) needs, is missing here."""
+    _import_ray()
     importlib.import_module("colibri.server")
 
 
@@ -461,8 +462,8 @@ def deployment(
     replica's :class:`~colibri.Engine` (``mmap`` defaults to ``True`` so the
     replicas of one node share the page cache); the rest are
     :func:`colibri.server.create_app`'s."""
+    require()
     _, serve = _import_ray()
-    server_extra()
     if replicas is not None and autoscale is not None:
         raise ValueError("give replicas or autoscale, not both")
     if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
