@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""Replicas behind Ray Serve against one `colibri serve`, on the demo model.
+"""Replicas behind Ray Serve against one `colibri serve`, on the demo model
+(or --model FILE).
 
-Two setups on the same machine, one after the other (never both up at once,
-so neither pays for the other's idle processes):
+Two setups on the same machine, taking turns run by run, each run on a
+server started for it (never both up at once, so neither pays for the
+other's idle processes):
 
 * direct: `colibri serve --demo --threads T` (one engine, T threads);
 * ray: `colibri serve --demo --ray --replicas N --threads-per-replica T/N`
@@ -15,7 +17,7 @@ then not. Aggregate tokens/s = all completion tokens / wall time of the run;
 decode tokens/s (streamed runs) = C / the median time per output token after
 the first. Then `--latency` requests for 1 token, one at a time: the median
 latency, whose difference between the setups is what the proxy and front
-add to a request. Every run is repeated `--reps` times; medians are printed.
+add to a request. `--reps` runs of each; medians are printed.
 
     python benches/ray_serve_bench.py --clients 8 --reps 3
 """
@@ -48,14 +50,14 @@ def free_port() -> int:
 
 
 @contextmanager
-def running(flags: list[str]) -> Iterator[str]:
-    """`colibri serve --demo FLAGS` on a free loopback port until /health is ok; yields its URL."""
+def running(model: list[str], flags: list[str]) -> Iterator[str]:
+    """`colibri serve MODEL FLAGS` on a free loopback port until /health is ok; yields its URL."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "colibri", "serve", "--demo", "--port", str(port), *flags]
+    cmd = [sys.executable, "-m", "colibri", "serve", *model, "--port", str(port), *flags]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 600
         while True:
             if server.poll() is not None:
                 raise RuntimeError(f"{' '.join(cmd)} exited with {server.returncode}")
@@ -77,19 +79,26 @@ def running(flags: list[str]) -> Iterator[str]:
             server.wait(10)
 
 
-def load(url: str, clients: int, requests: int, max_tokens: int, stream: bool) -> dict[str, float]:
+def prompt(i: int, ids: bool) -> Any:
+    """The i-th prompt: text for the demo, 16 token ids for a model without a tokenizer."""
+    return [(i * 97 + j * 13 + 5) % 50000 for j in range(16)] if ids else PROMPTS[i % len(PROMPTS)]
+
+
+def load(url: str, clients: int, requests: int, max_tokens: int, stream: bool, ids: bool) -> dict[str, float]:
     def one(k: int) -> list[tuple[int, float]]:
         """(completion tokens, time per token after the first) of client k's requests."""
         out = []
         with httpx.Client(timeout=600) as http:
             for r in range(requests):
                 body = {
-                    "prompt": PROMPTS[(k * requests + r) % len(PROMPTS)],
+                    "prompt": prompt(k * requests + r, ids),
                     "max_tokens": max_tokens,
                     "temperature": 0,
                     "ignore_eos": True,
                     "stream": stream,
                 }
+                if ids:
+                    body["return_token_ids"] = True  # no tokenizer: no text to return
                 if not stream:
                     resp = http.post(url + "/v1/completions", json=body)
                     resp.raise_for_status()
@@ -122,12 +131,12 @@ def load(url: str, clients: int, requests: int, max_tokens: int, stream: bool) -
     return row
 
 
-def latency(url: str, n: int) -> float:
+def latency(url: str, n: int, ids: bool) -> float:
     """Median seconds of a 1-token request, one at a time."""
     times = []
     with httpx.Client(timeout=60) as http:
         for i in range(n + 3):
-            body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 1, "temperature": 0}
+            body = {"prompt": prompt(i, ids), "max_tokens": 1, "temperature": 0, "return_token_ids": ids}
             t = time.perf_counter()
             http.post(url + "/v1/completions", json=body).raise_for_status()
             if i >= 3:  # the first few warm the connection and the caches
@@ -135,26 +144,24 @@ def latency(url: str, n: int) -> float:
     return statistics.median(times)
 
 
-def measure(flags: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    with running(flags) as url:
-        load(url, args.clients, 1, 16, stream=False)  # warm-up
-        runs: dict[str, list[float]] = {"stream_tok_s": [], "decode_tok_s": [], "whole_tok_s": []}
-        lat = []
-        for _ in range(args.reps):
-            s = load(url, args.clients, args.requests, args.max_tokens, stream=True)
-            runs["stream_tok_s"].append(s["tok_s"])
-            runs["decode_tok_s"].append(s["decode_tok_s"])
-            whole = load(url, args.clients, args.requests, args.max_tokens, stream=False)
-            runs["whole_tok_s"].append(whole["tok_s"])
-            lat.append(latency(url, args.latency))
-    out: dict[str, Any] = {k: statistics.median(v) for k, v in runs.items()}
-    out["latency_1_token_ms"] = statistics.median(lat) * 1000
-    out["runs"] = {**runs, "latency_1_token_s": lat}
-    return out
+def measure_once(flags: list[str], args: argparse.Namespace) -> dict[str, float]:
+    """One run of a setup on a server of its own: streamed, whole, latency."""
+    ids = args.model is not None
+    with running(["--demo"] if args.model is None else [args.model], flags) as url:
+        load(url, args.clients, 1, 16, stream=False, ids=ids)  # warm-up
+        s = load(url, args.clients, args.requests, args.max_tokens, stream=True, ids=ids)
+        whole = load(url, args.clients, args.requests, args.max_tokens, stream=False, ids=ids)
+        return {
+            "stream_tok_s": s["tok_s"],
+            "decode_tok_s": s["decode_tok_s"],
+            "whole_tok_s": whole["tok_s"],
+            "latency_1_token_ms": latency(url, args.latency, ids) * 1000,
+        }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="a .colibri file, prompted with token ids (default: the demo)")
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--requests", type=int, default=2, help="requests per client per run")
     ap.add_argument("--max-tokens", type=int, default=256)
@@ -181,8 +188,14 @@ def main() -> int:
         "args": vars(args),
         "setups": {},
     }
-    for name, flags in setups.items():
-        report["setups"][name] = measure(flags, args)
+    # The setups take turns run by run, so a machine that drifts drifts under both.
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in setups}
+    for _ in range(args.reps):
+        for name, flags in setups.items():
+            runs[name].append(measure_once(flags, args))
+    for name, rows in runs.items():
+        medians = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        report["setups"][name] = {**medians, "runs": rows}
     each = f"{args.requests} x {args.max_tokens} tokens each"
     print(f"{args.clients} clients, {each}, medians of {args.reps} runs")
     print("| setup | streamed tok/s | decode tok/s | whole tok/s | 1-token latency |")
