@@ -233,3 +233,31 @@ def test_routing_joined_over_replicas_is_what_one_engine_reports(demo):
         assert twice["heat"] == [2 * h for h in layer["heat"]] and twice["tokens"] == 2 * layer["tokens"]
         assert twice["entropy"] == pytest.approx(layer["entropy"])
         assert twice["dead"] == layer["dead"] and twice["overloaded"] == layer["overloaded"]
+
+
+def test_autoscaling_adds_a_replica_when_requests_queue(url):
+    """The last test: it replaces the two-replica application with one
+    scaling between 1 and 2 replicas of batches of 2, and keeps it queued."""
+    serve.delete("colibri")
+    serve.run(
+        deployment("demo", autoscale="1:2", threads_per_replica=1, max_batch=2),
+        name="colibri",
+        route_prefix="/",
+    )
+    assert running_replicas() == 1
+    stop = threading.Event()
+
+    def keep_asking() -> None:
+        with httpx.Client(timeout=TIMEOUT) as http:
+            while not stop.is_set():
+                body = {"prompt": "Emma", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+                assert http.post(url + "/v1/completions", json=body).status_code == 200
+
+    with ThreadPoolExecutor(8) as pool:
+        clients = [pool.submit(keep_asking) for _ in range(8)]
+        try:
+            wait_for("a second replica", lambda: running_replicas() == 2)
+        finally:
+            stop.set()
+        for c in clients:
+            c.result(timeout=TIMEOUT)

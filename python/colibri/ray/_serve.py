@@ -45,6 +45,9 @@ __all__ = ["deployment", "require", "serve"]
 PUSH_SECONDS = 1.0
 #: A replica whose last report is older than this is left out of ``/metrics``.
 STALE_SECONDS = 5.0
+#: Seconds requests must queue beyond full batches before autoscaling adds a
+#: replica (Serve's default of 30 is long for a queue of generations).
+UPSCALE_SECONDS = 10.0
 #: Times the front tries a request whose replica died before answering.
 ATTEMPTS = 3
 #: Largest body the front relays (the replica's own limit answers 413 beyond it).
@@ -499,6 +502,7 @@ def deployment(
             "max_replicas": scale[1],
             # Up when the replicas hold more than full batches (requests queue).
             "target_ongoing_requests": max_batch,
+            "upscale_delay_s": UPSCALE_SECONDS,
         }
     light = {"ray_actor_options": {"num_cpus": 0}, "max_ongoing_requests": 1 << 14}
     quiet = {"enable_access_log": False}  # a report a second from each replica
