@@ -46,7 +46,8 @@ PUSH_SECONDS = 1.0
 #: A replica whose last report is older than this is left out of ``/metrics``.
 STALE_SECONDS = 5.0
 #: Seconds requests must queue beyond full batches before autoscaling adds a
-#: replica (Serve's default of 30 is long for a queue of generations).
+#: replica (Serve's default, 30, is long for a queue of generations); the
+#: load is averaged over 1.5 times this.
 UPSCALE_SECONDS = 10.0
 #: Times the front tries a request whose replica died before answering.
 ATTEMPTS = 3
@@ -503,6 +504,8 @@ def deployment(
             # Up when the replicas hold more than full batches (requests queue).
             "target_ongoing_requests": max_batch,
             "upscale_delay_s": UPSCALE_SECONDS,
+            # Serve wants the window longer than its metrics interval (10 s).
+            "look_back_period_s": 1.5 * UPSCALE_SECONDS,
         }
     light = {"ray_actor_options": {"num_cpus": 0}, "max_ongoing_requests": 1 << 14}
     quiet = {"enable_access_log": False}  # a report a second from each replica
