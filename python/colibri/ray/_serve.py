@@ -328,9 +328,11 @@ class _Replica:
             raise RuntimeError("the engine is closed")
 
     def __del__(self) -> None:
+        # Serve calls this when it stops the replica, after its requests end.
         stop = getattr(self, "stop", None)
         if stop is not None:
             stop.set()
+            self.engine.close()
             try:
                 self.board.drop.remote(self.replica)
             except Exception:  # shutting down: the report goes stale anyway
@@ -458,16 +460,24 @@ def deployment(
     **engine_options: Any,
 ) -> Any:
     """The Serve application (a bound deployment, for ``serve.run``) of
-    ``model`` (``"demo"``, a ``.colibri`` file or a checkpoint folder, at
-    the same path on every node) on ``replicas`` replicas (default 1), or
-    between ``autoscale = (MIN, MAX)`` of them scaled on the requests each
-    has in flight and queued. Each replica reserves ``threads_per_replica``
+    ``model`` (``"demo"``, a ``.colibri`` file, or a checkpoint folder,
+    converted here once; the path must be the same on every node) on
+    ``replicas`` replicas (default 1), or between ``autoscale = (MIN,
+    MAX)`` of them scaled on the requests each has in flight and queued
+    (``"MIN:MAX"`` works too). Each replica reserves ``threads_per_replica``
     CPUs and runs that many engine threads. ``engine_options`` go to every
     replica's :class:`~colibri.Engine` (``mmap`` defaults to ``True`` so the
     replicas of one node share the page cache); the rest are
     :func:`colibri.server.create_app`'s."""
     require()
     _, serve = _import_ray()
+    path = os.fspath(model)
+    if path != "demo" and os.path.isdir(path):
+        # Converted here, once, not by every replica at the same time.
+        from .._engine import Engine
+
+        with Engine.from_pretrained(path, mmap=True) as e:
+            path = e.path
     if replicas is not None and autoscale is not None:
         raise ValueError("give replicas or autoscale, not both")
     if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
@@ -483,7 +493,7 @@ def deployment(
     max_batch = int(options.get("max_batch", 16))
     app_options = {
         "api_key": api_key,
-        "model_name": model_name or ("demo" if os.fspath(model) == "demo" else None),
+        "model_name": model_name or ("demo" if path == "demo" else None),
         "speculative": speculative,
         "draft_tokens": draft_tokens,
     }
@@ -520,7 +530,7 @@ def deployment(
             return self.front
 
     front = serve.deployment(serve.ingress()(ColibriFront), name="ColibriFront", num_replicas=1, **light)
-    return front.bind(engines.bind(os.fspath(model), options, app_options, board.bind()))
+    return front.bind(engines.bind(path, options, app_options, board.bind()))
 
 
 def serve(
@@ -537,18 +547,12 @@ def serve(
     **options: Any,
 ) -> None:
     """Runs :func:`deployment` on a Ray cluster until interrupted: the one at
-    ``address`` (default: ``RAY_ADDRESS``, else a new one of this machine alone),
-    its HTTP proxy on ``host:port``; ``log`` is told the address once the
-    replicas are up. ``threads_per_replica`` defaults to the
-    cluster's CPUs shared among the replicas (the most of them, autoscaling).
-    A checkpoint folder is converted here once, before the replicas start."""
+    ``address`` (default: ``RAY_ADDRESS``, else a new one of this machine
+    alone, on loopback), its HTTP proxy on ``host:port``; ``log`` is told the
+    address once the replicas are up. ``threads_per_replica`` defaults to
+    the cluster's CPUs shared among the replicas (the most of them, when
+    autoscaling). ``options`` are :func:`deployment`'s."""
     ray, rserve = _import_ray()
-    path = os.fspath(model)
-    if path != "demo" and os.path.isdir(path):
-        from .._engine import Engine
-
-        with Engine.from_pretrained(path, mmap=True) as e:
-            path = e.path
     started = not ray.is_initialized()
     if started:
         chatty = log_level in ("debug", "info")
@@ -565,7 +569,7 @@ def serve(
             most = replicas or (_autoscale(autoscale) or (1, 1))[1]
             threads_per_replica = max(1, int(ray.cluster_resources().get("CPU", 1)) // most)
         app = deployment(
-            path, replicas=replicas, autoscale=autoscale, threads_per_replica=threads_per_replica, **options
+            model, replicas=replicas, autoscale=autoscale, threads_per_replica=threads_per_replica, **options
         )
         rserve.start(http_options={"host": host, "port": port})
         rserve.run(app, name="colibri", route_prefix="/")
