@@ -59,6 +59,23 @@ impl Generation {
     /// call runs the whole prompt. `interrupted` is polled between prompt
     /// chunks; an interrupted or failed generation cannot be resumed.
     pub fn next_token(&mut self, interrupted: &dyn Fn() -> bool) -> Result<Option<u32>> {
+        self.next_token_from(None, interrupted)
+    }
+
+    /// The token ids the next step feeds: the prompt at first, then the
+    /// last token chosen (empty once finished).
+    pub fn pending(&self) -> &[u32] {
+        match (self.decoder.finish(), self.decoder.tokens().last()) {
+            (Some(_), _) => &[],
+            (None, None) => &self.prompt,
+            (None, Some(_)) => &self.decoder.tokens()[self.decoder.tokens().len() - 1..],
+        }
+    }
+
+    /// [`Generation::next_token`] on the last stage of a pipeline: `input`
+    /// is the residual stream `[T, D]` the stage before computed for
+    /// [`Generation::pending`]'s tokens (`None` on a whole model).
+    pub fn next_token_from(&mut self, input: Option<&[f32]>, interrupted: &dyn Fn() -> bool) -> Result<Option<u32>> {
         if self.decoder.finish().is_some() {
             return Ok(None);
         }
@@ -74,7 +91,7 @@ impl Generation {
                 &last[..]
             }
         };
-        if let Err(e) = self.engine.run(&mut self.session, ids, Capture::default(), interrupted) {
+        if let Err(e) = self.engine.run_stage(&mut self.session, ids, input, Capture::default(), interrupted) {
             self.broken = true;
             return Err(e);
         }

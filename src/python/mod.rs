@@ -151,7 +151,7 @@ impl NativeEngine {
             io_threads: 0,
             backing,
         };
-        let opts = EngineOptions { threads, store, kv_cache };
+        let opts = EngineOptions { threads, store, kv_cache, stage: None };
         let inner = py.detach(|| Engine::open(&path, &opts)).map_err(to_py)?;
         let max_state_bytes = usize::try_from(max_state_bytes).unwrap_or(usize::MAX);
         let prefix_cache_bytes = usize::try_from(prefix_cache_bytes).unwrap_or(usize::MAX);
