@@ -3,3 +3,7 @@ into pipeline stages across machines. Needs the ray extra:
 ``pip install 'colibri-moe[ray]'``."""
 
 from __future__ import annotations
+
+from ._pipeline import Engine, Pipeline
+
+__all__ = ["Engine", "Pipeline"]
