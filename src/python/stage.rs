@@ -227,8 +227,8 @@ impl NativeStage {
     /// last token): `(token, finish reason, its log-probabilities)`, the
     /// token `None` once the generation has finished, the reason `None`
     /// while it goes on and the log-probabilities `None` unless asked for.
-    fn step(&self, py: Python<'_>, id: u64, residual: &[u8]) -> PyResult<StepOut> {
-        let input = rows(Some(residual))?;
+    fn step(&self, py: Python<'_>, id: u64, residual: Option<&[u8]>) -> PyResult<StepOut> {
+        let input = rows(residual)?;
         let Held::Generation(mut g) = self.take(id)? else {
             return Err(to_py(Error::InvalidInput("a stage before the last runs sequences with forward()".into())));
         };

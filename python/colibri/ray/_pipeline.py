@@ -65,6 +65,10 @@ def _memory_of_process() -> dict[str, int]:
     return out
 
 
+def _where(index: int, layers: Any, node: str) -> str:
+    return f"stage {index} (layers {layers[0]}..{layers[1]}, node {node[:12]})"
+
+
 class _StageBody:
     """What one stage actor runs (``ray.remote`` is applied when a pipeline
     starts, so importing this module needs no Ray)."""
@@ -151,10 +155,9 @@ class Pipeline:
             raise InvalidInputError(f'transport must be "compiled" or "actor", got {transport!r}')
         if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
             raise InvalidInputError(f"stages must be a positive integer, got {stages!r}")
-        if threads_per_stage is not None and (
-            isinstance(threads_per_stage, bool) or not isinstance(threads_per_stage, int) or threads_per_stage < 1
-        ):
-            raise InvalidInputError(f"threads_per_stage must be a positive integer, got {threads_per_stage!r}")
+        t = threads_per_stage
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+            raise InvalidInputError(f"threads_per_stage must be a positive integer, got {t!r}")
         if not timeout > 0:
             raise InvalidInputError(f"timeout must be positive seconds, got {timeout!r}")
         if shares is not None and len(shares) != stages:
@@ -166,6 +169,13 @@ class Pipeline:
             ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
         self.threads = threads_per_stage or 1
         self._options = {"threads": self.threads, "kv_cache_dtype": kv_cache_dtype, "weights": weights}
+        _colibri.stage_plan(path, [1.0] * stages)  # refuses a count the layers cannot make
+        cpus = ray.cluster_resources().get("CPU", 0)
+        if cpus < stages * self.threads:
+            raise StageError(
+                f"{stages} stages of {self.threads} CPU(s) need {stages * self.threads} CPUs; "
+                f"the Ray cluster has {cpus:g}"
+            )
         self._pg = self._place(ray)
         self.plan = self._plan(ray, shares)
         self._ids = itertools.count(1)
@@ -215,17 +225,15 @@ class Pipeline:
             shares = node_memory if all(m > 0 for m in node_memory) else [1.0] * self.stages
         plan = [tuple(r) for r in _colibri.stage_plan(self.path, [float(s) for s in shares])]
         per_layer, embed, head = _colibri.stage_bytes(self.path)
-        self.stage_bytes = [
-            sum(per_layer[a:b]) + (embed if a == 0 else 0) + (head if b == len(per_layer) else 0) for a, b in plan
-        ]
+        n = len(per_layer)
+        self.stage_bytes = [sum(per_layer[a:b]) + embed * (a == 0) + head * (b == n) for a, b in plan]
         small = [
             (i, b, m) for i, (b, m) in enumerate(zip(self.stage_bytes, node_memory)) if auto and 0 < m < b
         ]
         if small:
-            raise StageError(
-                "no stage plan fits: "
-                + "; ".join(f"stage {i} needs {b / 2**20:.1f} MiB, its node offers {m / 2**20:.1f} MiB" for i, b, m in small)
-            )
+            mib = 2**20
+            sizes = [f"stage {i} needs {b / mib:.1f} MiB, its node has {m / mib:.1f}" for i, b, m in small]
+            raise StageError("no stage plan fits: " + "; ".join(sizes))
         return [(int(a), int(b)) for a, b in plan]
 
     # -- actors --------------------------------------------------------
@@ -234,14 +242,11 @@ class Pipeline:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         remote = ray.remote(_StageBody)
-        self.actors = [
-            remote.options(
-                num_cpus=self.threads,
-                max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i),
-            ).remote(self.path, i, a, b, self._options)
-            for i, (a, b) in enumerate(self.plan)
-        ]
+        self.actors = []
+        for i, (a, b) in enumerate(self.plan):
+            where = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i)
+            opts = remote.options(num_cpus=self.threads, max_restarts=0, scheduling_strategy=where)
+            self.actors.append(opts.remote(self.path, i, a, b, self._options))
         try:
             self.described = ray.get([a.describe.remote() for a in self.actors], timeout=self.timeout)
         except Exception as e:
@@ -301,9 +306,8 @@ class Pipeline:
         """:meth:`submit`, waited for, a stage's error raised as its class."""
         out = self.submit(msg).result(timeout=self.timeout * 2)
         if "error" in out:
-            where = f"stage {out['stage']} (layers {out['layers'][0]}..{out['layers'][1]}, node {out['node'][:12]})"
             cls = _KINDS.get(out["kind"], StageError)
-            raise cls(f"{out['error']} [{where}]")
+            raise cls(f"{out['error']} [{_where(out['stage'], out['layers'], out['node'])}]")
         return out
 
     def new_id(self) -> int:
@@ -358,9 +362,7 @@ class Pipeline:
                 ray.get(a.describe.remote(), timeout=min(5.0, self.timeout))
             except Exception:  # noqa: BLE001 - this one is gone
                 dead.append(i)
-        names = ", ".join(
-            f"stage {i} (layers {self.plan[i][0]}..{self.plan[i][1]}, node {self.nodes[i][:12]})" for i in dead
-        )
+        names = ", ".join(_where(i, self.plan[i], self.nodes[i]) for i in dead)
         err = StageError(
             f"{names or 'a stage'} failed: {type(e).__name__}: {e}; in-flight requests end here, the "
             "pipeline restarts its stages"
@@ -410,7 +412,8 @@ class _Generation:
             raise StopIteration
         began = time.perf_counter()
         if not self._tokens:
-            msg = {"op": "start", "id": self._id, "ids": self._ids, "max_seq": self._max_seq, "options": self._options}
+            msg = {"op": "start", "id": self._id, "ids": self._ids, "max_seq": self._max_seq}
+            msg["options"] = self._options
         else:
             msg = {"op": "step", "id": self._id, "ids": self._tokens[-1:]}
         try:
@@ -493,7 +496,7 @@ class _PipelineNative:
         if not ids:
             raise InvalidInputError("empty token sequence: give at least one token id")
         if len(ids) > ctx:
-            raise ContextLengthError(f"prompt of {len(ids)} tokens is longer than the model's context of {ctx}")
+            raise ContextLengthError(f"prompt of {len(ids)} tokens is longer than the context of {ctx}")
         options["stop_ids"] = list(stop_ids)
         max_seq = min(len(ids) + int(options["max_new_tokens"]), ctx)
         return _Generation(self.pipe, list(ids), options, max_seq)
@@ -569,7 +572,8 @@ class Engine(_LocalEngine):
     def __repr__(self) -> str:
         if self.closed:
             return f"colibri.ray.Engine({self._path!r}, closed)"
-        return f"colibri.ray.Engine({self._path!r}, stages={self.pipeline.plan}, transport={self.pipeline.transport!r})"
+        p = self.pipeline
+        return f"colibri.ray.Engine({self._path!r}, stages={p.plan}, transport={p.transport!r})"
 
     @property
     def threads(self) -> int:
