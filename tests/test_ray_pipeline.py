@@ -80,16 +80,16 @@ def test_plain_actor_calls_and_streams_and_text(cluster):
         assert first not in cut.text and cut.finish_reason == "stop"
 
 
-def test_concurrent_generations_share_the_stages(cluster, converted):
+def test_concurrent_generations_share_batched_passes(cluster, converted):
     path = converted("qwen3_moe")
     local = single(path)
-    prompts = [PROMPT[i:] + [i + 1] for i in range(4)]
-    want = [list(local.generate(p, max_new_tokens=10, temperature=0)) for p in prompts]
+    prompts = [PROMPT[i % 5 :] + [i + 1] for i in range(8)]
+    want = [list(local.generate(p, max_new_tokens=16, temperature=0)) for p in prompts]
     with PipelineEngine(path, stages=2, timeout=60) as e:
         got: list[list[int] | None] = [None] * len(prompts)
 
         def run(i: int) -> None:
-            got[i] = list(e.generate(prompts[i], max_new_tokens=10, temperature=0))
+            got[i] = list(e.generate(prompts[i], max_new_tokens=16, temperature=0))
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
         for t in threads:
@@ -97,6 +97,9 @@ def test_concurrent_generations_share_the_stages(cluster, converted):
         for t in threads:
             t.join(timeout=60)
         assert got == want
+        # Eight sequences, two messages in flight: decode steps waited and
+        # went through the stages together, in batched passes.
+        assert e.pipeline.batched_steps > 0
         # Finished sequences are released on every stage (the release
         # messages follow the last steps through the pipeline).
         deadline = time.monotonic() + 10

@@ -100,6 +100,31 @@ impl Generation {
         Ok(Some(step.token))
     }
 
+    /// For a batched pass run by the caller (a pipeline stage): this
+    /// generation's sequence and the one token its next step feeds, or
+    /// `None` when it has not started (its prompt goes through
+    /// [`Generation::next_token_from`]), has finished, or failed.
+    pub fn decode_parts(&mut self) -> Option<(&mut crate::model::session::Sequence, u32)> {
+        match (self.decoder.finish(), self.decoder.tokens().last(), self.broken) {
+            (None, Some(&t), false) => Some((&mut self.session.seq, t)),
+            _ => None,
+        }
+    }
+
+    /// After a batched pass over [`Generation::decode_parts`]'s token:
+    /// chooses the next token from the logits it left, as
+    /// [`Generation::next_token`] would have.
+    pub fn step_after_pass(&mut self, began: Instant) -> u32 {
+        let step = self.decoder.step(&self.session.seq, began);
+        self.logprobs.extend(step.logprobs);
+        step.token
+    }
+
+    /// Marks the generation failed (a batched pass over it failed).
+    pub fn fail(&mut self) {
+        self.broken = true;
+    }
+
     /// Why the generation ended; `None` while it can go on.
     pub fn finish_reason(&self) -> Option<FinishReason> {
         self.decoder.finish()

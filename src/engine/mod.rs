@@ -243,6 +243,18 @@ impl Engine {
         forward_stage(&self.model, s, ids, input, cap, Some(&self.pool), interrupted)
     }
 
+    /// One batched pass of a pipeline stage over several sequences
+    /// ([`crate::model::forward::forward_batch_stage`]) on this engine's pool.
+    pub fn run_batch_stage(
+        &self,
+        ws: &mut session::Workspace,
+        segs: &mut [crate::model::forward::Segment],
+        input: Option<&[f32]>,
+        residual: Option<&mut [f32]>,
+    ) -> Result<()> {
+        crate::model::forward::forward_batch_stage(&self.model, ws, segs, input, residual, Some(&self.pool))
+    }
+
     /// Starts a generation continuing `prompt`: checks the prompt and the
     /// options and allocates the session, without computing anything yet.
     pub fn start(&self, prompt: &[u32], opts: &GenerateOptions) -> Result<Generation> {

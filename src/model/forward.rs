@@ -186,12 +186,21 @@ pub fn forward_batch(
     segs: &mut [Segment],
     pool: Option<&rayon::ThreadPool>,
 ) -> Result<()> {
-    if !model.stage.is_whole() {
-        return Err(Error::InvalidInput(format!(
-            "batched passes run a whole model, not a pipeline stage of layers {:?}",
-            model.stage.layers
-        )));
-    }
+    forward_batch_stage(model, ws, segs, None, None, pool)
+}
+
+/// [`forward_batch`] on a model that is one pipeline stage: `input` is the
+/// stage before's residual rows for every segment's tokens, in order (`None`
+/// on the first stage), and a stage before the last leaves its own in
+/// `residual` (see [`forward_stage`]).
+pub fn forward_batch_stage(
+    model: &Model,
+    ws: &mut Workspace,
+    segs: &mut [Segment],
+    input: Option<&[f32]>,
+    residual: Option<&mut [f32]>,
+    pool: Option<&rayon::ThreadPool>,
+) -> Result<()> {
     let n: usize = segs.iter().map(|g| g.tokens.len()).sum();
     let logit_rows: usize = segs.iter().map(|g| g.logit_rows).sum();
     if let Some(g) = segs.iter().find(|g| {
@@ -213,10 +222,11 @@ pub fn forward_batch(
     for g in segs.iter() {
         check_tokens(model, g.seq, g.tokens)?;
     }
-    let mut cap = Capture::default();
+    let mut cap = Capture { residual, ..Capture::default() };
+    check_stage_io(model, n, input, &cap)?;
     match pool {
-        Some(p) => p.install(|| forward_chunk(model, ws, segs, None, 0, n, &mut cap)),
-        None => forward_chunk(model, ws, segs, None, 0, n, &mut cap),
+        Some(p) => p.install(|| forward_chunk(model, ws, segs, input, 0, n, &mut cap)),
+        None => forward_chunk(model, ws, segs, input, 0, n, &mut cap),
     }
 }
 

@@ -18,7 +18,8 @@ use super::{f32_bytes, generate_options, interrupted, to_ids, to_py};
 use crate::engine::{Engine, EngineOptions, Generation, SamplingParams};
 use crate::error::Error;
 use crate::model::forward::Capture;
-use crate::model::session::{KvCacheType, Session};
+use crate::model::forward::Segment;
+use crate::model::session::{KvCacheType, Session, Workspace};
 use crate::model::stage;
 use crate::model::store::{Backing, StoreOptions};
 
@@ -39,7 +40,12 @@ pub(super) struct NativeStage {
     inner: Engine,
     /// Sequences by the caller's id; one is taken out while it runs.
     held: Mutex<HashMap<u64, Held>>,
+    /// The workspace of batched decode passes, made at the first.
+    batch_ws: Mutex<Option<Workspace>>,
 }
+
+/// Most sequences one batched decode pass of a stage takes.
+const MAX_BATCH: usize = 64;
 
 impl NativeStage {
     fn take(&self, id: u64) -> PyResult<Held> {
@@ -100,7 +106,7 @@ impl NativeStage {
         let store = StoreOptions { backing: Backing::parse(weights).map_err(to_py)?, ..StoreOptions::default() };
         let opts = EngineOptions { threads, store, kv_cache, stage: Some(start..end) };
         let inner = py.detach(|| Engine::open(&path, &opts)).map_err(to_py)?;
-        Ok(NativeStage { inner, held: Mutex::new(HashMap::new()) })
+        Ok(NativeStage { inner, held: Mutex::new(HashMap::new()), batch_ws: Mutex::new(None) })
     }
 
     /// `(start, end)`: the layers this stage runs.
@@ -237,6 +243,100 @@ impl NativeStage {
         let finish = g.finish_reason().map(|f| f.as_str());
         self.put(id, Held::Generation(g));
         Ok((t, finish, lp))
+    }
+
+    /// One decode step of several sequences in one batched pass: `ids[i]`
+    /// feeds `token_ids[i]` (stages before the last) and `residual` holds
+    /// the stage before's rows for them in order (none on the first stage).
+    /// A stage before the last returns its rows `[n, D]` (f32 bytes); the
+    /// last returns one `step` result per sequence. A failure drops every
+    /// sequence of the batch.
+    #[pyo3(signature = (ids, token_ids, residual=None))]
+    fn step_many<'py>(
+        &self,
+        py: Python<'py>,
+        ids: Vec<u64>,
+        token_ids: Vec<i64>,
+        residual: Option<&[u8]>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        if ids.is_empty() || ids.len() > MAX_BATCH {
+            return Err(to_py(Error::InvalidInput(format!(
+                "a batched step takes 1 to {MAX_BATCH} sequences, got {}",
+                ids.len()
+            ))));
+        }
+        let input = rows(residual)?;
+        let last = self.inner.model().stage.heads();
+        let mut taken = Vec::with_capacity(ids.len());
+        for &id in &ids {
+            match self.take(id) {
+                Ok(h) => taken.push((id, h)),
+                Err(e) => {
+                    taken.into_iter().for_each(|(id, h)| self.put(id, h));
+                    return Err(e);
+                }
+            }
+        }
+        let mut ws = self.batch_ws.lock().map_err(|_| to_py(Error::InvalidInput("a stage call panicked".into())))?;
+        let ws = ws.get_or_insert_with(|| Workspace::new(self.inner.model(), MAX_BATCH, MAX_BATCH));
+        let d = self.inner.model().config.hidden_size;
+        let mut out = vec![0.0; if last { 0 } else { ids.len() * d }];
+        let began = std::time::Instant::now();
+        let result = py.detach(|| -> Result<Vec<StepOut>, Error> {
+            let fed: Vec<[u32; 1]> =
+                if last { Vec::new() } else { to_ids(token_ids.clone())?.into_iter().map(|t| [t]).collect() };
+            if !last && fed.len() != ids.len() {
+                return Err(Error::InvalidInput(format!("{} sequences but {} tokens", ids.len(), fed.len())));
+            }
+            let mut segs = Vec::with_capacity(taken.len());
+            let mut last_tokens = Vec::with_capacity(taken.len());
+            for (i, (id, h)) in taken.iter_mut().enumerate() {
+                let (seq, tokens): (&mut crate::model::session::Sequence, &[u32]) = match h {
+                    Held::Session(s) if !last => (&mut s.seq, &fed[i][..]),
+                    Held::Generation(g) if last => match g.decode_parts() {
+                        Some((seq, t)) => {
+                            last_tokens.push([t]);
+                            (seq, &[])
+                        }
+                        None => return Err(Error::InvalidInput(format!("generation {id} is not decoding"))),
+                    },
+                    _ => return Err(Error::InvalidInput(format!("sequence {id} is not this stage's kind"))),
+                };
+                segs.push((seq, tokens));
+            }
+            let mut segments: Vec<Segment> = segs
+                .into_iter()
+                .enumerate()
+                .map(|(i, (seq, tokens))| {
+                    let tokens = if last { &last_tokens[i][..] } else { tokens };
+                    let end = seq.pos + 1;
+                    Segment { seq, tokens, end, logit_rows: usize::from(last) }
+                })
+                .collect();
+            let residual = (!last).then_some(&mut out[..]);
+            self.inner.run_batch_stage(ws, &mut segments, input.as_deref(), residual)?;
+            drop(segments);
+            let mut steps = Vec::with_capacity(taken.len());
+            for (_, h) in taken.iter_mut() {
+                if let Held::Generation(g) = h {
+                    let t = g.step_after_pass(began);
+                    let lp = g.logprobs().last().filter(|_| g.logprobs().len() == g.tokens().len());
+                    steps.push((
+                        Some(t),
+                        g.finish_reason().map(|f| f.as_str()),
+                        lp.map(|l| (l.logprob, l.top.clone())),
+                    ));
+                }
+            }
+            Ok(steps)
+        });
+        match result {
+            Err(e) => Err(to_py(e)), // the batch's sequences are dropped with `taken`
+            Ok(steps) => {
+                taken.into_iter().for_each(|(id, h)| self.put(id, h));
+                if last { Ok(steps.into_pyobject(py)?.into_any()) } else { Ok(f32_bytes(py, &out).into_any()) }
+            }
+        }
     }
 
     /// The file's metadata as JSON text (`NativeEngine.metadata_json`'s).

@@ -34,6 +34,9 @@ from .._engine import Engine as _LocalEngine
 from .._engine import _demo_path
 from .._errors import ContextLengthError, InvalidInputError, ModelNotFoundError, StageError
 
+#: A message waiting for the driver, and the future of its answer.
+_Queued = tuple[dict[str, Any], "Future[dict[str, Any]]"]
+
 _RAY_HINT = "colibri.ray needs Ray: pip install 'colibri-moe[ray]'"
 
 #: Error kinds a stage reports that map back to the engine's own classes.
@@ -102,11 +105,18 @@ class _StageBody:
         stage, or (last stage) the token or logits back to the driver. A
         failure becomes an error message the later stages pass on."""
         op, sid = msg["op"], msg.get("id", 0)
+        sids = msg["ids"] if op == "steps" else [sid]
         if "error" in msg or op == "release":
-            self.native.release(sid)
+            for i in sids:
+                self.native.release(i)
             return msg
         try:
             h = msg.get("h")
+            if op == "steps":  # one decode step of several sequences, one pass
+                out = self.native.step_many(sids, msg["tokens"], h)
+                if self.last:
+                    return {"op": op, "ids": sids, "results": out}
+                return {**msg, "h": bytes(out)}
             if op == "run":
                 rows = bytes(self.native.run(msg["ids"], h))
                 return {"op": op, "out": rows} if self.last else {**msg, "h": rows}
@@ -121,10 +131,12 @@ class _StageBody:
             token, finish, logprobs = self.native.step(sid, h)
             return {"op": op, "id": sid, "token": token, "finish": finish, "logprobs": logprobs}
         except Exception as e:  # noqa: BLE001 - every failure goes back as a message
-            self.native.release(sid)
+            for i in sids:
+                self.native.release(i)
             return {
                 "op": op,
                 "id": sid,
+                "ids": sids,
                 "error": str(e),
                 "kind": type(e).__name__,
                 "stage": self.index,
@@ -179,9 +191,14 @@ class Pipeline:
         self._pg = self._place(ray)
         self.plan = self._plan(ray, shares)
         self._ids = itertools.count(1)
-        self._queue: queue.Queue[tuple[dict[str, Any], Future[dict[str, Any]]] | None] = queue.Queue()
+        self._queue: queue.Queue[_Queued | None] = queue.Queue()
         self._lock = threading.Lock()
         self.restarts = 0
+        #: Messages completed, and most decode steps joined into one.
+        self.steps = 0
+        self.max_batch = 32
+        #: Decode steps that ran in a message with others.
+        self.batched_steps = 0
         self._start_actors(ray)
         self._stop = False
         self._thread = threading.Thread(target=self._drive, name="colibri-pipeline", daemon=True)
@@ -323,9 +340,10 @@ class Pipeline:
 
     def _drive(self) -> None:
         ray = _ray()
-        inflight: collections.deque[tuple[Any, Future[dict[str, Any]]]] = collections.deque()
+        inflight: collections.deque[tuple[Any, list[Future[dict[str, Any]]]]] = collections.deque()
         while True:
-            # Fill the pipeline: up to one message per stage in flight.
+            # Fill the pipeline: up to one message per stage in flight, the
+            # decode steps waiting at that moment joined into one message.
             while len(inflight) < self.stages:
                 try:
                     item = self._queue.get(timeout=None if not inflight else 0) if not self._stop else None
@@ -333,11 +351,25 @@ class Pipeline:
                     break
                 if item is None:
                     break
-                msg, fut = item
+                items = [item]
+                while item[0]["op"] == "step" and len(items) < self.max_batch:
+                    try:
+                        more = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if more is None or more[0]["op"] != "step":
+                        self._queue.put(more)  # back in line (a start, a release, or the close)
+                        break
+                    items.append(more)
+                msg, futs = self._message(items)
+                if len(items) > 1:
+                    self.batched_steps += len(items)
                 try:
-                    inflight.append((self._send(msg), fut))
+                    inflight.append((self._send(msg), futs))
                 except Exception as e:  # noqa: BLE001 - a dead stage fails the send
-                    fut.set_exception(self._failed(ray, e, inflight))
+                    err = self._failed(ray, e, inflight)
+                    for f in futs:
+                        f.set_exception(err)
             if not inflight:
                 if self._stop:
                     # Anything queued after close fails rather than waits.
@@ -347,11 +379,30 @@ class Pipeline:
                             left[1].set_exception(StageError("the pipeline is closed"))
                     return
                 continue
-            ref, fut = inflight.popleft()
+            ref, futs = inflight.popleft()
             try:
-                fut.set_result(ray.get(ref, timeout=self.timeout))
+                out = ray.get(ref, timeout=self.timeout)
             except Exception as e:  # noqa: BLE001 - a stage died or timed out
-                fut.set_exception(self._failed(ray, e, inflight))
+                err = self._failed(ray, e, inflight)
+                for f in futs:
+                    f.set_exception(err)
+                continue
+            self.steps += 1
+            if out["op"] != "steps" or "error" in out:
+                for f in futs:
+                    f.set_result(out)
+                continue
+            for f, (token, finish, logprobs) in zip(futs, out["results"]):
+                f.set_result({"op": "step", "token": token, "finish": finish, "logprobs": logprobs})
+
+    @staticmethod
+    def _message(items: list[_Queued]) -> tuple[dict[str, Any], list[Future[dict[str, Any]]]]:
+        # Several decode steps become one "steps" message (one batched pass
+        # on every stage); anything else goes as it is.
+        if len(items) == 1:
+            return items[0][0], [items[0][1]]
+        msg = {"op": "steps", "ids": [m["id"] for m, _ in items], "tokens": [m["ids"][0] for m, _ in items]}
+        return msg, [f for _, f in items]
 
     def _failed(self, ray: Any, e: Exception, inflight: collections.deque[Any]) -> StageError:
         # Name the stage that is gone, fail everything in flight, and start
@@ -368,7 +419,8 @@ class Pipeline:
             "pipeline restarts its stages"
         )
         while inflight:
-            inflight.popleft()[1].set_exception(err)
+            for f in inflight.popleft()[1]:
+                f.set_exception(err)
         self._teardown(ray)
         try:
             self._start_actors(ray)
