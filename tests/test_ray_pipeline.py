@@ -27,7 +27,8 @@ PROMPT = [3, 17, 5, 9, 22, 31, 8, 2, 14]
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    head = {"num_cpus": 1, "include_dashboard": False}
+    c = cluster_utils.Cluster(initialize_head=True, head_node_args=head)
     for _ in range(2):
         c.add_node(num_cpus=1)
     ray.init(address=c.address, include_dashboard=False, logging_level="error")
@@ -58,7 +59,8 @@ def test_stages_equal_one_process(cluster, converted, case):
             # One stage per node.
             assert len({s["node"] for s in e.stages()}) == stages
             got = e.logits(PROMPT)
-            assert got.dtype == want_logits.dtype and np.array_equal(got, want_logits), f"{case}, {stages} stages"
+            assert got.dtype == want_logits.dtype
+            assert np.array_equal(got, want_logits), f"{case}, {stages} stages"
             assert list(e.generate(PROMPT, max_new_tokens=12, temperature=0)) == want_greedy
             seeded = e.generate(PROMPT, max_new_tokens=12, temperature=1.0, top_k=20, seed=7)
             assert list(seeded) == want_seeded
