@@ -144,3 +144,43 @@ def test_a_killed_stage_fails_its_request_and_the_pipeline_restarts(cluster, con
                 pass
         assert e.pipeline.restarts == 1
         assert list(e.generate(PROMPT, max_new_tokens=40, temperature=0)) == want
+
+
+def test_the_server_serves_a_pipeline_with_its_metrics(cluster):
+    """create_app over the pipeline: the OpenAI client gets the single
+    process's text; /metrics and the stats add the stages up, each MoE layer's
+    routing heat from the stage that runs it equal to one process's."""
+    import openai
+    from test_server import live
+
+    from colibri.server import create_app
+
+    local = colibri.Engine.demo(threads=1)
+    prompt = "Her sister was"
+    want = local.generate(prompt, max_new_tokens=12, temperature=0)
+    with PipelineEngine.demo(stages=2, timeout=60) as e:
+        with live(create_app(e, model_name="demo")) as url:
+            c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+            r = c.completions.create(model="demo", prompt=prompt, max_tokens=12, temperature=0)
+            assert r.choices[0].text == want.text
+            chat = c.chat.completions.create(
+                model="demo", messages=[{"role": "user", "content": "Hello"}], max_tokens=6, temperature=0
+            )
+            assert (
+                chat.choices[0].message.content
+                == local.chat([{"role": "user", "content": "Hello"}], max_new_tokens=6, temperature=0).text
+            )
+            import httpx
+
+            made = r.usage.completion_tokens + chat.usage.completion_tokens
+            metrics = httpx.get(url + "/metrics", timeout=30).text
+            assert f"colibri_generation_tokens_total {float(made)}" in metrics
+        b = e.batch_stats()
+        assert b["generated_tokens"] == made and b["finished"] == 2 and b["running"] == 0
+        # Same tokens, same routing: every layer's heat is one process's.
+        # (The demo's multi-token-prediction layer, which stages do not run,
+        # is the local engine's last row.)
+        heat = [layer["heat"] for layer in e.routing_stats()["layers"]]
+        assert len(heat) == e.num_layers and any(any(h) for h in heat)
+        assert heat == [layer["heat"] for layer in local.routing_stats()["layers"]][: e.num_layers]
+        assert e.store_stats()["weights"]["backing"] in ("mapped", "copied")

@@ -184,20 +184,7 @@ impl NativeEngine {
     /// now or to `until` (the JSON of a later snapshot).
     #[pyo3(signature = (since=None, until=None))]
     fn routing_stats_json(&self, since: Option<&str>, until: Option<&str>) -> PyResult<String> {
-        let parse = |what: &str, text: &str| -> PyResult<crate::model::store::RoutingStats> {
-            serde_json::from_str(text)
-                .map_err(|e| to_py(Error::InvalidInput(format!("{what}: not a routing_stats() snapshot: {e}"))))
-        };
-        // The window's end: a snapshot the caller holds, or now.
-        let end = match until {
-            None => self.inner.model().routing_stats(),
-            Some(text) => parse("until", text)?,
-        };
-        let stats = match since {
-            None => end,
-            Some(text) => end.since(&parse("since", text)?).map_err(to_py)?,
-        };
-        Ok(serde_json::to_string(&stats).unwrap_or_default())
+        routing_stats_json(&self.inner, since, until)
     }
 
     /// Expert-store statistics as JSON text (counts since the file was opened).
@@ -421,6 +408,25 @@ type LogprobRows = Vec<(f32, Vec<(u32, f32)>)>;
 
 /// What `NativeGeneration.timings` returns (see there).
 type TimingsTuple = (usize, usize, f64, f64, usize, usize, usize, usize);
+
+/// Routing statistics of `engine` as JSON text, since `since` and up to
+/// `until` when given (see `NativeEngine.routing_stats_json`).
+fn routing_stats_json(engine: &Engine, since: Option<&str>, until: Option<&str>) -> PyResult<String> {
+    let parse = |what: &str, text: &str| -> PyResult<crate::model::store::RoutingStats> {
+        serde_json::from_str(text)
+            .map_err(|e| to_py(Error::InvalidInput(format!("{what}: not a routing_stats() snapshot: {e}"))))
+    };
+    // The window's end: a snapshot the caller holds, or now.
+    let end = match until {
+        None => engine.model().routing_stats(),
+        Some(text) => parse("until", text)?,
+    };
+    let stats = match since {
+        None => end,
+        Some(text) => end.since(&parse("since", text)?).map_err(to_py)?,
+    };
+    Ok(serde_json::to_string(&stats).unwrap_or_default())
+}
 
 /// The file's metadata as JSON text (see `NativeEngine.metadata_json`).
 fn metadata_json(engine: &Engine) -> String {

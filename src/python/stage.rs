@@ -14,7 +14,7 @@ use std::sync::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::PyByteArray;
 
-use super::{f32_bytes, generate_options, interrupted, to_ids, to_py};
+use super::{f32_bytes, generate_options, interrupted, routing_stats_json, to_ids, to_py};
 use crate::engine::{Engine, EngineOptions, Generation, SamplingParams};
 use crate::error::Error;
 use crate::model::forward::Capture;
@@ -337,6 +337,30 @@ impl NativeStage {
                 if last { Ok(steps.into_pyobject(py)?.into_any()) } else { Ok(f32_bytes(py, &out).into_any()) }
             }
         }
+    }
+
+    /// Routing statistics of this stage's layers as JSON text (the other
+    /// layers' counts are zero), as `NativeEngine.routing_stats_json`.
+    #[pyo3(signature = (since=None, until=None))]
+    fn routing_stats_json(&self, since: Option<&str>, until: Option<&str>) -> PyResult<String> {
+        routing_stats_json(&self.inner, since, until)
+    }
+
+    /// Expert-store statistics of this stage as JSON text.
+    fn store_stats_json(&self) -> String {
+        serde_json::to_string(&self.inner.model().store_stats()).unwrap_or_default()
+    }
+
+    /// The KV cache element type.
+    fn kv_dtype(&self) -> &'static str {
+        self.inner.kv_dtype().name()
+    }
+
+    /// State memory of one sequence of the whole model: (bytes per token,
+    /// bytes per sequence).
+    fn state_bytes(&self) -> (usize, usize) {
+        let layout = self.inner.state_layout();
+        (layout.bytes_per_token, layout.bytes_per_sequence)
     }
 
     /// The file's metadata as JSON text (`NativeEngine.metadata_json`'s).

@@ -100,6 +100,15 @@ class _StageBody:
     def metadata(self) -> tuple[str, str | None]:
         return self.native.metadata_json(), self.native.tokenizer_json()
 
+    def routing_stats_json(self, since: str | None, until: str | None) -> str:
+        return self.native.routing_stats_json(since, until)
+
+    def store_stats_json(self) -> str:
+        return self.native.store_stats_json()
+
+    def kv(self) -> tuple[str, tuple[int, int]]:
+        return self.native.kv_dtype(), self.native.state_bytes()
+
     def call(self, msg: dict[str, Any]) -> dict[str, Any]:
         """One message through this stage: the residual rows on to the next
         stage, or (last stage) the token or logits back to the driver. A
@@ -197,8 +206,11 @@ class Pipeline:
         #: Messages completed, and most decode steps joined into one.
         self.steps = 0
         self.max_batch = 32
-        #: Decode steps that ran in a message with others.
+        #: Decode steps that ran in a message with others, and the most
+        #: recent message's sequences.
         self.batched_steps = 0
+        self.last_batch = 0
+        self.counts = {"prompt_tokens": 0, "generated_tokens": 0, "running": 0, "finished": 0}
         self._start_actors(ray)
         self._stop = False
         self._thread = threading.Thread(target=self._drive, name="colibri-pipeline", daemon=True)
@@ -330,6 +342,84 @@ class Pipeline:
     def new_id(self) -> int:
         return next(self._ids)
 
+    def count(self, prompt: int = 0, generated: int = 0, started: int = 0, finished: int = 0) -> None:
+        # What batch_stats() reports, kept by the generations.
+        with self._lock:
+            self.counts["prompt_tokens"] += prompt
+            self.counts["generated_tokens"] += generated
+            self.counts["running"] += started - finished
+            self.counts["finished"] += finished
+
+    def batch_stats(self) -> dict[str, Any]:
+        """``colibri.Engine.batch_stats``'s fields for the pipeline: counts of
+        generations and tokens, messages as steps; the fields of a
+        single scheduler that have no meaning here are zero."""
+        with self._lock:
+            c = dict(self.counts)
+        return {
+            "waiting": self._queue.qsize(),
+            "running": c["running"],
+            "steps": self.steps,
+            "prompt_tokens": c["prompt_tokens"],
+            "generated_tokens": c["generated_tokens"],
+            "last_batch": self.last_batch,
+            "step_token_buckets": [],
+            "step_tokens": [self.steps],
+            "step_sequences": [],
+            "finished": c["finished"],
+            "busy_seconds": 0.0,
+            "kv_tokens": 0,
+            "max_batch": self.max_batch,
+            "max_queue": 0,
+            "step_budget": 0,
+            "prefix_cache": None,
+            "drafted_tokens": 0,
+            "accepted_tokens": 0,
+        }
+
+    def routing_stats_json(self, since: str | None, until: str | None) -> str:
+        """Routing statistics: each layer's from the stage that runs it."""
+        import json
+
+        ray = _ray()
+        if until is None:
+            calls = [a.routing_stats_json.remote(None, None) for a in self.actors]
+            snaps = ray.get(calls, timeout=self.timeout)
+            merged = json.loads(snaps[0])
+            merged["layers"] = [
+                layer
+                for (a, b), snap in zip(self.plan, snaps)
+                for layer in json.loads(snap)["layers"]
+                if a <= layer["layer"] < b
+            ]
+            until = json.dumps(merged)
+        if since is None:
+            return until
+        # A window is a function of its two snapshots; any stage computes it.
+        out: str = ray.get(self.actors[0].routing_stats_json.remote(since, until), timeout=self.timeout)
+        return out
+
+    def store_stats_json(self) -> str:
+        """Expert-store statistics, the stages' counts added up."""
+        import json
+
+        ray = _ray()
+        stats = [json.loads(x) for x in ray.get([a.store_stats_json.remote() for a in self.actors])]
+        total = stats[0]
+        for other in stats[1:]:
+            for k, v in other.items():
+                if k != "tokens" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    total[k] += v
+            total["warnings"] += other["warnings"]
+        total["layers"] = [
+            layer for (a, b), st in zip(self.plan, stats) for layer in st["layers"] if a <= layer["layer"] < b
+        ]
+        total["hit_rate"] = total["hits"] / total["lookups"] if total["lookups"] else 0.0
+        total["bytes_read_per_token"] = total["bytes_read"] / total["tokens"] if total["tokens"] else 0.0
+        used, predicted = total["prefetch_predicted_used"], total["prefetch_predicted"]
+        total["prefetch_accuracy"] = used / predicted if predicted else 0.0
+        return json.dumps(total)
+
     def _send(self, msg: dict[str, Any]) -> Any:
         if self._dag is not None:
             return self._dag.execute(msg)
@@ -362,6 +452,7 @@ class Pipeline:
                         break
                     items.append(more)
                 msg, futs = self._message(items)
+                self.last_batch = len(items)
                 if len(items) > 1:
                     self.batched_steps += len(items)
                 try:
@@ -475,6 +566,7 @@ class _Generation:
             raise
         took = time.perf_counter() - began
         if not self._tokens:
+            self._pipe.count(prompt=len(self._ids), started=1)
             self._prefill = took
         else:
             self._decode += took
@@ -483,6 +575,7 @@ class _Generation:
             self._release()
             raise StopIteration
         self._tokens.append(int(token))
+        self._pipe.count(generated=1)
         if out["logprobs"] is not None:
             self._logprobs.append(out["logprobs"])
         self._finish = out["finish"]
@@ -490,11 +583,14 @@ class _Generation:
 
     def _finish_failed(self) -> None:
         self._cancelled = True
-        self._released = True  # the failing stage released it; a restart dropped the rest
+        if not self._released:
+            self._released = True  # the failing stage released it; a restart dropped the rest
+            self._pipe.count(finished=int(bool(self._tokens)))
 
     def _release(self) -> None:
         if not self._released:
             self._released = True
+            self._pipe.count(finished=int(bool(self._tokens)))
             self._pipe.submit({"op": "release", "id": self._id})
 
     def cancel(self) -> None:
@@ -528,6 +624,8 @@ class _PipelineNative:
     def __init__(self, pipe: Pipeline) -> None:
         self.pipe = pipe
         self._meta, self._tokenizer = pipe.metadata()
+        ray = _ray()
+        self._kv: tuple[str, tuple[int, int]] = ray.get(pipe.actors[-1].kv.remote(), timeout=pipe.timeout)
         self.threads = pipe.threads * pipe.stages
 
     def metadata_json(self) -> str:
@@ -552,6 +650,26 @@ class _PipelineNative:
         options["stop_ids"] = list(stop_ids)
         max_seq = min(len(ids) + int(options["max_new_tokens"]), ctx)
         return _Generation(self.pipe, list(ids), options, max_seq)
+
+    def kv_dtype(self) -> str:
+        return self._kv[0]
+
+    def kv_bytes_per_token(self) -> int:
+        return self._kv[1][0]
+
+    def state_bytes(self) -> tuple[int, int]:
+        return self._kv[1]
+
+    def batch_stats_json(self) -> str:
+        import json
+
+        return json.dumps(self.pipe.batch_stats())
+
+    def routing_stats_json(self, since: str | None, until: str | None) -> str:
+        return self.pipe.routing_stats_json(since, until)
+
+    def store_stats_json(self) -> str:
+        return self.pipe.store_stats_json()
 
     def logits(self, ids: list[int]) -> bytes:
         out: bytes = self.pipe.call({"op": "run", "ids": list(ids)})["out"]
