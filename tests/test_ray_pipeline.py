@@ -184,3 +184,13 @@ def test_the_server_serves_a_pipeline_with_its_metrics(cluster):
         assert len(heat) == e.num_layers and any(any(h) for h in heat)
         assert heat == [layer["heat"] for layer in local.routing_stats()["layers"]][: e.num_layers]
         assert e.store_stats()["weights"]["backing"] in ("mapped", "copied")
+
+
+def test_a_plan_too_big_for_a_node_is_refused_with_the_sizes():
+    from colibri.ray._pipeline import too_small
+
+    assert too_small([100 * 2**20, 50 * 2**20], [200 * 2**20, 200 * 2**20]) is None
+    assert too_small([100, 50], [0.0, 0.0]) is None  # no memory reported: not judged
+    why = too_small([300 * 2**20, 50 * 2**20], [200 * 2**20, 200 * 2**20])
+    assert why is not None and "stage 0 needs 300.0 MiB of weights, its node has 200.0 MiB" in why
+    assert "stage 1" not in why

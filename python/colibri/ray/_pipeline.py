@@ -72,6 +72,19 @@ def _where(index: int, layers: Any, node: str) -> str:
     return f"stage {index} (layers {layers[0]}..{layers[1]}, node {node[:12]})"
 
 
+def too_small(stage_bytes: list[int], node_memory: list[float]) -> str | None:
+    """Why a stage plan does not fit its nodes (a stage's weights over the
+    memory Ray reports for its node), or None. A node reporting no memory is
+    not judged."""
+    mib = 2**20
+    small = [
+        f"stage {i} needs {b / mib:.1f} MiB of weights, its node has {m / mib:.1f} MiB"
+        for i, (b, m) in enumerate(zip(stage_bytes, node_memory))
+        if 0 < m < b
+    ]
+    return "no stage plan fits the nodes: " + "; ".join(small) if small else None
+
+
 class _StageBody:
     """What one stage actor runs (``ray.remote`` is applied when a pipeline
     starts, so importing this module needs no Ray)."""
@@ -249,20 +262,15 @@ class Pipeline:
         memory = {n["NodeID"]: float(n.get("Resources", {}).get("memory", 0.0)) for n in ray.nodes()}
         self.nodes = [nodes[i] for i in range(self.stages)]
         node_memory = [memory.get(n, 0.0) for n in self.nodes]
-        auto = shares is None
         if shares is None:
             shares = node_memory if all(m > 0 for m in node_memory) else [1.0] * self.stages
         plan = [tuple(r) for r in _colibri.stage_plan(self.path, [float(s) for s in shares])]
         per_layer, embed, head = _colibri.stage_bytes(self.path)
         n = len(per_layer)
         self.stage_bytes = [sum(per_layer[a:b]) + embed * (a == 0) + head * (b == n) for a, b in plan]
-        small = [
-            (i, b, m) for i, (b, m) in enumerate(zip(self.stage_bytes, node_memory)) if auto and 0 < m < b
-        ]
-        if small:
-            mib = 2**20
-            sizes = [f"stage {i} needs {b / mib:.1f} MiB, its node has {m / mib:.1f}" for i, b, m in small]
-            raise StageError("no stage plan fits: " + "; ".join(sizes))
+        refusal = too_small(self.stage_bytes, node_memory)
+        if refusal:
+            raise StageError(refusal)
         return [(int(a), int(b)) for a, b in plan]
 
     # -- actors --------------------------------------------------------
