@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import shutil
 import struct
 import sys
@@ -14,6 +15,11 @@ import numpy as np
 import pytest
 
 import colibri
+
+# Ray's local test clusters bind 127.0.0.1: with clusters "disabled" (the
+# switch Ray reads for Windows and macOS, read once at import) Ray takes the
+# loopback address for its node, where it would take the host's own.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 GOLDEN = Path(__file__).parent / "fixtures" / "golden"
 CASES = sorted(p.name for p in GOLDEN.iterdir() if (p / "golden.npz").exists())

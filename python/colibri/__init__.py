@@ -27,6 +27,7 @@ from ._errors import (
     InvalidInputError,
     ModelNotFoundError,
     OutputExistsError,
+    StageError,
     TokenizerError,
     UnsupportedModelError,
 )
@@ -76,6 +77,7 @@ __all__ = [
     "InvalidInputError",
     "ModelNotFoundError",
     "OutputExistsError",
+    "StageError",
     "Stream",
     "Timings",
     "TokenCompletion",

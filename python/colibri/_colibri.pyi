@@ -6,16 +6,19 @@ from typing import Any, Literal, final
 __all__ = [
     "NativeEngine",
     "NativeGeneration",
+    "NativeStage",
+    "__version__",
     "convert_checkpoint",
+    "kernel_tables",
+    "parse_bytes",
+    "plan_json",
+    "recipes",
+    "stage_bytes",
+    "stage_plan",
     "supported_architectures",
     "supported_dtypes",
-    "recipes",
-    "weight_classes",
-    "parse_bytes",
-    "kernel_tables",
-    "plan_json",
     "token_bytes",
-    "__version__",
+    "weight_classes",
 ]
 
 __version__: str
@@ -102,6 +105,61 @@ class NativeGeneration:
     def timings(self) -> tuple[int, int, float, float, int, int, int, int]: ...
     def cancel(self) -> None: ...
 
+@final
+class NativeStage:
+    def __new__(
+        cls,
+        path: str | PathLike[str],
+        *,
+        start: int,
+        end: int,
+        threads: int | None = None,
+        kv_cache_dtype: str = "auto",
+        weights: str = "auto",
+    ) -> NativeStage: ...
+    @property
+    def layers(self) -> tuple[int, int]: ...
+    @property
+    def is_last(self) -> bool: ...
+    @property
+    def sequences(self) -> int: ...
+    @property
+    def threads(self) -> int: ...
+    def begin(self, id: int, max_seq: int) -> None: ...
+    def start(
+        self,
+        id: int,
+        token_ids: list[int],
+        *,
+        max_new_tokens: int,
+        stop_ids: list[int],
+        temperature: float,
+        top_k: int,
+        top_p: float,
+        min_p: float,
+        repetition_penalty: float,
+        presence_penalty: float,
+        frequency_penalty: float,
+        seed: int,
+        logprobs: int | None = None,
+        json_schema: str | None = None,
+        regex: str | None = None,
+        grammar: str | None = None,
+    ) -> None: ...
+    def forward(self, id: int, token_ids: list[int], residual: bytes | None = None) -> bytearray: ...
+    def step(
+        self, id: int, residual: bytes | None
+    ) -> tuple[int | None, str | None, tuple[float, list[tuple[int, float]]] | None]: ...
+    def routing_stats_json(self, since: str | None = None, until: str | None = None) -> str: ...
+    def store_stats_json(self) -> str: ...
+    def kv_dtype(self) -> str: ...
+    def state_bytes(self) -> tuple[int, int]: ...
+    def step_many(self, ids: list[int], token_ids: list[int], residual: bytes | None = None) -> Any: ...
+    def metadata_json(self) -> str: ...
+    def tokenizer_json(self) -> str | None: ...
+    def release(self, id: int) -> None: ...
+    def run(self, token_ids: list[int], residual: bytes | None = None) -> bytearray: ...
+
 def convert_checkpoint(
     src: str | PathLike[str],
     dst: str | PathLike[str],
@@ -120,3 +178,5 @@ def parse_bytes(text: str) -> int: ...
 def kernel_tables() -> tuple[str, list[str]]: ...
 def plan_json(path: str | PathLike[str], ram_budget: int | None = None) -> str: ...
 def token_bytes(tokenizer_json: str, vocab: int) -> list[bytes]: ...
+def stage_plan(path: str | PathLike[str], shares: list[float]) -> list[tuple[int, int]]: ...
+def stage_bytes(path: str | PathLike[str]) -> tuple[list[int], int, int]: ...

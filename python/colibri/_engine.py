@@ -270,6 +270,10 @@ class Engine:
             if prefix_cache not in (None, 0, "0")
             else 0,
         )
+        self._attach()
+
+    def _attach(self) -> None:
+        # What every engine keeps beside its native side, once that is open.
         self._meta = json.loads(self._native.metadata_json())
         self._lock = threading.Lock()
         self._codec: TextCodec | None = None

@@ -70,3 +70,8 @@ class ColibriIOError(ColibriError, OSError):
 
 class BusyError(ColibriError):
     """The engine's queue of waiting generations is full (``max_queue``); try again later."""
+
+
+class StageError(ColibriError):
+    """A pipeline stage of a model split across machines failed or died
+    (``colibri.ray``); the message names the stage, its layers and its node."""

@@ -59,6 +59,23 @@ impl Generation {
     /// call runs the whole prompt. `interrupted` is polled between prompt
     /// chunks; an interrupted or failed generation cannot be resumed.
     pub fn next_token(&mut self, interrupted: &dyn Fn() -> bool) -> Result<Option<u32>> {
+        self.next_token_from(None, interrupted)
+    }
+
+    /// The token ids the next step feeds: the prompt at first, then the
+    /// last token chosen (empty once finished).
+    pub fn pending(&self) -> &[u32] {
+        match (self.decoder.finish(), self.decoder.tokens().last()) {
+            (Some(_), _) => &[],
+            (None, None) => &self.prompt,
+            (None, Some(_)) => &self.decoder.tokens()[self.decoder.tokens().len() - 1..],
+        }
+    }
+
+    /// [`Generation::next_token`] on the last stage of a pipeline: `input`
+    /// is the residual stream `[T, D]` the stage before computed for
+    /// [`Generation::pending`]'s tokens (`None` on a whole model).
+    pub fn next_token_from(&mut self, input: Option<&[f32]>, interrupted: &dyn Fn() -> bool) -> Result<Option<u32>> {
         if self.decoder.finish().is_some() {
             return Ok(None);
         }
@@ -74,13 +91,38 @@ impl Generation {
                 &last[..]
             }
         };
-        if let Err(e) = self.engine.run(&mut self.session, ids, Capture::default(), interrupted) {
+        if let Err(e) = self.engine.run_stage(&mut self.session, ids, input, Capture::default(), interrupted) {
             self.broken = true;
             return Err(e);
         }
         let step = self.decoder.step(&self.session.seq, began);
         self.logprobs.extend(step.logprobs);
         Ok(Some(step.token))
+    }
+
+    /// For a batched pass run by the caller (a pipeline stage): this
+    /// generation's sequence and the one token its next step feeds, or
+    /// `None` when it has not started (its prompt goes through
+    /// [`Generation::next_token_from`]), has finished, or failed.
+    pub fn decode_parts(&mut self) -> Option<(&mut crate::model::session::Sequence, u32)> {
+        match (self.decoder.finish(), self.decoder.tokens().last(), self.broken) {
+            (None, Some(&t), false) => Some((&mut self.session.seq, t)),
+            _ => None,
+        }
+    }
+
+    /// After a batched pass over [`Generation::decode_parts`]'s token:
+    /// chooses the next token from the logits it left, as
+    /// [`Generation::next_token`] would have.
+    pub fn step_after_pass(&mut self, began: Instant) -> u32 {
+        let step = self.decoder.step(&self.session.seq, began);
+        self.logprobs.extend(step.logprobs);
+        step.token
+    }
+
+    /// Marks the generation failed (a batched pass over it failed).
+    pub fn fail(&mut self) {
+        self.broken = true;
     }
 
     /// Why the generation ended; `None` while it can go on.

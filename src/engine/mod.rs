@@ -23,7 +23,7 @@ use std::sync::Arc;
 use crate::canonical::state::StateLayout;
 use crate::error::{Error, Result};
 use crate::model::Model;
-use crate::model::forward::{Capture, forward};
+use crate::model::forward::{Capture, forward, forward_stage};
 use crate::quant::DType;
 pub use batch::{BatchOptions, BatchStats, Scheduler, Ticket};
 pub use draft::{Drafts, Speculation};
@@ -43,6 +43,9 @@ pub struct EngineOptions {
     pub store: crate::model::store::StoreOptions,
     /// Element type of each session's KV cache.
     pub kv_cache: session::KvCacheType,
+    /// Run only these layers, as one pipeline stage of a model split across
+    /// processes (see [`crate::model::stage`]); `None` = the whole model.
+    pub stage: Option<std::ops::Range<usize>>,
 }
 
 /// A loaded model ready to run.
@@ -72,7 +75,11 @@ impl Engine {
     /// Opens a `.colibri` file.
     pub fn open(path: &Path, opts: &EngineOptions) -> Result<Engine> {
         let pool = crate::threads::pool(opts.threads)?;
-        let model = Arc::new(Model::open_with(path, &opts.store)?);
+        let mut model = Model::open_with(path, &opts.store)?;
+        if let Some(layers) = &opts.stage {
+            model.set_stage(layers.clone())?;
+        }
+        let model = Arc::new(model);
         let kv_dtype = opts.kv_cache.resolve(&model);
         Ok(Engine { model, pool: Arc::new(pool), kv_dtype, guides: Default::default() })
     }
@@ -219,6 +226,33 @@ impl Engine {
     /// Runs `ids` through the session on this engine's pool.
     pub fn run(&self, s: &mut Session, ids: &[u32], cap: Capture, interrupted: &dyn Fn() -> bool) -> Result<()> {
         forward(&self.model, s, ids, cap, Some(&self.pool), interrupted)
+    }
+
+    /// [`Engine::run`] for an engine that is one pipeline stage: `input` is
+    /// the stage before's residual rows `[T, D]` (`None` on the first
+    /// stage), and a stage before the last leaves its own in
+    /// `cap.residual` (see [`forward_stage`]).
+    pub fn run_stage(
+        &self,
+        s: &mut Session,
+        ids: &[u32],
+        input: Option<&[f32]>,
+        cap: Capture,
+        interrupted: &dyn Fn() -> bool,
+    ) -> Result<()> {
+        forward_stage(&self.model, s, ids, input, cap, Some(&self.pool), interrupted)
+    }
+
+    /// One batched pass of a pipeline stage over several sequences
+    /// ([`crate::model::forward::forward_batch_stage`]) on this engine's pool.
+    pub fn run_batch_stage(
+        &self,
+        ws: &mut session::Workspace,
+        segs: &mut [crate::model::forward::Segment],
+        input: Option<&[f32]>,
+        residual: Option<&mut [f32]>,
+    ) -> Result<()> {
+        crate::model::forward::forward_batch_stage(&self.model, ws, segs, input, residual, Some(&self.pool))
     }
 
     /// Starts a generation continuing `prompt`: checks the prompt and the

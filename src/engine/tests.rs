@@ -960,3 +960,62 @@ fn mtp_rows_survive_rollbacks_for_every_state_kind() {
         assert!(err <= 1e-5 * scale, "case {case}: draft logits differ by {err} (scale {scale})");
     }
 }
+
+/// A model split into pipeline stages gives the whole model's logits bit
+/// for bit, through a chunked prompt and token-by-token decoding, for every
+/// kind of layer state and every split into 2 and 3 stages the balancer
+/// makes; a stage refuses input of the wrong kind or width.
+#[test]
+fn pipeline_stages_equal_the_whole_model_for_every_state_kind() {
+    use crate::model::session::Session;
+    use crate::model::stage::{balance, can_start, layer_bytes};
+    for (case, cfg) in every_state_kind().into_iter().enumerate() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("m.colibri");
+        write_random_model(&p, &cfg, DType::F32, 9);
+        let open = |stage| Engine::open(&p, &EngineOptions { threads: Some(2), stage, ..Default::default() }).unwrap();
+        let whole = open(None);
+        let (v, d) = (cfg.vocab_size, cfg.hidden_size);
+        let toks: Vec<u32> = (0..40).map(|i| ((i * 13 + 5) % v) as u32).collect();
+        let feeds = [&toks[..21], &toks[21..22], &toks[22..23], &toks[23..27], &toks[27..28]];
+        let mut want = Vec::new();
+        let mut s = Session::new(whole.model(), 64, 8);
+        for f in feeds {
+            whole.run(&mut s, f, Capture::default(), &never).unwrap();
+            want.push(s.seq.logits.clone());
+        }
+        let (bytes, embed, head) = layer_bytes(whole.model().file());
+        let starts = can_start(&cfg);
+        for k in [2, 3] {
+            let Ok(plan) = balance(&bytes, (embed, head), &starts, &vec![1.0; k]) else { continue };
+            let stages: Vec<Engine> = plan.iter().map(|r| open(Some(r.clone()))).collect();
+            let mut sessions: Vec<Session> = stages.iter().map(|e| Session::new(e.model(), 64, 8)).collect();
+            for (i, f) in feeds.iter().enumerate() {
+                let mut h: Option<Vec<f32>> = None;
+                for (j, (e, s)) in stages.iter().zip(&mut sessions).enumerate() {
+                    if j + 1 < k {
+                        let mut out = vec![0.0; f.len() * d];
+                        let cap = Capture { residual: Some(&mut out), ..Capture::default() };
+                        e.run_stage(s, f, h.as_deref(), cap, &never).unwrap();
+                        h = Some(out);
+                    } else {
+                        e.run_stage(s, f, h.as_deref(), Capture::default(), &never).unwrap();
+                        assert!(s.seq.logits == want[i], "case {case}, stages {plan:?}: feed {i} differs");
+                    }
+                }
+            }
+        }
+        // Wrong input: a later stage without rows, a first stage with them, a short row.
+        let cut = (1..cfg.main_layers()).find(|&l| starts[l]).unwrap();
+        assert!(Engine::open(&p, &EngineOptions { stage: Some(cut..cut), ..Default::default() }).is_err());
+        let (first, last) = (open(Some(0..cut)), open(Some(cut..cfg.main_layers())));
+        let mut s = Session::new(last.model(), 64, 8);
+        assert!(last.run_stage(&mut s, &toks[..2], None, Capture::default(), &never).is_err());
+        assert!(last.run_stage(&mut s, &toks[..2], Some(&vec![0.0; d]), Capture::default(), &never).is_err());
+        let mut s = Session::new(first.model(), 64, 8);
+        let mut out = vec![0.0; 2 * d];
+        let cap = Capture { residual: Some(&mut out), ..Capture::default() };
+        assert!(first.run_stage(&mut s, &toks[..2], Some(&vec![0.0; 2 * d]), cap, &never).is_err());
+        assert!(first.run(&mut s, &toks[..2], Capture::default(), &never).is_err(), "a first stage has no logits");
+    }
+}

@@ -43,6 +43,38 @@ pub struct Capture<'a> {
     /// drafting sequence computes, by position (row `i` predicts token
     /// `i + 2`).
     pub mtp_logits: Option<&'a mut [f32]>,
+    /// [T, D]: the residual stream after the last layer, which a pipeline
+    /// stage other than the last hands to the next (it computes no logits).
+    pub residual: Option<&'a mut [f32]>,
+}
+
+/// Checks what a call gives and asks of a pipeline stage: input rows when
+/// (and only when) the stage does not embed, and a residual output when
+/// (and only when) it computes no logits; captures of the whole model's
+/// outputs only from the whole model.
+fn check_stage_io(model: &Model, n: usize, input: Option<&[f32]>, cap: &Capture) -> Result<()> {
+    let (st, d) = (&model.stage, model.config.hidden_size);
+    let bad = |what: String| Err(Error::InvalidInput(format!("pipeline stage of layers {:?}: {what}", st.layers)));
+    match input {
+        None if !st.embeds() => {
+            return bad("it does not embed tokens: give the residual rows of the stage before".into());
+        }
+        Some(_) if st.embeds() => return bad("it embeds the tokens itself: give no residual rows".into()),
+        Some(h) if h.len() != n * d => {
+            return bad(format!("{} residual values for {n} tokens of width {d}: expected {}", h.len(), n * d));
+        }
+        _ => {}
+    }
+    match cap.residual.as_deref() {
+        None if !st.heads() => bad("it is not the last stage: give room for its residual rows".into()),
+        Some(_) if st.heads() => bad("it is the last stage: it computes logits, not residual rows".into()),
+        Some(r) if r.len() != n * d => bad(format!("room for {} residual values, expected {}", r.len(), n * d)),
+        _ if !st.is_whole() && (cap.hidden.is_some() || cap.mtp_logits.is_some()) => {
+            bad("hidden states and drafts are captured from a whole model only".into())
+        }
+        _ if !st.heads() && cap.logits.is_some() => bad("only the last stage computes logits".into()),
+        _ => Ok(()),
+    }
 }
 
 /// Checks that `tokens` can be appended to the sequence.
@@ -80,11 +112,31 @@ pub fn forward(
     model: &Model,
     s: &mut Session,
     tokens: &[u32],
+    cap: Capture,
+    pool: Option<&rayon::ThreadPool>,
+    interrupted: &dyn Fn() -> bool,
+) -> Result<()> {
+    forward_stage(model, s, tokens, None, cap, pool, interrupted)
+}
+
+/// [`forward`] for a model that is one pipeline stage
+/// ([`Model::stage`](super::Model)): `input` is the residual stream `[T, D]`
+/// the stage before left after its last layer (`None` for the first
+/// stage, which embeds `tokens`), and a stage that is not the last leaves
+/// its own in `cap.residual` instead of computing logits. Every stage is
+/// given the tokens too: they fix the positions, and the checks are the
+/// same as the whole model's.
+pub fn forward_stage(
+    model: &Model,
+    s: &mut Session,
+    tokens: &[u32],
+    input: Option<&[f32]>,
     mut cap: Capture,
     pool: Option<&rayon::ThreadPool>,
     interrupted: &dyn Fn() -> bool,
 ) -> Result<()> {
     check_tokens(model, &s.seq, tokens)?;
+    check_stage_io(model, tokens.len(), input, &cap)?;
     let total = tokens.len();
     let end = s.seq.pos + total;
     let mut done = 0;
@@ -98,8 +150,8 @@ pub fn forward(
         let ws = &mut s.ws;
         let mut segs = [seg];
         match pool {
-            Some(p) => p.install(|| forward_chunk(model, ws, &mut segs, done, total, &mut cap))?,
-            None => forward_chunk(model, ws, &mut segs, done, total, &mut cap)?,
+            Some(p) => p.install(|| forward_chunk(model, ws, &mut segs, input, done, total, &mut cap))?,
+            None => forward_chunk(model, ws, &mut segs, input, done, total, &mut cap)?,
         }
         done += n;
     }
@@ -134,6 +186,21 @@ pub fn forward_batch(
     segs: &mut [Segment],
     pool: Option<&rayon::ThreadPool>,
 ) -> Result<()> {
+    forward_batch_stage(model, ws, segs, None, None, pool)
+}
+
+/// [`forward_batch`] on a model that is one pipeline stage: `input` is the
+/// stage before's residual rows for every segment's tokens, in order (`None`
+/// on the first stage), and a stage before the last leaves its own in
+/// `residual` (see [`forward_stage`]).
+pub fn forward_batch_stage(
+    model: &Model,
+    ws: &mut Workspace,
+    segs: &mut [Segment],
+    input: Option<&[f32]>,
+    residual: Option<&mut [f32]>,
+    pool: Option<&rayon::ThreadPool>,
+) -> Result<()> {
     let n: usize = segs.iter().map(|g| g.tokens.len()).sum();
     let logit_rows: usize = segs.iter().map(|g| g.logit_rows).sum();
     if let Some(g) = segs.iter().find(|g| {
@@ -155,10 +222,11 @@ pub fn forward_batch(
     for g in segs.iter() {
         check_tokens(model, g.seq, g.tokens)?;
     }
-    let mut cap = Capture::default();
+    let mut cap = Capture { residual, ..Capture::default() };
+    check_stage_io(model, n, input, &cap)?;
     match pool {
-        Some(p) => p.install(|| forward_chunk(model, ws, segs, 0, n, &mut cap)),
-        None => forward_chunk(model, ws, segs, 0, n, &mut cap),
+        Some(p) => p.install(|| forward_chunk(model, ws, segs, input, 0, n, &mut cap)),
+        None => forward_chunk(model, ws, segs, input, 0, n, &mut cap),
     }
 }
 
@@ -170,6 +238,7 @@ fn forward_chunk(
     model: &Model,
     s: &mut Workspace,
     segs: &mut [Segment],
+    input: Option<&[f32]>,
     off: usize,
     total: usize,
     cap: &mut Capture,
@@ -185,15 +254,27 @@ fn forward_chunk(
         }
     };
 
-    embed(model, s, segs); // x: [T, D]
+    match input {
+        None => embed(model, s, segs), // x: [T, D]
+        Some(h) => s.x[..n * d].copy_from_slice(&h[off * d..(off + n) * d]),
+    }
     snap(&mut cap.hidden, 0, &s.x);
     rope_angles(model, s, segs);
     let layers = c.main_layers();
-    for l in 0..layers {
+    for l in model.stage.layers.clone() {
         layer(model, l, s, segs, n)?; // x: [T, D]
         if l + 1 < layers {
             snap(&mut cap.hidden, l + 1, &s.x);
         }
+    }
+    if let Some(out) = cap.residual.as_deref_mut() {
+        // A stage before the last: its rows go on to the next stage.
+        out[off * d..(off + n) * d].copy_from_slice(&s.x[..n * d]);
+        for g in segs.iter_mut() {
+            g.seq.pos += g.tokens.len();
+        }
+        model.telemetry.tokens.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+        return Ok(());
     }
     norm(model, model.final_norm, &s.x[..n * d], &mut s.xn[..n * d]);
     snap(&mut cap.hidden, layers, &s.xn);
@@ -546,8 +627,8 @@ fn prefetch_next_layer(model: &Model, l: usize, s: &mut Workspace, n: usize) {
     if !model.experts.wants_prefetch() {
         return;
     }
-    if l + 1 >= model.config.main_layers() {
-        return; // the multi-token-prediction layer runs in a pass of its own
+    if l + 1 >= model.config.main_layers() || !model.stage.runs(l + 1) {
+        return; // the multi-token-prediction layer runs in a pass of its own; another stage's layers are not ours
     }
     let next = &model.layers[l + 1];
     let Some(layer) = moe_layer(model, l + 1, next) else { return };

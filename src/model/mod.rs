@@ -7,6 +7,7 @@
 pub mod blocks;
 pub mod forward;
 pub mod session;
+pub mod stage;
 pub mod store;
 pub mod weights;
 
@@ -176,6 +177,8 @@ pub struct Model {
     pub layers: Vec<LayerRefs>,
     /// The multi-token-prediction layer's glue, when the file keeps one.
     pub mtp: Option<MtpRefs>,
+    /// The layers this model runs: all of them, or one pipeline stage's.
+    pub stage: stage::Stage,
     /// Source of the routed experts' weights.
     pub experts: Box<dyn ExpertStore>,
     /// Precomputed RoPE inverse frequencies and magnitude.
@@ -354,11 +357,29 @@ impl Model {
             lm_head,
             layers,
             mtp,
+            stage: stage::Stage::whole(&cfg),
             rope,
             global_rope,
             config: cfg,
             file,
         })
+    }
+
+    /// Makes this model one pipeline stage running only `layers` of its
+    /// forward pass (see [`stage::Stage::new`] for what is refused). Only
+    /// those layers' weights are ever read. A stage streams no experts: its
+    /// share of the model is meant to fit its machine.
+    pub fn set_stage(&mut self, layers: std::ops::Range<usize>) -> Result<()> {
+        let stage = stage::Stage::new(&self.config, layers)?;
+        if self.streams_experts() && !stage.is_whole() {
+            return Err(crate::error::Error::InvalidInput(
+                "a pipeline stage keeps its experts resident: open it without a RAM budget (more stages make \
+                 each one smaller)"
+                    .into(),
+            ));
+        }
+        self.stage = stage;
+        Ok(())
     }
 
     /// Routing telemetry since open: per MoE layer and expert, how often it

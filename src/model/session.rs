@@ -139,8 +139,12 @@ impl Sequence {
     pub fn new(model: &Model, max_seq: usize, chunk: usize, kv_dtype: DType) -> Sequence {
         let c = &model.config;
         let max_seq = max_seq.clamp(1, c.max_seq_len);
-        let layers =
-            c.layer_states().into_iter().map(|st| LayerCache::new(c, st, kv_dtype, max_seq, chunk.max(1))).collect();
+        // A pipeline stage keeps one-position placeholders for the layers
+        // other stages run (they are never read).
+        let rows = |l: usize| if model.stage.is_whole() || model.stage.runs(l) { max_seq } else { 1 };
+        let layers = (c.layer_states().into_iter().enumerate())
+            .map(|(l, st)| LayerCache::new(c, st, kv_dtype, rows(l), chunk.max(1)))
+            .collect();
         let logits = vec![0.0; c.vocab_size];
         let main_layers = c.main_layers();
         Sequence {

@@ -27,6 +27,8 @@ use crate::model::session::KvCacheType;
 use crate::model::store::{Backing, HeatFile, Policy, StoreOptions};
 use crate::quant::DType;
 
+mod stage;
+
 /// The classes of `colibri/_errors.py`, each imported on first use and kept.
 mod exceptions {
     pyo3::import_exception!(colibri._errors, BusyError);
@@ -151,7 +153,7 @@ impl NativeEngine {
             io_threads: 0,
             backing,
         };
-        let opts = EngineOptions { threads, store, kv_cache };
+        let opts = EngineOptions { threads, store, kv_cache, stage: None };
         let inner = py.detach(|| Engine::open(&path, &opts)).map_err(to_py)?;
         let max_state_bytes = usize::try_from(max_state_bytes).unwrap_or(usize::MAX);
         let prefix_cache_bytes = usize::try_from(prefix_cache_bytes).unwrap_or(usize::MAX);
@@ -182,20 +184,7 @@ impl NativeEngine {
     /// now or to `until` (the JSON of a later snapshot).
     #[pyo3(signature = (since=None, until=None))]
     fn routing_stats_json(&self, since: Option<&str>, until: Option<&str>) -> PyResult<String> {
-        let parse = |what: &str, text: &str| -> PyResult<crate::model::store::RoutingStats> {
-            serde_json::from_str(text)
-                .map_err(|e| to_py(Error::InvalidInput(format!("{what}: not a routing_stats() snapshot: {e}"))))
-        };
-        // The window's end: a snapshot the caller holds, or now.
-        let end = match until {
-            None => self.inner.model().routing_stats(),
-            Some(text) => parse("until", text)?,
-        };
-        let stats = match since {
-            None => end,
-            Some(text) => end.since(&parse("since", text)?).map_err(to_py)?,
-        };
-        Ok(serde_json::to_string(&stats).unwrap_or_default())
+        routing_stats_json(&self.inner, since, until)
     }
 
     /// Expert-store statistics as JSON text (counts since the file was opened).
@@ -261,35 +250,25 @@ impl NativeEngine {
         prediction: Vec<i64>,
     ) -> PyResult<NativeGeneration> {
         let ids = to_ids(token_ids).map_err(to_py)?;
-        // An id no token can have never matches; dropping it is harmless.
-        let stop_ids = stop_ids.into_iter().filter_map(|t| u32::try_from(t).ok()).collect();
-        let sampling = SamplingParams {
-            temperature,
-            top_k,
-            top_p,
-            min_p,
-            repetition_penalty,
-            presence_penalty,
-            frequency_penalty,
-            seed,
-        };
-        let mut given =
-            [json_schema.map(Constraint::JsonSchema), regex.map(Constraint::Regex), grammar.map(Constraint::Grammar)]
-                .into_iter()
-                .flatten();
-        let constraint = given.next();
-        if given.next().is_some() {
-            return Err(to_py(Error::InvalidInput(
-                "at most one of json_schema, regex and grammar may be given".into(),
-            )));
-        }
-        let speculation = match speculative {
-            None => None,
-            Some(s) => Some(Speculation { drafts: Drafts::parse(s).map_err(to_py)?, tokens: draft_tokens }),
-        };
-        let prediction = to_ids(prediction).map_err(to_py)?;
-        let opts =
-            GenerateOptions { max_new_tokens, sampling, stop_ids, logprobs, constraint, speculation, prediction };
+        let opts = generate_options(
+            max_new_tokens,
+            stop_ids,
+            SamplingParams {
+                temperature,
+                top_k,
+                top_p,
+                min_p,
+                repetition_penalty,
+                presence_penalty,
+                frequency_penalty,
+                seed,
+            },
+            logprobs,
+            [json_schema, regex, grammar],
+            speculative,
+            draft_tokens,
+            prediction,
+        )?;
         let t = py.detach(|| self.batch.submit(&ids, &opts)).map_err(to_py)?;
         Ok(NativeGeneration { canceller: t.canceller(), inner: Mutex::new(t) })
     }
@@ -348,24 +327,7 @@ impl NativeEngine {
     /// `tokenizer_json`) and the tensor table (see `tensors`), which can be
     /// large and are fetched only when needed.
     fn metadata_json(&self) -> String {
-        let file = self.inner.model().file();
-        let meta = file.meta();
-        let src = &meta.source;
-        serde_json::json!({
-            "architecture": meta.architecture,
-            "config": meta.config,
-            "weight_dtype": meta.weight_dtype,
-            "source_config": src.config,
-            "source_dtype": src.dtype,
-            "skipped": src.skipped,
-            "generation_config": src.generation_config,
-            "tokenizer_config": src.tokenizer_config,
-            "chat_template": src.chat_template,
-            "has_tokenizer": src.tokenizer.is_some(),
-            "tensors": meta.tensors.len(),
-            "file_bytes": file.file_len(),
-        })
-        .to_string()
+        metadata_json(&self.inner)
     }
 
     /// The embedded tokenizer.json as text, if the file has one.
@@ -446,6 +408,77 @@ type LogprobRows = Vec<(f32, Vec<(u32, f32)>)>;
 
 /// What `NativeGeneration.timings` returns (see there).
 type TimingsTuple = (usize, usize, f64, f64, usize, usize, usize, usize);
+
+/// Routing statistics of `engine` as JSON text, since `since` and up to
+/// `until` when given (see `NativeEngine.routing_stats_json`).
+fn routing_stats_json(engine: &Engine, since: Option<&str>, until: Option<&str>) -> PyResult<String> {
+    let parse = |what: &str, text: &str| -> PyResult<crate::model::store::RoutingStats> {
+        serde_json::from_str(text)
+            .map_err(|e| to_py(Error::InvalidInput(format!("{what}: not a routing_stats() snapshot: {e}"))))
+    };
+    // The window's end: a snapshot the caller holds, or now.
+    let end = match until {
+        None => engine.model().routing_stats(),
+        Some(text) => parse("until", text)?,
+    };
+    let stats = match since {
+        None => end,
+        Some(text) => end.since(&parse("since", text)?).map_err(to_py)?,
+    };
+    Ok(serde_json::to_string(&stats).unwrap_or_default())
+}
+
+/// The file's metadata as JSON text (see `NativeEngine.metadata_json`).
+fn metadata_json(engine: &Engine) -> String {
+    let file = engine.model().file();
+    let meta = file.meta();
+    let src = &meta.source;
+    serde_json::json!({
+        "architecture": meta.architecture,
+        "config": meta.config,
+        "weight_dtype": meta.weight_dtype,
+        "source_config": src.config,
+        "source_dtype": src.dtype,
+        "skipped": src.skipped,
+        "generation_config": src.generation_config,
+        "tokenizer_config": src.tokenizer_config,
+        "chat_template": src.chat_template,
+        "has_tokenizer": src.tokenizer.is_some(),
+        "tensors": meta.tensors.len(),
+        "file_bytes": file.file_len(),
+    })
+    .to_string()
+}
+
+/// A generation's options from the keyword arguments `start` takes.
+#[allow(clippy::too_many_arguments)] // keyword-only on the Python side
+fn generate_options(
+    max_new_tokens: usize,
+    stop_ids: Vec<i64>,
+    sampling: SamplingParams,
+    logprobs: Option<usize>,
+    [json_schema, regex, grammar]: [Option<String>; 3],
+    speculative: Option<&str>,
+    draft_tokens: usize,
+    prediction: Vec<i64>,
+) -> PyResult<GenerateOptions> {
+    // An id no token can have never matches; dropping it is harmless.
+    let stop_ids = stop_ids.into_iter().filter_map(|t| u32::try_from(t).ok()).collect();
+    let mut given =
+        [json_schema.map(Constraint::JsonSchema), regex.map(Constraint::Regex), grammar.map(Constraint::Grammar)]
+            .into_iter()
+            .flatten();
+    let constraint = given.next();
+    if given.next().is_some() {
+        return Err(to_py(Error::InvalidInput("at most one of json_schema, regex and grammar may be given".into())));
+    }
+    let speculation = match speculative {
+        None => None,
+        Some(s) => Some(Speculation { drafts: Drafts::parse(s).map_err(to_py)?, tokens: draft_tokens }),
+    };
+    let prediction = to_ids(prediction).map_err(to_py)?;
+    Ok(GenerateOptions { max_new_tokens, sampling, stop_ids, logprobs, constraint, speculation, prediction })
+}
 
 #[pyclass(frozen, module = "colibri._colibri", name = "NativeGeneration")]
 struct NativeGeneration {
@@ -635,6 +668,9 @@ fn token_bytes<'py>(py: Python<'py>, tokenizer_json: &str, vocab: usize) -> PyRe
 fn _colibri(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativeEngine>()?;
     m.add_class::<NativeGeneration>()?;
+    m.add_class::<stage::NativeStage>()?;
+    m.add_function(wrap_pyfunction!(stage::stage_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(stage::stage_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(convert_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(supported_architectures, m)?)?;
     m.add_function(wrap_pyfunction!(supported_dtypes, m)?)?;

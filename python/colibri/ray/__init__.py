@@ -4,6 +4,7 @@ into pipeline stages across machines. Needs the ray extra:
 
 from __future__ import annotations
 
+from ._pipeline import Engine, Pipeline
 from ._serve import deployment, require, serve
 
-__all__ = ["deployment", "require", "serve"]
+__all__ = ["Engine", "Pipeline", "deployment", "require", "serve"]
