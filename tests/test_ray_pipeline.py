@@ -194,3 +194,25 @@ def test_a_plan_too_big_for_a_node_is_refused_with_the_sizes():
     why = too_small([300 * 2**20, 50 * 2**20], [200 * 2**20, 200 * 2**20])
     assert why is not None and "stage 0 needs 300.0 MiB of weights, its node has 200.0 MiB" in why
     assert "stage 1" not in why
+
+
+def test_serve_replicas_of_a_pipeline(cluster):
+    """deployment(stages=2) (``colibri serve --ray --stages 2``): a Serve
+    replica whose engine is a two-stage pipeline answers the openai client
+    with one process's text."""
+    import openai
+    from ray import serve
+    from test_ray_serve import free_port
+
+    from colibri.ray import deployment
+
+    want = colibri.Engine.demo(threads=1).generate("Emma was", max_new_tokens=10, temperature=0)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(deployment("demo", replicas=1, stages=2), name="colibri", route_prefix="/")
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        r = c.completions.create(model="demo", prompt="Emma was", max_tokens=10, temperature=0)
+        assert r.choices[0].text == want.text
+    finally:
+        serve.shutdown()

@@ -405,6 +405,7 @@ def _ray_scale(args: argparse.Namespace) -> tuple[int, int] | None:
         ("--replicas", args.replicas),
         ("--autoscale", args.autoscale),
         ("--threads-per-replica", args.threads_per_replica),
+        ("--stages", args.stages),
     ):
         if value is not None and not args.ray:
             raise _UsageError(f"{flag} needs --ray")
@@ -414,6 +415,10 @@ def _ray_scale(args: argparse.Namespace) -> tuple[int, int] | None:
         raise _UsageError(f"--replicas must be at least 1, got {args.replicas}")
     if args.threads_per_replica is not None and args.threads_per_replica < 1:
         raise _UsageError(f"--threads-per-replica must be at least 1, got {args.threads_per_replica}")
+    if args.stages is not None and args.stages < 1:
+        raise _UsageError(f"--stages must be at least 1, got {args.stages}")
+    if args.stages is not None and args.ram is not None:
+        raise _UsageError("--stages keeps each stage's experts resident: give no --ram (add stages instead)")
     if args.ray and args.threads is not None:
         raise _UsageError("with --ray, give --threads-per-replica instead of --threads")
     if args.autoscale is None:
@@ -438,6 +443,8 @@ def _serve_on_ray(args: argparse.Namespace, scale: tuple[int, int] | None) -> in
     options["kv_cache_dtype"] = args.kv_cache_dtype
     if args.mmap != "auto":  # auto: the mapping, which replicas on one node share
         options["mmap"] = args.mmap == "on"
+    if args.stages is not None:
+        options["stages"] = args.stages
     for name in ("max_batch", "max_queue", "max_state_memory", "prefix_cache"):
         if getattr(args, name, None) is not None:
             options[name] = getattr(args, name)
@@ -896,6 +903,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="T",
         help="with --ray: CPUs each replica reserves and engine threads it runs (default: the cluster's "
         "CPUs shared among the replicas)",
+    )
+    sv.add_argument(
+        "--stages",
+        type=int,
+        metavar="K",
+        help="with --ray: each replica a model split into K pipeline stages, one per node, of "
+        "--threads-per-replica CPUs each (docs/guide/multi-machine.md)",
     )
     sv.set_defaults(func=_cmd_serve)
 

@@ -199,19 +199,9 @@ class Pipeline:
         if not os.path.isfile(path):
             raise ModelNotFoundError(f"no model file at {path}")
         self.path, self.stages, self.transport, self.timeout = path, stages, transport, float(timeout)
-        if not ray.is_initialized():
-            ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
         self.threads = threads_per_stage or 1
         self._options = {"threads": self.threads, "kv_cache_dtype": kv_cache_dtype, "weights": weights}
         _colibri.stage_plan(path, [1.0] * stages)  # refuses a count the layers cannot make
-        cpus = ray.cluster_resources().get("CPU", 0)
-        if cpus < stages * self.threads:
-            raise StageError(
-                f"{stages} stages of {self.threads} CPU(s) need {stages * self.threads} CPUs; "
-                f"the Ray cluster has {cpus:g}"
-            )
-        self._pg = self._place(ray)
-        self.plan = self._plan(ray, shares)
         self._ids = itertools.count(1)
         self._queue: queue.Queue[_Queued | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -224,8 +214,35 @@ class Pipeline:
         self.batched_steps = 0
         self.last_batch = 0
         self.counts = {"prompt_tokens": 0, "generated_tokens": 0, "running": 0, "finished": 0}
-        self._start_actors(ray)
         self._stop = False
+        # A Ray this pipeline started (no cluster was joined) stops with it.
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            # Not ray.init()'s own default, which also joins whatever cluster
+            # this machine ran last (a stale one makes it wait for minutes).
+            where = address or os.environ.get("RAY_ADDRESS") or "local"
+            ray.init(address=where, include_dashboard=False, logging_level=logging.WARNING)
+        try:
+            self._start(ray, shares)
+        except BaseException:
+            if self._owns_ray:
+                ray.shutdown()
+            raise
+
+    def _start(self, ray: Any, shares: list[float] | None) -> None:
+        cpus = ray.cluster_resources().get("CPU", 0)
+        if cpus < self.stages * self.threads:
+            raise StageError(
+                f"{self.stages} stages of {self.threads} CPU(s) need {self.stages * self.threads} CPUs; "
+                f"the Ray cluster has {cpus:g}"
+            )
+        self._pg = self._place(ray)
+        try:
+            self.plan = self._plan(ray, shares)
+            self._start_actors(ray)
+        except BaseException:
+            ray.util.remove_placement_group(self._pg)
+            raise
         self._thread = threading.Thread(target=self._drive, name="colibri-pipeline", daemon=True)
         self._thread.start()
 
@@ -242,7 +259,7 @@ class Pipeline:
             warnings.warn(
                 f"{self.stages} stages on a cluster of {len(alive)} node(s): stages share nodes",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=5,
             )
         pg = placement_group([{"CPU": self.threads}] * self.stages, strategy=strategy)
         try:
@@ -538,6 +555,8 @@ class Pipeline:
         ray = _ray()
         self._teardown(ray)
         ray.util.remove_placement_group(self._pg)
+        if self._owns_ray:
+            ray.shutdown()
 
 
 class _Generation:

@@ -218,9 +218,17 @@ class _Board:
 
 
 def _open(model: str, options: Mapping[str, Any]) -> Any:
-    """The engine for ``model``: ``"demo"``, a .colibri file or a checkpoint folder."""
-    from .._engine import Engine
+    """The engine for ``model``: ``"demo"``, a .colibri file or a checkpoint
+    folder; with ``stages``, a pipeline of that many stages on the cluster
+    (``threads`` each)."""
+    from .._engine import Engine, _demo_path
 
+    if options.get("stages"):
+        from ._pipeline import Engine as Pipeline
+
+        kept = {k: v for k, v in options.items() if k in ("kv_cache_dtype", "mmap")}
+        path = str(_demo_path()) if model == "demo" else model
+        return Pipeline(path, stages=options["stages"], threads_per_stage=options.get("threads"), **kept)
     if model == "demo":
         return Engine.demo(**options)
     if os.path.isdir(model):
@@ -468,7 +476,9 @@ def deployment(
     CPUs and runs that many engine threads. ``engine_options`` go to every
     replica's :class:`~colibri.Engine` (``mmap`` defaults to ``True`` so the
     replicas of one node share the page cache); the rest are
-    :func:`colibri.server.create_app`'s."""
+    :func:`colibri.server.create_app`'s. With ``stages=K`` a replica is a
+    :class:`colibri.ray.Engine` of K pipeline stages, each reserving
+    ``threads_per_replica`` CPUs (the replica itself reserves none)."""
     require()
     _, serve = _import_ray()
     path = os.fspath(model)
@@ -489,6 +499,11 @@ def deployment(
     scale = _autoscale(autoscale)
     if "threads" in engine_options:
         raise ValueError("give threads_per_replica, not threads")
+    stages = engine_options.get("stages")
+    if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
+        raise ValueError(f"stages must be a positive integer, got {stages!r}")
+    if stages and engine_options.get("ram_budget") is not None:
+        raise ValueError("pipeline stages keep their experts resident: give no RAM budget with stages")
     options = {"mmap": True, **engine_options, "threads": threads_per_replica}
     max_batch = int(options.get("max_batch", 16))
     app_options = {
@@ -501,7 +516,8 @@ def deployment(
     # Serve's queue, from which a replica that dies has taken nothing.
     engine_config: dict[str, Any] = {
         "name": "ColibriEngine",
-        "ray_actor_options": {"num_cpus": threads_per_replica},
+        # With stages a replica only relays; its stages reserve the CPUs.
+        "ray_actor_options": {"num_cpus": 0 if stages else threads_per_replica},
         "max_ongoing_requests": max_batch,
     }
     if scale is None:
