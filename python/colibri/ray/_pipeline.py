@@ -68,6 +68,13 @@ def _memory_of_process() -> dict[str, int]:
     return out
 
 
+def _quietly(f: Any) -> None:
+    try:
+        f()
+    except Exception:  # noqa: BLE001 - a dead stage may fail a teardown too
+        pass
+
+
 def _where(index: int, layers: Any, node: str) -> str:
     return f"stage {index} (layers {layers[0]}..{layers[1]}, node {node[:12]})"
 
@@ -319,11 +326,13 @@ class Pipeline:
 
     def _teardown(self, ray: Any) -> None:
         if self._dag is not None:
-            try:
-                self._dag.teardown()
-            except Exception:  # noqa: BLE001 - a dead stage may fail the teardown too
-                pass
-            self._dag = None
+            # The compiled graph's teardown waits for each stage's loop to
+            # see the cancel, which a loop spinning on its channel sometimes
+            # never does (seen on 2 cores): give it a while, then kill.
+            dag, self._dag = self._dag, None
+            done = threading.Thread(target=_quietly, args=(dag.teardown,), daemon=True)
+            done.start()
+            done.join(timeout=min(10.0, self.timeout))
         for a in self.actors:
             try:
                 ray.kill(a)
