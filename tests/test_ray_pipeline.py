@@ -127,8 +127,16 @@ def test_bad_requests_get_typed_errors(cluster, converted):
             e.generate([1] * (e.context_length + 1), max_new_tokens=1)
         with pytest.raises(colibri.InvalidInputError, match="not available through pipeline stages"):
             e.hidden_states(PROMPT)
-        # Still serving after the errors.
+        # Refused by the last stage after the first has begun the sequence
+        # (a constraint needs a tokenizer, which this model has not).
+        with pytest.raises(colibri.ColibriError):
+            e.generate(PROMPT, max_new_tokens=2, regex="a+")
+        # Still serving after the errors, and no stage holds a failed sequence.
         assert len(e.generate(PROMPT, max_new_tokens=3, temperature=0)) == 3
+        deadline = time.monotonic() + 10
+        while any(s["sequences"] for s in e.stages()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [s["sequences"] for s in e.stages()] == [0, 0]
 
 
 def test_a_killed_stage_fails_its_request_and_the_pipeline_restarts(cluster, converted):

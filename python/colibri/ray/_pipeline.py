@@ -618,10 +618,12 @@ class _Generation:
         return int(token)
 
     def _finish_failed(self) -> None:
+        # The failing stage and those after it have let the sequence go; the
+        # ones before it still hold it (after a restart no stage does, and
+        # the release is a no-op).
         self._cancelled = True
-        if not self._released:
-            self._released = True  # the failing stage released it; a restart dropped the rest
-            self._pipe.count(finished=int(bool(self._tokens)))
+        if not self._pipe._stop:
+            self._release()
 
     def _release(self) -> None:
         if not self._released:
