@@ -197,6 +197,47 @@ pub fn kda_hybrid_config() -> ModelConfig {
     c
 }
 
+/// Nemotron-H's switches in widths whole blocks fit: Mamba2 layers (two
+/// groups of three heads, a floored time step), GQA without RoPE, non-gated
+/// relu² experts, dense MLP and shared expert, a layer without FFN, and a
+/// sigmoid router with groups and a correction bias.
+pub fn mamba_hybrid_config() -> ModelConfig {
+    let mut c = tiny_config_blocks();
+    c.attention = AttentionSpec { no_rope: true, ..Default::default() };
+    c.linear = Some(LinearSpec {
+        kind: LinearKind::Mamba2 { dt_min: 0.05 },
+        k_heads: 2,
+        v_heads: 6,
+        k_head_dim: 16,
+        v_head_dim: 8,
+        conv_kernel: 4,
+    });
+    c.mlp_activation = Activation::Relu2;
+    if let Some(m) = c.moe.as_mut() {
+        m.activation = Activation::Relu2;
+        m.router = RouterSpec {
+            score: RouterScore::Sigmoid,
+            renormalize: true,
+            scale: 2.5,
+            correction_bias: true,
+            groups: Some(GroupLimit { groups: 3, top_groups: 2, score: GroupScore::TopTwoSum }),
+            top_k: 3,
+            ..Default::default()
+        };
+        m.num_experts = 6;
+        m.shared_expert = Some(SharedExpertSpec { ffn_dim: 64, sigmoid_gate: false });
+        m.expert_bias = false;
+    }
+    c.layers = vec![
+        LayerSpec { mixer: MixerSpec::Linear, ffn: FfnSpec::Moe },
+        LayerSpec { mixer: MixerSpec::FULL_ATTENTION, ffn: FfnSpec::Moe },
+        LayerSpec { mixer: MixerSpec::Linear, ffn: FfnSpec::None },
+        LayerSpec { mixer: MixerSpec::Linear, ffn: FfnSpec::Dense { ffn_dim: 64 } },
+        LayerSpec { mixer: MixerSpec::FULL_ATTENTION, ffn: FfnSpec::Moe },
+    ];
+    c
+}
+
 /// Gemma 4's switches in widths whole blocks fit: sliding layers and global
 /// layers of their own head width and kv heads whose values are their keys,
 /// proportional RoPE, a weightless value norm and attention scale 1, post

@@ -23,6 +23,7 @@ mod kimi_linear;
 mod minimax_m2;
 mod mistral4;
 mod mixtral;
+mod nemotron_h;
 mod olmoe;
 mod phimoe;
 mod qwen2_moe;
@@ -184,6 +185,7 @@ pub static REGISTRY: &[&Arch] = &[
     &kimi_k25::ARCH,
     &deepseek_v32::ARCH,
     &glm_moe_dsa::ARCH,
+    &nemotron_h::ARCH,
 ];
 
 /// Comma-separated class names, for error messages and docs.
@@ -220,6 +222,67 @@ pub fn lookup(cfg: &HfConfig) -> Result<&'static Arch> {
     )))
 }
 
+/// Python's `json` writes infinite and NaN floats as the bare words
+/// `Infinity`, `-Infinity` and `NaN` (Nemotron-H's `time_step_limit`), which
+/// strict JSON refuses. Each such word standing as a value (after `:`, `[` or
+/// `,`, and not followed by `:`) becomes a string marked with a leading NUL,
+/// which [`HfConfig::opt_f64`] reads back as the number; everything else,
+/// strings included, is left for the JSON parser to judge, so text that is
+/// malformed otherwise is still refused.
+fn quote_python_constants(text: &str) -> std::borrow::Cow<'_, str> {
+    const WORDS: [&str; 3] = ["-Infinity", "Infinity", "NaN"];
+    if !WORDS.iter().any(|w| text.contains(w)) {
+        return text.into();
+    }
+    let bytes = text.as_bytes();
+    let mut out = String::with_capacity(text.len() + 16);
+    let (mut i, mut in_string, mut last) = (0, false, b' ');
+    while i < bytes.len() {
+        let b = bytes[i];
+        if in_string {
+            match b {
+                b'\\' => {
+                    out.push_str(&text[i..(i + 2).min(bytes.len())]);
+                    i += 2;
+                    continue;
+                }
+                b'"' => in_string = false,
+                _ => {}
+            }
+        } else if b == b'"' {
+            in_string = true;
+        } else if matches!(last, b':' | b'[' | b',')
+            && let Some(w) = WORDS.iter().find(|w| text[i..].starts_with(**w))
+        {
+            let rest = text[i + w.len()..].trim_start();
+            if !rest.starts_with(':') {
+                out.push_str(&format!("\"\\u0000{w}\""));
+                i += w.len();
+                last = b'"';
+                continue;
+            }
+        }
+        // Multi-byte characters are copied whole.
+        let len = text[i..].chars().next().map_or(1, char::len_utf8);
+        out.push_str(&text[i..i + len]);
+        if !b.is_ascii_whitespace() {
+            last = b;
+        }
+        i += len;
+    }
+    out.into()
+}
+
+/// The number a marked Python constant stands for (see [`quote_python_constants`]).
+fn python_constant(v: &Value) -> Option<f64> {
+    match v.as_str()?.strip_prefix('\0')? {
+        "Infinity" => Some(f64::INFINITY),
+        "-Infinity" => Some(f64::NEG_INFINITY),
+        "NaN" => Some(f64::NAN),
+        _ => None,
+    }
+}
+
 /// A parsed config.json with typed accessors whose errors name the field and file.
 pub struct HfConfig {
     /// The whole JSON object.
@@ -231,7 +294,7 @@ pub struct HfConfig {
 impl HfConfig {
     /// Parses config.json text.
     pub fn parse(path: &Path, text: &str) -> Result<HfConfig> {
-        let raw: Value = serde_json::from_str(text)
+        let raw: Value = serde_json::from_str(&quote_python_constants(text))
             .map_err(|e| Error::checkpoint(path, format!("config.json is not valid JSON: {e}")))?;
         if !raw.is_object() {
             return Err(Error::checkpoint(path, "config.json is not a JSON object"));
@@ -278,13 +341,15 @@ impl HfConfig {
         Err(self.err(format!("config.json has no `{}`", keys.join("` or `"))))
     }
 
-    /// An optional number.
+    /// An optional number (Python's bare `Infinity`, `-Infinity` and `NaN`
+    /// included, as [`quote_python_constants`] kept them).
     pub fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => {
-                v.as_f64().map(Some).ok_or_else(|| self.err(format!("config field `{key}` must be a number, got {v}")))
-            }
+            Some(v) => python_constant(v)
+                .or_else(|| v.as_f64())
+                .map(Some)
+                .ok_or_else(|| self.err(format!("config field `{key}` must be a number, got {v}"))),
         }
     }
 
@@ -624,6 +689,39 @@ mod tests {
 
     fn cfg(text: &str) -> HfConfig {
         HfConfig::parse(Path::new("config.json"), text).unwrap()
+    }
+
+    /// Python's bare `Infinity`, `-Infinity` and `NaN` values read as the
+    /// numbers Python's `json` makes of them (Nemotron-H's `time_step_limit`);
+    /// inside strings and as keys they are left alone.
+    #[test]
+    fn python_constants_read_as_python_reads_them() {
+        let c = cfg(r#"{"time_step_limit": [0.0, Infinity], "lo": -Infinity, "x":NaN, "s": "Infinity, NaN", "é": 1}"#);
+        assert_eq!(c.raw["time_step_limit"][0].as_f64(), Some(0.0));
+        assert_eq!(python_constant(&c.raw["time_step_limit"][1]), Some(f64::INFINITY));
+        assert_eq!(c.opt_f64("lo").unwrap(), Some(f64::NEG_INFINITY));
+        assert!(c.opt_f64("x").unwrap().unwrap().is_nan());
+        assert_eq!(c.str("s"), Some("Infinity, NaN"));
+        assert!(c.opt_f64("s").is_err());
+        assert_eq!(c.opt_usize("é").unwrap(), Some(1));
+    }
+
+    /// JSON that is malformed apart from Python's constants is still refused.
+    #[test]
+    fn malformed_json_is_still_refused() {
+        for text in [
+            r#"{"a": Infinityx}"#,
+            r#"{"a": Infinity Infinity}"#,
+            r#"{"a": 1, Infinity: 2}"#,
+            r#"{Infinity: 2}"#,
+            r#"{"a": inf}"#,
+            r#"{"a": [0.0, Infinity}"#,
+            r#"{"a": "Infinity}"#,
+            r#"{"a": +Infinity}"#,
+        ] {
+            let err = HfConfig::parse(Path::new("config.json"), text).err();
+            assert!(err.is_some_and(|e| e.to_string().contains("not valid JSON")), "{text}");
+        }
     }
 
     #[test]

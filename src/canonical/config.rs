@@ -94,6 +94,9 @@ pub struct ModelConfig {
     /// by a learned scalar, `LayerScale` (Gemma 4's `layer_scalar`).
     #[serde(default, skip_serializing_if = "is_default")]
     pub layer_scale: bool,
+    /// The activation of the dense MLP layers (SiLU-gated for most models).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub mlp_activation: Activation,
 }
 
 /// A multi-token-prediction (MTP) layer: from the hidden state the model
@@ -490,6 +493,10 @@ pub enum Activation {
     /// `silu(gate) · up`, silu(x) = x · sigmoid(x).
     #[default]
     Silu,
+    /// `relu(gate)²`, not gated: the up projection is not read (Nemotron-H's
+    /// `relu2` MLPs and experts, stored with their one input matrix in the
+    /// gate's place and again in the up's, so the expert slab keeps its shape).
+    Relu2,
     /// `gelu(gate) · up` with the tanh approximation of GELU (GeGLU,
     /// transformers' `gelu_pytorch_tanh`): `0.5·g·(1 + tanh(√(2/π)·(g + 0.044715·g³)))`.
     GeluTanh,
@@ -547,6 +554,9 @@ pub enum FfnSpec {
     },
     /// The model's MoE block.
     Moe,
+    /// No FFN: the layer is its mixer and one residual add (a Nemotron-H
+    /// mixer block not followed by an MLP or MoE block).
+    None,
 }
 
 /// The token mixer of one layer: the part that reads other positions. Its
@@ -593,7 +603,7 @@ pub struct LinearSpec {
 }
 
 /// The linear-attention rule.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum LinearKind {
     /// Gated DeltaNet (Qwen3-Next, Qwen3.5): one decay per value head and
@@ -607,6 +617,17 @@ pub enum LinearKind {
     Kda {
         /// Width of the low-rank forget and output gates (`f_a`, `g_a` rows).
         gate_rank: usize,
+    },
+    /// Mamba2's selective state space (Nemotron-H, Granite 4.0-H), the
+    /// gated rule without the delta correction: per head and token
+    /// `dt = max(softplus(a + dt_bias), dt_min)`, `S = exp(−exp(A_log)·dt)·S
+    /// + B ⊗ x·dt`, `o = Sᵀ·C + D·x`; B and C (the "keys" and "queries", no
+    /// l2 norm) are shared by the `v_heads / k_heads` heads of a group; the
+    /// convolution carries a bias; the output is `rmsnorm(o · silu(z))` over
+    /// each group's `value_dim / k_heads` channels, times a weight per channel.
+    Mamba2 {
+        /// The floor of every time step (transformers' `time_step_min`).
+        dt_min: f32,
     },
 }
 
@@ -637,6 +658,11 @@ impl MixerSpec {
             MixerSpec::Attention { window } => window,
             MixerSpec::Linear | MixerSpec::Sparse { .. } => None,
         }
+    }
+
+    /// The mixer attends over a cache (anything but linear attention).
+    pub fn attends(&self) -> bool {
+        *self != MixerSpec::Linear
     }
 }
 
@@ -731,6 +757,7 @@ impl Default for ModelConfig {
             global_attention: None,
             post_norms: false,
             layer_scale: false,
+            mlp_activation: Activation::Silu,
         }
     }
 }
@@ -1032,9 +1059,6 @@ impl ModelConfig {
                 }
             }
         }
-        if self.attention.no_rope && self.mla().is_none() {
-            return bad("attention without RoPE (`no_rope`) is only supported with latent attention".into());
-        }
         if let Some(s) = self.attention.softmax_scale
             && !(s.is_finite() && s > 0.0)
         {
@@ -1053,6 +1077,11 @@ impl ModelConfig {
             let dims = [lin.k_heads, lin.v_heads, lin.k_head_dim, lin.v_head_dim, lin.conv_kernel];
             if dims.iter().any(|&x| x == 0 || x > SIZE_LIMIT) {
                 return bad(format!("linear attention dimensions {lin:?} out of range (each must be >= 1)"));
+            }
+            if let LinearKind::Mamba2 { dt_min } = lin.kind
+                && !(dt_min.is_finite() && dt_min >= 0.0)
+            {
+                return bad(format!("Mamba2 time-step floor {dt_min} must be finite and >= 0"));
             }
             if let LinearKind::Kda { gate_rank } = lin.kind
                 && (gate_rank == 0 || gate_rank > SIZE_LIMIT || lin.k_heads != lin.v_heads)
@@ -1098,6 +1127,7 @@ impl ModelConfig {
                         return bad(format!("layer {i}: dense ffn_dim {ffn_dim} out of range"));
                     }
                 }
+                FfnSpec::None => {}
                 FfnSpec::Moe => {
                     let Some(moe) = &self.moe else {
                         return bad(format!("layer {i} is MoE but the config has no MoE block"));

@@ -102,8 +102,18 @@ pub enum LayerTensor {
     /// Linear attention: the decay's bias (`dt_bias`), `[Hv]`, or `[H·Dk]`
     /// for Kimi delta attention.
     LinDtBias,
-    /// Linear attention `[Dv]` scale of the output RMSNorm (per value head).
+    /// Linear attention `[Dv]` scale of the output RMSNorm (per value head;
+    /// Mamba2: `[Hv·Dv]`, one per channel).
     LinNorm,
+    /// Mamba2 `[Hk·Dk]`, `[Hk·Dk]`, `[Hv·Dv]`: the convolution's biases of
+    /// C, B and x (the "queries", "keys" and "values").
+    LinConvBiasQ,
+    /// Mamba2 `[Hk·Dk]` the convolution's bias of B.
+    LinConvBiasK,
+    /// Mamba2 `[Hv·Dv]` the convolution's bias of x.
+    LinConvBiasV,
+    /// Mamba2 `[Hv]` the skip connection's weight per head (`D`).
+    LinSkip,
     /// Dense MLP [F, D]
     Gate,
     /// Dense MLP [F, D]
@@ -262,6 +272,10 @@ impl std::fmt::Display for TensorId {
                     L::LinALog => "linear.a_log",
                     L::LinDtBias => "linear.dt_bias",
                     L::LinNorm => "linear.norm",
+                    L::LinConvBiasQ => "linear.conv_q_bias",
+                    L::LinConvBiasK => "linear.conv_k_bias",
+                    L::LinConvBiasV => "linear.conv_v_bias",
+                    L::LinSkip => "linear.skip",
                     L::Wq => "attn.wq",
                     L::Wk => "attn.wk",
                     L::Wv => "attn.wv",
@@ -520,9 +534,12 @@ pub fn tensor_plan(cfg: &ModelConfig) -> Vec<PlannedTensor> {
                 push(t(L::LinQ), vec![kd, d], Role::Matrix);
                 push(t(L::LinK), vec![kd, d], Role::Matrix);
                 push(t(L::LinV), vec![vd, d], Role::Matrix);
-                push(t(L::LinB), vec![hv, d], Role::Matrix);
+                let mamba = matches!(lin.kind, LinearKind::Mamba2 { .. });
+                if !mamba {
+                    push(t(L::LinB), vec![hv, d], Role::Matrix);
+                }
                 match lin.kind {
-                    LinearKind::GatedDeltaNet => {
+                    LinearKind::GatedDeltaNet | LinearKind::Mamba2 { .. } => {
                         push(t(L::LinZ), vec![vd, d], Role::Matrix);
                         push(t(L::LinA), vec![hv, d], Role::Matrix);
                     }
@@ -540,15 +557,24 @@ pub fn tensor_plan(cfg: &ModelConfig) -> Vec<PlannedTensor> {
                 push(t(L::LinALog), vec![hv], Role::Small);
                 let per_channel = matches!(lin.kind, LinearKind::Kda { .. });
                 push(t(L::LinDtBias), vec![if per_channel { kd } else { hv }], Role::Small);
-                push(t(L::LinNorm), vec![lin.v_head_dim], Role::Small);
+                push(t(L::LinNorm), vec![if mamba { vd } else { lin.v_head_dim }], Role::Small);
+                if mamba {
+                    push(t(L::LinConvBiasQ), vec![kd], Role::Small);
+                    push(t(L::LinConvBiasK), vec![kd], Role::Small);
+                    push(t(L::LinConvBiasV), vec![vd], Role::Small);
+                    push(t(L::LinSkip), vec![hv], Role::Small);
+                }
                 push(t(L::Wo), vec![d, vd], Role::Matrix);
             }
         }
-        push(t(L::FfnNorm), vec![d], Role::Small);
-        if layer_norm {
-            push(t(L::FfnNormBias), vec![d], Role::Small);
+        if layer.ffn != FfnSpec::None {
+            push(t(L::FfnNorm), vec![d], Role::Small);
+            if layer_norm {
+                push(t(L::FfnNormBias), vec![d], Role::Small);
+            }
         }
         match layer.ffn {
+            FfnSpec::None => {}
             FfnSpec::Dense { ffn_dim: f } => {
                 push(t(L::Gate), vec![f, d], Role::Matrix);
                 push(t(L::Up), vec![f, d], Role::Matrix);

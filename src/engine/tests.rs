@@ -37,6 +37,7 @@ fn prefill_then_decode_equals_one_full_forward() {
         .chain(DType::ALL.map(|dt| (dt, frontier.clone())))
         .chain(DType::ALL.map(|dt| (dt, hybrid.clone())))
         .chain(DType::ALL.map(|dt| (dt, kda.clone())))
+        .chain(DType::ALL.map(|dt| (dt, crate::synth::mamba_hybrid_config())))
         .chain(DType::ALL.map(|dt| (dt, crate::synth::gemma4_config())))
         .chain(DType::ALL.map(|dt| (dt, crate::synth::sparse_config())));
     for (dt, cfg) in cases {
@@ -111,6 +112,7 @@ fn chunked_prefill_equals_single_pass() {
         (config_for(DType::F32), DType::F32),
         (crate::synth::hybrid_config(), DType::Q8_0),
         (crate::synth::kda_hybrid_config(), DType::F32),
+        (crate::synth::mamba_hybrid_config(), DType::Q8_0),
         (crate::synth::gemma4_config(), DType::Q4_0),
         (crate::synth::sparse_config(), DType::F32),
         (crate::synth::sparse_config(), DType::Q8_0),
@@ -136,7 +138,7 @@ fn chunked_prefill_equals_single_pass() {
 /// plain prefill, whatever was fed (and dropped) in between.
 #[test]
 fn a_hybrid_sequence_goes_back_to_its_start_or_its_checkpoint() {
-    for cfg in [crate::synth::hybrid_config(), crate::synth::kda_hybrid_config()] {
+    for cfg in [crate::synth::hybrid_config(), crate::synth::kda_hybrid_config(), crate::synth::mamba_hybrid_config()] {
         let (_d, e) = engine_with(&cfg, DType::F32, 2);
         let v = e.model().config.vocab_size;
         let toks = ids(12);
@@ -183,6 +185,7 @@ fn thread_count_does_not_change_a_single_bit() {
         (hybrid.clone(), DType::F32),
         (hybrid, DType::Q4_0),
         (crate::synth::kda_hybrid_config(), DType::Q8_0),
+        (crate::synth::mamba_hybrid_config(), DType::F32),
         (crate::synth::gemma4_config(), DType::Q8_0),
         (crate::synth::sparse_config(), DType::F32),
     ];
@@ -428,6 +431,7 @@ fn a_batch_of_sequences_gives_each_the_bits_it_gets_alone() {
         .chain(DType::ALL.map(|dt| (dt, frontier.clone())))
         .chain(DType::ALL.map(|dt| (dt, hybrid.clone())))
         .chain(DType::ALL.map(|dt| (dt, kda.clone())))
+        .chain(DType::ALL.map(|dt| (dt, crate::synth::mamba_hybrid_config())))
         .chain(DType::ALL.map(|dt| (dt, crate::synth::gemma4_config())))
         .chain(DType::ALL.map(|dt| (dt, crate::synth::sparse_config())));
     for (dt, cfg) in cases {
@@ -740,7 +744,7 @@ fn constrained_and_free_sequences_share_a_batch() {
 }
 
 /// One random model per kind of layer state (full and sliding-window KV,
-/// MLA's latent, DSA's latent and index keys, Gated DeltaNet and KDA
+/// MLA's latent, DSA's latent and index keys, Gated DeltaNet, KDA and Mamba2
 /// states, Gemma 4's shape), each with room for 400 positions.
 fn every_state_kind() -> Vec<crate::canonical::config::ModelConfig> {
     let mut configs = vec![
@@ -749,6 +753,7 @@ fn every_state_kind() -> Vec<crate::canonical::config::ModelConfig> {
         crate::synth::sparse_config(),
         crate::synth::hybrid_config(),
         crate::synth::kda_hybrid_config(),
+        crate::synth::mamba_hybrid_config(),
         crate::synth::gemma4_config(),
     ];
     configs.iter_mut().for_each(|c| c.max_seq_len = 400);

@@ -306,10 +306,12 @@ fn layer(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n: us
     post_norm(model, lw.post_norms.map(|[a, _]| a), &mut s.proj[..n * d]);
     residual(&mut s.x[..n * d], &s.proj[..n * d], c.scales.residual);
     prefetch_next_layer(model, l, s, n);
-    norm(model, lw.ffn_norm, &s.x[..n * d], &mut s.xn[..n * d]);
-    ffn_or_moe(model, l, s, n)?; // proj: [T, D]
-    post_norm(model, lw.post_norms.map(|[_, f]| f), &mut s.proj[..n * d]);
-    residual(&mut s.x[..n * d], &s.proj[..n * d], c.scales.residual);
+    if let Some(ffn_norm) = lw.ffn_norm {
+        norm(model, ffn_norm, &s.x[..n * d], &mut s.xn[..n * d]);
+        ffn_or_moe(model, l, s, n)?; // proj: [T, D]
+        post_norm(model, lw.post_norms.map(|[_, f]| f), &mut s.proj[..n * d]);
+        residual(&mut s.x[..n * d], &s.proj[..n * d], c.scales.residual);
+    }
     if let Some(scale) = model.opt_vec(lw.layer_scale) {
         s.x[..n * d].iter_mut().for_each(|v| *v *= scale[0]);
     }
@@ -590,6 +592,7 @@ fn gqa<'a>(
         v_norm: c.attention.value_norm,
         dh,
         rope,
+        rotate: !c.attention.no_rope,
     }
 }
 
@@ -647,7 +650,7 @@ fn router_input(model: &Model, lw: &LayerRefs, x: &[f32], out: &mut [f32]) {
             norm_rows(model.config.norm, x, model.vec(w), None, out); // [T, D]
             out.iter_mut().for_each(|v| *v *= c);
         }
-        _ => norm(model, lw.ffn_norm, x, out),
+        _ => norm(model, lw.ffn_norm.expect("a MoE layer has an FFN norm"), x, out),
     }
 }
 
@@ -678,9 +681,9 @@ fn ffn_or_moe(model: &Model, l: usize, s: &mut Workspace, n: usize) -> Result<()
     let inp = s.xq.prepare(&s.xn[..n * d], d); // shared by router, experts, shared expert
     let scratch = MlpScratch { g: &mut s.g, u: &mut s.u, hq: &mut s.hq };
     match lw.ffn {
+        FfnRefs::None => Ok(()),
         FfnRefs::Dense(m) => {
-            // Every supported family's dense layers are SiLU-gated.
-            gated_mlp(&mlp(model, m), Activation::Silu, &inp, scratch, proj);
+            gated_mlp(&mlp(model, m), model.config.mlp_activation, &inp, scratch, proj);
             Ok(())
         }
         FfnRefs::Moe { shared, shared_gate, router_norm, branch_norms, .. } => {

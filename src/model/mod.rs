@@ -41,6 +41,8 @@ pub struct MlpRefs {
 #[allow(clippy::large_enum_variant)]
 #[derive(Clone, Copy, Debug)]
 pub enum FfnRefs {
+    /// No FFN (the layer is its mixer alone).
+    None,
     /// A dense MLP.
     Dense(MlpRefs),
     /// The MoE block: router (and its biases), optional shared expert and its
@@ -136,8 +138,8 @@ pub struct LayerRefs {
     pub wg: Option<TensorRef>,
     /// `[H·Dh]` its bias.
     pub bg: Option<TensorRef>,
-    /// Norm before the FFN.
-    pub ffn_norm: NormRefs,
+    /// Norm before the FFN (none when the layer has no FFN).
+    pub ffn_norm: Option<NormRefs>,
     /// Dense MLP or MoE.
     pub ffn: FfnRefs,
     /// `[D]` ×2: norms of the attention and FFN outputs before their residual adds.
@@ -244,6 +246,7 @@ impl Model {
             let moe = cfg.moe.as_ref();
             let has_shared = moe.and_then(|m| m.shared_expert.as_ref());
             let ffn = match spec.ffn {
+                FfnSpec::None => FfnRefs::None,
                 FfnSpec::Dense { .. } => FfnRefs::Dense(mlp(L::Gate, L::Up, L::Down)?),
                 FfnSpec::Moe => FfnRefs::Moe {
                     router: t(L::Router)?,
@@ -299,7 +302,7 @@ impl Model {
                 sinks: opt(attends && cfg.attention.sinks, L::Sinks)?,
                 wg: opt(attends && cfg.attention.output_gate, L::Wg)?,
                 bg: opt(attends && cfg.attention.output_gate && cfg.attention.qkv_bias, L::Bg)?,
-                ffn_norm: norm(L::FfnNorm, L::FfnNormBias)?,
+                ffn_norm: if spec.ffn == FfnSpec::None { None } else { Some(norm(L::FfnNorm, L::FfnNormBias)?) },
                 ffn,
                 post_norms: match cfg.post_norms {
                     true => Some([t(L::AttnPostNorm)?, t(L::FfnPostNorm)?]),

@@ -18,6 +18,13 @@
 //! proj = Wo·o                                          [T, D]
 //! ```
 //!
+//! Mamba2 (Nemotron-H, Granite 4.0-H) is the third kind: the same
+//! convolution (with a bias) over C | B | x in the q | k | v places, then per
+//! head the gated rule without the delta correction and without l2 norms,
+//! `S = exp(A·dt)·S + (dt·B) ⊗ x`, `o = Sᵀ·C + D·x` with
+//! `dt = max(softplus(a + dt_bias), dt_min)`, B and C shared within a group
+//! of heads (`ssm_step`), and the norm `rmsnorm(o · silu(z))` per group.
+//!
 //! Prefill and decode both run the recurrence token by token. transformers
 //! computes prefill in a chunked form instead (algebraically equal, rounded
 //! differently: on the golden fixtures its full-forward logits and its own
@@ -45,12 +52,16 @@ pub struct DeltaRefs {
     pub wk: TensorRef,
     /// [Hv·Dv, D] values.
     pub wv: TensorRef,
-    /// [Hv, D] update strengths before their sigmoid.
-    pub wb: TensorRef,
+    /// [Hv, D] update strengths before their sigmoid (none in Mamba2).
+    pub wb: Option<TensorRef>,
     /// The decay's input and the output gate's, by kind.
     pub gates: GateRefs,
     /// [Hk·Dk, Kc], [Hk·Dk, Kc], [Hv·Dv, Kc] convolution taps of q, k, v, oldest first.
     pub conv: [TensorRef; 3],
+    /// `[Hk·Dk]`, `[Hk·Dk]`, `[Hv·Dv]` the convolution's biases (Mamba2).
+    pub conv_bias: Option<[TensorRef; 3]>,
+    /// `[Hv]` the skip weight `D` (Mamba2).
+    pub skip: Option<TensorRef>,
     /// `[Hv]` A_log.
     pub a_log: TensorRef,
     /// `[Hv]` (GDN) or `[H·Dk]` (KDA) dt_bias.
@@ -95,11 +106,15 @@ pub struct Delta<'a> {
     /// [Hv·Dv, D]
     pub wv: Matrix<'a>,
     /// [Hv, D]
-    pub wb: Matrix<'a>,
+    pub wb: Option<Matrix<'a>>,
     /// The decay's and the output gate's projections.
     pub gates: Gates<'a>,
     /// Convolution taps of q, k, v: `[Hk·Dk, Kc]`, `[Hk·Dk, Kc]`, `[Hv·Dv, Kc]`.
     pub conv: [&'a [f32]; 3],
+    /// `[Hk·Dk]`, `[Hk·Dk]`, `[Hv·Dv]`
+    pub conv_bias: Option<[&'a [f32]; 3]>,
+    /// `[Hv]`
+    pub skip: Option<&'a [f32]>,
     /// `[Hv]`
     pub a_log: &'a [f32],
     /// `[Hv]` or `[H·Dk]`
@@ -120,18 +135,23 @@ impl DeltaRefs {
         let kind = spec
             .map(|s| s.kind)
             .ok_or_else(|| Error::Internal("a linear-attention layer in a model without a linear spec".into()))?;
+        let mamba = matches!(kind, LinearKind::Mamba2 { .. });
         Ok(DeltaRefs {
             wq: t(L::LinQ)?,
             wk: t(L::LinK)?,
             wv: t(L::LinV)?,
-            wb: t(L::LinB)?,
+            wb: if mamba { None } else { Some(t(L::LinB)?) },
             gates: match kind {
-                LinearKind::GatedDeltaNet => GateRefs::Direct { wa: t(L::LinA)?, wz: t(L::LinZ)? },
+                LinearKind::GatedDeltaNet | LinearKind::Mamba2 { .. } => {
+                    GateRefs::Direct { wa: t(L::LinA)?, wz: t(L::LinZ)? }
+                }
                 LinearKind::Kda { .. } => {
                     GateRefs::LowRank { f: [t(L::LinFa)?, t(L::LinFb)?], g: [t(L::LinGa)?, t(L::LinGb)?] }
                 }
             },
             conv: [t(L::LinConvQ)?, t(L::LinConvK)?, t(L::LinConvV)?],
+            conv_bias: if mamba { Some([t(L::LinConvBiasQ)?, t(L::LinConvBiasK)?, t(L::LinConvBiasV)?]) } else { None },
+            skip: if mamba { Some(t(L::LinSkip)?) } else { None },
             a_log: t(L::LinALog)?,
             dt_bias: t(L::LinDtBias)?,
             norm: t(L::LinNorm)?,
@@ -153,12 +173,14 @@ impl<'a> Delta<'a> {
             wq: mat(refs.wq),
             wk: mat(refs.wk),
             wv: mat(refs.wv),
-            wb: mat(refs.wb),
+            wb: refs.wb.map(&mat),
             gates: match refs.gates {
                 GateRefs::Direct { wa, wz } => Gates::Direct(mat(wa), mat(wz)),
                 GateRefs::LowRank { f: [fa, fb], g: [ga, gb] } => Gates::LowRank([mat(fa), mat(fb), mat(ga), mat(gb)]),
             },
             conv: refs.conv.map(&vec),
+            conv_bias: refs.conv_bias.map(|b| b.map(&vec)),
+            skip: refs.skip.map(&vec),
             a_log: vec(refs.a_log),
             dt_bias: vec(refs.dt_bias),
             norm: vec(refs.norm),
@@ -272,7 +294,7 @@ impl DeltaScratch {
         let Some(s) = spec else { return DeltaScratch::default() };
         let (c, vd, hv) = (s.conv_dim(), s.value_dim(), s.v_heads);
         let (a_width, rank) = match s.kind {
-            LinearKind::GatedDeltaNet => (hv, 0),
+            LinearKind::GatedDeltaNet | LinearKind::Mamba2 { .. } => (hv, 0),
             LinearKind::Kda { gate_rank } => (s.key_dim(), gate_rank),
         };
         DeltaScratch {
@@ -334,7 +356,10 @@ impl Delta<'_> {
         let (k, v) = rest.split_at_mut(n * kd);
         let (b, a, z) = (&mut s.b[..n * hv], &mut s.a[..n * s.a_width], &mut s.z[..n * vd]);
         let inp = inputs.prepare(x, d); // quantised once for every projection of x
-        matmul_many(&mut [(self.wq, q), (self.wk, k), (self.wv, v), (self.wb, b)], &inp);
+        match self.wb {
+            Some(wb) => matmul_many(&mut [(self.wq, q), (self.wk, k), (self.wv, v), (wb, b)], &inp),
+            None => matmul_many(&mut [(self.wq, q), (self.wk, k), (self.wv, v)], &inp),
+        }
         match self.gates {
             Gates::Direct(wa, wz) => matmul_many(&mut [(wa, a), (wz, z)], &inp), // [n, Hv], [n, Hv·Dv]
             Gates::LowRank([fa, fb, ga, gb]) => {
@@ -362,6 +387,7 @@ impl Delta<'_> {
         let keep = kc - 1;
         // (first channel, width, start in `raw`, taps) of queries, keys, values.
         let parts = [(0, kd, 0, self.conv[0]), (kd, kd, n * kd, self.conv[1]), (2 * kd, vd, 2 * n * kd, self.conv[2])];
+        let bias = self.conv_bias;
         let raw = &s.raw;
         // Input `i` of the call (rows from the first, which is input `keep`;
         // inputs below `keep` are the state's rows), channel `ch` of a part.
@@ -372,12 +398,15 @@ impl Delta<'_> {
         // run in parallel, each channel summing its taps in order.
         let st = &state.conv;
         s.mixed[r0 * c..(r0 + m) * c].par_chunks_mut(c).enumerate().for_each(|(t, row)| {
-            for (c0, w, base, conv) in parts {
+            for (p, (c0, w, base, conv)) in parts.into_iter().enumerate() {
                 for (ch, o) in row[c0..c0 + w].iter_mut().enumerate() {
                     let taps = &conv[ch * kc..(ch + 1) * kc];
                     let mut acc = 0.0f32;
                     for (j, &wj) in taps.iter().enumerate() {
                         acc += wj * input(st, t + j, (c0, w, base), ch);
+                    }
+                    if let Some(b) = bias {
+                        acc += b[p][ch];
                     }
                     *o = silu(acc);
                 }
@@ -402,6 +431,9 @@ impl Delta<'_> {
     /// heads run in parallel, each on its own state, so the bits do not
     /// depend on the thread count.
     pub fn rule(&self, x: &DeltaRows, r0: usize, state: &mut DeltaState, by_head: &mut [f32], out: &mut [f32]) {
+        if let LinearKind::Mamba2 { dt_min } = self.spec.kind {
+            return self.ssm(x, r0, dt_min, state, by_head, out);
+        }
         let sp = self.spec;
         let (dk, dv, c, kd, vd) = (sp.k_head_dim, sp.v_head_dim, sp.conv_dim(), sp.key_dim(), sp.value_dim());
         let (hv, per_key) = (sp.v_heads, sp.v_heads / sp.k_heads);
@@ -448,6 +480,51 @@ impl Delta<'_> {
             }
         });
     }
+
+    /// Mamba2's selective scan over one sequence's rows `r0..r0 + m` (after
+    /// [`Delta::conv`]) and its gated group norm into `out` (`[m, Hv·Dv]`);
+    /// `by_head` is scratch of the same size. Each head's state `S` is
+    /// `[N, P]` (N = Dk state channels, P = Dv head channels), the transpose of
+    /// transformers' `[P, N]`; the heads run in parallel on their own states.
+    fn ssm(&self, x: &DeltaRows, r0: usize, dt_min: f32, state: &mut DeltaState, by_head: &mut [f32], out: &mut [f32]) {
+        let sp = self.spec;
+        let (n_st, p, c, kd, vd) = (sp.k_head_dim, sp.v_head_dim, sp.conv_dim(), sp.key_dim(), sp.value_dim());
+        let (hv, per_group) = (sp.v_heads, sp.v_heads / sp.k_heads);
+        let m = out.len() / vd;
+        let skip = self.skip.unwrap_or(&[]);
+        let heads = state.s.par_chunks_mut(n_st * p).zip(by_head.par_chunks_mut(m * p));
+        heads.enumerate().for_each(|(h, (sh, oh))| {
+            let g = h / per_group;
+            let rate = -crate::math::expf(self.a_log[h]); // A
+            let d_skip = skip.get(h).copied().unwrap_or(0.0);
+            for t in 0..m {
+                let r = r0 + t;
+                let row = &x.mixed[r * c..(r + 1) * c];
+                let cq = &row[g * n_st..(g + 1) * n_st]; // [N] C
+                let bk = &row[kd + g * n_st..kd + (g + 1) * n_st]; // [N] B
+                let xv = &row[2 * kd + h * p..2 * kd + (h + 1) * p]; // [P] x
+                let dt = softplus(x.a[r * hv + h] + self.dt_bias[h]).max(dt_min);
+                let decay = crate::math::expf(dt * rate);
+                ssm_step(sh, decay, dt, bk, xv, cq, d_skip, &mut oh[t * p..(t + 1) * p]);
+            }
+        });
+        // out[t] = rmsnorm_groups(o[t] · silu(z[t])) · w, the rows in parallel.
+        let by_head = &*by_head;
+        let group = vd / sp.k_heads;
+        out.par_chunks_mut(vd).enumerate().for_each(|(t, y)| {
+            let z = &x.z[(r0 + t) * vd..(r0 + t + 1) * vd];
+            for (h, yh) in y.chunks_exact_mut(p).enumerate() {
+                let o = &by_head[(h * m + t) * p..(h * m + t + 1) * p];
+                let zh = &z[h * p..(h + 1) * p];
+                yh.iter_mut().zip(o).zip(zh).for_each(|((y, &o), &z)| *y = o * silu(z));
+            }
+            for (yg, wg) in y.chunks_exact_mut(group).zip(self.norm.chunks_exact(group)) {
+                let ms = yg.iter().map(|&v| v * v).sum::<f32>() / group as f32;
+                let inv = 1.0 / (ms + self.eps).sqrt();
+                yg.iter_mut().zip(wg).for_each(|(y, &w)| *y = w * (*y * inv));
+            }
+        });
+    }
 }
 
 /// Widest query/key head the rule takes (checked by the config's validation).
@@ -470,4 +547,21 @@ fn l2norm_div(x: &[f32], out: &mut [f32]) {
 /// `ln(1 + e^x)`, and x itself above 20 (torch's threshold).
 fn softplus(x: f32) -> f32 {
     if x > 20.0 { x } else { crate::math::ln_1pf(crate::math::expf(x)) }
+}
+
+/// One token of Mamba2's scan for one head, in the order transformers'
+/// recurrent form computes it: `S = S · decay + (dt · B) ⊗ x`, then
+/// `out = Sᵀ C + D · x` (`s`: [N, P], `b`, `c`: [N], `x`, `out`: [P]).
+#[allow(clippy::too_many_arguments)]
+fn ssm_step(s: &mut [f32], decay: f32, dt: f32, b: &[f32], x: &[f32], c: &[f32], d_skip: f32, out: &mut [f32]) {
+    let p = x.len();
+    out.fill(0.0);
+    for (i, (&bi, &ci)) in b.iter().zip(c).enumerate() {
+        let db = dt * bi;
+        for ((sv, &xv), o) in s[i * p..(i + 1) * p].iter_mut().zip(x).zip(out.iter_mut()) {
+            *sv = *sv * decay + db * xv;
+            *o += *sv * ci;
+        }
+    }
+    out.iter_mut().zip(x).for_each(|(o, &xv)| *o += xv * d_skip);
 }

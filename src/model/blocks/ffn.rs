@@ -34,6 +34,10 @@ pub fn sigmoid(x: f32) -> f32 {
 fn activate(act: Activation, g: &mut [f32], u: &[f32]) {
     match act {
         Activation::Silu => g.iter_mut().zip(u).for_each(|(a, &b)| *a = silu(*a) * b),
+        Activation::Relu2 => g.iter_mut().for_each(|a| {
+            let r = a.max(0.0);
+            *a = r * r;
+        }),
         Activation::GeluTanh => g.iter_mut().zip(u).for_each(|(a, &b)| *a = gelu_tanh(*a) * b),
         Activation::ClampedSwiglu { alpha, limit } => g.iter_mut().zip(u).for_each(|(a, &b)| {
             let x = a.min(limit);
@@ -65,7 +69,11 @@ pub struct MlpScratch<'a> {
 pub fn gated_mlp(m: &Mlp, act: Activation, x: &Input, s: MlpScratch, out: &mut [f32]) {
     let (f, n) = (m.gate.rows, x.x.len() / x.cols);
     let (g, u) = (&mut s.g[..n * f], &mut s.u[..n * f]);
-    matmul_many(&mut [(m.gate, &mut *g), (m.up, &mut *u)], x); // [n, F] each
+    if act == Activation::Relu2 {
+        matmul(&m.gate, x, g); // [n, F]: not gated, the up rows are not read
+    } else {
+        matmul_many(&mut [(m.gate, &mut *g), (m.up, &mut *u)], x); // [n, F] each
+    }
     let h = hidden(m, act, g, u, s.hq); // [n, F]
     matmul(&m.down, &h, out); // [n, D]
     down_bias(m, out);
@@ -77,7 +85,9 @@ pub fn gated_mlp_serial(m: &Mlp, act: Activation, x: &Input, s: MlpScratch, out:
     let (f, n) = (m.gate.rows, x.x.len() / x.cols);
     let (g, u) = (&mut s.g[..n * f], &mut s.u[..n * f]);
     matmul_serial(&m.gate, x, g); // [n, F]
-    matmul_serial(&m.up, x, u); // [n, F]
+    if act != Activation::Relu2 {
+        matmul_serial(&m.up, x, u); // [n, F]
+    }
     let h = hidden(m, act, g, u, s.hq); // [n, F]
     matmul_serial(&m.down, &h, out); // [n, D]
     down_bias(m, out);

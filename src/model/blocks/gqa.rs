@@ -44,6 +44,8 @@ pub struct Gqa<'a> {
     pub dh: usize,
     /// The rotary embedding.
     pub rope: &'a Rope,
+    /// Queries and keys rotate (false: attention without positions).
+    pub rotate: bool,
 }
 
 impl Gqa<'_> {
@@ -99,7 +101,7 @@ impl Gqa<'_> {
                 *a = a.clamp(-clip, clip);
             }
         }
-        for t in 0..n {
+        for t in (0..n).filter(|_| self.rotate) {
             let (cs, sn) = (&cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
             for head in
                 q[t * qd..(t + 1) * qd].chunks_exact_mut(dh).chain(k[t * kvd..(t + 1) * kvd].chunks_exact_mut(dh))
