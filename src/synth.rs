@@ -199,8 +199,8 @@ pub fn kda_hybrid_config() -> ModelConfig {
 
 /// Nemotron-H's switches in widths whole blocks fit: Mamba2 layers (two
 /// groups of three heads, a floored time step), GQA without RoPE, non-gated
-/// relu² experts, dense MLP and shared expert, a layer without FFN, and a
-/// sigmoid router with groups and a correction bias.
+/// relu² experts in a latent width, dense MLP and shared expert, a layer
+/// without FFN, and a sigmoid router with groups and a correction bias.
 pub fn mamba_hybrid_config() -> ModelConfig {
     let mut c = tiny_config_blocks();
     c.attention = AttentionSpec { no_rope: true, ..Default::default() };
@@ -225,6 +225,7 @@ pub fn mamba_hybrid_config() -> ModelConfig {
             ..Default::default()
         };
         m.num_experts = 6;
+        m.latent_dim = Some(32);
         m.shared_expert = Some(SharedExpertSpec { ffn_dim: 64, sigmoid_gate: false });
         m.expert_bias = false;
     }

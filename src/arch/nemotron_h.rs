@@ -34,6 +34,10 @@
 //!   `e_score_correction_bias` within the `topk_group` best of `n_group`
 //!   groups (sum of their two best), weights the chosen scores renormalised
 //!   (`norm_topk_prob`, denominator + 1e-20) and times `routed_scaling_factor`;
+//! - the latent MoE of Nemotron 3 Super/Ultra (`moe_latent_size` = L): the
+//!   routed experts read `fc1_latent_proj · x` (`[L, D]`) and their weighted
+//!   sum goes through `fc2_latent_proj` (`[D, L]`); the router and the shared
+//!   expert read `x` itself;
 //! - transformers renames the Hub's `backbone.*` to `model.*` and stacks the
 //!   per-expert `experts.E.up_proj` / `down_proj`; both layouts are read;
 //!   the multi-token-prediction layers (`mtp.*`) are skipped.
@@ -158,9 +162,6 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
         return unsupported(format!("mlp_hidden_act \"{a}\" is not supported (relu2)"));
     }
     c.require_silu("mamba_hidden_act")?;
-    if c.get("moe_latent_size").is_some() {
-        return unsupported("the latent MoE projection (`moe_latent_size`) is not supported yet".into());
-    }
     let (blocks, pairs) = layout(c)?;
     let d = c.usize(&["hidden_size"])?;
     let h = usize_or(c, &["num_attention_heads"], 32)?;
@@ -205,6 +206,10 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
                 ffn_dim: usize_or(c, &["moe_shared_expert_intermediate_size"], 7688)?,
                 sigmoid_gate: false,
             }),
+            latent_dim: match c.get("moe_latent_size") {
+                Some(_) => Some(c.usize(&["moe_latent_size"])?),
+                None => None,
+            },
             ..Default::default()
         })
     });
@@ -325,6 +330,8 @@ fn source(hf: &HfConfig, cfg: &ModelConfig, id: TensorId) -> Source {
                 L::RouterCorrection => ffn(l, "gate.e_score_correction_bias"),
                 L::SharedGate | L::SharedUp => ffn(l, "shared_experts.up_proj.weight"),
                 L::SharedDown => ffn(l, "shared_experts.down_proj.weight"),
+                L::MoeLatentIn => ffn(l, "fc1_latent_proj.weight"),
+                L::MoeLatentOut => ffn(l, "fc2_latent_proj.weight"),
                 _ => missing(id.to_string()),
             }
         }

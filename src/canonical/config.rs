@@ -541,6 +541,12 @@ pub struct MoeSpec {
     /// (`SharedPostNorm`, `MoePostNorm`) before the two are added.
     #[serde(default, skip_serializing_if = "is_default")]
     pub branch_norms: bool,
+    /// L: the routed experts run in a latent width (Nemotron 3's LatentMoE):
+    /// their input is `MoeLatentIn · x` (`[L, D]`), their weighted sum goes
+    /// back through `MoeLatentOut` (`[D, L]`); the router and the shared
+    /// expert read `x` itself. `None`: the experts read `x` (width D).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub latent_dim: Option<usize>,
 }
 
 /// The feed-forward part of one layer.
@@ -782,6 +788,7 @@ impl Default for MoeSpec {
             expert_bias: false,
             shared_expert: None,
             branch_norms: false,
+            latent_dim: None,
         }
     }
 }
@@ -1145,6 +1152,14 @@ impl ModelConfig {
                         && (s.ffn_dim == 0 || s.ffn_dim > SIZE_LIMIT)
                     {
                         return bad(format!("shared expert ffn_dim {} out of range", s.ffn_dim));
+                    }
+                    if let Some(l) = moe.latent_dim
+                        && (l == 0 || l > self.hidden_size || moe.branch_norms)
+                    {
+                        return bad(format!(
+                            "MoE latent width {l} must be in 1..=hidden_size {} (and without branch norms)",
+                            self.hidden_size
+                        ));
                     }
                     if moe.branch_norms && (moe.shared_expert.is_none() || self.norm.kind != NormKind::Rms) {
                         return bad("MoE branch norms need a shared expert and RMSNorm".into());

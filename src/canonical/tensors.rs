@@ -114,6 +114,10 @@ pub enum LayerTensor {
     LinConvBiasV,
     /// Mamba2 `[Hv]` the skip connection's weight per head (`D`).
     LinSkip,
+    /// Latent MoE [L, D]: the routed experts' input projection.
+    MoeLatentIn,
+    /// Latent MoE [D, L]: their summed output's projection back to D.
+    MoeLatentOut,
     /// Dense MLP [F, D]
     Gate,
     /// Dense MLP [F, D]
@@ -276,6 +280,8 @@ impl std::fmt::Display for TensorId {
                     L::LinConvBiasK => "linear.conv_k_bias",
                     L::LinConvBiasV => "linear.conv_v_bias",
                     L::LinSkip => "linear.skip",
+                    L::MoeLatentIn => "moe.latent_in",
+                    L::MoeLatentOut => "moe.latent_out",
                     L::Wq => "attn.wq",
                     L::Wk => "attn.wk",
                     L::Wv => "attn.wv",
@@ -408,6 +414,7 @@ impl TensorId {
                 L::LinFa | L::LinFb | L::LinGa | L::LinGb => Some(TensorClass::Attention),
                 L::Gate | L::Up | L::Down => Some(TensorClass::Ffn),
                 L::SharedGate | L::SharedUp | L::SharedDown => Some(TensorClass::Shared),
+                L::MoeLatentIn | L::MoeLatentOut => Some(TensorClass::Shared),
                 _ => None,
             },
             TensorId::Expert(_, _, t) => match t {
@@ -583,6 +590,11 @@ pub fn tensor_plan(cfg: &ModelConfig) -> Vec<PlannedTensor> {
             FfnSpec::Moe => {
                 let moe = cfg.moe.as_ref().expect("validated: MoE layer has a MoE spec");
                 let (e, f) = (moe.num_experts, moe.expert_ffn_dim);
+                let xd = moe.latent_dim.unwrap_or(d); // the experts' input width
+                if let Some(l) = moe.latent_dim {
+                    push(t(L::MoeLatentIn), vec![l, d], Role::Matrix);
+                    push(t(L::MoeLatentOut), vec![d, l], Role::Matrix);
+                }
                 push(t(L::Router), vec![e, d], Role::Small);
                 if moe.router.bias {
                     push(t(L::RouterBias), vec![e], Role::Small);
@@ -611,13 +623,13 @@ pub fn tensor_plan(cfg: &ModelConfig) -> Vec<PlannedTensor> {
                 }
                 for x in 0..e {
                     let id = |w| TensorId::Expert(l, x, w);
-                    push(id(ExpertTensor::Gate), vec![f, d], Role::Matrix);
-                    push(id(ExpertTensor::Up), vec![f, d], Role::Matrix);
-                    push(id(ExpertTensor::Down), vec![d, f], Role::Matrix);
+                    push(id(ExpertTensor::Gate), vec![f, xd], Role::Matrix);
+                    push(id(ExpertTensor::Up), vec![f, xd], Role::Matrix);
+                    push(id(ExpertTensor::Down), vec![xd, f], Role::Matrix);
                     if moe.expert_bias {
                         push(id(ExpertTensor::GateBias), vec![f], Role::Small);
                         push(id(ExpertTensor::UpBias), vec![f], Role::Small);
-                        push(id(ExpertTensor::DownBias), vec![d], Role::Small);
+                        push(id(ExpertTensor::DownBias), vec![xd], Role::Small);
                     }
                 }
             }

@@ -686,8 +686,28 @@ fn ffn_or_moe(model: &Model, l: usize, s: &mut Workspace, n: usize) -> Result<()
             gated_mlp(&mlp(model, m), model.config.mlp_activation, &inp, scratch, proj);
             Ok(())
         }
-        FfnRefs::Moe { shared, shared_gate, router_norm, branch_norms, .. } => {
+        FfnRefs::Moe { shared, shared_gate, router_norm, branch_norms, latent, .. } => {
             let mut routed = moe_layer(model, l, lw).expect("a MoE layer");
+            if let Some([w_in, w_out]) = latent {
+                // Latent MoE: the shared expert and the router read xn, the
+                // routed experts its projection into the latent width L.
+                let act = model.config.moe.as_ref().map_or(Activation::Silu, |m| m.activation);
+                let (w_in, w_out) = (model.mat(w_in), model.mat(w_out));
+                let ld = w_in.rows;
+                let shared = shared.map(|m| mlp(model, m));
+                if let Some(shared) = &shared {
+                    gated_mlp(shared, act, &inp, scratch, &mut s.shared[..n * d]); // [T, D]
+                }
+                matmul(&w_in, &inp, &mut s.xr[..n * ld]); // [T, L]
+                routed.router_x = Some(&s.xn[..n * d]);
+                let y_lat = &mut s.xrt[..n * ld];
+                moe_forward(&routed, &s.xq.prepare(&s.xr[..n * ld], ld), &mut s.moe, y_lat)?; // [T, L]
+                matmul(&w_out, &s.xq.prepare(&s.xrt[..n * ld], ld), proj); // [T, D]
+                if shared.is_some() {
+                    proj.iter_mut().zip(&s.shared[..n * d]).for_each(|(p, y)| *p += y);
+                }
+                return Ok(());
+            }
             if router_norm.is_some() {
                 router_input(model, lw, &s.x[..n * d], &mut s.xrt[..n * d]); // [T, D]
                 routed.router_x = Some(&s.xrt[..n * d]);

@@ -65,6 +65,9 @@ pub enum FfnRefs {
         /// `[D]` ×3: the routed experts' input norm, their output norm and
         /// the shared expert's output norm (branch norms).
         branch_norms: Option<[TensorRef; 3]>,
+        /// [L, D], [D, L]: the projections into and out of the experts'
+        /// latent width (latent MoE).
+        latent: Option<[TensorRef; 2]>,
     },
 }
 
@@ -258,6 +261,10 @@ impl Model {
                     expert_scale: opt(moe.is_some_and(|m| m.router.expert_scale), L::RouterExpertScale)?,
                     branch_norms: match moe.is_some_and(|m| m.branch_norms) {
                         true => Some([t(L::MoeNorm)?, t(L::MoePostNorm)?, t(L::SharedPostNorm)?]),
+                        false => None,
+                    },
+                    latent: match moe.is_some_and(|m| m.latent_dim.is_some()) {
+                        true => Some([t(L::MoeLatentIn)?, t(L::MoeLatentOut)?]),
                         false => None,
                     },
                 },

@@ -549,6 +549,7 @@ impl Workspace {
         let half = c.rope.rotary_dim / 2;
         let global_half = c.global_attention.as_ref().map_or(0, |g| g.rope.rotary_dim / 2);
         let branch_norms = c.moe.as_ref().is_some_and(|m| m.branch_norms);
+        let latent = c.moe.as_ref().is_some_and(|m| m.latent_dim.is_some());
         let router_norm = c.moe.as_ref().is_some_and(|m| m.router.own_norm.is_some());
         Workspace {
             chunk,
@@ -574,8 +575,8 @@ impl Workspace {
             sin: vec![0.0; chunk * half],
             global_cos: vec![0.0; chunk * global_half],
             global_sin: vec![0.0; chunk * global_half],
-            xr: vec![0.0; if branch_norms { chunk * d } else { 0 }],
-            xrt: vec![0.0; if router_norm { chunk * d } else { 0 }],
+            xr: vec![0.0; if branch_norms || latent { chunk * d } else { 0 }],
+            xrt: vec![0.0; if router_norm || latent { chunk * d } else { 0 }],
             moe: MoeScratch::new(chunk, e, k, d, fe),
             head_x: vec![0.0; logit_rows * d],
             head_y: vec![0.0; logit_rows * c.vocab_size],

@@ -412,7 +412,7 @@ pub fn moe_forward(m: &MoeLayer, x: &Input, s: &mut MoeScratch, out: &mut [f32])
     let (n, d, k) = (x.x.len() / x.cols, x.cols, m.spec.top_k);
     route_rows(m, x, &mut s.routes, m.telemetry); // ids, weights: [T, K]
     let dq = dispatch(x, k, s); // gathered: [T·K, D] grouped by expert
-    expert_waves(m, s, dq)?; // outs: [T·K, D]
+    expert_waves(m, s, d, dq)?; // outs: [T·K, D]
     combine(&s.routes.weights[..n * k], &s.slot, &s.outs, k, d, &mut out[..n * d]); // [T, D]
     Ok(())
 }
@@ -431,7 +431,7 @@ fn router_logits(m: &MoeLayer, x: &Input, logits: &mut [f32]) {
 /// prediction both route through here.
 fn route_rows(m: &MoeLayer, x: &Input, r: &mut Routes, telemetry: Option<&LayerTelemetry>) {
     let (e_n, k, d) = (m.router.rows, m.spec.top_k, m.router.cols);
-    let n = x.x.len() / d;
+    let n = x.x.len() / x.cols; // the experts' rows (their width may be a latent one)
     let logits = &mut r.logits[..n * e_n];
     match m.router_x {
         Some(rx) => router_logits(m, &Input::plain(&rx[..n * d], d), logits), // [T, E]
@@ -489,10 +489,11 @@ fn dispatch(x: &Input, k: usize, s: &mut MoeScratch) -> usize {
 /// Expert waves: lease as many of the chunk's active experts as the store
 /// can hold (the first lease may wait for room, the others may not), run
 /// them side by side on their gathered rows into `s.outs` ([T·K, D], in
-/// `order`), give the slots back, repeat. `dq`: quantised blocks per
-/// gathered row, as [`dispatch`] left them.
-fn expert_waves(m: &MoeLayer, s: &mut MoeScratch, dq: usize) -> Result<()> {
-    let (e_n, d) = (s.starts.len() - 1, m.router.cols);
+/// `order`), give the slots back, repeat. `d`: the width of a gathered row
+/// (D, or the latent width); `dq`: its quantised blocks, as [`dispatch`]
+/// left them.
+fn expert_waves(m: &MoeLayer, s: &mut MoeScratch, d: usize, dq: usize) -> Result<()> {
+    let e_n = s.starts.len() - 1;
     let f = s.g.len() / s.order.len().max(1);
     let fq = q8_blocks(f);
     s.active.clear();
