@@ -18,6 +18,7 @@ mod glm4_moe_lite;
 mod glm_moe_dsa;
 mod gpt_oss;
 mod granitemoe;
+mod granitemoehybrid;
 mod kimi_k25;
 mod kimi_linear;
 mod minimax_m2;
@@ -186,6 +187,7 @@ pub static REGISTRY: &[&Arch] = &[
     &deepseek_v32::ARCH,
     &glm_moe_dsa::ARCH,
     &nemotron_h::ARCH,
+    &granitemoehybrid::ARCH,
 ];
 
 /// Comma-separated class names, for error messages and docs.
@@ -351,6 +353,14 @@ impl HfConfig {
                 .map(Some)
                 .ok_or_else(|| self.err(format!("config field `{key}` must be a number, got {v}"))),
         }
+    }
+
+    /// An optional list of numbers (Python's bare constants included).
+    pub fn opt_f64_list(&self, key: &str) -> Result<Option<Vec<f64>>> {
+        let Some(v) = self.get(key) else { return Ok(None) };
+        let bad = || self.err(format!("config field `{key}` must be a list of numbers, got {v}"));
+        let list = v.as_array().ok_or_else(bad)?;
+        list.iter().map(|x| python_constant(x).or_else(|| x.as_f64()).ok_or_else(bad)).collect::<Result<_>>().map(Some)
     }
 
     /// An optional boolean with a default.
@@ -704,6 +714,8 @@ mod tests {
         assert_eq!(c.str("s"), Some("Infinity, NaN"));
         assert!(c.opt_f64("s").is_err());
         assert_eq!(c.opt_usize("é").unwrap(), Some(1));
+        assert_eq!(c.opt_f64_list("time_step_limit").unwrap(), Some(vec![0.0, f64::INFINITY]));
+        assert!(c.opt_f64_list("s").is_err());
     }
 
     /// JSON that is malformed apart from Python's constants is still refused.
