@@ -290,6 +290,14 @@ def _hybrid_copy(tmp_path, case, edit=None, drop=None):
             "short_conv",
         ),
         ("kimi_linear", None, "model.layers.0.self_attn.A_log", "self_attn.A_log"),
+        ("nemotron_h", lambda c: c.update(hybrid_override_pattern="MXE"), None, "hybrid_override_pattern"),
+        ("nemotron_h", lambda c: c.update(mamba_num_heads=4), None, "in_proj"),
+        ("nemotron_h", None, "backbone.layers.4.mixer.A_log", "layers.4.mixer.A_log"),
+        ("nemotron_h", None, "backbone.layers.1.mixer.experts.3.up_proj.weight", "experts.3.up_proj"),
+        ("granitemoehybrid", lambda c: c.update(time_step_limit="fast"), None, "time_step_limit"),
+        ("granitemoehybrid", lambda c: c.update(layer_types=["mamba"] * 3), None, "layer_types"),
+        ("granitemoehybrid", lambda c: c.update(mamba_d_head=7), None, "mamba_d_head"),
+        ("granitemoehybrid", None, "model.layers.2.mamba.conv1d.bias", "mamba.conv1d.bias"),
     ],
 )
 def test_bad_hybrid_checkpoints_are_checkpoint_errors_naming_the_key(tmp_path, case, edit, drop, needle):

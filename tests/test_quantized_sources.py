@@ -113,7 +113,10 @@ def make_fp8_pair(case: str, root, block=(16, 12)):
     return out["fp8"], out["twin"]
 
 
-@pytest.mark.parametrize("case", ["qwen3_moe", "olmoe", "qwen3_next", "qwen3_5_moe", "kimi_linear"])
+@pytest.mark.parametrize(
+    "case",
+    ["qwen3_moe", "olmoe", "qwen3_next", "qwen3_5_moe", "kimi_linear", "nemotron_h", "granitemoehybrid"],
+)
 @pytest.mark.parametrize("dtype", ["f32", "q8_0"])
 def test_fp8_checkpoint_converts_exactly_like_its_dequantised_twin(case, dtype, tmp_path, golden):
     fp8, twin = make_fp8_pair(case, tmp_path)

@@ -68,7 +68,7 @@ def test_plan_adds_up(olmoe):
     assert small["streamed_bytes"] > 0 and small["expected_bytes_per_token"] > 0
 
 
-@pytest.mark.parametrize("case", ["qwen3_5_moe", "kimi_linear"])
+@pytest.mark.parametrize("case", ["qwen3_5_moe", "kimi_linear", "nemotron_h_latent", "granitemoehybrid"])
 def test_a_hybrid_streams_its_experts_and_plans_its_state(case, converted):
     """A linear-attention hybrid under the smallest budget gives the logits it
     gives with every expert resident, and the plan counts its state as the
