@@ -273,6 +273,19 @@ def test_info_tells_attention_kind_kv_bytes_and_source(tmp_path):
     assert "sinks" in r.stdout and "sliding window" in r.stdout and "mxfp4" in r.stdout
 
 
+def test_info_tells_the_mamba2_state_per_sequence(tmp_path):
+    out = tmp_path / "n.colibri"
+    assert run("convert", str(GOLDEN / "nemotron_h"), "-o", str(out)).returncode == 0
+    r = run_in(["info", str(out), "--json"])
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["attention"].startswith("Mamba2 on 3 of 5 layers (6 heads x 8, 2 groups, state 16, conv 4)")
+    # Per Mamba2 layer, float32: the convolution's last 3 inputs of 48 + 2·2·16 channels and 6 [16, 8]
+    # states; per attention layer and token, 2 kv heads of 12 keys and 12 values.
+    assert info["kv_cache"]["bytes_per_sequence"] == 3 * (3 * 112 + 6 * 16 * 8) * 4
+    assert info["kv_cache"]["bytes_per_token"] == 2 * 2 * 24 * 4
+
+
 def test_mmap_flag_sets_where_the_weights_live():
     base = ["stats", "--demo", "Emma was", "--max-new-tokens", "2"]
     r = run(*base, "--mmap", "off")

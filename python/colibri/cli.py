@@ -185,16 +185,30 @@ def _attention(cfg: dict[str, Any]) -> str:
     linear = cfg.get("linear")
     n_linear = sum(1 for layer in cfg["layers"] if layer.get("mixer") == "linear")
     if linear and n_linear:
+        kind = _linear_kind(linear["kind"])
+        if kind == "Mamba2":  # keys are B and C (a group each), values the heads' x
+            shape = (
+                f"{linear['v_heads']} heads x {linear['v_head_dim']}, {linear['k_heads']} groups, "
+                f"state {linear['k_head_dim']}"
+            )
+        else:
+            shape = (
+                f"{linear['k_heads']} key heads x {linear['k_head_dim']}, {linear['v_heads']} value heads "
+                f"x {linear['v_head_dim']}"
+            )
         text = (
-            f"{_linear_kind(linear['kind'])} on {n_linear} of {len(cfg['layers'])} layers "
-            f"({linear['k_heads']} key heads x {linear['k_head_dim']}, {linear['v_heads']} value heads "
-            f"x {linear['v_head_dim']}, conv {linear['conv_kernel']}); the others {text}"
+            f"{kind} on {n_linear} of {len(cfg['layers'])} layers ({shape}, conv {linear['conv_kernel']}); "
+            f"the others {text}"
         )
     return text
 
 
-def _linear_kind(kind: str) -> str:
-    return {"gated_delta_net": "Gated DeltaNet"}.get(kind, kind)
+def _linear_kind(kind: str | dict[str, object]) -> str:
+    """The rule's name; kinds with parameters are stored as {name: {...}}."""
+    name = kind if isinstance(kind, str) else next(iter(kind), "")
+    return {"gated_delta_net": "Gated DeltaNet", "kda": "Kimi delta attention", "mamba2": "Mamba2"}.get(
+        name, name
+    )
 
 
 def _source_format(engine: Engine) -> str:
