@@ -247,6 +247,12 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
     })
 }
 
+/// `s` and its fallbacks with none of their rows kept (an empty tensor).
+fn no_rows(s: Source) -> Source {
+    let otherwise = s.otherwise.clone().map(|o| Box::new(no_rows(*o)));
+    Source { otherwise, ..s.rows(1, 0, 0) }
+}
+
 /// The Hub's `backbone.<rest>`, else transformers' `model.<rest>`.
 fn named(rest: &str) -> Source {
     Source::tensor(format!("backbone.{rest}")).or(Source::tensor(format!("model.{rest}")))
@@ -277,10 +283,12 @@ fn source(hf: &HfConfig, cfg: &ModelConfig, id: TensorId) -> Source {
         TensorId::Expert(l, e, t) => {
             let w = if t == X::Down { "down_proj" } else { "up_proj" };
             let per_expert = ffn(l, &format!("experts.{e}.{w}.weight"));
-            match block(l, true) {
+            let source = match block(l, true) {
                 Some(i) => per_expert.or(Source::expert(format!("model.layers.{i}.mixer.experts.{w}"), e)),
                 None => per_expert,
-            }
+            };
+            // Not gated: `up_proj` is the gate; the up projection is empty.
+            if t == X::Up { no_rows(source) } else { source }
         }
         TensorId::Layer(l, t) => {
             let lin = cfg.linear.unwrap_or(LinearSpec {
@@ -323,12 +331,14 @@ fn source(hf: &HfConfig, cfg: &ModelConfig, id: TensorId) -> Source {
                 L::Wk => mixer(l, "k_proj.weight"),
                 L::Wv => mixer(l, "v_proj.weight"),
                 L::Wo => mixer(l, "o_proj.weight"),
-                // Not gated: the one input matrix stands in the gate's place and the up's.
-                L::Gate | L::Up => ffn(l, "up_proj.weight"),
+                // Not gated: the one input matrix is the gate; the up projection is empty.
+                L::Gate => ffn(l, "up_proj.weight"),
+                L::Up => no_rows(ffn(l, "up_proj.weight")),
                 L::Down => ffn(l, "down_proj.weight"),
                 L::Router => ffn(l, "gate.weight"),
                 L::RouterCorrection => ffn(l, "gate.e_score_correction_bias"),
-                L::SharedGate | L::SharedUp => ffn(l, "shared_experts.up_proj.weight"),
+                L::SharedGate => ffn(l, "shared_experts.up_proj.weight"),
+                L::SharedUp => no_rows(ffn(l, "shared_experts.up_proj.weight")),
                 L::SharedDown => ffn(l, "shared_experts.down_proj.weight"),
                 L::MoeLatentIn => ffn(l, "fc1_latent_proj.weight"),
                 L::MoeLatentOut => ffn(l, "fc2_latent_proj.weight"),

@@ -493,9 +493,9 @@ pub enum Activation {
     /// `silu(gate) · up`, silu(x) = x · sigmoid(x).
     #[default]
     Silu,
-    /// `relu(gate)²`, not gated: the up projection is not read (Nemotron-H's
-    /// `relu2` MLPs and experts, stored with their one input matrix in the
-    /// gate's place and again in the up's, so the expert slab keeps its shape).
+    /// `relu(gate)²`, not gated (Nemotron-H's `relu2` MLPs and experts, whose
+    /// one input matrix is stored as the gate; the up projection is stored
+    /// empty, `[0, D]`, so an MLP and an expert slab keep their three parts).
     Relu2,
     /// `gelu(gate) · up` with the tanh approximation of GELU (GeGLU,
     /// transformers' `gelu_pytorch_tanh`): `0.5·g·(1 + tanh(√(2/π)·(g + 0.044715·g³)))`.
@@ -635,6 +635,13 @@ pub enum LinearKind {
         /// The floor of every time step (transformers' `time_step_min`).
         dt_min: f32,
     },
+}
+
+impl Activation {
+    /// The activation multiplies by the up projection (every kind but relu²).
+    pub fn gated(&self) -> bool {
+        !matches!(self, Activation::Relu2)
+    }
 }
 
 impl LinearSpec {

@@ -427,6 +427,13 @@ impl TensorId {
     }
 }
 
+/// Rows of an MLP's up projection: `f`, or none for an activation that is
+/// not gated (relu², whose one input matrix is the gate): the tensor stays
+/// in the plan, empty, so every MLP and expert slab keeps its three parts.
+pub fn up_rows(act: crate::canonical::config::Activation, f: usize) -> usize {
+    if act.gated() { f } else { 0 }
+}
+
 /// What a tensor is used for, which decides its storage type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {
@@ -584,7 +591,7 @@ pub fn tensor_plan(cfg: &ModelConfig) -> Vec<PlannedTensor> {
             FfnSpec::None => {}
             FfnSpec::Dense { ffn_dim: f } => {
                 push(t(L::Gate), vec![f, d], Role::Matrix);
-                push(t(L::Up), vec![f, d], Role::Matrix);
+                push(t(L::Up), vec![up_rows(cfg.mlp_activation, f), d], Role::Matrix);
                 push(t(L::Down), vec![d, f], Role::Matrix);
             }
             FfnSpec::Moe => {
@@ -615,7 +622,7 @@ pub fn tensor_plan(cfg: &ModelConfig) -> Vec<PlannedTensor> {
                 }
                 if let Some(s) = &moe.shared_expert {
                     push(t(L::SharedGate), vec![s.ffn_dim, d], Role::Matrix);
-                    push(t(L::SharedUp), vec![s.ffn_dim, d], Role::Matrix);
+                    push(t(L::SharedUp), vec![up_rows(moe.activation, s.ffn_dim), d], Role::Matrix);
                     push(t(L::SharedDown), vec![d, s.ffn_dim], Role::Matrix);
                     if s.sigmoid_gate {
                         push(t(L::SharedExpertGate), vec![1, d], Role::Small);
@@ -624,7 +631,7 @@ pub fn tensor_plan(cfg: &ModelConfig) -> Vec<PlannedTensor> {
                 for x in 0..e {
                     let id = |w| TensorId::Expert(l, x, w);
                     push(id(ExpertTensor::Gate), vec![f, xd], Role::Matrix);
-                    push(id(ExpertTensor::Up), vec![f, xd], Role::Matrix);
+                    push(id(ExpertTensor::Up), vec![up_rows(moe.activation, f), xd], Role::Matrix);
                     push(id(ExpertTensor::Down), vec![xd, f], Role::Matrix);
                     if moe.expert_bias {
                         push(id(ExpertTensor::GateBias), vec![f], Role::Small);

@@ -69,8 +69,8 @@ pub struct MlpScratch<'a> {
 pub fn gated_mlp(m: &Mlp, act: Activation, x: &Input, s: MlpScratch, out: &mut [f32]) {
     let (f, n) = (m.gate.rows, x.x.len() / x.cols);
     let (g, u) = (&mut s.g[..n * f], &mut s.u[..n * f]);
-    if act == Activation::Relu2 {
-        matmul(&m.gate, x, g); // [n, F]: not gated, the up rows are not read
+    if !act.gated() {
+        matmul(&m.gate, x, g); // [n, F]: not gated, the up projection is empty
     } else {
         matmul_many(&mut [(m.gate, &mut *g), (m.up, &mut *u)], x); // [n, F] each
     }
@@ -85,7 +85,7 @@ pub fn gated_mlp_serial(m: &Mlp, act: Activation, x: &Input, s: MlpScratch, out:
     let (f, n) = (m.gate.rows, x.x.len() / x.cols);
     let (g, u) = (&mut s.g[..n * f], &mut s.u[..n * f]);
     matmul_serial(&m.gate, x, g); // [n, F]
-    if act != Activation::Relu2 {
+    if act.gated() {
         matmul_serial(&m.up, x, u); // [n, F]
     }
     let h = hidden(m, act, g, u, s.hq); // [n, F]
