@@ -213,3 +213,38 @@ fn source(_: &HfConfig, cfg: &ModelConfig, id: TensorId) -> Source {
 fn plain(id: TensorId) -> Source {
     Source::tensor(llama_name(id).unwrap_or_else(|| format!("<{id} has no Granite 4.0-H name>")))
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    fn cfg(extra: &str) -> Result<ModelConfig> {
+        let base = r#""hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 3, "vocab_size": 50,
+            "intermediate_size": 32, "mamba_n_heads": 8, "mamba_n_groups": 2, "mamba_d_state": 16"#;
+        config(&HfConfig::parse(Path::new("config.json"), &format!("{{{base}{extra}}}"))?)
+    }
+
+    /// `mamba_d_head: "auto"` is `mamba_expand · hidden / mamba_n_heads`; the
+    /// legacy layer names read; without experts the shared MLP is a dense
+    /// layer; only `"rope"` rotates.
+    #[test]
+    fn granite_hybrid_switches_read_as_transformers_reads_them() {
+        let c = cfg(r#", "layer_types": ["mamba", "attention", "mamba"], "mamba_d_head": "auto""#).unwrap();
+        let lin = c.linear.unwrap();
+        assert_eq!((lin.v_heads, lin.v_head_dim, lin.k_heads, lin.k_head_dim), (8, 16, 2, 16));
+        assert_eq!(c.layers[1].mixer, MixerSpec::FULL_ATTENTION);
+        assert!(c.attention.no_rope && c.moe.is_some());
+        let dense =
+            cfg(r#", "num_local_experts": 0, "shared_intermediate_size": 24, "position_embedding_type": "rope""#)
+                .unwrap();
+        assert!(dense.moe.is_none() && !dense.attention.no_rope);
+        assert!(dense.layers.iter().all(|l| l.ffn == FfnSpec::Dense { ffn_dim: 24 } && l.mixer == MixerSpec::Linear));
+        dense.validate().unwrap();
+        assert!(matches!(cfg(r#", "time_step_limit": [0.0, 1.0]"#), Err(Error::Unsupported(_))));
+        let floor = cfg(r#", "time_step_limit": [0.5, Infinity]"#).unwrap();
+        assert_eq!(floor.linear.unwrap().kind, LinearKind::Mamba2 { dt_min: 0.5 });
+        assert!(cfg(r#", "mamba_d_head": 7"#).unwrap_err().to_string().contains("mamba_d_head"));
+    }
+}

@@ -1260,6 +1260,34 @@ mod tests {
         assert!(cfg(vec![own], no_latent).validate().unwrap_err().to_string().contains("q_lora_rank"));
     }
 
+    /// A layer without FFN is stored as `"ffn": {"kind": "none"}`; a latent
+    /// MoE width must fit the hidden size; a Mamba2 time-step floor must be
+    /// a finite non-negative number.
+    #[test]
+    fn mamba_switches_store_and_validate() {
+        let bare = LayerSpec { mixer: MixerSpec::Linear, ffn: FfnSpec::None };
+        let json = r#"{"mixer":"linear","sliding_window":null,"ffn":{"kind":"none"}}"#;
+        assert_eq!(serde_json::to_string(&bare).unwrap(), json);
+        assert_eq!(serde_json::from_str::<LayerSpec>(json).unwrap(), bare);
+        let lin = |dt_min| LinearSpec {
+            kind: LinearKind::Mamba2 { dt_min },
+            k_heads: 2,
+            v_heads: 4,
+            k_head_dim: 8,
+            v_head_dim: 4,
+            conv_kernel: 4,
+        };
+        let cfg = |dt_min, latent| ModelConfig {
+            linear: Some(lin(dt_min)),
+            moe: Some(MoeSpec { latent_dim: latent, ..Default::default() }),
+            layers: vec![bare.clone(), LayerSpec { mixer: MixerSpec::FULL_ATTENTION, ffn: FfnSpec::Moe }],
+            ..Default::default()
+        };
+        cfg(0.001, Some(64)).validate().unwrap();
+        assert!(cfg(f32::NAN, None).validate().unwrap_err().to_string().contains("time-step floor"));
+        assert!(cfg(0.0, Some(8192)).validate().unwrap_err().to_string().contains("latent width"));
+    }
+
     /// A layer is stored in the form every existing `.colibri` file holds:
     /// the window under `sliding_window`, `null` when the layer sees everything.
     #[test]

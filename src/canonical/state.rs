@@ -312,6 +312,36 @@ mod tests {
         }
     }
 
+    /// A Mamba2 layer keeps the convolution's last inputs over x, B and C
+    /// and one `[N, P]` state per head, float32; a layer without FFN changes
+    /// nothing of it.
+    #[test]
+    fn mamba2_layers_count_per_sequence_in_f32() {
+        use crate::canonical::config::{LinearKind, LinearSpec};
+        let mut ls = layers(&[None; 3]);
+        ls[0].mixer = MixerSpec::Linear;
+        ls[0].ffn = FfnSpec::None;
+        let cfg = ModelConfig {
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 8,
+            linear: Some(LinearSpec {
+                kind: LinearKind::Mamba2 { dt_min: 0.0 },
+                k_heads: 2,
+                v_heads: 6,
+                k_head_dim: 16,
+                v_head_dim: 8,
+                conv_kernel: 4,
+            }),
+            layers: ls,
+            ..Default::default()
+        };
+        // conv: 3 · (6·8 + 2·2·16) = 336 values; states 6 · 16 · 8 = 768.
+        assert_eq!(cfg.layer_state(0), LayerState::Recurrent { conv: 336, matrix: 768 });
+        let want = StateLayout { bytes_per_token: 2 * 2 * 16 * 2, bytes_per_sequence: (336 + 768) * 4 };
+        assert_eq!(StateLayout::new(&cfg, 2, 512), want);
+    }
+
     /// A sliding-window layer keeps a fixed buffer: its window, the rollback
     /// reach and a pass, twice; it counts per sequence, not per token.
     #[test]
