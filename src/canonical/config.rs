@@ -590,7 +590,9 @@ pub enum MixerSpec {
 
 /// The linear-attention layers of a hybrid model: a short causal
 /// convolution over the query/key/value stream, then a gated delta rule
-/// whose float32 state per value head is a `[Dk, Dv]` matrix.
+/// whose float32 state per value head is a `[Dk, Dv]` matrix (Mamba2: keys
+/// and queries are a group's B and C of N = Dk values, the values a head's
+/// x of P = Dv values, so its `[N, P]` state takes the same place).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LinearSpec {
     /// Which rule and gates.
