@@ -280,6 +280,7 @@ pub fn write_random_model(path: &Path, cfg: &ModelConfig, dtype: DType, seed: u6
         source: SourceInfo::default(),
         tensors,
         experts,
+        part: None,
     };
     let mut w = Writer::create(path, &meta).unwrap();
     let mut s = seed.wrapping_mul(2862933555777941757).wrapping_add(3037000493);

@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::model::forward::{Capture, forward};
+use crate::model::store::StoreOptions;
 use crate::quant::DType;
 use crate::synth::{config_for, write_random_model};
 
@@ -256,7 +257,7 @@ fn hidden_states_end_with_the_final_norm_of_the_last_layer() {
     assert_eq!(h.len(), (l + 1) * toks.len() * d);
     // Row 0 is the embedding of each token.
     let mut row = vec![0.0; d];
-    e.model().mat(e.model().embed).decode_row(toks[2] as usize, &mut row);
+    e.model().mat(e.model().embedding()).decode_row(toks[2] as usize, &mut row);
     assert_eq!(&h[2 * d..3 * d], &row[..]);
     // The last slot has unit RMS up to the norm weights: not the raw residual.
     assert_ne!(&h[l * toks.len() * d..], &h[(l - 1) * toks.len() * d..l * toks.len() * d]);
@@ -964,11 +965,13 @@ fn mtp_rows_survive_rollbacks_for_every_state_kind() {
 /// A model split into pipeline stages gives the whole model's logits bit
 /// for bit, through a chunked prompt and token-by-token decoding, for every
 /// kind of layer state and every split into 2 and 3 stages the balancer
-/// makes; a stage refuses input of the wrong kind or width.
+/// makes, over the whole file and over stage files whose stages stream
+/// their experts; a stage refuses input of the wrong kind or width.
 #[test]
 fn pipeline_stages_equal_the_whole_model_for_every_state_kind() {
     use crate::model::session::Session;
     use crate::model::stage::{balance, can_start, layer_bytes};
+    let mut streamed = 0;
     for (case, cfg) in every_state_kind().into_iter().enumerate() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("m.colibri");
@@ -986,9 +989,43 @@ fn pipeline_stages_equal_the_whole_model_for_every_state_kind() {
         }
         let (bytes, embed, head) = layer_bytes(whole.model().file());
         let starts = can_start(&cfg);
-        for k in [2, 3] {
+        for (k, files) in [(2, false), (3, false), (2, true), (3, true)] {
             let Ok(plan) = balance(&bytes, (embed, head), &starts, &vec![1.0; k]) else { continue };
-            let stages: Vec<Engine> = plan.iter().map(|r| open(Some(r.clone()))).collect();
+            let stages: Vec<Engine> = match files {
+                false => plan.iter().map(|r| open(Some(r.clone()))).collect(),
+                // Stage files, each stage streaming its experts through as
+                // few slots as it can run with.
+                true => {
+                    let out = dir.path().join(format!("split{k}"));
+                    std::fs::create_dir(&out).unwrap();
+                    let written = crate::convert::split::split(&p, &plan, &out, false, false, &never).unwrap();
+                    written
+                        .iter()
+                        .map(|f| {
+                            let plan = crate::model::store::plan_path(&f.path, None).unwrap();
+                            let (min, streams) = (plan.min_budget, plan.min_budget < plan.expert_bytes);
+                            let store = StoreOptions {
+                                ram_budget: (min > 0).then_some(min),
+                                heat_file: crate::model::store::HeatFile::Off,
+                                ..StoreOptions::default()
+                            };
+                            let e = Engine::open(
+                                &f.path,
+                                &EngineOptions {
+                                    threads: Some(2),
+                                    store,
+                                    stage: Some(f.layers.clone()),
+                                    ..Default::default()
+                                },
+                            )
+                            .unwrap();
+                            assert_eq!(e.model().streams_experts(), streams, "case {case}: {}", f.path.display());
+                            streamed += usize::from(streams);
+                            e
+                        })
+                        .collect()
+                }
+            };
             let mut sessions: Vec<Session> = stages.iter().map(|e| Session::new(e.model(), 64, 8)).collect();
             for (i, f) in feeds.iter().enumerate() {
                 let mut h: Option<Vec<f32>> = None;
@@ -1000,7 +1037,10 @@ fn pipeline_stages_equal_the_whole_model_for_every_state_kind() {
                         h = Some(out);
                     } else {
                         e.run_stage(s, f, h.as_deref(), Capture::default(), &never).unwrap();
-                        assert!(s.seq.logits == want[i], "case {case}, stages {plan:?}: feed {i} differs");
+                        assert!(
+                            s.seq.logits == want[i],
+                            "case {case}, stages {plan:?} (files: {files}): feed {i} differs"
+                        );
                     }
                 }
             }
@@ -1018,4 +1058,5 @@ fn pipeline_stages_equal_the_whole_model_for_every_state_kind() {
         assert!(first.run_stage(&mut s, &toks[..2], Some(&vec![0.0; 2 * d]), cap, &never).is_err());
         assert!(first.run(&mut s, &toks[..2], Capture::default(), &never).is_err(), "a first stage has no logits");
     }
+    assert!(streamed > 0, "no stage file streamed its experts");
 }

@@ -276,7 +276,7 @@ fn forward_chunk(
         model.telemetry.tokens.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
         return Ok(());
     }
-    norm(model, model.final_norm, &s.x[..n * d], &mut s.xn[..n * d]);
+    norm(model, model.head().0, &s.x[..n * d], &mut s.xn[..n * d]);
     snap(&mut cap.hidden, layers, &s.xn);
     lm_head(model, s, segs, n, off, cap);
     let mut r0 = 0;
@@ -299,7 +299,7 @@ fn forward_chunk(
 
 /// One decoder layer over the chunk's `n` rows of `x`, in place.
 fn layer(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n: usize) -> Result<()> {
-    let (c, lw) = (&model.config, &model.layers[l]);
+    let (c, lw) = (&model.config, model.layer(l));
     let d = c.hidden_size;
     norm(model, lw.attn_norm, &s.x[..n * d], &mut s.xn[..n * d]);
     attention(model, l, s, segs, n); // proj: [T, D]
@@ -357,7 +357,7 @@ fn rows<'a>(segs: &'a [Segment]) -> impl Iterator<Item = (usize, usize)> + 'a {
 /// `x[t] = embedding[token t] · s_emb`.
 fn embed(model: &Model, s: &mut Workspace, segs: &[Segment]) {
     let d = model.config.hidden_size;
-    let table = model.mat(model.embed);
+    let table = model.mat(model.embedding());
     let scale = model.config.scales.embedding;
     for (t, &tok) in segs.iter().flat_map(|g| g.tokens).enumerate() {
         let row = &mut s.x[t * d..(t + 1) * d];
@@ -414,7 +414,7 @@ fn residual(x: &mut [f32], y: &[f32], scale: f32) {
 /// attends over it.
 fn attention(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n: usize) {
     let c = &model.config;
-    let lw = &model.layers[l];
+    let lw = model.layer(l);
     // This layer's heads and RoPE (a global layer may have its own).
     let shape = c.head_shape(l);
     let (rope, cos, sin) = match (&model.global_rope, shape.global) {
@@ -560,7 +560,7 @@ fn linear_attention(model: &Model, l: usize, refs: DeltaRefs, s: &mut Workspace,
     each_segment(segs, 0, vd, out, by_head, &|r0, g, out, by_head| {
         block.rule(&rows, r0, g.seq.delta(l), by_head, out); // [m, Hv·Dv]
     });
-    let wo = model.mat(model.layers[l].wo);
+    let wo = model.mat(model.layer(l).wo);
     matmul(&wo, &s.xq.prepare(s.delta.out(n), vd), &mut s.proj[..n * d]); // [T, D]
 }
 
@@ -630,7 +630,7 @@ fn prefetch_next_layer(model: &Model, l: usize, s: &mut Workspace, n: usize) {
     if l + 1 >= model.config.main_layers() || !model.stage.runs(l + 1) {
         return; // the multi-token-prediction layer runs in a pass of its own; another stage's layers are not ours
     }
-    let next = &model.layers[l + 1];
+    let next = model.layer(l + 1);
     let Some(layer) = moe_layer(model, l + 1, next) else { return };
     let d = model.config.hidden_size;
     router_input(model, next, &s.x[..n * d], &mut s.moe.pred_x[..n * d]);
@@ -672,7 +672,7 @@ fn moe_layer<'a>(model: &'a Model, l: usize, lw: &LayerRefs) -> Option<MoeLayer<
 /// `proj = ffn(xn)`: the dense MLP, or the MoE block (router, routed
 /// experts, shared expert).
 fn ffn_or_moe(model: &Model, l: usize, s: &mut Workspace, n: usize) -> Result<()> {
-    let lw = &model.layers[l];
+    let lw = model.layer(l);
     let d = model.config.hidden_size;
     let proj = &mut s.proj[..n * d];
     let inp = s.xq.prepare(&s.xn[..n * d], d); // shared by router, experts, shared expert
@@ -718,7 +718,7 @@ fn ffn_or_moe(model: &Model, l: usize, s: &mut Workspace, n: usize) -> Result<()
 fn lm_head(model: &Model, s: &mut Workspace, segs: &mut [Segment], n: usize, off: usize, cap: &mut Capture) {
     let c = &model.config;
     let (d, vocab) = (c.hidden_size, c.vocab_size);
-    let head = model.mat(model.lm_head);
+    let head = model.mat(model.head().1);
     let bias_and_scale = |y: &mut [f32]| finish_logits(model, y);
     let xn = &s.xn[..n * d];
     if let Some(all) = cap.logits.as_deref_mut() {
@@ -855,7 +855,7 @@ fn mtp_head(model: &Model, s: &mut Workspace, t: usize, out: Option<&mut [f32]>)
         Some(o) => o,
         None => &mut s.head_y[..t * c.vocab_size],
     };
-    matmul(&model.mat(model.lm_head), &s.xq.prepare(&s.xn[..t * d], d), out); // [t, V]
+    matmul(&model.mat(model.head().1), &s.xq.prepare(&s.xn[..t * d], d), out); // [t, V]
     out.chunks_exact_mut(c.vocab_size).for_each(|y| finish_logits(model, y));
 }
 
