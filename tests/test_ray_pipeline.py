@@ -67,6 +67,30 @@ def test_stages_equal_one_process(cluster, converted, case):
             assert seeded.finish_reason == "length"
 
 
+def test_a_folder_of_stage_files_runs_each_stage_where_its_file_is(cluster, converted, tmp_path):
+    path = converted("deepseek_v3")
+    local = single(path)
+    want_logits = local.logits(PROMPT)
+    want = list(local.generate(PROMPT, max_new_tokens=12, temperature=0))
+    files = colibri.split(path, 3, out=tmp_path, progress=False)
+    with PipelineEngine(tmp_path, timeout=60) as e:
+        assert e.pipeline.plan == [f["layers"] for f in files]
+        described = e.stages()
+        assert len({s["node"] for s in described}) == 3
+        assert [s["weight_bytes"] for s in described] == [f["bytes"] for f in files]
+        assert np.array_equal(e.logits(PROMPT), want_logits)
+        assert list(e.generate(PROMPT, max_new_tokens=12, temperature=0)) == want
+    # Each stage streaming its experts from its own file under a RAM budget.
+    budget = max(colibri.plan(f["path"])["min_budget"] for f in files)
+    with PipelineEngine(tmp_path, stages=3, ram_budget=budget, transport="actor", timeout=60) as e:
+        assert list(e.generate(PROMPT, max_new_tokens=12, temperature=0)) == want
+        assert e.store_stats()["misses"] > 0  # the experts were read into slots
+    with pytest.raises(colibri.StageError, match="found files of a split into \\[3\\] stages"):
+        PipelineEngine(tmp_path, stages=2, timeout=60)
+    with pytest.raises(colibri.StageError, match="no stage files"):
+        PipelineEngine(tmp_path / "nowhere", timeout=60)
+
+
 def test_plain_actor_calls_and_streams_and_text(cluster):
     local = colibri.Engine.demo(threads=1)
     want = local.generate("The garden at night", max_new_tokens=10, temperature=0)

@@ -226,7 +226,7 @@ def _open(model: str, options: Mapping[str, Any]) -> Any:
     if options.get("stages"):
         from ._pipeline import Engine as Pipeline
 
-        kept = {k: v for k, v in options.items() if k in ("kv_cache_dtype", "mmap")}
+        kept = {k: v for k, v in options.items() if k in ("kv_cache_dtype", "mmap", "ram_budget")}
         path = str(_demo_path()) if model == "demo" else model
         return Pipeline(path, stages=options["stages"], threads_per_stage=options.get("threads"), **kept)
     if model == "demo":
@@ -502,8 +502,6 @@ def deployment(
     stages = engine_options.get("stages")
     if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
         raise ValueError(f"stages must be a positive integer, got {stages!r}")
-    if stages and engine_options.get("ram_budget") is not None:
-        raise ValueError("pipeline stages keep their experts resident: give no RAM budget with stages")
     options = {"mmap": True, **engine_options, "threads": threads_per_replica}
     max_batch = int(options.get("max_batch", 16))
     app_options = {
