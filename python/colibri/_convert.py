@@ -112,7 +112,8 @@ def split(
     Args:
         model: a whole-model ``.colibri`` file.
         stages: how many stage files to write.
-        out: the folder to write into (default: the model's own folder).
+        out: the folder to write into, made if missing (default: the
+            model's own folder).
             Files are named ``<model>.stage-<i>-of-<stages>.colibri``.
         shares: relative sizes of the stages (say, each machine's memory in
             GB), one per stage; the layers are split by weight bytes in

@@ -841,6 +841,13 @@ impl ModelConfig {
         self.layers.len() - usize::from(self.mtp.is_some())
     }
 
+    /// True when a pipeline stage may begin at layer `l`: anywhere but at a
+    /// sparse layer that borrows the key selection of the layer before it
+    /// (that selection lives only for the pass).
+    pub fn stage_can_begin(&self, l: usize) -> bool {
+        !matches!(self.layers[l].mixer, MixerSpec::Sparse { shared: true })
+    }
+
     /// The multi-token-prediction layer's index, when the file keeps one.
     pub fn mtp_layer(&self) -> Option<usize> {
         self.mtp.map(|_| self.layers.len() - 1)

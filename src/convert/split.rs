@@ -33,7 +33,7 @@ pub fn stage_file_name(stem: &str, i: usize, k: usize) -> String {
 
 /// Writes one stage file per range of `plan` (contiguous ranges covering
 /// every layer of the model's forward pass, in order) into the folder
-/// `out`, named by [`stage_file_name`]. An existing file is replaced only
+/// `out` (made if missing), named by [`stage_file_name`]. An existing file is replaced only
 /// with `force`; the checks all run before anything is written. `progress`
 /// draws a bar per file on stderr; `interrupted` is polled between tensors,
 /// and an interrupted split removes the file it was writing.
@@ -58,9 +58,10 @@ pub fn split(
         )));
     }
     check_plan(&file, plan)?;
-    if !out.is_dir() {
+    if out.exists() && !out.is_dir() {
         return Err(Error::InvalidInput(format!("cannot write stage files into {}: not a folder", out.display())));
     }
+    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
     let stem = src.file_stem().map_or("model".into(), |s| s.to_string_lossy().into_owned());
     let paths: Vec<PathBuf> = (0..plan.len()).map(|i| out.join(stage_file_name(&stem, i, plan.len()))).collect();
     if !force && let Some(p) = paths.iter().find(|p| p.exists()) {
@@ -95,7 +96,13 @@ fn check_plan(file: &ColibriFile, plan: &[Range<usize>]) -> Result<()> {
                 "stage plan {plan:?}: give contiguous, non-empty layer ranges from 0 to {n}"
             )));
         }
-        crate::model::stage::Stage::new(cfg, r.clone())?;
+        if !cfg.stage_can_begin(r.start) {
+            return Err(Error::InvalidInput(format!(
+                "stage plan {plan:?}: layer {} reuses the key selection of the layer before it, so no stage \
+                 can begin there",
+                r.start
+            )));
+        }
         next = r.end;
     }
     if next != n {
