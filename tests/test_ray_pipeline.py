@@ -87,7 +87,7 @@ def test_a_folder_of_stage_files_runs_each_stage_where_its_file_is(cluster, conv
         assert e.store_stats()["misses"] > 0  # the experts were read into slots
     with pytest.raises(colibri.StageError, match="found files of a split into \\[3\\] stages"):
         PipelineEngine(tmp_path, stages=2, timeout=60)
-    with pytest.raises(colibri.StageError, match="no stage files"):
+    with pytest.raises(colibri.ModelNotFoundError, match="no stage files in .*nowhere on any of the 3 node"):
         PipelineEngine(tmp_path / "nowhere", timeout=60)
 
 
@@ -228,10 +228,11 @@ def test_a_plan_too_big_for_a_node_is_refused_with_the_sizes():
     assert "stage 1" not in why
 
 
-def test_serve_replicas_of_a_pipeline(cluster):
+def test_serve_replicas_of_a_pipeline(cluster, tmp_path):
     """deployment(stages=2) (``colibri serve --ray --stages 2``): a Serve
-    replica whose engine is a two-stage pipeline answers the openai client
-    with one process's text."""
+    replica whose engine is a two-stage pipeline over stage files, each
+    streaming its experts under a RAM budget (``--ram``), answers the openai
+    client with one process's text."""
     import openai
     from ray import serve
     from test_ray_serve import free_port
@@ -242,7 +243,10 @@ def test_serve_replicas_of_a_pipeline(cluster):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run(deployment("demo", replicas=1, stages=2), name="colibri", route_prefix="/")
+        files = colibri.split(colibri.Engine.demo().path, 2, out=tmp_path, progress=False)
+        budget = max(colibri.plan(f["path"])["min_budget"] for f in files)
+        app = deployment(str(tmp_path), replicas=1, stages=2, ram_budget=budget, model_name="demo")
+        serve.run(app, name="colibri", route_prefix="/")
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
         r = c.completions.create(model="demo", prompt="Emma was", max_tokens=10, temperature=0)
         assert r.choices[0].text == want.text

@@ -132,5 +132,7 @@ def test_choose_split_places_each_stage_on_a_node_holding_its_file():
         choose_split({"a": [f(0), f(1), f(2)], "b": [f(0, origin="o2")]}, "/m", None)
     with pytest.raises(StageError, match=r"found files of a split into \[3\] stages"):
         choose_split({"a": [f(0)]}, "/m", 2)
+    with pytest.raises(colibri.ModelNotFoundError, match="no stage files in /m on any of the 1 node"):
+        choose_split({"a": []}, "/m", None)
     with pytest.raises(StageError, match="unreadable: /m/bad.colibri"):
         choose_split({"a": [("/m/bad.colibri", None, "bad magic")]}, "/m", None)

@@ -460,6 +460,12 @@ def _ray_scale(args: argparse.Namespace) -> tuple[int, int] | None:
         raise _UsageError(f"--threads-per-replica must be at least 1, got {args.threads_per_replica}")
     if args.stages is not None and args.stages < 1:
         raise _UsageError(f"--stages must be at least 1, got {args.stages}")
+    whole = args.demo or (bool(args.args) and os.path.isfile(args.args[0]))
+    if args.stages is not None and args.ram is not None and whole:
+        raise _UsageError(
+            "stages of a whole model file keep their experts resident: give no --ram, or serve a folder "
+            "of stage files (colibri split)"
+        )
     if args.ray and args.threads is not None:
         raise _UsageError("with --ray, give --threads-per-replica instead of --threads")
     if args.autoscale is None:

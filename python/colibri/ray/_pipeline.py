@@ -121,7 +121,8 @@ def choose_split(
     """From the stage files each node holds (``found``: node id -> what
     :func:`_stage_files_here` saw), the node and path of every stage of one
     split, and its files' descriptions. Stages go to distinct nodes where
-    the files allow it. Raises :class:`StageError` saying what is missing."""
+    the files allow it. Raises :class:`StageError` saying what is missing
+    (:class:`ModelNotFoundError` when no node holds any stage file there)."""
     splits: dict[tuple[str, int], dict[int, list[tuple[str, str, dict[str, Any]]]]] = {}
     unreadable = []
     for node, files in found.items():
@@ -136,7 +137,9 @@ def choose_split(
     if not keys:
         other = sorted({k[1] for k in splits})
         have = f"; found files of a split into {other} stages" if other else ""
-        raise StageError(
+        # Nothing at all there is a model not found; files of another split, a stage error.
+        error = StageError if splits or unreadable else ModelNotFoundError
+        raise error(
             f"no stage files{'' if stages is None else f' of a {stages}-stage split'} in {folder} on any "
             f"of the {len(found)} node(s){have}{note}: cut the model with `colibri split` and copy the files "
             "there"
