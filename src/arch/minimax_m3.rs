@@ -113,11 +113,9 @@ fn config(hf: &HfConfig) -> Result<ModelConfig> {
         let v = sparse_cfg.and_then(|s| s.get(legacy)).filter(|v| !v.is_null()).or_else(|| c.get(flat));
         match v {
             None => Ok(default),
-            Some(v) => v
-                .as_u64()
-                .map(|x| x as usize)
-                .filter(|&x| x <= SIZE_LIMIT)
-                .ok_or_else(|| bad(format!("config field `{flat}` (`{legacy}`) must be a non-negative integer, got {v}"))),
+            Some(v) => v.as_u64().map(|x| x as usize).filter(|&x| x <= SIZE_LIMIT).ok_or_else(|| {
+                bad(format!("config field `{flat}` (`{legacy}`) must be a non-negative integer, got {v}"))
+            }),
         }
     };
     let block_index = BlockIndexSpec {

@@ -321,7 +321,10 @@ mod tests {
         cfg.validate().unwrap();
         assert_eq!(cfg.layer_state(1), LayerState::BlockIndexed { heads: 2, head_dim: 8, key_width: 10 });
         // 3 layers · 2 heads · (8 + 8), plus 10 index values on layer 1; 2 bytes each.
-        assert_eq!(StateLayout::new(&cfg, 2, 512), StateLayout { bytes_per_token: (3 * 32 + 10) * 2, bytes_per_sequence: 0 });
+        assert_eq!(
+            StateLayout::new(&cfg, 2, 512),
+            StateLayout { bytes_per_token: (3 * 32 + 10) * 2, bytes_per_sequence: 0 }
+        );
     }
 
     /// A hybrid model: attention layers grow per token, linear-attention

@@ -209,7 +209,15 @@ impl<'a> BlockIndexer<'a> {
     /// The attention of row `t`'s query `q` ([H·Dh]) at position `p` over
     /// the blocks [`BlockIndexer::select`] chose, from the layer's cache
     /// `kv` (every position up to `p` stored), into `out` ([H·Dh]).
-    pub fn attend_selected(&self, q: &[f32], p: usize, kv: KvView, heads: Heads, s: &mut BlockIndexScratch, out: &mut [f32]) {
+    pub fn attend_selected(
+        &self,
+        q: &[f32],
+        p: usize,
+        kv: KvView,
+        heads: Heads,
+        s: &mut BlockIndexScratch,
+        out: &mut [f32],
+    ) {
         let BlockIndexSpec { heads: hi, block, top_blocks: k, .. } = self.spec;
         let (h, hkv, dk, dv) = (heads.h, heads.hkv, heads.dk, heads.dv);
         let (gq, gkv) = (h / hi, (hkv / hi).max(1)); // query and kv heads per index head
