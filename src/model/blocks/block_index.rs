@@ -324,6 +324,102 @@ mod tests {
         }
     }
 
+    fn indexer(spec: BlockIndexSpec, rope: &Rope) -> BlockIndexer<'_> {
+        let none = Matrix { dtype: DType::F32, rows: 0, cols: 0, bytes: &[] };
+        BlockIndexer { wq: none, wk: none, q_norm: &[], k_norm: &[], eps: 1e-6, rope, spec }
+    }
+
+    fn rope() -> Rope {
+        Rope::new(&crate::canonical::config::RopeSpec { rotary_dim: 4, ..ModelConfig::default().rope })
+    }
+
+    /// With every block selected, the gathered attention gives the bits of
+    /// attention over the whole cache, for one, several or all kv heads per
+    /// index head, with sinks, f32 and f16 caches.
+    #[test]
+    fn selecting_every_block_gives_the_bits_of_dense_attention() {
+        let mut r = rnd(5);
+        let (dh, block) = (8, 5);
+        let sinks: Vec<f32> = (0..6).map(|_| r()).collect();
+        for (h, hkv, hi) in [(4, 2, 4), (4, 2, 2), (4, 2, 1), (6, 3, 3)] {
+            for dtype in [DType::F32, DType::F16] {
+                for p in [0, 7, 22] {
+                    let n = p + 1;
+                    let nb = p / block + 1;
+                    let spec = BlockIndexSpec { heads: hi, head_dim: dh, block, top_blocks: nb, local_blocks: 1 };
+                    let rope = rope();
+                    let ix = indexer(spec, &rope);
+                    let mut cache = KvCache::new(dtype, n + 4, hkv, hkv * dh, hkv * dh, None);
+                    let k: Vec<f32> = (0..n * hkv * dh).map(|_| r()).collect();
+                    let v: Vec<f32> = (0..n * hkv * dh).map(|_| r()).collect();
+                    cache.store(0, &k, &v);
+                    let q: Vec<f32> = (0..h * dh).map(|_| r()).collect();
+                    let heads = Heads {
+                        h,
+                        hkv,
+                        dk: dh,
+                        dv: dh,
+                        window: None,
+                        scale: 0.4,
+                        sinks: Some(&sinks[..h]),
+                        temperature: None,
+                    };
+                    let mut want = vec![0.0; h * dh];
+                    attend(&q, cache.view(n), p, heads, &mut vec![0.0; h * dh], &mut want);
+                    let room = hi * (hkv / hi).max(1) * nb * block * dh;
+                    let mut s = BlockIndexScratch {
+                        sel: (0..hi).flat_map(|_| 0..nb as u32).collect(),
+                        keys: vec![0.0; room],
+                        values: vec![0.0; room],
+                        order_out: vec![0.0; h * dh],
+                        ..Default::default()
+                    };
+                    let mut got = vec![0.0; h * dh];
+                    ix.attend_selected(&q, p, cache.view(n), heads, &mut s, &mut got);
+                    assert_eq!(got, want, "{dtype} heads {h}/{hkv}, {hi} index heads, p {p}");
+                }
+            }
+        }
+    }
+
+    /// Each index head keeps the query's own block and the ones just before
+    /// it, then its best other blocks by the maximum of its dot products, in
+    /// ascending order.
+    #[test]
+    fn the_selection_keeps_the_local_blocks_and_the_best_others() {
+        let mut r = rnd(9);
+        let (hi, di, block, k, local, p) = (3, 6, 3, 5, 2, 40);
+        let nb = p / block + 1;
+        let spec = BlockIndexSpec { heads: hi, head_dim: di, block, top_blocks: k, local_blocks: local };
+        let rope = rope();
+        let ix = indexer(spec, &rope);
+        let keys: Vec<f32> = (0..(p + 1) * di).map(|_| r()).collect();
+        let mut cache = KvCache::new(DType::F32, p + 1, 1, di, 0, None);
+        cache.store(0, &keys, &[]);
+        let mut s = BlockIndexScratch {
+            q: (0..hi * di).map(|_| r()).collect(),
+            scores: vec![0.0; nb * hi],
+            col: vec![0.0; nb],
+            order: vec![0; nb],
+            sel: vec![0; hi * k],
+            ..Default::default()
+        };
+        ix.select(0, p, cache.view(p + 1), &mut s);
+        for i in 0..hi {
+            let score = |b: usize| {
+                (b * block..((b + 1) * block).min(p + 1))
+                    .map(|j| (0..di).map(|x| (s.q[i * di + x] * keys[j * di + x]) as f64).sum::<f64>())
+                    .fold(f64::NEG_INFINITY, f64::max)
+            };
+            let mut others: Vec<usize> = (0..nb - local).collect();
+            others.sort_by(|a, b| score(*b).total_cmp(&score(*a)));
+            let mut want: Vec<u32> = others[..k - local].iter().map(|&b| b as u32).collect();
+            want.extend((nb - local..nb).map(|b| b as u32));
+            want.sort_unstable();
+            assert_eq!(&s.sel[i * k..(i + 1) * k], &want[..], "index head {i}");
+        }
+    }
+
     /// The block scores are the maxima of the plain dot products over each
     /// block's keys up to the query, whatever the block width.
     #[test]
