@@ -215,6 +215,13 @@ def _attention(cfg: dict[str, Any]) -> str:
             f"x {indexer['head_dim']}, top {indexer['top_k']} keys"
         )
         text += f"; {shared} reuse the selection before them)" if shared else ")"
+    blocks = att.get("block_index")
+    if blocks and n_sparse:
+        text += (
+            f", block-sparse on {n_sparse} of {len(cfg['layers'])} layers (index {blocks['heads']} heads "
+            f"x {blocks['head_dim']}, top {blocks['top_blocks']} blocks of {blocks['block']} keys, "
+            f"{blocks['local_blocks']} local)"
+        )
     glob = cfg.get("global_attention")
     if glob:
         keys = ", values = keys" if glob.get("values_from_keys") else ""

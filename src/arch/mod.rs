@@ -21,6 +21,7 @@ mod granitemoe;
 mod kimi_k25;
 mod kimi_linear;
 mod minimax_m2;
+mod minimax_m3;
 mod mistral4;
 mod mixtral;
 mod olmoe;
@@ -184,6 +185,7 @@ pub static REGISTRY: &[&Arch] = &[
     &kimi_k25::ARCH,
     &deepseek_v32::ARCH,
     &glm_moe_dsa::ARCH,
+    &minimax_m3::ARCH,
 ];
 
 /// Comma-separated class names, for error messages and docs.

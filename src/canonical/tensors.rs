@@ -56,12 +56,16 @@ pub enum LayerTensor {
     WkB,
     /// MLA [H, Dv, R]: each head's value up-projection.
     WvB,
-    /// Indexer [Hi·Di, Rq]: the index queries from the query latent.
+    /// Indexer [Hi·Di, Rq]: the index queries from the query latent (DSA);
+    /// [Hi·Di, D] from the normed input (a block indexer).
     IdxWq,
     /// Indexer [Di, D]: the index key.
     IdxWk,
-    /// Indexer `[Di]`: scale of the index key's LayerNorm.
+    /// Indexer `[Di]`: scale of the index key's LayerNorm (DSA) or RMSNorm
+    /// (a block indexer).
     IdxKNorm,
+    /// Block indexer `[Di]`: scale of each index query head's RMSNorm.
+    IdxQNorm,
     /// Indexer `[Di]`: bias of the index key's LayerNorm.
     IdxKNormBias,
     /// Indexer [Hi, D]: the index heads' weights (kept f32, as transformers keeps it).
@@ -240,6 +244,7 @@ impl std::fmt::Display for TensorId {
                     L::IdxWq => "attn.indexer.wq",
                     L::IdxWk => "attn.indexer.wk",
                     L::IdxKNorm => "attn.indexer.k_norm",
+                    L::IdxQNorm => "attn.indexer.q_norm",
                     L::IdxKNormBias => "attn.indexer.k_norm.bias",
                     L::IdxWeights => "attn.indexer.weights",
                     L::RouterBias => "moe.router.bias",
@@ -454,6 +459,12 @@ pub fn tensor_plan(cfg: &ModelConfig) -> Vec<PlannedTensor> {
                         push(t(L::Wk), vec![kv, d], Role::Matrix);
                         if !shape.values_from_keys {
                             push(t(L::Wv), vec![kv, d], Role::Matrix);
+                        }
+                        if let (MixerSpec::Sparse { .. }, Some(b)) = (layer.mixer, cfg.attention.block_index) {
+                            push(t(L::IdxWq), vec![b.heads * b.head_dim, d], Role::Matrix);
+                            push(t(L::IdxWk), vec![b.head_dim, d], Role::Matrix);
+                            push(t(L::IdxQNorm), vec![b.head_dim], Role::Small);
+                            push(t(L::IdxKNorm), vec![b.head_dim], Role::Small);
                         }
                     }
                     Some(m) => {

@@ -39,7 +39,8 @@ fn prefill_then_decode_equals_one_full_forward() {
         .chain(DType::ALL.map(|dt| (dt, hybrid.clone())))
         .chain(DType::ALL.map(|dt| (dt, kda.clone())))
         .chain(DType::ALL.map(|dt| (dt, crate::synth::gemma4_config())))
-        .chain(DType::ALL.map(|dt| (dt, crate::synth::sparse_config())));
+        .chain(DType::ALL.map(|dt| (dt, crate::synth::sparse_config())))
+        .chain(DType::ALL.map(|dt| (dt, crate::synth::block_sparse_config())));
     for (dt, cfg) in cases {
         let (_d, e) = engine_with(&cfg, dt, 2);
         let toks = ids(29);
@@ -60,10 +61,11 @@ fn prefill_then_decode_equals_one_full_forward() {
 /// GQA with sliding-window layers and on MLA, f32 and f16 caches.
 #[test]
 fn truncating_and_feeding_again_equals_a_plain_prefill() {
-    for cfg in [config_for(DType::F32), crate::synth::frontier_config(), crate::synth::sparse_config()] {
+    let block_sparse = crate::synth::block_sparse_config();
+    for cfg in [config_for(DType::F32), crate::synth::frontier_config(), crate::synth::sparse_config(), block_sparse] {
         let (_d, e) = engine_with(&cfg, DType::F32, 2);
         let v = e.model().config.vocab_size;
-        let toks = ids(10);
+        let toks = ids(if cfg.attention.block_index.is_some() { 16 } else { 10 });
         let want = e.logits(&toks, &never).unwrap();
         let rejected: Vec<u32> = toks.iter().map(|&t| (t + 5) % v as u32).collect();
         for kv_dtype in [DType::F32, DType::F16] {
@@ -87,10 +89,10 @@ fn truncating_and_feeding_again_equals_a_plain_prefill() {
                 let mut s = Session::with_kv(e.model(), 16, DEFAULT_CHUNK, kv_dtype);
                 e.run(&mut s, &toks[..6], Capture::default(), &never).unwrap();
                 e.run(&mut s, first, Capture::default(), &never).unwrap();
-                assert_eq!(s.pos(), 10);
+                assert_eq!(s.pos(), toks.len());
                 s.truncate(6).unwrap();
                 assert_eq!(s.pos(), 6);
-                let mut got = vec![0.0; 4 * v];
+                let mut got = vec![0.0; (toks.len() - 6) * v];
                 let cap = Capture { logits: Some(&mut got), ..Capture::default() };
                 e.run(&mut s, &toks[6..], cap, &never).unwrap();
                 assert_eq!(got, want[6 * v..], "{kv_dtype} cache, fed {first:?} before the rollback");
@@ -115,6 +117,8 @@ fn chunked_prefill_equals_single_pass() {
         (crate::synth::gemma4_config(), DType::Q4_0),
         (crate::synth::sparse_config(), DType::F32),
         (crate::synth::sparse_config(), DType::Q8_0),
+        (crate::synth::block_sparse_config(), DType::F32),
+        (crate::synth::block_sparse_config(), DType::Q8_0),
     ];
     for (cfg, dt) in cases {
         let (_d, e) = engine_with(&cfg, dt, 2);
@@ -186,6 +190,7 @@ fn thread_count_does_not_change_a_single_bit() {
         (crate::synth::kda_hybrid_config(), DType::Q8_0),
         (crate::synth::gemma4_config(), DType::Q8_0),
         (crate::synth::sparse_config(), DType::F32),
+        (crate::synth::block_sparse_config(), DType::Q8_0),
     ];
     for (cfg, dt) in cases {
         let (_a, one) = engine_with(&cfg, dt, 1);
@@ -742,7 +747,8 @@ fn constrained_and_free_sequences_share_a_batch() {
 
 /// One random model per kind of layer state (full and sliding-window KV,
 /// MLA's latent, DSA's latent and index keys, Gated DeltaNet and KDA
-/// states, Gemma 4's shape), each with room for 400 positions.
+/// states, Gemma 4's shape, block-sparse GQA's keys, values and index
+/// keys), each with room for 400 positions.
 fn every_state_kind() -> Vec<crate::canonical::config::ModelConfig> {
     let mut configs = vec![
         config_for(DType::F32),
@@ -751,6 +757,7 @@ fn every_state_kind() -> Vec<crate::canonical::config::ModelConfig> {
         crate::synth::hybrid_config(),
         crate::synth::kda_hybrid_config(),
         crate::synth::gemma4_config(),
+        crate::synth::block_sparse_config(),
     ];
     configs.iter_mut().for_each(|c| c.max_seq_len = 400);
     configs

@@ -15,6 +15,7 @@
 //! a prompt is a few batched passes, decoding is a pass of one token.
 
 use super::blocks::attention::{Heads, attend};
+use super::blocks::block_index::{BlockIndexRefs, BlockIndexer};
 use super::blocks::delta::{Delta, DeltaRefs};
 use super::blocks::ffn::{MlpScratch, add_bias, gated_mlp, sigmoid};
 use super::blocks::gqa::Gqa;
@@ -430,21 +431,25 @@ fn attention(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n
     let temperature = c.attention.temperature;
     let (xn, cos, sin) = (&s.xn[..n * d], &cos[..n * half], &sin[..n * half]);
     match lw.qkv {
-        QkvRefs::Gqa { wq, wk, wv } => {
+        QkvRefs::Gqa { wq, wk, wv, index } => {
             let (qd, kvd) = (h * dh, shape.kv_heads * dh);
             let (q, k, v) = (&mut s.q[..n * qd], &mut s.k[..n * kvd], &mut s.v[..n * kvd]);
             let gate = &mut s.gate[..if lw.wg.is_some() { n * qd } else { 0 }];
             gqa(model, lw, wq, wk, wv, dh, rope).project(xn, &mut s.xq, cos, sin, q, k, v, gate); // q: [T, H·Dh], k, v: [T, Hkv·Dh]
             let heads = Heads { h, hkv: shape.kv_heads, dk: dh, dv: dh, window, scale, sinks, temperature };
-            let (q, k, v) = (&s.q, &s.k, &s.v);
-            let (att, order) = (&mut s.att[..n * ad], &mut s.att_order[..n * ad]);
-            each_segment(segs, 0, ad, att, order, &|r0, g, att, order| {
-                let (m, pos0) = (g.tokens.len(), g.seq.pos);
-                let r = r0..r0 + m;
-                let cache = g.seq.kv(l);
-                cache.store(pos0, &k[r.start * kvd..r.end * kvd], &v[r.start * kvd..r.end * kvd]);
-                attend(&q[r.start * qd..r.end * qd], cache.view(pos0 + m), pos0, heads, order, att); // [m, H·Dh]
-            });
+            if let Some(index) = index {
+                block_sparse_attention(model, l, index, heads, s, segs, n);
+            } else {
+                let (q, k, v) = (&s.q, &s.k, &s.v);
+                let (att, order) = (&mut s.att[..n * ad], &mut s.att_order[..n * ad]);
+                each_segment(segs, 0, ad, att, order, &|r0, g, att, order| {
+                    let (m, pos0) = (g.tokens.len(), g.seq.pos);
+                    let r = r0..r0 + m;
+                    let cache = g.seq.kv(l);
+                    cache.store(pos0, &k[r.start * kvd..r.end * kvd], &v[r.start * kvd..r.end * kvd]);
+                    attend(&q[r.start * qd..r.end * qd], cache.view(pos0 + m), pos0, heads, order, att); // [m, H·Dh]
+                });
+            }
             if lw.wg.is_some() {
                 // att · sigmoid(gate), before the output projection.
                 s.att[..n * ad].iter_mut().zip(&s.gate[..n * qd]).for_each(|(a, &g)| *a *= sigmoid(g));
@@ -536,6 +541,54 @@ fn sparse_attention(
         let (o_lat, order) = (&mut s.mla.o_lat[r0 * ow..(r0 + t) * ow], &mut s.att_order[..t * ow]);
         attend_rows(q_abs, cache.view(pos0 + t), pos0, heads, &mut s.index, r0, order, o_lat); // [t, H·R]
         r0 += t;
+    }
+}
+
+/// MiniMax Sparse Attention, after the GQA projections: the layer's block
+/// indexer appends its keys and each sequence's keys and values are stored;
+/// the rows that see no more than K blocks attend to the whole cache (one
+/// call), each other row selects K blocks per index head and attends to
+/// their rows only. A row's selection is one task parallel over its blocks,
+/// its attention one task per index head, so rows and sequences go one
+/// after another.
+fn block_sparse_attention(
+    model: &Model,
+    l: usize,
+    refs: BlockIndexRefs,
+    heads: Heads,
+    s: &mut Workspace,
+    segs: &mut [Segment],
+    n: usize,
+) {
+    let c = &model.config;
+    let spec = c.attention.block_index.expect("validated: a block-sparse layer has a block indexer");
+    let (d, half, di) = (c.hidden_size, model.rope.inv_freq.len(), spec.head_dim);
+    let ix = BlockIndexer::new(&refs, spec, c.norm.eps, &model.rope, |t| model.mat(t), |t| model.vec(t));
+    // Rows past the first K blocks select; queries are needed only then.
+    let span = spec.top_blocks * spec.block;
+    let selects = segs.iter().any(|g| g.seq.pos + g.tokens.len() > span);
+    let (xn, cos, sin) = (&s.xn[..n * d], &s.cos[..n * half], &s.sin[..n * half]);
+    ix.project(xn, selects, &mut s.xq, cos, sin, &mut s.block_index); // keys [T, Di]; queries [T, Hi·Di]
+    let (qd, kvd) = (heads.h * heads.dk, heads.hkv * heads.dk);
+    let mut r0 = 0;
+    for g in segs.iter_mut() {
+        let (m, pos0) = (g.tokens.len(), g.seq.pos);
+        let (cache, keys) = g.seq.kv_and_index_keys(l);
+        keys.store(pos0, s.block_index.keys(r0, r0 + m, di));
+        cache.store(pos0, &s.k[r0 * kvd..(r0 + m) * kvd], &s.v[r0 * kvd..(r0 + m) * kvd]);
+        let dense = m.min(span.saturating_sub(pos0));
+        let (q, att) = (&s.q[r0 * qd..(r0 + m) * qd], &mut s.att[r0 * qd..(r0 + m) * qd]);
+        if dense > 0 {
+            let order = &mut s.att_order[..dense * qd];
+            attend(&q[..dense * qd], cache.view(pos0 + m), pos0, heads, order, &mut att[..dense * qd]); // [dense, H·Dh]
+        }
+        for i in dense..m {
+            let p = pos0 + i;
+            ix.select(r0 + i, p, keys.view(p + 1), &mut s.block_index); // [Hi, K] blocks
+            let (qi, oi) = (&q[i * qd..(i + 1) * qd], &mut att[i * qd..(i + 1) * qd]);
+            ix.attend_selected(qi, p, cache.view(p + 1), heads, &mut s.block_index, oi); // [H·Dh]
+        }
+        r0 += m;
     }
 }
 
@@ -679,8 +732,7 @@ fn ffn_or_moe(model: &Model, l: usize, s: &mut Workspace, n: usize) -> Result<()
     let scratch = MlpScratch { g: &mut s.g, u: &mut s.u, hq: &mut s.hq };
     match lw.ffn {
         FfnRefs::Dense(m) => {
-            // Every supported family's dense layers are SiLU-gated.
-            gated_mlp(&mlp(model, m), Activation::Silu, &inp, scratch, proj);
+            gated_mlp(&mlp(model, m), model.config.dense_activation, &inp, scratch, proj);
             Ok(())
         }
         FfnRefs::Moe { shared, shared_gate, router_norm, branch_norms, .. } => {

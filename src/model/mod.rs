@@ -19,6 +19,7 @@ use crate::canonical::tensors::{LayerTensor as L, MtpTensor, TensorId};
 use crate::error::Result;
 use crate::format::reader::ColibriFile;
 use crate::kernels::Matrix;
+use blocks::block_index::BlockIndexRefs;
 use blocks::delta::DeltaRefs;
 use blocks::indexer::{IndexRefs, IndexerRefs};
 use store::telemetry::Telemetry;
@@ -86,6 +87,8 @@ pub enum QkvRefs {
         wk: TensorRef,
         /// [Hkv·Dh, D]; `None` when the values are the key projection.
         wv: Option<TensorRef>,
+        /// Block-sparse attention: the layer's block indexer.
+        index: Option<BlockIndexRefs>,
     },
     /// Multi-head latent attention.
     Mla {
@@ -269,9 +272,15 @@ impl Model {
             let attends = spec.mixer != MixerSpec::Linear;
             let qkv = match cfg.mla() {
                 _ if !attends => QkvRefs::Delta(DeltaRefs::load(cfg.linear.as_ref(), t)?),
-                None => {
-                    QkvRefs::Gqa { wq: t(L::Wq)?, wk: t(L::Wk)?, wv: opt(!cfg.head_shape(l).values_from_keys, L::Wv)? }
-                }
+                None => QkvRefs::Gqa {
+                    wq: t(L::Wq)?,
+                    wk: t(L::Wk)?,
+                    wv: opt(!cfg.head_shape(l).values_from_keys, L::Wv)?,
+                    index: match spec.mixer {
+                        MixerSpec::Sparse { .. } => Some(BlockIndexRefs::load(t)?),
+                        _ => None,
+                    },
+                },
                 Some(m) => QkvRefs::Mla {
                     q: match m.q_lora_rank {
                         None => MlaQuery::Direct(t(L::Wq)?),
