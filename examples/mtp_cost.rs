@@ -212,7 +212,7 @@ fn main() {
         for n in [1, 2, 3, 5, rows] {
             let t = Instant::now();
             pool.install(|| {
-                matmul(&m.mat(m.lm_head), &ws.xq.prepare(&head_in[..n * d], d), &mut head_out[..n * vocab])
+                matmul(&m.mat(m.head().1), &ws.xq.prepare(&head_in[..n * d], d), &mut head_out[..n * vocab])
             });
             let ms = ms_since(t);
             if keep {

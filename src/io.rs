@@ -220,6 +220,21 @@ pub(crate) fn read_full(f: &File, buf: &mut [u8], off: u64, need: usize) -> io::
     Ok(())
 }
 
+/// 64-bit FNV-1a: a small, dependency-free hash for identities and
+/// checksums (it detects corruption, it is not meant to resist tampering).
+pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
+    fnv1a_more(0xcbf2_9ce4_8422_2325, bytes)
+}
+
+/// Continues an FNV-1a hash `h` over more bytes.
+pub(crate) fn fnv1a_more(mut h: u64, bytes: &[u8]) -> u64 {
+    for &b in bytes {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -147,6 +147,31 @@ pub fn sparse_config() -> ModelConfig {
     c
 }
 
+/// MiniMax Sparse Attention over [`tiny_config_blocks`]: two block-sparse
+/// layers around a sliding one, a block indexer of 4 heads of 16 over the 2
+/// kv heads keeping 3 blocks of 4 keys (its own and the best 2 others),
+/// partial RoPE, the clamped SwiGLU in the dense layer and the experts, the
+/// routed scale after the experts; so the invariants (prefill = decode,
+/// chunks, threads, batching, rollback, stages) are tested past 12 keys,
+/// where queries drop blocks.
+pub fn block_sparse_config() -> ModelConfig {
+    let mut c = tiny_config_blocks();
+    c.rope.rotary_dim = 8;
+    c.attention.block_index = Some(BlockIndexSpec { heads: 4, head_dim: 16, block: 4, top_blocks: 3, local_blocks: 1 });
+    let act = Activation::ClampedSwiglu { alpha: 1.702, limit: 1.5 };
+    if let Some(m) = c.moe.as_mut() {
+        m.activation = act;
+        m.router.score = RouterScore::Sigmoid;
+        m.router.correction_bias = true;
+        m.router.scale = 1.7;
+        m.router.scale_output = true;
+    }
+    c.dense_activation = act;
+    c.layers[0].mixer = MixerSpec::Sparse { shared: false };
+    c.layers[2].mixer = MixerSpec::Sparse { shared: false };
+    c
+}
+
 /// A hybrid of linear-attention and gated full-attention layers in widths
 /// whole blocks fit (Qwen3-Next's switches): Gated DeltaNet layers with two
 /// value heads per key head and key and value heads of different widths,
@@ -212,7 +237,7 @@ pub fn mamba_hybrid_config() -> ModelConfig {
         v_head_dim: 8,
         conv_kernel: 4,
     });
-    c.mlp_activation = Activation::Relu2;
+    c.dense_activation = Activation::Relu2;
     if let Some(m) = c.moe.as_mut() {
         m.activation = Activation::Relu2;
         m.router = RouterSpec {
@@ -322,6 +347,7 @@ pub fn write_random_model(path: &Path, cfg: &ModelConfig, dtype: DType, seed: u6
         source: SourceInfo::default(),
         tensors,
         experts,
+        part: None,
     };
     let mut w = Writer::create(path, &meta).unwrap();
     let mut s = seed.wrapping_mul(2862933555777941757).wrapping_add(3037000493);

@@ -308,7 +308,7 @@ def test_mmap_flag_sets_where_the_weights_live():
         (["--ray", "--replicas", "0"], "--replicas must be at least 1"),
         (["--stages", "2"], "--stages needs --ray"),
         (["--ray", "--stages", "0"], "--stages must be at least 1"),
-        (["--ray", "--stages", "2", "--ram", "1GB"], "give no --ram"),
+        (["--ray", "--stages", "2", "--ram", "1GB"], "give no --ram, or serve a folder of stage files"),
         (["--ray", "--threads-per-replica", "0"], "--threads-per-replica must be at least 1"),
         (["--ray", "--autoscale", "4"], "MIN:MAX"),
         (["--ray", "--autoscale", "3:2"], "MIN <= MAX"),

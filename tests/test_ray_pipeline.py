@@ -67,6 +67,30 @@ def test_stages_equal_one_process(cluster, converted, case):
             assert seeded.finish_reason == "length"
 
 
+def test_a_folder_of_stage_files_runs_each_stage_where_its_file_is(cluster, converted, tmp_path):
+    path = converted("deepseek_v3")
+    local = single(path)
+    want_logits = local.logits(PROMPT)
+    want = list(local.generate(PROMPT, max_new_tokens=12, temperature=0))
+    files = colibri.split(path, 3, out=tmp_path, progress=False)
+    with PipelineEngine(tmp_path, timeout=60) as e:
+        assert e.pipeline.plan == [f["layers"] for f in files]
+        described = e.stages()
+        assert len({s["node"] for s in described}) == 3
+        assert [s["weight_bytes"] for s in described] == [f["bytes"] for f in files]
+        assert np.array_equal(e.logits(PROMPT), want_logits)
+        assert list(e.generate(PROMPT, max_new_tokens=12, temperature=0)) == want
+    # Each stage streaming its experts from its own file under a RAM budget.
+    budget = max(colibri.plan(f["path"])["min_budget"] for f in files)
+    with PipelineEngine(tmp_path, stages=3, ram_budget=budget, transport="actor", timeout=60) as e:
+        assert list(e.generate(PROMPT, max_new_tokens=12, temperature=0)) == want
+        assert e.store_stats()["misses"] > 0  # the experts were read into slots
+    with pytest.raises(colibri.StageError, match="found files of a split into \\[3\\] stages"):
+        PipelineEngine(tmp_path, stages=2, timeout=60)
+    with pytest.raises(colibri.ModelNotFoundError, match="no stage files in .*nowhere on any of the 3 node"):
+        PipelineEngine(tmp_path / "nowhere", timeout=60)
+
+
 def test_plain_actor_calls_and_streams_and_text(cluster):
     local = colibri.Engine.demo(threads=1)
     want = local.generate("The garden at night", max_new_tokens=10, temperature=0)
@@ -204,10 +228,11 @@ def test_a_plan_too_big_for_a_node_is_refused_with_the_sizes():
     assert "stage 1" not in why
 
 
-def test_serve_replicas_of_a_pipeline(cluster):
+def test_serve_replicas_of_a_pipeline(cluster, tmp_path):
     """deployment(stages=2) (``colibri serve --ray --stages 2``): a Serve
-    replica whose engine is a two-stage pipeline answers the openai client
-    with one process's text."""
+    replica whose engine is a two-stage pipeline over stage files, each
+    streaming its experts under a RAM budget (``--ram``), answers the openai
+    client with one process's text."""
     import openai
     from ray import serve
     from test_ray_serve import free_port
@@ -218,7 +243,10 @@ def test_serve_replicas_of_a_pipeline(cluster):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run(deployment("demo", replicas=1, stages=2), name="colibri", route_prefix="/")
+        files = colibri.split(colibri.Engine.demo().path, 2, out=tmp_path, progress=False)
+        budget = max(colibri.plan(f["path"])["min_budget"] for f in files)
+        app = deployment(str(tmp_path), replicas=1, stages=2, ram_budget=budget, model_name="demo")
+        serve.run(app, name="colibri", route_prefix="/")
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
         r = c.completions.create(model="demo", prompt="Emma was", max_tokens=10, temperature=0)
         assert r.choices[0].text == want.text

@@ -6,10 +6,12 @@ event while the other replica answers and Serve starts a new one."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 import openai
@@ -261,3 +263,69 @@ def test_autoscaling_adds_a_replica_when_requests_queue(url):
             stop.set()
         for c in clients:
             c.result(timeout=TIMEOUT)
+
+
+def test_a_cut_streams_error_event_is_an_error_to_both_sdks():
+    """The event the front ends a cut stream with: the openai and anthropic
+    clients each raise it as an API error, message intact (the kill above
+    exercises the openai one end to end)."""
+    import anthropic
+
+    from colibri.ray._serve import _error_event
+
+    def sdk_http(sdk: Any) -> Any:
+        base = sdk._base_client
+        return getattr(base, "httpx2", None) or base.httpx
+
+    def served(path: str, first: bytes, http: Any) -> Any:
+        # Each SDK takes a client of the HTTP package it is built on.
+        body = first + _error_event(path, "the replica serving this request died")
+
+        def handle(request: Any) -> Any:
+            return http.Response(200, headers={"content-type": "text/event-stream"}, content=body)
+
+        return http.Client(transport=http.MockTransport(handle))
+
+    start = {
+        "type": "message_start",
+        "message": {
+            "id": "m",
+            "type": "message",
+            "role": "assistant",
+            "model": "demo",
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": 1, "output_tokens": 0},
+        },
+    }
+    a = anthropic.Anthropic(
+        base_url="http://x",
+        api_key="none",
+        max_retries=0,
+        http_client=served(
+            "/v1/messages",
+            f"event: message_start\ndata: {json.dumps(start)}\n\n".encode(),
+            sdk_http(anthropic),
+        ),
+    )
+    with pytest.raises(anthropic.APIError, match="replica serving this request died"):
+        with a.messages.stream(model="demo", max_tokens=8, messages=[{"role": "user", "content": "hi"}]) as s:
+            for _ in s:
+                pass
+    chunk = {
+        "id": "c",
+        "object": "text_completion",
+        "created": 0,
+        "model": "demo",
+        "choices": [{"index": 0, "text": "a", "finish_reason": None, "logprobs": None}],
+    }
+    o = openai.OpenAI(
+        base_url="http://x/v1",
+        api_key="none",
+        max_retries=0,
+        http_client=served("/v1/completions", f"data: {json.dumps(chunk)}\n\n".encode(), sdk_http(openai)),
+    )
+    with pytest.raises(openai.APIError, match="replica serving this request died"):
+        for _ in o.completions.create(model="demo", prompt="hi", stream=True):
+            pass

@@ -14,7 +14,7 @@ from typing import Any
 from ._colibri import __version__, supported_architectures, supported_dtypes
 from ._colibri import kernel_tables as _kernel_tables
 from ._colibri import recipes as _recipes
-from ._convert import convert
+from ._convert import convert, split
 from ._engine import Engine, calibrate, plan
 from ._errors import (
     BusyError,
@@ -88,6 +88,7 @@ __all__ = [
     "__version__",
     "calibrate",
     "convert",
+    "split",
     "kernels",
     "plan",
     "recipes",

@@ -13,7 +13,9 @@ __all__ = [
     "parse_bytes",
     "plan_json",
     "recipes",
+    "split_model",
     "stage_bytes",
+    "stage_file_info",
     "stage_plan",
     "supported_architectures",
     "supported_dtypes",
@@ -111,11 +113,12 @@ class NativeStage:
         cls,
         path: str | PathLike[str],
         *,
-        start: int,
-        end: int,
+        start: int | None = None,
+        end: int | None = None,
         threads: int | None = None,
         kv_cache_dtype: str = "auto",
         weights: str = "auto",
+        ram_budget: int | None = None,
     ) -> NativeStage: ...
     @property
     def layers(self) -> tuple[int, int]: ...
@@ -180,3 +183,12 @@ def plan_json(path: str | PathLike[str], ram_budget: int | None = None) -> str: 
 def token_bytes(tokenizer_json: str, vocab: int) -> list[bytes]: ...
 def stage_plan(path: str | PathLike[str], shares: list[float]) -> list[tuple[int, int]]: ...
 def stage_bytes(path: str | PathLike[str]) -> tuple[list[int], int, int]: ...
+def stage_file_info(path: str | PathLike[str]) -> str | None: ...
+def split_model(
+    path: str | PathLike[str],
+    out: str | PathLike[str],
+    plan: list[tuple[int, int]],
+    *,
+    force: bool = False,
+    progress: bool = True,
+) -> list[tuple[str, int, int, int]]: ...

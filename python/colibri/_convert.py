@@ -12,6 +12,7 @@ import sys
 from typing import Any, Union
 
 from . import _colibri
+from ._errors import InvalidInputError
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -85,3 +86,68 @@ def convert(
 
 
 __all__ = ["convert"]
+
+
+def split(
+    model: PathLike,
+    stages: int,
+    *,
+    out: PathLike | None = None,
+    shares: list[float] | None = None,
+    force: bool = False,
+    progress: bool | None = None,
+    dry_run: bool = False,
+) -> list[dict[str, Any]]:
+    """Cuts a ``.colibri`` file into one stage file per pipeline stage, for
+    :class:`colibri.ray.Engine` on machines that cannot each hold the whole
+    model (on disk or in memory).
+
+    Each stage file holds a contiguous range of the decoder layers (the
+    first also the embedding, the last also the final norm and head) with
+    the whole model's config, tokenizer and chat template. Its bytes are the
+    whole file's, so a pipeline over stage files gives the same results as
+    one over the whole file. Copy each file to the machine that runs its
+    stage; every machine keeps them in the same folder.
+
+    Args:
+        model: a whole-model ``.colibri`` file.
+        stages: how many stage files to write.
+        out: the folder to write into, made if missing (default: the
+            model's own folder).
+            Files are named ``<model>.stage-<i>-of-<stages>.colibri``.
+        shares: relative sizes of the stages (say, each machine's memory in
+            GB), one per stage; the layers are split by weight bytes in
+            these proportions (default: equal).
+        force: replace stage files that exist (otherwise refused before
+            anything is written).
+        progress: draw a progress bar per file on stderr (default: when
+            stderr is a terminal).
+        dry_run: only compute the plan; write nothing.
+
+    Returns one dict per stage: ``path``, ``layers`` (start, end) and
+    ``bytes`` (the file's size; with ``dry_run``, the weights' bytes).
+    An interrupted split removes the file it was writing.
+    """
+    src = os.fspath(model)
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise InvalidInputError(f"stages must be a positive integer, got {stages!r}")
+    if shares is not None and len(shares) != stages:
+        raise InvalidInputError(f"shares: one per stage ({stages}), got {len(shares)}")
+    plan = _colibri.stage_plan(src, [float(s) for s in shares] if shares else [1.0] * stages)
+    folder = os.fspath(out) if out is not None else (os.path.dirname(os.path.abspath(src)))
+    if dry_run:
+        per_layer, embed, head = _colibri.stage_bytes(src)
+        n = len(per_layer)
+        stem = os.path.splitext(os.path.basename(src))[0]
+        return [
+            {
+                "path": os.path.join(folder, f"{stem}.stage-{i + 1}-of-{len(plan)}.colibri"),
+                "layers": (a, b),
+                "bytes": sum(per_layer[a:b]) + embed * (a == 0) + head * (b == n),
+            }
+            for i, (a, b) in enumerate(plan)
+        ]
+    if progress is None:
+        progress = sys.stderr.isatty()
+    written = _colibri.split_model(src, folder, plan, force=bool(force), progress=bool(progress))
+    return [{"path": os.fspath(p), "layers": (a, b), "bytes": n} for p, a, b, n in written]

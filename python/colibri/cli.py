@@ -25,8 +25,8 @@ from typing import Any, NoReturn
 
 from . import __version__, kernels
 from ._colibri import recipes as _recipe_table
-from ._colibri import supported_dtypes
-from ._convert import convert
+from ._colibri import stage_file_info, supported_dtypes
+from ._convert import convert, split
 from ._engine import Engine, plan
 from ._errors import ColibriError
 from ._sampling import SamplingParams
@@ -93,6 +93,47 @@ def _cmd_convert(args: argparse.Namespace) -> int:
                 f"{i['requantised']} requantised (scale not an f16 value)"
                 + (f"; in f32 (scale beyond f16): {', '.join(i['widened'])}" if i["widened"] else "")
             )
+    return 0
+
+
+def _cmd_split(args: argparse.Namespace) -> int:
+    shares = None
+    if args.shares:
+        try:
+            shares = [float(x) for x in args.shares.split(",")]
+        except ValueError:
+            raise _UsageError(f"--shares: give numbers separated by commas, got {args.shares!r}") from None
+    files = split(
+        args.model,
+        args.stages,
+        out=args.output,
+        shares=shares,
+        force=args.force,
+        progress=not args.quiet,
+        dry_run=args.dry_run,
+    )
+    if not args.quiet:
+        verb = "would write" if args.dry_run else "wrote"
+        for i, f in enumerate(files):
+            a, b = f["layers"]
+            print(f"{verb} stage {i + 1} of {len(files)}: layers {a}..{b}, {_human(f['bytes'])}  {f['path']}")
+    return 0
+
+
+def _stage_file_info(path: str, info: dict[str, Any], as_json: bool) -> int:
+    if as_json:
+        print(json.dumps({"stage_file": info}, indent=2))
+        return 0
+    a, b = info["layers"]
+    rows = [
+        ("file", f"{path} ({_human(info['bytes'])})"),
+        ("stage file", f"stage {info['stage'] + 1} of {info['stages']}: layers {a}..{b} of {info['of']}"),
+        ("cut from", f"a model file of {info['origin'].split('-')[0]} bytes (origin {info['origin']})"),
+        ("runs with", "colibri.ray.Engine(<folder of stage files>) or colibri serve <folder> --ray"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
     return 0
 
 
@@ -174,6 +215,13 @@ def _attention(cfg: dict[str, Any]) -> str:
             f"x {indexer['head_dim']}, top {indexer['top_k']} keys"
         )
         text += f"; {shared} reuse the selection before them)" if shared else ")"
+    blocks = att.get("block_index")
+    if blocks and n_sparse:
+        text += (
+            f", block-sparse on {n_sparse} of {len(cfg['layers'])} layers (index {blocks['heads']} heads "
+            f"x {blocks['head_dim']}, top {blocks['top_blocks']} blocks of {blocks['block']} keys, "
+            f"{blocks['local_blocks']} local)"
+        )
     glob = cfg.get("global_attention")
     if glob:
         keys = ", values = keys" if glob.get("values_from_keys") else ""
@@ -227,6 +275,8 @@ def _kernels_line() -> str:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
+    if os.path.isfile(args.model) and (part := stage_file_info(args.model)) is not None:
+        return _stage_file_info(args.model, json.loads(part), args.json)
     engine = Engine(args.model, threads=1)
     cfg = engine.config
     all_tensors = engine.tensors()
@@ -431,8 +481,12 @@ def _ray_scale(args: argparse.Namespace) -> tuple[int, int] | None:
         raise _UsageError(f"--threads-per-replica must be at least 1, got {args.threads_per_replica}")
     if args.stages is not None and args.stages < 1:
         raise _UsageError(f"--stages must be at least 1, got {args.stages}")
-    if args.stages is not None and args.ram is not None:
-        raise _UsageError("--stages keeps each stage's experts resident: give no --ram (add stages instead)")
+    whole = args.demo or (bool(args.args) and os.path.isfile(args.args[0]))
+    if args.stages is not None and args.ram is not None and whole:
+        raise _UsageError(
+            "stages of a whole model file keep their experts resident: give no --ram, or serve a folder "
+            "of stage files (colibri split)"
+        )
     if args.ray and args.threads is not None:
         raise _UsageError("with --ray, give --threads-per-replica instead of --threads")
     if args.autoscale is None:
@@ -766,6 +820,27 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--force", action="store_true", help="overwrite the output if it exists")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
     c.set_defaults(func=_cmd_convert)
+
+    spl = sub.add_parser(
+        "split",
+        help="cut a .colibri file into stage files for a pipeline across machines",
+        description="Cut a .colibri file into one file per pipeline stage, each holding a contiguous "
+        "range of layers (the first also the embedding, the last also the head), for "
+        "colibri.ray.Engine and `colibri serve --ray` on machines that cannot each hold the whole "
+        "model. Copy each file to the machine that runs its stage, in the same folder everywhere.",
+    )
+    spl.add_argument("model", help="a whole-model .colibri file")
+    spl.add_argument("--stages", type=int, required=True, help="how many stage files to write")
+    spl.add_argument(
+        "--shares",
+        metavar="A,B,...",
+        help="relative stage sizes, one per stage (e.g. each machine's memory in GB; default: equal)",
+    )
+    spl.add_argument("-o", "--output", metavar="DIR", help="folder to write into (default: the model's)")
+    spl.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
+    spl.add_argument("--force", action="store_true", help="replace stage files that exist")
+    spl.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
+    spl.set_defaults(func=_cmd_split)
 
     cal = sub.add_parser(
         "calibrate",

@@ -22,6 +22,7 @@ mod granitemoehybrid;
 mod kimi_k25;
 mod kimi_linear;
 mod minimax_m2;
+mod minimax_m3;
 mod mistral4;
 mod mixtral;
 mod nemotron_h;
@@ -188,6 +189,7 @@ pub static REGISTRY: &[&Arch] = &[
     &glm_moe_dsa::ARCH,
     &nemotron_h::ARCH,
     &granitemoehybrid::ARCH,
+    &minimax_m3::ARCH,
 ];
 
 /// Comma-separated class names, for error messages and docs.

@@ -242,7 +242,7 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
         linear: linear.transpose()?,
         layers,
         tie_embeddings: c.bool_or("tie_word_embeddings", false)?,
-        mlp_activation: Activation::Relu2,
+        dense_activation: Activation::Relu2,
         ..Default::default()
     })
 }

@@ -94,9 +94,10 @@ pub struct ModelConfig {
     /// by a learned scalar, `LayerScale` (Gemma 4's `layer_scalar`).
     #[serde(default, skip_serializing_if = "is_default")]
     pub layer_scale: bool,
-    /// The activation of the dense MLP layers (SiLU-gated for most models).
+    /// The activation of the dense layers' MLPs: SiLU for most families,
+    /// the experts' clamped SwiGLU for MiniMax-M3, relu² for Nemotron-H.
     #[serde(default, skip_serializing_if = "is_default")]
-    pub mlp_activation: Activation,
+    pub dense_activation: Activation,
 }
 
 /// A multi-token-prediction (MTP) layer: from the hidden state the model
@@ -324,6 +325,36 @@ pub struct AttentionSpec {
     /// position (Llama-4's attention temperature tuning, Mistral Small 4).
     #[serde(default, skip_serializing_if = "is_default")]
     pub temperature: Option<AttentionTemperature>,
+    /// The block indexer of MiniMax Sparse Attention, which the grouped-query
+    /// [`MixerSpec::Sparse`] layers use to pick the blocks of keys each query
+    /// attends to (MiniMax-M3); `None` elsewhere.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub block_index: Option<BlockIndexSpec>,
+}
+
+/// MiniMax Sparse Attention's block indexer (MiniMax-M3): per layer one
+/// index key of `head_dim` values per token (`rope(RMSNorm(Wk · x))`) and
+/// per query `heads` index heads (`rope(RMSNorm(Wq · x))`, each head normed
+/// apart; the rope is the model's, on the first R values). Index head i scores
+/// key j as `q_i · k_j`; a block of `block` keys scores the maximum over its
+/// keys the query sees; the query keeps its own block and the
+/// `local_blocks − 1` before it, and the best of the others up to
+/// `top_blocks` in all. Query head h attends only to the keys of the blocks
+/// index head `h / (H / heads)` kept (and, in its own block, to those up to
+/// its position).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockIndexSpec {
+    /// Hi: index heads (a divisor of H; each serves H / Hi query heads).
+    pub heads: usize,
+    /// Di: width of an index head and of the index key (at least R).
+    pub head_dim: usize,
+    /// B: keys per block; blocks start at multiples of B.
+    pub block: usize,
+    /// Blocks each query keeps (`index_topk_blocks`).
+    pub top_blocks: usize,
+    /// The query's own block and the ones just before it, kept whatever
+    /// their scores (`index_local_blocks`, at most `top_blocks`).
+    pub local_blocks: usize,
 }
 
 /// Llama-4's attention temperature: the query at position p is scaled by
@@ -465,6 +496,11 @@ pub struct RouterSpec {
     pub renormalize_floor: f32,
     /// Multiply the final weights by this (1.0 for most models).
     pub scale: f32,
+    /// The scale multiplies the routed experts' summed output instead of
+    /// each weight (MiniMax-M3, as transformers computes it; the same up to
+    /// rounding).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub scale_output: bool,
     /// The router projection carries a bias.
     #[serde(default, skip_serializing_if = "is_default")]
     pub bias: bool,
@@ -772,7 +808,7 @@ impl Default for ModelConfig {
             global_attention: None,
             post_norms: false,
             layer_scale: false,
-            mlp_activation: Activation::Silu,
+            dense_activation: Activation::Silu,
         }
     }
 }
@@ -812,6 +848,7 @@ impl Default for RouterSpec {
             renormalize: false,
             renormalize_floor: 0.0,
             scale: 1.0,
+            scale_output: false,
             bias: false,
             correction_bias: false,
             groups: None,
@@ -882,6 +919,13 @@ impl ModelConfig {
     /// multi-token-prediction layer).
     pub fn main_layers(&self) -> usize {
         self.layers.len() - usize::from(self.mtp.is_some())
+    }
+
+    /// True when a pipeline stage may begin at layer `l`: anywhere but at a
+    /// sparse layer that borrows the key selection of the layer before it
+    /// (that selection lives only for the pass).
+    pub fn stage_can_begin(&self, l: usize) -> bool {
+        !matches!(self.layers[l].mixer, MixerSpec::Sparse { shared: true })
     }
 
     /// The multi-token-prediction layer's index, when the file keeps one.
@@ -1075,6 +1119,30 @@ impl ModelConfig {
                 }
             }
         }
+        if let Some(b) = self.attention.block_index {
+            let (h, hkv) = (self.num_heads, self.num_kv_heads);
+            if [b.heads, b.head_dim, b.block, b.top_blocks].iter().any(|&x| x == 0 || x > SIZE_LIMIT)
+                || b.top_blocks.saturating_mul(b.block) > MAX_INDEX_TOP_K
+                || b.local_blocks > b.top_blocks
+            {
+                return bad(format!(
+                    "block indexer {b:?}: heads, head_dim, block and top_blocks must each be at least 1, \
+                     top_blocks · block at most {MAX_INDEX_TOP_K}, local_blocks at most top_blocks"
+                ));
+            }
+            if self.mla().is_some() || self.global_attention.is_some() {
+                return bad("the block indexer selects keys of grouped-query attention of one shape".into());
+            }
+            if !h.is_multiple_of(b.heads) || !(b.heads.is_multiple_of(hkv) || hkv.is_multiple_of(b.heads)) {
+                return bad(format!(
+                    "{} index heads must divide the {h} query heads and divide or be a multiple of the {hkv} kv heads",
+                    b.heads
+                ));
+            }
+            if b.head_dim < rd {
+                return bad(format!("index head_dim {} is narrower than the rotary_dim {rd} it rotates", b.head_dim));
+            }
+        }
         if let Some(s) = self.attention.softmax_scale
             && !(s.is_finite() && s > 0.0)
         {
@@ -1126,7 +1194,11 @@ impl ModelConfig {
             if l.mixer == MixerSpec::Linear && self.linear.is_none() {
                 return bad(format!("layer {i} is a linear-attention layer but the config has no linear spec"));
             }
-            if let MixerSpec::Sparse { shared } = l.mixer {
+            if let (MixerSpec::Sparse { shared }, Some(_)) = (l.mixer, self.attention.block_index) {
+                if shared {
+                    return bad(format!("layer {i}: a block-sparse layer has its own indexer, it cannot reuse one"));
+                }
+            } else if let MixerSpec::Sparse { shared } = l.mixer {
                 if self.mla().and_then(|m| m.indexer).is_none() {
                     return bad(format!("layer {i} is a sparse-attention layer but the config has no MLA indexer"));
                 }

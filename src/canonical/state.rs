@@ -68,6 +68,17 @@ pub enum LayerState {
         /// Indexer key values per position (the index head width).
         key_width: usize,
     },
+    /// Block-sparse grouped-query attention with its block indexer
+    /// (MiniMax-M3): the keys and values of every kv head and the index key,
+    /// all kept for every position (the indexer scores every earlier block).
+    BlockIndexed {
+        /// Hkv: kv heads.
+        heads: usize,
+        /// Dh: key (and value) values per head and position.
+        head_dim: usize,
+        /// Index key values per position (the index head width).
+        key_width: usize,
+    },
     /// Linear attention: a fixed float32 state whatever the sequence's
     /// length, the last `kernel − 1` inputs of the causal convolution and
     /// one `[Dk, Dv]` matrix per value head.
@@ -90,6 +101,7 @@ impl LayerState {
             LayerState::Kv { heads, k_width, v_width, .. } => heads * (k_width + v_width),
             LayerState::Latent { width, .. } => width,
             LayerState::Indexed { width, key_width } => width + key_width,
+            LayerState::BlockIndexed { heads, head_dim, key_width } => 2 * heads * head_dim + key_width,
             LayerState::Recurrent { .. } => 0,
         }
     }
@@ -100,7 +112,8 @@ impl LayerState {
         match *self {
             LayerState::Kv { rows: Rows::Full, .. }
             | LayerState::Latent { rows: Rows::Full, .. }
-            | LayerState::Indexed { .. } => self.values_per_row(),
+            | LayerState::Indexed { .. }
+            | LayerState::BlockIndexed { .. } => self.values_per_row(),
             _ => 0,
         }
     }
@@ -113,7 +126,10 @@ impl LayerState {
             LayerState::Kv { rows: Rows::Window(w), .. } | LayerState::Latent { rows: Rows::Window(w), .. } => {
                 window_rows(w, chunk) * self.values_per_row() * elem_bytes
             }
-            LayerState::Kv { .. } | LayerState::Latent { .. } | LayerState::Indexed { .. } => 0,
+            LayerState::Kv { .. }
+            | LayerState::Latent { .. }
+            | LayerState::Indexed { .. }
+            | LayerState::BlockIndexed { .. } => 0,
             LayerState::Recurrent { conv, matrix } => (conv + matrix) * RECURRENT_VALUE_BYTES,
         }
     }
@@ -160,6 +176,10 @@ impl ModelConfig {
                         LayerState::Kv { heads: shape.kv_heads, k_width: shape.head_dim, v_width: shape.head_dim, rows }
                     }
                 }
+            }
+            MixerSpec::Sparse { .. } if self.mla().is_none() => {
+                let b = self.attention.block_index.expect("validated: a GQA sparse layer has a block indexer");
+                LayerState::BlockIndexed { heads: self.num_kv_heads, head_dim: self.head_dim, key_width: b.head_dim }
             }
             MixerSpec::Sparse { shared } => {
                 let m = self.mla().expect("validated: a sparse layer is latent attention");
@@ -278,6 +298,33 @@ mod tests {
         assert_eq!(cfg.layer_state(1), LayerState::Latent { width: 36, rows: Rows::Full });
         // (36 + 10) + 36 + (36 + 10) values per token, 2 bytes each.
         assert_eq!(StateLayout::new(&cfg, 2, 512), StateLayout { bytes_per_token: 128 * 2, bytes_per_sequence: 0 });
+    }
+
+    /// Block-sparse attention: keys and values of every kv head plus the
+    /// index key per position and layer; full-attention layers beside them
+    /// keep keys and values only.
+    #[test]
+    fn block_sparse_layers_count_their_index_keys() {
+        use crate::canonical::config::BlockIndexSpec;
+        let mut ls = layers(&[None; 3]);
+        ls[1].mixer = MixerSpec::Sparse { shared: false };
+        let block_index = Some(BlockIndexSpec { heads: 2, head_dim: 10, block: 4, top_blocks: 3, local_blocks: 1 });
+        let cfg = ModelConfig {
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 8,
+            rope: crate::canonical::config::RopeSpec { rotary_dim: 4, ..ModelConfig::default().rope },
+            attention: AttentionSpec { block_index, ..Default::default() },
+            layers: ls,
+            ..Default::default()
+        };
+        cfg.validate().unwrap();
+        assert_eq!(cfg.layer_state(1), LayerState::BlockIndexed { heads: 2, head_dim: 8, key_width: 10 });
+        // 3 layers · 2 heads · (8 + 8), plus 10 index values on layer 1; 2 bytes each.
+        assert_eq!(
+            StateLayout::new(&cfg, 2, 512),
+            StateLayout { bytes_per_token: (3 * 32 + 10) * 2, bytes_per_sequence: 0 }
+        );
     }
 
     /// A hybrid model: attention layers grow per token, linear-attention

@@ -56,12 +56,16 @@ pub enum LayerTensor {
     WkB,
     /// MLA [H, Dv, R]: each head's value up-projection.
     WvB,
-    /// Indexer [Hi·Di, Rq]: the index queries from the query latent.
+    /// Indexer [Hi·Di, Rq]: the index queries from the query latent (DSA);
+    /// [Hi·Di, D] from the normed input (a block indexer).
     IdxWq,
     /// Indexer [Di, D]: the index key.
     IdxWk,
-    /// Indexer `[Di]`: scale of the index key's LayerNorm.
+    /// Indexer `[Di]`: scale of the index key's LayerNorm (DSA) or RMSNorm
+    /// (a block indexer).
     IdxKNorm,
+    /// Block indexer `[Di]`: scale of each index query head's RMSNorm.
+    IdxQNorm,
     /// Indexer `[Di]`: bias of the index key's LayerNorm.
     IdxKNormBias,
     /// Indexer [Hi, D]: the index heads' weights (kept f32, as transformers keeps it).
@@ -254,6 +258,7 @@ impl std::fmt::Display for TensorId {
                     L::IdxWq => "attn.indexer.wq",
                     L::IdxWk => "attn.indexer.wk",
                     L::IdxKNorm => "attn.indexer.k_norm",
+                    L::IdxQNorm => "attn.indexer.q_norm",
                     L::IdxKNormBias => "attn.indexer.k_norm.bias",
                     L::IdxWeights => "attn.indexer.weights",
                     L::RouterBias => "moe.router.bias",
@@ -483,6 +488,12 @@ pub fn tensor_plan(cfg: &ModelConfig) -> Vec<PlannedTensor> {
                         if !shape.values_from_keys {
                             push(t(L::Wv), vec![kv, d], Role::Matrix);
                         }
+                        if let (MixerSpec::Sparse { .. }, Some(b)) = (layer.mixer, cfg.attention.block_index) {
+                            push(t(L::IdxWq), vec![b.heads * b.head_dim, d], Role::Matrix);
+                            push(t(L::IdxWk), vec![b.head_dim, d], Role::Matrix);
+                            push(t(L::IdxQNorm), vec![b.head_dim], Role::Small);
+                            push(t(L::IdxKNorm), vec![b.head_dim], Role::Small);
+                        }
                     }
                     Some(m) => {
                         match m.q_lora_rank {
@@ -591,7 +602,7 @@ pub fn tensor_plan(cfg: &ModelConfig) -> Vec<PlannedTensor> {
             FfnSpec::None => {}
             FfnSpec::Dense { ffn_dim: f } => {
                 push(t(L::Gate), vec![f, d], Role::Matrix);
-                push(t(L::Up), vec![up_rows(cfg.mlp_activation, f), d], Role::Matrix);
+                push(t(L::Up), vec![up_rows(cfg.dense_activation, f), d], Role::Matrix);
                 push(t(L::Down), vec![d, f], Role::Matrix);
             }
             FfnSpec::Moe => {

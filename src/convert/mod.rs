@@ -18,6 +18,7 @@ mod mtp;
 pub mod recipe;
 mod recode;
 pub mod safetensors;
+pub mod split;
 
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
@@ -611,6 +612,7 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
         source,
         tensors,
         experts,
+        part: None,
     };
 
     // Write to a hidden temporary beside the output, then rename.

@@ -23,7 +23,7 @@ use std::io::Read;
 use std::path::Path;
 
 use super::{ConvertOptions, ConvertReport, Recipe, commit, coverage, load_imatrix, storage_dtype, write_staged};
-use crate::canonical::tensors::{TensorId, tensor_plan};
+use crate::canonical::tensors::TensorId;
 use crate::error::{Error, Result};
 use crate::format::FileMeta;
 use crate::format::reader::ColibriFile;
@@ -58,7 +58,7 @@ pub(super) fn recode(
 
     // The tensor plan fixes the order, roles and shapes; the reader has
     // already checked that the file holds exactly these tensors.
-    let plan = tensor_plan(&old.config);
+    let plan = old.plan();
     let mut sources = Vec::with_capacity(plan.len());
     let mut items = Vec::with_capacity(plan.len());
     for p in &plan {
@@ -95,6 +95,7 @@ pub(super) fn recode(
         source: old.source.clone(),
         tensors,
         experts,
+        part: old.part.clone(),
     };
 
     let source = |i: usize| {

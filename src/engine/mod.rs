@@ -76,8 +76,21 @@ impl Engine {
     pub fn open(path: &Path, opts: &EngineOptions) -> Result<Engine> {
         let pool = crate::threads::pool(opts.threads)?;
         let mut model = Model::open_with(path, &opts.store)?;
-        if let Some(layers) = &opts.stage {
-            model.set_stage(layers.clone())?;
+        match (&opts.stage, model.file().part()) {
+            (Some(layers), _) => model.set_stage(layers.clone())?,
+            (None, Some(p)) => {
+                return Err(crate::error::Error::InvalidInput(format!(
+                    "{} is a stage file (stage {} of {}, layers {}..{} of {}), not a whole model: run the \
+                     folder of stage files with colibri.ray.Engine, or open the whole model",
+                    path.display(),
+                    p.stage + 1,
+                    p.stages,
+                    p.layers[0],
+                    p.layers[1],
+                    model.config.main_layers()
+                )));
+            }
+            (None, None) => {}
         }
         let model = Arc::new(model);
         let kv_dtype = opts.kv_cache.resolve(&model);

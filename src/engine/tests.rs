@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::model::forward::{Capture, forward};
+use crate::model::store::StoreOptions;
 use crate::quant::DType;
 use crate::synth::{config_for, write_random_model};
 
@@ -39,7 +40,8 @@ fn prefill_then_decode_equals_one_full_forward() {
         .chain(DType::ALL.map(|dt| (dt, kda.clone())))
         .chain(DType::ALL.map(|dt| (dt, crate::synth::mamba_hybrid_config())))
         .chain(DType::ALL.map(|dt| (dt, crate::synth::gemma4_config())))
-        .chain(DType::ALL.map(|dt| (dt, crate::synth::sparse_config())));
+        .chain(DType::ALL.map(|dt| (dt, crate::synth::sparse_config())))
+        .chain(DType::ALL.map(|dt| (dt, crate::synth::block_sparse_config())));
     for (dt, cfg) in cases {
         let (_d, e) = engine_with(&cfg, dt, 2);
         let toks = ids(29);
@@ -60,10 +62,11 @@ fn prefill_then_decode_equals_one_full_forward() {
 /// GQA with sliding-window layers and on MLA, f32 and f16 caches.
 #[test]
 fn truncating_and_feeding_again_equals_a_plain_prefill() {
-    for cfg in [config_for(DType::F32), crate::synth::frontier_config(), crate::synth::sparse_config()] {
+    let block_sparse = crate::synth::block_sparse_config();
+    for cfg in [config_for(DType::F32), crate::synth::frontier_config(), crate::synth::sparse_config(), block_sparse] {
         let (_d, e) = engine_with(&cfg, DType::F32, 2);
         let v = e.model().config.vocab_size;
-        let toks = ids(10);
+        let toks = ids(if cfg.attention.block_index.is_some() { 16 } else { 10 });
         let want = e.logits(&toks, &never).unwrap();
         let rejected: Vec<u32> = toks.iter().map(|&t| (t + 5) % v as u32).collect();
         for kv_dtype in [DType::F32, DType::F16] {
@@ -87,10 +90,10 @@ fn truncating_and_feeding_again_equals_a_plain_prefill() {
                 let mut s = Session::with_kv(e.model(), 16, DEFAULT_CHUNK, kv_dtype);
                 e.run(&mut s, &toks[..6], Capture::default(), &never).unwrap();
                 e.run(&mut s, first, Capture::default(), &never).unwrap();
-                assert_eq!(s.pos(), 10);
+                assert_eq!(s.pos(), toks.len());
                 s.truncate(6).unwrap();
                 assert_eq!(s.pos(), 6);
-                let mut got = vec![0.0; 4 * v];
+                let mut got = vec![0.0; (toks.len() - 6) * v];
                 let cap = Capture { logits: Some(&mut got), ..Capture::default() };
                 e.run(&mut s, &toks[6..], cap, &never).unwrap();
                 assert_eq!(got, want[6 * v..], "{kv_dtype} cache, fed {first:?} before the rollback");
@@ -116,6 +119,8 @@ fn chunked_prefill_equals_single_pass() {
         (crate::synth::gemma4_config(), DType::Q4_0),
         (crate::synth::sparse_config(), DType::F32),
         (crate::synth::sparse_config(), DType::Q8_0),
+        (crate::synth::block_sparse_config(), DType::F32),
+        (crate::synth::block_sparse_config(), DType::Q8_0),
     ];
     for (cfg, dt) in cases {
         let (_d, e) = engine_with(&cfg, dt, 2);
@@ -188,6 +193,7 @@ fn thread_count_does_not_change_a_single_bit() {
         (crate::synth::mamba_hybrid_config(), DType::F32),
         (crate::synth::gemma4_config(), DType::Q8_0),
         (crate::synth::sparse_config(), DType::F32),
+        (crate::synth::block_sparse_config(), DType::Q8_0),
     ];
     for (cfg, dt) in cases {
         let (_a, one) = engine_with(&cfg, dt, 1);
@@ -259,7 +265,7 @@ fn hidden_states_end_with_the_final_norm_of_the_last_layer() {
     assert_eq!(h.len(), (l + 1) * toks.len() * d);
     // Row 0 is the embedding of each token.
     let mut row = vec![0.0; d];
-    e.model().mat(e.model().embed).decode_row(toks[2] as usize, &mut row);
+    e.model().mat(e.model().embedding()).decode_row(toks[2] as usize, &mut row);
     assert_eq!(&h[2 * d..3 * d], &row[..]);
     // The last slot has unit RMS up to the norm weights: not the raw residual.
     assert_ne!(&h[l * toks.len() * d..], &h[(l - 1) * toks.len() * d..l * toks.len() * d]);
@@ -745,7 +751,8 @@ fn constrained_and_free_sequences_share_a_batch() {
 
 /// One random model per kind of layer state (full and sliding-window KV,
 /// MLA's latent, DSA's latent and index keys, Gated DeltaNet, KDA and Mamba2
-/// states, Gemma 4's shape), each with room for 400 positions.
+/// states, Gemma 4's shape, block-sparse GQA's keys, values and index
+/// keys), each with room for 400 positions.
 fn every_state_kind() -> Vec<crate::canonical::config::ModelConfig> {
     let mut configs = vec![
         config_for(DType::F32),
@@ -755,6 +762,7 @@ fn every_state_kind() -> Vec<crate::canonical::config::ModelConfig> {
         crate::synth::kda_hybrid_config(),
         crate::synth::mamba_hybrid_config(),
         crate::synth::gemma4_config(),
+        crate::synth::block_sparse_config(),
     ];
     configs.iter_mut().for_each(|c| c.max_seq_len = 400);
     configs
@@ -969,11 +977,13 @@ fn mtp_rows_survive_rollbacks_for_every_state_kind() {
 /// A model split into pipeline stages gives the whole model's logits bit
 /// for bit, through a chunked prompt and token-by-token decoding, for every
 /// kind of layer state and every split into 2 and 3 stages the balancer
-/// makes; a stage refuses input of the wrong kind or width.
+/// makes, over the whole file and over stage files whose stages stream
+/// their experts; a stage refuses input of the wrong kind or width.
 #[test]
 fn pipeline_stages_equal_the_whole_model_for_every_state_kind() {
     use crate::model::session::Session;
     use crate::model::stage::{balance, can_start, layer_bytes};
+    let mut streamed = 0;
     for (case, cfg) in every_state_kind().into_iter().enumerate() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("m.colibri");
@@ -991,9 +1001,43 @@ fn pipeline_stages_equal_the_whole_model_for_every_state_kind() {
         }
         let (bytes, embed, head) = layer_bytes(whole.model().file());
         let starts = can_start(&cfg);
-        for k in [2, 3] {
+        for (k, files) in [(2, false), (3, false), (2, true), (3, true)] {
             let Ok(plan) = balance(&bytes, (embed, head), &starts, &vec![1.0; k]) else { continue };
-            let stages: Vec<Engine> = plan.iter().map(|r| open(Some(r.clone()))).collect();
+            let stages: Vec<Engine> = match files {
+                false => plan.iter().map(|r| open(Some(r.clone()))).collect(),
+                // Stage files, each stage streaming its experts through as
+                // few slots as it can run with.
+                true => {
+                    let out = dir.path().join(format!("split{k}"));
+                    std::fs::create_dir(&out).unwrap();
+                    let written = crate::convert::split::split(&p, &plan, &out, false, false, &never).unwrap();
+                    written
+                        .iter()
+                        .map(|f| {
+                            let plan = crate::model::store::plan_path(&f.path, None).unwrap();
+                            let (min, streams) = (plan.min_budget, plan.min_budget < plan.expert_bytes);
+                            let store = StoreOptions {
+                                ram_budget: (min > 0).then_some(min),
+                                heat_file: crate::model::store::HeatFile::Off,
+                                ..StoreOptions::default()
+                            };
+                            let e = Engine::open(
+                                &f.path,
+                                &EngineOptions {
+                                    threads: Some(2),
+                                    store,
+                                    stage: Some(f.layers.clone()),
+                                    ..Default::default()
+                                },
+                            )
+                            .unwrap();
+                            assert_eq!(e.model().streams_experts(), streams, "case {case}: {}", f.path.display());
+                            streamed += usize::from(streams);
+                            e
+                        })
+                        .collect()
+                }
+            };
             let mut sessions: Vec<Session> = stages.iter().map(|e| Session::new(e.model(), 64, 8)).collect();
             for (i, f) in feeds.iter().enumerate() {
                 let mut h: Option<Vec<f32>> = None;
@@ -1005,7 +1049,10 @@ fn pipeline_stages_equal_the_whole_model_for_every_state_kind() {
                         h = Some(out);
                     } else {
                         e.run_stage(s, f, h.as_deref(), Capture::default(), &never).unwrap();
-                        assert!(s.seq.logits == want[i], "case {case}, stages {plan:?}: feed {i} differs");
+                        assert!(
+                            s.seq.logits == want[i],
+                            "case {case}, stages {plan:?} (files: {files}): feed {i} differs"
+                        );
                     }
                 }
             }
@@ -1023,4 +1070,5 @@ fn pipeline_stages_equal_the_whole_model_for_every_state_kind() {
         assert!(first.run_stage(&mut s, &toks[..2], Some(&vec![0.0; 2 * d]), cap, &never).is_err());
         assert!(first.run(&mut s, &toks[..2], Capture::default(), &never).is_err(), "a first stage has no logits");
     }
+    assert!(streamed > 0, "no stage file streamed its experts");
 }

@@ -3,7 +3,7 @@
 //! ```text
 //! offset 0   magic      8 bytes  b"COLIBRI\0"
 //!        8   version    u32 LE   1
-//!       12   flags      u32 LE   0 (no flags are defined in v1; any set bit is refused)
+//!       12   flags      u32 LE   bit 0: a stage file ([`FLAG_PART`]); any other set bit is refused
 //!       16   meta_len   u64 LE   length of the JSON metadata
 //!       24   data_off   u64 LE   start of the tensor data, a multiple of 4096
 //!       32   metadata   meta_len bytes of UTF-8 JSON ([`FileMeta`])
@@ -28,6 +28,7 @@ mod tests;
 use serde::{Deserialize, Serialize};
 
 use crate::canonical::config::ModelConfig;
+use crate::canonical::tensors::{PlannedTensor, TensorId, tensor_plan};
 use crate::quant::DType;
 
 /// First eight bytes of every `.colibri` file.
@@ -40,6 +41,9 @@ pub const HEADER_LEN: usize = 32;
 pub const TENSOR_ALIGN: u64 = 64;
 /// Alignment of the data start and of every expert slab.
 pub const PAGE: u64 = 4096;
+/// Header flag: the file holds one pipeline stage of a model, not all of it
+/// ([`FileMeta::part`]). A reader that predates stage files refuses it.
+pub const FLAG_PART: u32 = 1;
 
 /// The JSON metadata block.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -62,6 +66,73 @@ pub struct FileMeta {
     pub tensors: Vec<TensorEntry>,
     /// One slab per routed expert.
     pub experts: Vec<ExpertSlab>,
+    /// Set in a stage file: which part of the whole model it holds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub part: Option<Part>,
+}
+
+impl FileMeta {
+    /// The tensors this file must hold, in the canonical order: the config's
+    /// whole plan, or a stage file's share of it.
+    pub fn plan(&self) -> Vec<PlannedTensor> {
+        let mut plan = tensor_plan(&self.config);
+        if let Some(part) = &self.part {
+            plan.retain(|p| part.holds(&p.id, &self.config));
+        }
+        plan
+    }
+}
+
+/// What a stage file (written by `convert::split`) holds of its model:
+/// the tensors of a contiguous range of decoder layers, the embedding when
+/// the range begins at layer 0 (or ends at the last with tied embeddings),
+/// the final norm and head when it ends at the last layer, and every expert
+/// slab of its layers. The config, tokenizer and source files are the whole
+/// model's.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Part {
+    /// Index of this stage in its split, from 0.
+    pub stage: usize,
+    /// Stages in the split.
+    pub stages: usize,
+    /// First and one-past-last decoder layer held.
+    pub layers: [usize; 2],
+    /// The whole file it was cut from, as `<length>-<FNV-1a of its header
+    /// and metadata, hex>`: stage files of one split share it.
+    pub origin: String,
+}
+
+impl Part {
+    /// The decoder layers held.
+    pub fn range(&self) -> std::ops::Range<usize> {
+        self.layers[0]..self.layers[1]
+    }
+
+    /// True when a stage file of `cfg` with this part holds tensor `id`.
+    pub fn holds(&self, id: &TensorId, cfg: &ModelConfig) -> bool {
+        let (first, last) = (self.layers[0] == 0, self.layers[1] == cfg.main_layers());
+        match id {
+            TensorId::Embed => first || (last && cfg.tie_embeddings),
+            TensorId::FinalNorm | TensorId::FinalNormBias | TensorId::LmHead | TensorId::LmHeadBias => last,
+            TensorId::Layer(l, _) | TensorId::Expert(l, _, _) => self.range().contains(l),
+            // The multi-token-prediction layer runs after the whole model; no stage runs it.
+            TensorId::Mtp(_) => false,
+        }
+    }
+
+    /// What is wrong with this part for a model of `cfg`, if anything.
+    pub fn check(&self, cfg: &ModelConfig) -> std::result::Result<(), String> {
+        let [a, b] = self.layers;
+        if self.stages == 0 || self.stage >= self.stages || a >= b || b > cfg.main_layers() {
+            return Err(format!(
+                "stage {} of {} holding layers {a}..{b} does not fit a model of {} layers",
+                self.stage,
+                self.stages,
+                cfg.main_layers()
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// Files of the source checkpoint embedded verbatim (when present), so one

@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
-use super::{FileMeta, HEADER_LEN, MAGIC, PAGE, TENSOR_ALIGN, VERSION};
-use crate::canonical::tensors::{Role, TensorId, tensor_plan};
+use super::{FLAG_PART, FileMeta, HEADER_LEN, MAGIC, PAGE, Part, TENSOR_ALIGN, VERSION};
+use crate::canonical::tensors::{Role, TensorId};
 use crate::error::{Error, Result};
 use crate::io::{HUGE_PAGE, read_full};
 use crate::quant::DType;
@@ -148,7 +148,7 @@ impl ColibriFile {
             )));
         }
         let flags = read_u32(b, 12);
-        if flags != 0 {
+        if flags & !FLAG_PART != 0 {
             return Err(bad(format!("unknown header flags {flags:#x}")));
         }
         let meta_len = read_u64(b, 16);
@@ -164,6 +164,11 @@ impl ColibriFile {
         let meta: FileMeta = serde_json::from_slice(&b[HEADER_LEN..meta_end as usize])
             .map_err(|e| bad(format!("metadata is not valid: {e}")))?;
         meta.config.validate().map_err(|e| bad(e.to_string()))?;
+        match (&meta.part, flags & FLAG_PART != 0) {
+            (Some(part), true) => part.check(&meta.config).map_err(&bad)?,
+            (None, false) => {}
+            _ => return Err(bad("the header's stage-file flag and the metadata disagree".into())),
+        }
         let data_len = len - data_off;
 
         // Every tensor: known size for its dtype and shape, aligned, inside the file.
@@ -210,7 +215,7 @@ impl ColibriFile {
         }
 
         // The tensor table matches what the config implies, name by name.
-        let plan = tensor_plan(&meta.config);
+        let plan = meta.plan();
         if plan.len() != meta.tensors.len() {
             return Err(bad(format!(
                 "the config implies {} tensors but the file lists {}",
@@ -291,6 +296,17 @@ impl ColibriFile {
     /// The validated metadata.
     pub fn meta(&self) -> &FileMeta {
         &self.meta
+    }
+
+    /// What part of its model a stage file holds; `None` for a whole model.
+    pub fn part(&self) -> Option<&Part> {
+        self.meta.part.as_ref()
+    }
+
+    /// True when this file holds decoder layer `l`'s weights (every layer
+    /// of a whole model, the multi-token-prediction one included).
+    pub fn holds_layer(&self, l: usize) -> bool {
+        self.meta.part.as_ref().is_none_or(|p| p.range().contains(&l))
     }
 
     /// Byte offset of the tensor data (a multiple of [`PAGE`]).

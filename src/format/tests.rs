@@ -105,7 +105,8 @@ fn rejects_bad_header_fields() {
         expect_format_error(&p, needle);
     };
     patch(8, &2u32.to_le_bytes(), "version 2");
-    patch(12, &1u32.to_le_bytes(), "flags");
+    patch(12, &2u32.to_le_bytes(), "unknown header flags");
+    patch(12, &1u32.to_le_bytes(), "stage-file flag and the metadata disagree");
     patch(16, &u64::MAX.to_le_bytes(), "metadata length");
     patch(24, &4095u64.to_le_bytes(), "data offset");
     patch(24, &(1u64 << 40).to_le_bytes(), "data offset");

@@ -8,7 +8,7 @@ use std::fs::File;
 use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
-use super::{ExpertSlab, FileMeta, HEADER_LEN, MAGIC, PAGE, TENSOR_ALIGN, TensorEntry, VERSION, align_up};
+use super::{ExpertSlab, FLAG_PART, FileMeta, HEADER_LEN, MAGIC, PAGE, TENSOR_ALIGN, TensorEntry, VERSION, align_up};
 use crate::error::{Error, Result};
 use crate::quant::DType;
 
@@ -86,7 +86,8 @@ impl Writer {
         let mut header = Vec::with_capacity(HEADER_LEN);
         header.extend_from_slice(&MAGIC);
         header.extend_from_slice(&VERSION.to_le_bytes());
-        header.extend_from_slice(&0u32.to_le_bytes());
+        let flags = if meta.part.is_some() { FLAG_PART } else { 0 };
+        header.extend_from_slice(&flags.to_le_bytes());
         header.extend_from_slice(&(json.len() as u64).to_le_bytes());
         header.extend_from_slice(&data_off.to_le_bytes());
         let io = |e| Error::io(path, e);

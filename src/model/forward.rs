@@ -15,6 +15,7 @@
 //! a prompt is a few batched passes, decoding is a pass of one token.
 
 use super::blocks::attention::{Heads, attend};
+use super::blocks::block_index::{BlockIndexRefs, BlockIndexer};
 use super::blocks::delta::{Delta, DeltaRefs};
 use super::blocks::ffn::{MlpScratch, add_bias, gated_mlp, sigmoid};
 use super::blocks::gqa::Gqa;
@@ -276,7 +277,7 @@ fn forward_chunk(
         model.telemetry.tokens.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
         return Ok(());
     }
-    norm(model, model.final_norm, &s.x[..n * d], &mut s.xn[..n * d]);
+    norm(model, model.head().0, &s.x[..n * d], &mut s.xn[..n * d]);
     snap(&mut cap.hidden, layers, &s.xn);
     lm_head(model, s, segs, n, off, cap);
     let mut r0 = 0;
@@ -299,7 +300,7 @@ fn forward_chunk(
 
 /// One decoder layer over the chunk's `n` rows of `x`, in place.
 fn layer(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n: usize) -> Result<()> {
-    let (c, lw) = (&model.config, &model.layers[l]);
+    let (c, lw) = (&model.config, model.layer(l));
     let d = c.hidden_size;
     norm(model, lw.attn_norm, &s.x[..n * d], &mut s.xn[..n * d]);
     attention(model, l, s, segs, n); // proj: [T, D]
@@ -359,7 +360,7 @@ fn rows<'a>(segs: &'a [Segment]) -> impl Iterator<Item = (usize, usize)> + 'a {
 /// `x[t] = embedding[token t] · s_emb`.
 fn embed(model: &Model, s: &mut Workspace, segs: &[Segment]) {
     let d = model.config.hidden_size;
-    let table = model.mat(model.embed);
+    let table = model.mat(model.embedding());
     let scale = model.config.scales.embedding;
     for (t, &tok) in segs.iter().flat_map(|g| g.tokens).enumerate() {
         let row = &mut s.x[t * d..(t + 1) * d];
@@ -416,7 +417,7 @@ fn residual(x: &mut [f32], y: &[f32], scale: f32) {
 /// attends over it.
 fn attention(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n: usize) {
     let c = &model.config;
-    let lw = &model.layers[l];
+    let lw = model.layer(l);
     // This layer's heads and RoPE (a global layer may have its own).
     let shape = c.head_shape(l);
     let (rope, cos, sin) = match (&model.global_rope, shape.global) {
@@ -432,21 +433,25 @@ fn attention(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n
     let temperature = c.attention.temperature;
     let (xn, cos, sin) = (&s.xn[..n * d], &cos[..n * half], &sin[..n * half]);
     match lw.qkv {
-        QkvRefs::Gqa { wq, wk, wv } => {
+        QkvRefs::Gqa { wq, wk, wv, index } => {
             let (qd, kvd) = (h * dh, shape.kv_heads * dh);
             let (q, k, v) = (&mut s.q[..n * qd], &mut s.k[..n * kvd], &mut s.v[..n * kvd]);
             let gate = &mut s.gate[..if lw.wg.is_some() { n * qd } else { 0 }];
             gqa(model, lw, wq, wk, wv, dh, rope).project(xn, &mut s.xq, cos, sin, q, k, v, gate); // q: [T, H·Dh], k, v: [T, Hkv·Dh]
             let heads = Heads { h, hkv: shape.kv_heads, dk: dh, dv: dh, window, scale, sinks, temperature };
-            let (q, k, v) = (&s.q, &s.k, &s.v);
-            let (att, order) = (&mut s.att[..n * ad], &mut s.att_order[..n * ad]);
-            each_segment(segs, 0, ad, att, order, &|r0, g, att, order| {
-                let (m, pos0) = (g.tokens.len(), g.seq.pos);
-                let r = r0..r0 + m;
-                let cache = g.seq.kv(l);
-                cache.store(pos0, &k[r.start * kvd..r.end * kvd], &v[r.start * kvd..r.end * kvd]);
-                attend(&q[r.start * qd..r.end * qd], cache.view(pos0 + m), pos0, heads, order, att); // [m, H·Dh]
-            });
+            if let Some(index) = index {
+                block_sparse_attention(model, l, index, heads, s, segs, n);
+            } else {
+                let (q, k, v) = (&s.q, &s.k, &s.v);
+                let (att, order) = (&mut s.att[..n * ad], &mut s.att_order[..n * ad]);
+                each_segment(segs, 0, ad, att, order, &|r0, g, att, order| {
+                    let (m, pos0) = (g.tokens.len(), g.seq.pos);
+                    let r = r0..r0 + m;
+                    let cache = g.seq.kv(l);
+                    cache.store(pos0, &k[r.start * kvd..r.end * kvd], &v[r.start * kvd..r.end * kvd]);
+                    attend(&q[r.start * qd..r.end * qd], cache.view(pos0 + m), pos0, heads, order, att); // [m, H·Dh]
+                });
+            }
             if lw.wg.is_some() {
                 // att · sigmoid(gate), before the output projection.
                 s.att[..n * ad].iter_mut().zip(&s.gate[..n * qd]).for_each(|(a, &g)| *a *= sigmoid(g));
@@ -541,6 +546,54 @@ fn sparse_attention(
     }
 }
 
+/// MiniMax Sparse Attention, after the GQA projections: the layer's block
+/// indexer appends its keys and each sequence's keys and values are stored;
+/// the rows that see no more than K blocks attend to the whole cache (one
+/// call), each other row selects K blocks per index head and attends to
+/// their rows only. A row's selection is one task parallel over its blocks,
+/// its attention one task per index head, so rows and sequences go one
+/// after another.
+fn block_sparse_attention(
+    model: &Model,
+    l: usize,
+    refs: BlockIndexRefs,
+    heads: Heads,
+    s: &mut Workspace,
+    segs: &mut [Segment],
+    n: usize,
+) {
+    let c = &model.config;
+    let spec = c.attention.block_index.expect("validated: a block-sparse layer has a block indexer");
+    let (d, half, di) = (c.hidden_size, model.rope.inv_freq.len(), spec.head_dim);
+    let ix = BlockIndexer::new(&refs, spec, c.norm.eps, &model.rope, |t| model.mat(t), |t| model.vec(t));
+    // Rows past the first K blocks select; queries are needed only then.
+    let span = spec.top_blocks * spec.block;
+    let selects = segs.iter().any(|g| g.seq.pos + g.tokens.len() > span);
+    let (xn, cos, sin) = (&s.xn[..n * d], &s.cos[..n * half], &s.sin[..n * half]);
+    ix.project(xn, selects, &mut s.xq, cos, sin, &mut s.block_index); // keys [T, Di]; queries [T, Hi·Di]
+    let (qd, kvd) = (heads.h * heads.dk, heads.hkv * heads.dk);
+    let mut r0 = 0;
+    for g in segs.iter_mut() {
+        let (m, pos0) = (g.tokens.len(), g.seq.pos);
+        let (cache, keys) = g.seq.kv_and_index_keys(l);
+        keys.store(pos0, s.block_index.keys(r0, r0 + m, di));
+        cache.store(pos0, &s.k[r0 * kvd..(r0 + m) * kvd], &s.v[r0 * kvd..(r0 + m) * kvd]);
+        let dense = m.min(span.saturating_sub(pos0));
+        let (q, att) = (&s.q[r0 * qd..(r0 + m) * qd], &mut s.att[r0 * qd..(r0 + m) * qd]);
+        if dense > 0 {
+            let order = &mut s.att_order[..dense * qd];
+            attend(&q[..dense * qd], cache.view(pos0 + m), pos0, heads, order, &mut att[..dense * qd]); // [dense, H·Dh]
+        }
+        for i in dense..m {
+            let p = pos0 + i;
+            ix.select(r0 + i, p, keys.view(p + 1), &mut s.block_index); // [Hi, K] blocks
+            let (qi, oi) = (&q[i * qd..(i + 1) * qd], &mut att[i * qd..(i + 1) * qd]);
+            ix.attend_selected(qi, p, cache.view(p + 1), heads, &mut s.block_index, oi); // [H·Dh]
+        }
+        r0 += m;
+    }
+}
+
 /// `proj = W_o · delta_rule(xn)`: a linear-attention layer over each
 /// sequence's recurrent state.
 fn linear_attention(model: &Model, l: usize, refs: DeltaRefs, s: &mut Workspace, segs: &mut [Segment], n: usize) {
@@ -562,7 +615,7 @@ fn linear_attention(model: &Model, l: usize, refs: DeltaRefs, s: &mut Workspace,
     each_segment(segs, 0, vd, out, by_head, &|r0, g, out, by_head| {
         block.rule(&rows, r0, g.seq.delta(l), by_head, out); // [m, Hv·Dv]
     });
-    let wo = model.mat(model.layers[l].wo);
+    let wo = model.mat(model.layer(l).wo);
     matmul(&wo, &s.xq.prepare(s.delta.out(n), vd), &mut s.proj[..n * d]); // [T, D]
 }
 
@@ -633,7 +686,7 @@ fn prefetch_next_layer(model: &Model, l: usize, s: &mut Workspace, n: usize) {
     if l + 1 >= model.config.main_layers() || !model.stage.runs(l + 1) {
         return; // the multi-token-prediction layer runs in a pass of its own; another stage's layers are not ours
     }
-    let next = &model.layers[l + 1];
+    let next = model.layer(l + 1);
     let Some(layer) = moe_layer(model, l + 1, next) else { return };
     let d = model.config.hidden_size;
     router_input(model, next, &s.x[..n * d], &mut s.moe.pred_x[..n * d]);
@@ -675,7 +728,7 @@ fn moe_layer<'a>(model: &'a Model, l: usize, lw: &LayerRefs) -> Option<MoeLayer<
 /// `proj = ffn(xn)`: the dense MLP, or the MoE block (router, routed
 /// experts, shared expert).
 fn ffn_or_moe(model: &Model, l: usize, s: &mut Workspace, n: usize) -> Result<()> {
-    let lw = &model.layers[l];
+    let lw = model.layer(l);
     let d = model.config.hidden_size;
     let proj = &mut s.proj[..n * d];
     let inp = s.xq.prepare(&s.xn[..n * d], d); // shared by router, experts, shared expert
@@ -683,7 +736,7 @@ fn ffn_or_moe(model: &Model, l: usize, s: &mut Workspace, n: usize) -> Result<()
     match lw.ffn {
         FfnRefs::None => Ok(()),
         FfnRefs::Dense(m) => {
-            gated_mlp(&mlp(model, m), model.config.mlp_activation, &inp, scratch, proj);
+            gated_mlp(&mlp(model, m), model.config.dense_activation, &inp, scratch, proj);
             Ok(())
         }
         FfnRefs::Moe { shared, shared_gate, router_norm, branch_norms, latent, .. } => {
@@ -741,7 +794,7 @@ fn ffn_or_moe(model: &Model, l: usize, s: &mut Workspace, n: usize) -> Result<()
 fn lm_head(model: &Model, s: &mut Workspace, segs: &mut [Segment], n: usize, off: usize, cap: &mut Capture) {
     let c = &model.config;
     let (d, vocab) = (c.hidden_size, c.vocab_size);
-    let head = model.mat(model.lm_head);
+    let head = model.mat(model.head().1);
     let bias_and_scale = |y: &mut [f32]| finish_logits(model, y);
     let xn = &s.xn[..n * d];
     if let Some(all) = cap.logits.as_deref_mut() {
@@ -878,7 +931,7 @@ fn mtp_head(model: &Model, s: &mut Workspace, t: usize, out: Option<&mut [f32]>)
         Some(o) => o,
         None => &mut s.head_y[..t * c.vocab_size],
     };
-    matmul(&model.mat(model.lm_head), &s.xq.prepare(&s.xn[..t * d], d), out); // [t, V]
+    matmul(&model.mat(model.head().1), &s.xq.prepare(&s.xn[..t * d], d), out); // [t, V]
     out.chunks_exact_mut(c.vocab_size).for_each(|y| finish_logits(model, y));
 }
 

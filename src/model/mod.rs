@@ -19,6 +19,7 @@ use crate::canonical::tensors::{LayerTensor as L, MtpTensor, TensorId};
 use crate::error::Result;
 use crate::format::reader::ColibriFile;
 use crate::kernels::Matrix;
+use blocks::block_index::BlockIndexRefs;
 use blocks::delta::DeltaRefs;
 use blocks::indexer::{IndexRefs, IndexerRefs};
 use store::telemetry::Telemetry;
@@ -91,6 +92,8 @@ pub enum QkvRefs {
         wk: TensorRef,
         /// [Hkv·Dh, D]; `None` when the values are the key projection.
         wv: Option<TensorRef>,
+        /// Block-sparse attention: the layer's block indexer.
+        index: Option<BlockIndexRefs>,
     },
     /// Multi-head latent attention.
     Mla {
@@ -170,16 +173,21 @@ pub struct Model {
     file: Arc<ColibriFile>,
     /// The canonical config.
     pub config: ModelConfig,
-    /// [V, D]
-    pub embed: TensorRef,
-    /// The final norm.
-    pub final_norm: NormRefs,
-    /// [V, D]; the embedding when tied.
-    pub lm_head: TensorRef,
+    /// [V, D] (`None` in a stage file that begins after layer 0 and does
+    /// not end with a tied head).
+    pub embed: Option<TensorRef>,
+    /// The final norm (`None` in a stage file that ends before the last layer).
+    pub final_norm: Option<NormRefs>,
+    /// [V, D]; the embedding when tied (`None` as the final norm).
+    pub lm_head: Option<TensorRef>,
     /// `[V]` lm_head bias.
     pub lm_head_bias: Option<TensorRef>,
-    /// One per decoder layer, the multi-token-prediction layer last.
+    /// One per decoder layer the file holds, from [`Model::first_layer`]
+    /// (every layer and the multi-token-prediction layer last, but in a
+    /// stage file); see [`Model::layer`].
     pub layers: Vec<LayerRefs>,
+    /// The first layer of [`Model::layers`]: 0 but in a stage file.
+    pub first_layer: usize,
     /// The multi-token-prediction layer's glue, when the file keeps one.
     pub mtp: Option<MtpRefs>,
     /// The layers this model runs: all of them, or one pipeline stage's.
@@ -241,7 +249,9 @@ impl Model {
         let r = |id: TensorId| tensor_ref(&file, id);
         let layer_norm = cfg.norm.kind == config::NormKind::Layer;
         let mut layers = Vec::with_capacity(cfg.layers.len());
-        for (l, spec) in cfg.layers.iter().enumerate() {
+        // A stage file holds its own layers only.
+        let first_layer = file.part().map_or(0, |p| p.layers[0]);
+        for (l, spec) in cfg.layers.iter().enumerate().filter(|(l, _)| file.holds_layer(*l)) {
             let t = |x| r(TensorId::Layer(l, x));
             let opt = |on: bool, x| if on { t(x).map(Some) } else { Ok(None) };
             let mlp = |g, u, d| -> Result<MlpRefs> { Ok(MlpRefs { gate: t(g)?, up: t(u)?, down: t(d)? }) };
@@ -272,9 +282,15 @@ impl Model {
             let attends = spec.mixer != MixerSpec::Linear;
             let qkv = match cfg.mla() {
                 _ if !attends => QkvRefs::Delta(DeltaRefs::load(cfg.linear.as_ref(), t)?),
-                None => {
-                    QkvRefs::Gqa { wq: t(L::Wq)?, wk: t(L::Wk)?, wv: opt(!cfg.head_shape(l).values_from_keys, L::Wv)? }
-                }
+                None => QkvRefs::Gqa {
+                    wq: t(L::Wq)?,
+                    wk: t(L::Wk)?,
+                    wv: opt(!cfg.head_shape(l).values_from_keys, L::Wv)?,
+                    index: match spec.mixer {
+                        MixerSpec::Sparse { .. } => Some(BlockIndexRefs::load(t)?),
+                        _ => None,
+                    },
+                },
                 Some(m) => QkvRefs::Mla {
                     q: match m.q_lora_rank {
                         None => MlaQuery::Direct(t(L::Wq)?),
@@ -319,6 +335,7 @@ impl Model {
             });
         }
         let mtp = match cfg.mtp {
+            _ if file.part().is_some() => None,
             None => None,
             Some(_) => Some(MtpRefs {
                 embed_norm: r(TensorId::Mtp(MtpTensor::EmbedNorm))?,
@@ -327,8 +344,15 @@ impl Model {
                 out_norm: r(TensorId::Mtp(MtpTensor::OutNorm))?,
             }),
         };
-        let embed = r(TensorId::Embed)?;
-        let lm_head = if cfg.tie_embeddings { embed } else { r(TensorId::LmHead)? };
+        // A stage file holds the embedding and the head only when its stage uses them.
+        let holds = |id: TensorId| file.part().is_none_or(|p| p.holds(&id, &cfg));
+        let embed = holds(TensorId::Embed).then(|| r(TensorId::Embed)).transpose()?;
+        let heads = holds(TensorId::FinalNorm);
+        let lm_head = match cfg.tie_embeddings {
+            _ if !heads => None,
+            true => embed,
+            false => Some(r(TensorId::LmHead)?),
+        };
         let rope = blocks::rope::Rope::new(&cfg.rope);
         let global_rope = cfg.global_attention.as_ref().map(|g| blocks::rope::Rope::new(&g.rope));
         let placed = store::place(&file, opts)?;
@@ -358,16 +382,23 @@ impl Model {
             heat: placed.heat,
             warnings: placed.warnings,
             telemetry: Telemetry::new(experts_per_layer),
-            final_norm: NormRefs {
-                w: r(TensorId::FinalNorm)?,
-                b: if layer_norm { Some(r(TensorId::FinalNormBias)?) } else { None },
+            final_norm: match heads {
+                true => Some(NormRefs {
+                    w: r(TensorId::FinalNorm)?,
+                    b: if layer_norm { Some(r(TensorId::FinalNormBias)?) } else { None },
+                }),
+                false => None,
             },
-            lm_head_bias: if cfg.lm_head_bias { Some(r(TensorId::LmHeadBias)?) } else { None },
+            lm_head_bias: if cfg.lm_head_bias && heads { Some(r(TensorId::LmHeadBias)?) } else { None },
             embed,
             lm_head,
             layers,
+            first_layer,
             mtp,
-            stage: stage::Stage::whole(&cfg),
+            stage: match file.part() {
+                Some(p) => stage::Stage::new(&cfg, p.range())?,
+                None => stage::Stage::whole(&cfg),
+            },
             rope,
             global_rope,
             config: cfg,
@@ -375,16 +406,52 @@ impl Model {
         })
     }
 
+    /// The weights of decoder layer `l`, which this model must hold (every
+    /// layer, but in a stage file; a stage runs only layers its file holds).
+    #[inline]
+    pub fn layer(&self, l: usize) -> &LayerRefs {
+        &self.layers[l - self.first_layer]
+    }
+
+    /// The embedding matrix `[V, D]`; only a stage that embeds asks, and its
+    /// file holds it.
+    pub fn embedding(&self) -> TensorRef {
+        self.embed.expect("a stage that embeds holds the embedding (checked at open)")
+    }
+
+    /// The final norm and output head; only a stage that computes logits
+    /// asks, and its file holds them.
+    pub fn head(&self) -> (NormRefs, TensorRef) {
+        match (self.final_norm, self.lm_head) {
+            (Some(n), Some(h)) => (n, h),
+            _ => unreachable!("a stage that computes logits holds the head (checked at open)"),
+        }
+    }
+
     /// Makes this model one pipeline stage running only `layers` of its
     /// forward pass (see [`stage::Stage::new`] for what is refused). Only
-    /// those layers' weights are ever read. A stage streams no experts: its
-    /// share of the model is meant to fit its machine.
+    /// those layers' weights are ever read. Only a stage file's stage may
+    /// stream its experts under a RAM budget.
     pub fn set_stage(&mut self, layers: std::ops::Range<usize>) -> Result<()> {
         let stage = stage::Stage::new(&self.config, layers)?;
-        if self.streams_experts() && !stage.is_whole() {
+        if let Some(p) = self.file.part()
+            && (stage.layers.start < p.layers[0] || stage.layers.end > p.layers[1])
+        {
+            return Err(crate::error::Error::InvalidInput(format!(
+                "stage layers {}..{}: {} is a stage file holding layers {}..{} only",
+                stage.layers.start,
+                stage.layers.end,
+                self.file.path().display(),
+                p.layers[0],
+                p.layers[1]
+            )));
+        }
+        // Streaming from the whole file would copy every layer's dense part
+        // and spread the budget's slots over experts this stage never runs.
+        if self.streams_experts() && !stage.is_whole() && self.file.part().is_none() {
             return Err(crate::error::Error::InvalidInput(
-                "a pipeline stage keeps its experts resident: open it without a RAM budget (more stages make \
-                 each one smaller)"
+                "a pipeline stage of a whole model file keeps its experts resident: open it without a RAM \
+                 budget, or cut the model into stage files (colibri split), whose stages can stream"
                     .into(),
             ));
         }

@@ -6,6 +6,7 @@ use crate::canonical::config::{FfnSpec, ModelConfig};
 use crate::canonical::state::{LayerState, ROLLBACK, Rows, window_rows};
 use crate::error::{Error, Result};
 use crate::model::Model;
+use crate::model::blocks::block_index::BlockIndexScratch;
 use crate::model::blocks::delta::{DeltaScratch, DeltaState};
 use crate::model::blocks::indexer::{IndexKeys, IndexerScratch};
 use crate::model::blocks::kv_cache::KvCache;
@@ -187,6 +188,15 @@ impl Sequence {
     pub fn index_keys(&mut self, l: usize) -> &mut IndexKeys {
         match &mut self.layers[l] {
             LayerCache::Indexed(_, keys) => keys,
+            _ => panic!("layer {l} has no indexer: it keeps no index keys"),
+        }
+    }
+
+    /// Layer `l`'s key/value cache and its indexer keys together (a
+    /// block-sparse layer reads both in one pass).
+    pub fn kv_and_index_keys(&mut self, l: usize) -> (&mut KvCache, &mut IndexKeys) {
+        match &mut self.layers[l] {
+            LayerCache::Indexed(cache, keys) => (cache, keys),
             _ => panic!("layer {l} has no indexer: it keeps no index keys"),
         }
     }
@@ -414,13 +424,20 @@ impl LayerCache {
     /// The empty state of `state`'s kind for up to `max_seq` positions fed
     /// at most `chunk` at a time.
     fn new(c: &ModelConfig, state: LayerState, kv_dtype: DType, max_seq: usize, chunk: usize) -> LayerCache {
-        if let LayerState::Indexed { width, key_width } = state {
-            let latent = KvCache::new(kv_dtype, max_seq, 1, width, 0, None);
-            return LayerCache::Indexed(latent, IndexKeys::new(kv_dtype, max_seq, key_width));
+        match state {
+            LayerState::Indexed { width, key_width } => {
+                let latent = KvCache::new(kv_dtype, max_seq, 1, width, 0, None);
+                return LayerCache::Indexed(latent, IndexKeys::new(kv_dtype, max_seq, key_width));
+            }
+            LayerState::BlockIndexed { heads, head_dim, key_width } => {
+                let kv = KvCache::new(kv_dtype, max_seq, heads, heads * head_dim, heads * head_dim, None);
+                return LayerCache::Indexed(kv, IndexKeys::new(kv_dtype, max_seq, key_width));
+            }
+            _ => {}
         }
         let window = match state {
             LayerState::Kv { rows, .. } | LayerState::Latent { rows, .. } => rows,
-            LayerState::Recurrent { .. } | LayerState::Indexed { .. } => Rows::Full,
+            LayerState::Recurrent { .. } | LayerState::Indexed { .. } | LayerState::BlockIndexed { .. } => Rows::Full,
         };
         match (cache_shape(state), window) {
             (Some((heads, k_width, v_width)), Rows::Full) => {
@@ -445,6 +462,7 @@ fn cache_shape(state: LayerState) -> Option<(usize, usize, usize)> {
     match state {
         LayerState::Kv { heads, k_width, v_width, .. } => Some((heads, heads * k_width, heads * v_width)),
         LayerState::Latent { width, .. } | LayerState::Indexed { width, .. } => Some((1, width, 0)),
+        LayerState::BlockIndexed { heads, head_dim, .. } => Some((heads, heads * head_dim, heads * head_dim)),
         LayerState::Recurrent { .. } => None,
     }
 }
@@ -478,6 +496,8 @@ pub struct Workspace {
     pub delta: DeltaScratch,
     /// The sparse layers' indexer buffers (empty without an indexer).
     pub index: IndexerScratch,
+    /// The block-sparse layers' indexer buffers (empty without a block indexer).
+    pub block_index: BlockIndexScratch,
     /// [C, H·Dh] attention output gates (empty without them).
     pub gate: Vec<f32>,
     /// [C, D] block output before the residual add.
@@ -564,6 +584,7 @@ impl Workspace {
             mla: MlaScratch::new(c, chunk, quantize),
             delta: DeltaScratch::new(c.linear.as_ref(), chunk),
             index: IndexerScratch::new(c, chunk),
+            block_index: BlockIndexScratch::new(c, chunk),
             gate: vec![0.0; if c.attention.output_gate { chunk * qd } else { 0 }],
             proj: vec![0.0; chunk * d],
             shared: vec![0.0; chunk * d],

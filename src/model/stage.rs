@@ -10,7 +10,7 @@
 
 use std::ops::Range;
 
-use crate::canonical::config::{MixerSpec, ModelConfig};
+use crate::canonical::config::ModelConfig;
 use crate::error::{Error, Result};
 
 /// Which part of the model a [`super::Model`] runs.
@@ -41,7 +41,7 @@ impl Stage {
                 layers.start, layers.end
             )));
         }
-        if matches!(c.layers[layers.start].mixer, MixerSpec::Sparse { shared: true }) {
+        if !c.stage_can_begin(layers.start) {
             return Err(Error::InvalidInput(format!(
                 "stage layers {}..{}: layer {} reuses the key selection of the layer before it, so a stage \
                  cannot begin there; move the boundary",
@@ -139,10 +139,9 @@ pub fn layer_bytes(file: &crate::format::reader::ColibriFile) -> (Vec<u64>, u64,
     (layers, embed, head)
 }
 
-/// Where a stage may begin in `c`: anywhere but at a sparse layer that
-/// borrows the key selection of the layer before it.
+/// Where a stage may begin in `c` ([`ModelConfig::stage_can_begin`]).
 pub fn can_start(c: &ModelConfig) -> Vec<bool> {
-    (0..c.main_layers()).map(|l| !matches!(c.layers[l].mixer, MixerSpec::Sparse { shared: true })).collect()
+    (0..c.main_layers()).map(|l| c.stage_can_begin(l)).collect()
 }
 
 #[cfg(test)]

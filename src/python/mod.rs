@@ -671,6 +671,8 @@ fn _colibri(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<stage::NativeStage>()?;
     m.add_function(wrap_pyfunction!(stage::stage_plan, m)?)?;
     m.add_function(wrap_pyfunction!(stage::stage_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(stage::stage_file_info, m)?)?;
+    m.add_function(wrap_pyfunction!(stage::split_model, m)?)?;
     m.add_function(wrap_pyfunction!(convert_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(supported_architectures, m)?)?;
     m.add_function(wrap_pyfunction!(supported_dtypes, m)?)?;

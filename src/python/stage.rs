@@ -17,6 +17,7 @@ use pyo3::types::PyByteArray;
 use super::{f32_bytes, generate_options, interrupted, routing_stats_json, to_ids, to_py};
 use crate::engine::{Engine, EngineOptions, Generation, SamplingParams};
 use crate::error::Error;
+use crate::format::reader::ColibriFile;
 use crate::model::forward::Capture;
 use crate::model::forward::Segment;
 use crate::model::session::{KvCacheType, Session, Workspace};
@@ -88,24 +89,47 @@ fn rows(b: Option<&[u8]>) -> PyResult<Option<Vec<f32>>> {
 #[pymethods]
 impl NativeStage {
     #[new]
-    #[pyo3(signature = (path, *, start, end, threads=None, kv_cache_dtype="auto", weights="auto"))]
+    #[pyo3(signature = (path, *, start=None, end=None, threads=None, kv_cache_dtype="auto", weights="auto",
+                        ram_budget=None))]
+    #[allow(clippy::too_many_arguments)] // Python keyword arguments
     fn new(
         py: Python<'_>,
         path: PathBuf,
-        start: usize,
-        end: usize,
+        start: Option<usize>,
+        end: Option<usize>,
         threads: Option<usize>,
         kv_cache_dtype: &str,
         weights: &str,
+        ram_budget: Option<u64>,
     ) -> PyResult<Self> {
         let kv_cache = KvCacheType::parse(kv_cache_dtype).ok_or_else(|| {
             to_py(Error::InvalidInput(format!(
                 "kv_cache_dtype must be \"auto\", \"f32\" or \"f16\", got {kv_cache_dtype:?}"
             )))
         })?;
-        let store = StoreOptions { backing: Backing::parse(weights).map_err(to_py)?, ..StoreOptions::default() };
-        let opts = EngineOptions { threads, store, kv_cache, stage: Some(start..end) };
-        let inner = py.detach(|| Engine::open(&path, &opts)).map_err(to_py)?;
+        let store =
+            StoreOptions { backing: Backing::parse(weights).map_err(to_py)?, ram_budget, ..StoreOptions::default() };
+        let inner = py
+            .detach(|| {
+                // A stage file's own layers unless told otherwise; a whole
+                // file needs both ends.
+                let held = ColibriFile::open(&path)?.part().map(|p| p.range());
+                let layers = match (start, end, held.clone()) {
+                    (Some(a), Some(b), _) => a..b,
+                    (None, None, Some(r)) => r,
+                    (a, b, held) => {
+                        let r = held.unwrap_or_default();
+                        a.unwrap_or(r.start)..b.unwrap_or(r.end)
+                    }
+                };
+                if layers.is_empty() && held.is_none() {
+                    return Err(Error::InvalidInput(
+                        "a stage of a whole model file needs its layers: give start and end".into(),
+                    ));
+                }
+                Engine::open(&path, &EngineOptions { threads, store, kv_cache, stage: Some(layers) })
+            })
+            .map_err(to_py)?;
         Ok(NativeStage { inner, held: Mutex::new(HashMap::new()), batch_ws: Mutex::new(None) })
     }
 
@@ -420,16 +444,52 @@ impl NativeStage {
 /// `shares` (one per stage), balanced by weight bytes: `[(start, end)]`.
 #[pyfunction]
 pub(super) fn stage_plan(path: PathBuf, shares: Vec<f64>) -> PyResult<Vec<(usize, usize)>> {
-    let file = crate::format::reader::ColibriFile::open(&path).map_err(to_py)?;
+    let file = ColibriFile::open(&path).map_err(to_py)?;
     let (bytes, embed, head) = stage::layer_bytes(&file);
     let plan = stage::balance(&bytes, (embed, head), &stage::can_start(&file.meta().config), &shares).map_err(to_py)?;
     Ok(plan.into_iter().map(|r| (r.start, r.end)).collect())
+}
+
+/// What part of its model the stage file `path` holds, as JSON (stage,
+/// stages, layers, origin, plus `of`: the model's layers, and `bytes`: the
+/// file's size), or `None` for a whole model file.
+#[pyfunction]
+pub(super) fn stage_file_info(py: Python<'_>, path: PathBuf) -> PyResult<Option<String>> {
+    py.detach(|| {
+        let file = ColibriFile::open(&path)?;
+        Ok(file.part().map(|p| {
+            serde_json::json!({
+                "stage": p.stage, "stages": p.stages, "layers": p.layers, "origin": p.origin,
+                "of": file.meta().config.main_layers(), "bytes": file.file_len(),
+            })
+            .to_string()
+        }))
+    })
+    .map_err(to_py)
+}
+
+/// Cuts the model file `path` into stage files in the folder `out`, one per
+/// `(start, end)` of `plan`; returns each file's `(path, start, end, bytes)`.
+#[pyfunction]
+#[pyo3(signature = (path, out, plan, *, force=false, progress=true))]
+pub(super) fn split_model(
+    py: Python<'_>,
+    path: PathBuf,
+    out: PathBuf,
+    plan: Vec<(usize, usize)>,
+    force: bool,
+    progress: bool,
+) -> PyResult<Vec<(PathBuf, usize, usize, u64)>> {
+    let plan: Vec<_> = plan.into_iter().map(|(a, b)| a..b).collect();
+    let files =
+        py.detach(|| crate::convert::split::split(&path, &plan, &out, force, progress, &interrupted)).map_err(to_py)?;
+    Ok(files.into_iter().map(|f| (f.path, f.layers.start, f.layers.end, f.bytes)).collect())
 }
 
 /// The weight bytes of `path`'s layers `(per layer, embedding, final norm
 /// and head)`, what a stage's share of the file is made of.
 #[pyfunction]
 pub(super) fn stage_bytes(path: PathBuf) -> PyResult<(Vec<u64>, u64, u64)> {
-    let file = crate::format::reader::ColibriFile::open(&path).map_err(to_py)?;
+    let file = ColibriFile::open(&path).map_err(to_py)?;
     Ok(stage::layer_bytes(&file))
 }

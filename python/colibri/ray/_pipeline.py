@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import json
 import logging
 import os
 import queue
@@ -31,7 +32,7 @@ from typing import Any
 
 from .. import _colibri
 from .._engine import Engine as _LocalEngine
-from .._engine import _demo_path
+from .._engine import _budget_bytes, _demo_path
 from .._errors import ContextLengthError, InvalidInputError, ModelNotFoundError, StageError
 
 #: A message waiting for the driver, and the future of its answer.
@@ -92,16 +93,107 @@ def too_small(stage_bytes: list[int], node_memory: list[float]) -> str | None:
     return "no stage plan fits the nodes: " + "; ".join(small) if small else None
 
 
+def _stage_files_here(folder: str) -> list[tuple[str, dict[str, Any] | None, str]]:
+    """The stage files in ``folder`` on this node: (path, what it holds,
+    why it could not be read)."""
+    out: list[tuple[str, dict[str, Any] | None, str]] = []
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return out
+    for name in names:
+        path = os.path.join(folder, name)
+        if not name.endswith(".colibri") or not os.path.isfile(path):
+            continue
+        try:
+            info = _colibri.stage_file_info(path)
+        except Exception as e:  # noqa: BLE001 - reported with the rest
+            out.append((path, None, str(e)))
+            continue
+        if info is not None:
+            out.append((path, json.loads(info), ""))
+    return out
+
+
+def choose_split(
+    found: dict[str, list[tuple[str, dict[str, Any] | None, str]]], folder: str, stages: int | None
+) -> tuple[list[str], list[str], list[dict[str, Any]]]:
+    """From the stage files each node holds (``found``: node id -> what
+    :func:`_stage_files_here` saw), the node and path of every stage of one
+    split, and its files' descriptions. Stages go to distinct nodes where
+    the files allow it. Raises :class:`StageError` saying what is missing
+    (:class:`ModelNotFoundError` when no node holds any stage file there)."""
+    splits: dict[tuple[str, int], dict[int, list[tuple[str, str, dict[str, Any]]]]] = {}
+    unreadable = []
+    for node, files in found.items():
+        for path, info, why in files:
+            if info is None:
+                unreadable.append(f"{path} on node {node[:12]}: {why}")
+                continue
+            key = (info["origin"], int(info["stages"]))
+            splits.setdefault(key, {}).setdefault(int(info["stage"]), []).append((node, path, info))
+    note = f" (unreadable: {'; '.join(unreadable)})" if unreadable else ""
+    keys = [k for k in splits if stages is None or k[1] == stages]
+    if not keys:
+        other = sorted({k[1] for k in splits})
+        have = f"; found files of a split into {other} stages" if other else ""
+        # Nothing at all there is a model not found; files of another split, a stage error.
+        error = StageError if splits or unreadable else ModelNotFoundError
+        raise error(
+            f"no stage files{'' if stages is None else f' of a {stages}-stage split'} in {folder} on any "
+            f"of the {len(found)} node(s){have}{note}: cut the model with `colibri split` and copy the files "
+            "there"
+        )
+    if len(keys) > 1:
+        raise StageError(
+            f"{folder} holds stage files of {len(keys)} different splits (of model files "
+            f"{sorted(k[0] for k in keys)}); keep one split there, or say stages="
+        )
+    by_stage = splits[keys[0]]
+    k = keys[0][1]
+    missing = [i for i in range(k) if i not in by_stage]
+    if missing:
+        raise StageError(
+            f"stage(s) {', '.join(str(i + 1) for i in missing)} of {k} are on no node: copy those stage "
+            f"files into {folder} on a node{note}"
+        )
+    # As many stages as possible on nodes of their own: a bipartite matching
+    # of stages to the nodes holding their files (augmenting paths); a stage
+    # left over shares the first node holding its file.
+    holder: dict[str, int] = {}
+
+    def claim(i: int, seen: set[str]) -> bool:
+        for node, _, _ in by_stage[i]:
+            if node not in seen:
+                seen.add(node)
+                if node not in holder or claim(holder[node], seen):
+                    holder[node] = i
+                    return True
+        return False
+
+    for i in range(k):
+        claim(i, set())
+    mine = {i: node for node, i in holder.items()}
+    nodes, paths = [], []
+    for i in range(k):
+        node, path, _ = next(c for c in by_stage[i] if c[0] == mine.get(i, by_stage[i][0][0]))
+        nodes.append(node)
+        paths.append(path)
+    return nodes, paths, [by_stage[i][0][2] for i in range(k)]
+
+
 class _StageBody:
     """What one stage actor runs (``ray.remote`` is applied when a pipeline
     starts, so importing this module needs no Ray)."""
 
-    def __init__(self, path: str, index: int, start: int, end: int, options: dict[str, Any]) -> None:
+    def __init__(
+        self, path: str, index: int, start: int | None, end: int | None, options: dict[str, Any]
+    ) -> None:
         ray = _ray()
-        self.index, self.layers = index, (start, end)
         self.node = ray.get_runtime_context().get_node_id()
         self.rss_before = _memory_of_process()
         self.native = _colibri.NativeStage(path, start=start, end=end, **options)
+        self.index, self.layers = index, tuple(self.native.layers)
         self.last = bool(self.native.is_last)
 
     def describe(self) -> dict[str, Any]:
@@ -182,33 +274,59 @@ class Pipeline:
         self,
         path: str,
         *,
-        stages: int,
+        stages: int | None,
         threads_per_stage: int | None,
         transport: str,
         shares: list[float] | None,
         kv_cache_dtype: str,
         weights: str,
+        ram_budget: int | None,
         timeout: float,
         address: str | None,
     ) -> None:
         ray = _ray()
         if transport not in ("compiled", "actor"):
             raise InvalidInputError(f'transport must be "compiled" or "actor", got {transport!r}')
-        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
             raise InvalidInputError(f"stages must be a positive integer, got {stages!r}")
         t = threads_per_stage
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
             raise InvalidInputError(f"threads_per_stage must be a positive integer, got {t!r}")
         if not timeout > 0:
             raise InvalidInputError(f"timeout must be positive seconds, got {timeout!r}")
-        if shares is not None and len(shares) != stages:
-            raise InvalidInputError(f"shares: one per stage ({stages}), got {len(shares)}")
-        if not os.path.isfile(path):
-            raise ModelNotFoundError(f"no model file at {path}")
-        self.path, self.stages, self.transport, self.timeout = path, stages, transport, float(timeout)
+        # A whole model file here, or else a folder of stage files that the
+        # nodes hold (this machine need not hold any of them).
+        self.split = not os.path.isfile(path)
+        if self.split:
+            if shares is not None:
+                raise InvalidInputError("shares: stage files were cut with their shares already; give none")
+            if os.path.exists(path) and not os.path.isdir(path):
+                raise ModelNotFoundError(f"{path} is neither a model file nor a folder of stage files")
+        else:
+            part = _colibri.stage_file_info(path)
+            if part is not None:
+                raise InvalidInputError(
+                    f"{path} is one stage file ({json.loads(part)['stages']} in the split): give the folder "
+                    "that holds the stage files"
+                )
+            if ram_budget is not None:
+                raise InvalidInputError(
+                    "stages of a whole model file keep their experts resident: cut the model into stage "
+                    "files (colibri split) for stages that stream their experts under a RAM budget"
+                )
+            stages = 2 if stages is None else stages
+            if shares is not None and len(shares) != stages:
+                raise InvalidInputError(f"shares: one per stage ({stages}), got {len(shares)}")
+            _colibri.stage_plan(path, [1.0] * stages)  # refuses a count the layers cannot make
+        self.path, self.stages, self.transport, self.timeout = path, stages or 0, transport, float(timeout)
         self.threads = threads_per_stage or 1
-        self._options = {"threads": self.threads, "kv_cache_dtype": kv_cache_dtype, "weights": weights}
-        _colibri.stage_plan(path, [1.0] * stages)  # refuses a count the layers cannot make
+        self._options: dict[str, Any] = {
+            "threads": self.threads,
+            "kv_cache_dtype": kv_cache_dtype,
+            "weights": weights,
+            "ram_budget": ram_budget,
+        }
+        self.files: list[str] = [path] * self.stages
         self._ids = itertools.count(1)
         self._queue: queue.Queue[_Queued | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -237,13 +355,14 @@ class Pipeline:
             raise
 
     def _start(self, ray: Any, shares: list[float] | None) -> None:
+        pins = self._find_stage_files(ray) if self.split else None
         cpus = ray.cluster_resources().get("CPU", 0)
         if cpus < self.stages * self.threads:
             raise StageError(
                 f"{self.stages} stages of {self.threads} CPU(s) need {self.stages * self.threads} CPUs; "
                 f"the Ray cluster has {cpus:g}"
             )
-        self._pg = self._place(ray)
+        self._pg = self._place(ray, pins)
         try:
             self.plan = self._plan(ray, shares)
             self._start_actors(ray)
@@ -255,20 +374,52 @@ class Pipeline:
 
     # -- placement -----------------------------------------------------
 
-    def _place(self, ray: Any) -> Any:
-        from ray.util.placement_group import placement_group
+    def _find_stage_files(self, ray: Any) -> list[str]:
+        """Asks every node which stage files it holds in the folder, picks
+        each stage's node, and returns them (one per stage)."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        probe = ray.remote(num_cpus=0)(_stage_files_here)
+        alive = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+        asks = [
+            probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(self.path)
+            for n in alive
+        ]
+        try:
+            found = dict(zip(alive, ray.get(asks, timeout=self.timeout)))
+        except Exception as e:
+            raise StageError(f"could not list the stage files in {self.path} on the nodes: {e}") from e
+        nodes, self.files, infos = choose_split(found, self.path, self.stages or None)
+        self.stages = len(nodes)
+        self._layers = [(int(i["layers"][0]), int(i["layers"][1])) for i in infos]
+        self._file_bytes = [int(i["bytes"]) for i in infos]
+        if len(set(nodes)) < len(nodes):
+            warnings.warn(
+                f"{len(nodes)} stages on {len(set(nodes))} node(s): the stage files allow no other placement",
+                RuntimeWarning,
+                stacklevel=6,
+            )
+        return nodes
+
+    def _place(self, ray: Any, pins: list[str] | None) -> Any:
+        from ray.util.placement_group import NODE_ID_LABEL_KEY, placement_group
 
         alive = [n for n in ray.nodes() if n.get("Alive")]
         # One stage per node where there are enough nodes; otherwise they
-        # share (one machine trying the pipeline out).
+        # share (one machine trying the pipeline out). Stage files pin each
+        # stage to a node holding its file.
         strategy = "STRICT_SPREAD" if len(alive) >= self.stages else "PACK"
-        if strategy == "PACK" and self.stages > 1:
+        if pins is not None:
+            strategy = "STRICT_SPREAD" if len(set(pins)) == len(pins) else "PACK"
+        elif strategy == "PACK" and self.stages > 1:
             warnings.warn(
                 f"{self.stages} stages on a cluster of {len(alive)} node(s): stages share nodes",
                 RuntimeWarning,
                 stacklevel=5,
             )
-        pg = placement_group([{"CPU": self.threads}] * self.stages, strategy=strategy)
+        selectors = None if pins is None else [{NODE_ID_LABEL_KEY: n} for n in pins]
+        bundles = [{"CPU": self.threads}] * self.stages
+        pg = placement_group(bundles, strategy=strategy, bundle_label_selector=selectors)
         try:
             ray.get(pg.ready(), timeout=self.timeout)
         except Exception as e:
@@ -286,6 +437,14 @@ class Pipeline:
         memory = {n["NodeID"]: float(n.get("Resources", {}).get("memory", 0.0)) for n in ray.nodes()}
         self.nodes = [nodes[i] for i in range(self.stages)]
         node_memory = [memory.get(n, 0.0) for n in self.nodes]
+        if self.split:
+            self.stage_bytes = self._file_bytes
+            # Under a RAM budget a stage holds its dense part and the budget,
+            # not its file: the budget is the user's word for what fits.
+            refusal = None if self._options["ram_budget"] else too_small(self.stage_bytes, node_memory)
+            if refusal:
+                raise StageError(refusal)
+            return self._layers
         if shares is None:
             shares = node_memory if all(m > 0 for m in node_memory) else [1.0] * self.stages
         plan = [tuple(r) for r in _colibri.stage_plan(self.path, [float(s) for s in shares])]
@@ -307,7 +466,9 @@ class Pipeline:
         for i, (a, b) in enumerate(self.plan):
             where = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i)
             opts = remote.options(num_cpus=self.threads, max_restarts=0, scheduling_strategy=where)
-            self.actors.append(opts.remote(self.path, i, a, b, self._options))
+            # A stage file runs the layers it holds.
+            layers = (None, None) if self.split else (a, b)
+            self.actors.append(opts.remote(self.files[i], i, *layers, self._options))
         try:
             self.described = ray.get([a.describe.remote() for a in self.actors], timeout=self.timeout)
         except Exception as e:
@@ -413,7 +574,6 @@ class Pipeline:
 
     def routing_stats_json(self, since: str | None, until: str | None) -> str:
         """Routing statistics: each layer's from the stage that runs it."""
-        import json
 
         ray = _ray()
         if until is None:
@@ -435,7 +595,6 @@ class Pipeline:
 
     def store_stats_json(self) -> str:
         """Expert-store statistics, the stages' counts added up."""
-        import json
 
         ray = _ray()
         stats = [json.loads(x) for x in ray.get([a.store_stats_json.remote() for a in self.actors])]
@@ -678,7 +837,6 @@ class _PipelineNative:
         options.pop("draft_tokens", None)
         if options.pop("prediction", None):
             raise InvalidInputError("prediction (drafts from an expected output) needs speculative decoding")
-        import json
 
         ctx = int(json.loads(self._meta)["config"]["max_seq_len"])
         if not ids:
@@ -699,7 +857,6 @@ class _PipelineNative:
         return self._kv[1]
 
     def batch_stats_json(self) -> str:
-        import json
 
         return json.dumps(self.pipe.batch_stats())
 
@@ -728,14 +885,25 @@ class Engine(_LocalEngine):
     local one, as ``ray.init()`` does.
 
     Args:
-        path: the ``.colibri`` file, at the same path on every node.
+        path: the ``.colibri`` file, at the same path on every node; or a
+            folder of stage files cut by :func:`colibri.split` (``colibri
+            split``), each node holding the files of the stages it may run
+            in that folder (this machine need hold none). Each stage then
+            runs on a node that has its file, on distinct nodes where the
+            files allow it.
         stages: how many stages (at most one per node when the cluster has
             that many nodes; they share nodes otherwise, with a warning).
+            Default: 2 for a model file; the split's count for stage files.
         threads_per_stage: CPUs each stage reserves and computes with.
         transport: ``"compiled"`` (a Ray Compiled Graph) or ``"actor"``
             (chained actor calls).
         shares: each stage's relative share of the weights; by default each
-            node's memory, as Ray reports it.
+            node's memory, as Ray reports it (model files only: stage files
+            were cut with theirs).
+        ram_budget: with stage files, RAM for each stage's routed experts
+            (bytes, or a size such as ``"8GB"``): a stage whose experts do
+            not fit streams them from its own disk, as
+            :class:`colibri.Engine` does.
         timeout: seconds any wait on a stage may take before it counts as
             failed.
     """
@@ -744,17 +912,18 @@ class Engine(_LocalEngine):
         self,
         path: str | os.PathLike[str],
         *,
-        stages: int = 2,
+        stages: int | None = None,
         threads_per_stage: int | None = None,
         transport: str = "compiled",
         shares: list[float] | None = None,
         kv_cache_dtype: str = "auto",
         mmap: bool | None = None,
+        ram_budget: int | str | None = None,
         timeout: float = 120.0,
         address: str | None = None,
     ) -> None:
         self._path = os.fspath(path)
-        self._ram_budget = None
+        self._ram_budget = _budget_bytes(ram_budget)
         weights = "auto" if mmap is None else "map" if mmap else "copy"
         self.pipeline = Pipeline(
             self._path,
@@ -764,6 +933,7 @@ class Engine(_LocalEngine):
             shares=shares,
             kv_cache_dtype=kv_cache_dtype,
             weights=weights,
+            ram_budget=self._ram_budget,
             timeout=timeout,
             address=address,
         )

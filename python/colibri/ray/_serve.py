@@ -226,7 +226,7 @@ def _open(model: str, options: Mapping[str, Any]) -> Any:
     if options.get("stages"):
         from ._pipeline import Engine as Pipeline
 
-        kept = {k: v for k, v in options.items() if k in ("kv_cache_dtype", "mmap")}
+        kept = {k: v for k, v in options.items() if k in ("kv_cache_dtype", "mmap", "ram_budget")}
         path = str(_demo_path()) if model == "demo" else model
         return Pipeline(path, stages=options["stages"], threads_per_stage=options.get("threads"), **kept)
     if model == "demo":
@@ -469,7 +469,8 @@ def deployment(
 ) -> Any:
     """The Serve application (a bound deployment, for ``serve.run``) of
     ``model`` (``"demo"``, a ``.colibri`` file, or a checkpoint folder,
-    converted here once; the path must be the same on every node) on
+    converted here once; the path must be the same on every node; with
+    ``stages``, also a folder of stage files from :func:`colibri.split`) on
     ``replicas`` replicas (default 1), or between ``autoscale = (MIN,
     MAX)`` of them scaled on the requests each has in flight and queued
     (``"MIN:MAX"`` works too). Each replica reserves ``threads_per_replica``
@@ -482,7 +483,9 @@ def deployment(
     require()
     _, serve = _import_ray()
     path = os.fspath(model)
-    if path != "demo" and os.path.isdir(path):
+    # A folder is a checkpoint, unless it is a pipeline's folder of stage files.
+    stage_files = bool(engine_options.get("stages")) and not os.path.isfile(os.path.join(path, "config.json"))
+    if path != "demo" and os.path.isdir(path) and not stage_files:
         # Converted here, once, not by every replica at the same time.
         from .._engine import Engine
 
@@ -502,8 +505,11 @@ def deployment(
     stages = engine_options.get("stages")
     if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
         raise ValueError(f"stages must be a positive integer, got {stages!r}")
-    if stages and engine_options.get("ram_budget") is not None:
-        raise ValueError("pipeline stages keep their experts resident: give no RAM budget with stages")
+    if stages and engine_options.get("ram_budget") is not None and (path == "demo" or os.path.isfile(path)):
+        raise ValueError(
+            "stages of a whole model file keep their experts resident: give no RAM budget, or a folder of "
+            "stage files (colibri.split)"
+        )
     options = {"mmap": True, **engine_options, "threads": threads_per_replica}
     max_batch = int(options.get("max_batch", 16))
     app_options = {

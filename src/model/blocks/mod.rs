@@ -3,6 +3,7 @@
 //! Hkv, Dh, E, K, F, V).
 
 pub mod attention;
+pub mod block_index;
 pub mod delta;
 pub mod ffn;
 pub mod gqa;

@@ -104,7 +104,7 @@ pub fn route(
         let s = w.iter().sum::<f32>().max(spec.renormalize_floor);
         w.iter_mut().for_each(|x| *x /= s);
     }
-    if spec.scale != 1.0 {
+    if spec.scale != 1.0 && !spec.scale_output {
         w.iter_mut().for_each(|x| *x *= spec.scale);
     }
 }
@@ -414,6 +414,9 @@ pub fn moe_forward(m: &MoeLayer, x: &Input, s: &mut MoeScratch, out: &mut [f32])
     let dq = dispatch(x, k, s); // gathered: [T·K, D] grouped by expert
     expert_waves(m, s, d, dq)?; // outs: [T·K, D]
     combine(&s.routes.weights[..n * k], &s.slot, &s.outs, k, d, &mut out[..n * d]); // [T, D]
+    if m.spec.scale_output && m.spec.scale != 1.0 {
+        out[..n * d].iter_mut().for_each(|x| *x *= m.spec.scale); // the summed output, not the weights
+    }
     Ok(())
 }
 

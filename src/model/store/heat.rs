@@ -27,22 +27,7 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 use crate::format::reader::ColibriFile;
-use crate::io::read_full;
-
-/// 64-bit FNV-1a: a small, dependency-free hash for identities and
-/// checksums (it detects corruption, it is not meant to resist tampering).
-pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
-    fnv1a_more(0xcbf2_9ce4_8422_2325, bytes)
-}
-
-/// Continues an FNV-1a hash `h` over more bytes.
-pub(crate) fn fnv1a_more(mut h: u64, bytes: &[u8]) -> u64 {
-    for &b in bytes {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
-}
+use crate::io::{fnv1a, fnv1a_more, read_full};
 
 const MAGIC: [u8; 8] = *b"COLHEAT\0";
 const VERSION: u32 = 1;

@@ -252,7 +252,7 @@ impl ResidentStore {
     pub fn new(file: Arc<ColibriFile>, cfg: &ModelConfig) -> Result<ResidentStore> {
         let mut refs = Vec::with_capacity(cfg.layers.len());
         for l in 0..cfg.layers.len() {
-            let n = cfg.experts_in_layer(l);
+            let n = if file.holds_layer(l) { cfg.experts_in_layer(l) } else { 0 };
             let mut layer = Vec::with_capacity(n);
             let biased = cfg.moe.as_ref().is_some_and(|m| m.expert_bias);
             for e in 0..n {
@@ -357,7 +357,7 @@ pub(crate) fn place(file: &Arc<ColibriFile>, opts: &StoreOptions) -> Result<Plac
     let identity = heat::ModelIdentity::read(&handle, file.data_offset()).map_err(|e| Error::io(file.path(), e))?;
     // Everything from here on reads through `handle`: it must be the file
     // that was mapped and validated, not one renamed over it since.
-    if identity.file_len != file.file_len() || identity.head_hash != heat::fnv1a(file.head_bytes()) {
+    if identity.file_len != file.file_len() || identity.head_hash != crate::io::fnv1a(file.head_bytes()) {
         return Err(Error::format(file.path(), "the file changed while it was being opened; try again"));
     }
     let heat_path = match &opts.heat_file {
@@ -380,7 +380,9 @@ pub(crate) fn place(file: &Arc<ColibriFile>, opts: &StoreOptions) -> Result<Plac
         // The hottest experts of EACH layer, an equal share of the pinned
         // capacity per MoE layer: every layer computes every token, so a
         // layer left with no pins (or too few unpinned slots) misses on each.
-        let moe: Vec<usize> = (0..cfg.layers.len()).filter(|&l| matches!(cfg.layers[l].ffn, FfnSpec::Moe)).collect();
+        let moe: Vec<usize> = (0..cfg.layers.len())
+            .filter(|&l| matches!(cfg.layers[l].ffn, FfnSpec::Moe) && file.holds_layer(l))
+            .collect();
         let per_layer = geo.pin_capacity(slots) / moe.len().max(1);
         for &l in &moe {
             let mut ranked: Vec<(u64, usize)> =

@@ -34,7 +34,8 @@ pub(crate) struct Geometry {
 impl Geometry {
     pub(crate) fn of(file: &ColibriFile) -> Geometry {
         let cfg = &file.meta().config;
-        let moe_layers = cfg.layers.iter().filter(|l| matches!(l.ffn, FfnSpec::Moe)).count();
+        let moe_layers =
+            (0..cfg.layers.len()).filter(|&l| matches!(cfg.layers[l].ffn, FfnSpec::Moe) && file.holds_layer(l)).count();
         let (experts_per_layer, top_k) = cfg.moe.as_ref().map_or((0, 0), |m| (m.num_experts, m.router.top_k));
         let slabs = &file.meta().experts;
         let slab_bytes = slabs.iter().map(|s| s.nbytes).max().unwrap_or(0);
@@ -209,7 +210,7 @@ pub fn plan(file: &ColibriFile, budget: Option<u64>, heat: Option<&Heat>) -> Res
     let mut bytes = 0.0;
     let heat = heat.filter(|h| h.layers == cfg.num_layers() && h.experts == g.experts_per_layer);
     for (l, spec) in cfg.layers.iter().enumerate() {
-        if !matches!(spec.ffn, FfnSpec::Moe) {
+        if !matches!(spec.ffn, FfnSpec::Moe) || !file.holds_layer(l) {
             continue;
         }
         let hit = match heat {

@@ -70,7 +70,7 @@ pub(crate) fn expert_locs(file: &ColibriFile) -> Result<Vec<Vec<ExpertLoc>>> {
     let bad = |m: String| Error::format(file.path(), m);
     let mut out = Vec::with_capacity(cfg.num_layers());
     for l in 0..cfg.num_layers() {
-        let n = cfg.experts_in_layer(l);
+        let n = if file.holds_layer(l) { cfg.experts_in_layer(l) } else { 0 };
         let mut layer = Vec::with_capacity(n);
         for e in 0..n {
             let (off, len) = file.expert_slab(l, e).ok_or_else(|| bad(format!("expert slab ({l}, {e}) is missing")))?;
