@@ -2,7 +2,7 @@
 //! config: the shape of each layer's state and the bytes it takes, split into
 //! the part that grows with every token and the part fixed per sequence.
 
-use crate::canonical::config::{MixerSpec, ModelConfig};
+use crate::canonical::config::{MixerSpec, ModelConfig, Pool};
 
 /// Which positions a KV layer keeps rows for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,6 +68,26 @@ pub enum LayerState {
         /// Indexer key values per position (the index head width).
         key_width: usize,
     },
+    /// DeepSeek-V4's pooled attention, four pieces, all float32: the
+    /// sliding window's `window` key/value rows of `width` values (fixed);
+    /// the pooler's unfinished block, `rate` rows of projected values and
+    /// gates, plus on light layers the previous block's overlap half
+    /// (fixed); the pooled entries, one of `width` values per `rate`
+    /// tokens; on light layers the indexer's own unfinished block, overlap
+    /// and pooled keys of `index_width` values.
+    Pooled {
+        /// Rows of the sliding window.
+        window: usize,
+        /// Dh: values per key/value row and per pooled entry.
+        width: usize,
+        /// Tokens per entry (0: a window-only layer, which pools nothing).
+        rate: usize,
+        /// Overlapping entries (a light layer): each block's projection is
+        /// two rows wide, and the previous block's half is kept.
+        overlap: bool,
+        /// Di: values per index key (0 without an indexer).
+        index_width: usize,
+    },
     /// Linear attention: a fixed float32 state whatever the sequence's
     /// length, the last `kernel − 1` inputs of the causal convolution and
     /// one `[Dk, Dv]` matrix per value head.
@@ -90,8 +110,41 @@ impl LayerState {
             LayerState::Kv { heads, k_width, v_width, .. } => heads * (k_width + v_width),
             LayerState::Latent { width, .. } => width,
             LayerState::Indexed { width, key_width } => width + key_width,
-            LayerState::Recurrent { .. } => 0,
+            LayerState::Recurrent { .. } | LayerState::Pooled { .. } => 0,
         }
+    }
+
+    /// Bytes each new position adds with `elem_bytes` per cached KV value
+    /// (a pooled layer's entries are float32 and come one per `rate`
+    /// tokens: their share per token, rounded up).
+    pub fn bytes_per_token(&self, elem_bytes: usize) -> usize {
+        match *self {
+            LayerState::Pooled { width, rate, index_width, .. } if rate > 0 => {
+                ((width + index_width) * RECURRENT_VALUE_BYTES).div_ceil(rate)
+            }
+            _ => self.values_per_token() * elem_bytes,
+        }
+    }
+
+    /// A pooled layer's pieces with their bytes per sequence (fixed) and
+    /// per token, for `colibri info` and the stats: the window, the
+    /// unfinished block (with the overlap), the entries, the index keys'
+    /// block and the index keys.
+    pub fn pooled_pieces(&self) -> Vec<(&'static str, usize, usize)> {
+        let LayerState::Pooled { window, width, rate, overlap, index_width } = *self else { return Vec::new() };
+        let b = RECURRENT_VALUE_BYTES;
+        let m = if overlap { 2 } else { 1 };
+        let mut out = vec![("window", window * width * b, 0)];
+        if rate > 0 {
+            let block = 2 * rate * m * width + if overlap { 2 * rate * width } else { 0 };
+            out.push(("pool_block", block * b, 0));
+            out.push(("pool_entries", 0, (width * b).div_ceil(rate)));
+        }
+        if index_width > 0 {
+            out.push(("index_block", (4 * rate * index_width + 2 * rate * index_width) * b, 0));
+            out.push(("index_keys", 0, (index_width * b).div_ceil(rate)));
+        }
+        out
     }
 
     /// Cached values each new position adds (0 for a sliding window's
@@ -115,6 +168,7 @@ impl LayerState {
             }
             LayerState::Kv { .. } | LayerState::Latent { .. } | LayerState::Indexed { .. } => 0,
             LayerState::Recurrent { conv, matrix } => (conv + matrix) * RECURRENT_VALUE_BYTES,
+            LayerState::Pooled { .. } => self.pooled_pieces().iter().map(|p| p.1).sum(),
         }
     }
 }
@@ -135,7 +189,7 @@ impl StateLayout {
     pub fn new(cfg: &ModelConfig, elem_bytes: usize, chunk: usize) -> StateLayout {
         let states = cfg.layer_states();
         StateLayout {
-            bytes_per_token: states.iter().map(|s| s.values_per_token()).sum::<usize>() * elem_bytes,
+            bytes_per_token: states.iter().map(|s| s.bytes_per_token(elem_bytes)).sum::<usize>(),
             bytes_per_sequence: states.iter().map(|s| s.bytes_per_sequence(elem_bytes, chunk)).sum::<usize>(),
         }
     }
@@ -167,6 +221,21 @@ impl ModelConfig {
                 match m.indexer {
                     Some(ix) if !shared => LayerState::Indexed { width, key_width: ix.head_dim },
                     _ => LayerState::Latent { width, rows: Rows::Full },
+                }
+            }
+            MixerSpec::Pooled { pool } => {
+                let p = self.pooled().expect("validated: a pooled layer has a pooled spec");
+                let (rate, index_width) = match pool {
+                    Pool::Window => (0, 0),
+                    Pool::Heavy => (p.heavy_rate, 0),
+                    Pool::Light => (p.light_rate, p.indexer.head_dim),
+                };
+                LayerState::Pooled {
+                    window: p.window,
+                    width: self.head_dim,
+                    rate,
+                    overlap: pool == Pool::Light,
+                    index_width,
                 }
             }
             MixerSpec::Linear => {

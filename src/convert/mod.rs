@@ -538,7 +538,7 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
     // Packed int4 becomes q4_0 (the same values where the scale is an f16),
     // or f32 for a tensor with a scale beyond f16's range.
     let own = |name: &str, t: &SrcTensor| match t.enc {
-        safetensors::Encoding::Plain(_) => plain_default,
+        safetensors::Encoding::Plain(_) | safetensors::Encoding::Int { .. } => plain_default,
         safetensors::Encoding::Fp8 { .. } => DType::Q8_0,
         safetensors::Encoding::Mxfp4 { .. } => DType::Mxfp4,
         safetensors::Encoding::PackedInt4 { .. } if int4_scales.get(name).is_some_and(|c| c.overflow > 0) => DType::F32,

@@ -78,6 +78,13 @@ pub enum Encoding {
         /// Their type (BF16 on the Hub; F16 and F32 are read too).
         scale_dtype: DType,
     },
+    /// Whole numbers (`I64` or `I32`, little-endian), read as f32: index
+    /// tables such as DeepSeek-V4's token → experts map. A value beyond
+    /// f32's exact integers (2^24) is an error.
+    Int {
+        /// Bytes per value (8 or 4).
+        bytes: usize,
+    },
 }
 
 /// What the scales of one int4 tensor allow ([`Checkpoint::int4_scales`]).
@@ -219,6 +226,11 @@ impl Checkpoint {
                 // a companion seen here has no tensor and is left to the
                 // converter's unused-tensor check.
                 "F32" | "BF16" | "F16" => self.plain(&name, raw.remove(&name).expect("present"))?,
+                "I64" | "I32" if !name.ends_with("_packed") && !name.ends_with("_shape") => {
+                    let t = raw.remove(&name).expect("present");
+                    let bytes = if t.dtype == "I64" { 8 } else { 4 };
+                    self.insert(&name, SrcTensor { enc: Encoding::Int { bytes }, shape: t.shape, at: t.at })?;
+                }
                 "F8_E4M3" => {
                     let Some(block) = fp8_block else {
                         return Err(bad(format!(
@@ -485,6 +497,23 @@ impl Checkpoint {
                 let sc = self.int4_scale_values(*scales, *scale_dtype, outer * groups, groups);
                 let codes = &bytes[outer * groups * 16..(outer + 1) * groups * 16];
                 dequant::dequant_int4(codes, &sc, &mut out);
+            }
+            Encoding::Int { bytes: w } => {
+                let vals = &bytes[outer * n * w..(outer + 1) * n * w];
+                for (o, c) in out.iter_mut().zip(vals.chunks_exact(*w)) {
+                    let v = if *w == 8 {
+                        i64::from_le_bytes(c.try_into().expect("8 bytes"))
+                    } else {
+                        i64::from(i32::from_le_bytes(c.try_into().expect("4 bytes")))
+                    };
+                    if v.unsigned_abs() > 1 << 24 {
+                        return Err(Error::checkpoint(
+                            self.file_of(t),
+                            format!("integer tensor {name}: value {v} is beyond what f32 holds exactly"),
+                        ));
+                    }
+                    *o = v as f32;
+                }
             }
             Encoding::Mxfp4 { scales } => {
                 let groups = n / 32;
