@@ -260,20 +260,23 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
     Ok(cfg)
 }
 
-/// transformers' name of a tensor, falling back to DeepSeek's own.
+/// A tensor under DeepSeek's name as transformers saves it (`ds` behind
+/// `model.`), as DeepSeek's own files hold it (`ds` at the root), or under
+/// transformers' module name `hf`.
 fn named(hf: &str, ds: String) -> Source {
-    Source::tensor(hf).or(Source::tensor(ds))
+    Source::tensor(format!("model.{ds}")).or(Source::tensor(ds).or(Source::tensor(hf)))
 }
 
 fn source(_: &HfConfig, cfg: &ModelConfig, id: TensorId) -> Source {
     let f = cfg.moe.as_ref().map_or(0, |m| m.expert_ffn_dim);
     match id {
-        TensorId::Embed => named("model.embed_tokens.weight", "embed.weight".into()),
-        TensorId::FinalNorm => named("model.norm.weight", "norm.weight".into()),
-        TensorId::LmHead => named("lm_head.weight", "head.weight".into()),
-        TensorId::HcHeadFn => named("model.hc_head.hc_fn", "hc_head_fn".into()),
-        TensorId::HcHeadBase => named("model.hc_head.hc_base", "hc_head_base".into()),
-        TensorId::HcHeadScale => named("model.hc_head.hc_scale", "hc_head_scale".into()),
+        // (transformers saves these few under their module names)
+        TensorId::Embed => Source::tensor("model.embed_tokens.weight").or(Source::tensor("embed.weight")),
+        TensorId::FinalNorm => Source::tensor("model.norm.weight").or(Source::tensor("norm.weight")),
+        TensorId::LmHead => Source::tensor("head.weight").or(Source::tensor("lm_head.weight")),
+        TensorId::HcHeadFn => Source::tensor("model.hc_head.hc_fn").or(Source::tensor("hc_head_fn")),
+        TensorId::HcHeadBase => Source::tensor("model.hc_head.hc_base").or(Source::tensor("hc_head_base")),
+        TensorId::HcHeadScale => Source::tensor("model.hc_head.hc_scale").or(Source::tensor("hc_head_scale")),
         TensorId::Layer(l, t) => {
             let (p, q) = (format!("model.layers.{l}"), format!("layers.{l}"));
             let a = |hf: &str, ds: &str| named(&format!("{p}.self_attn.{hf}"), format!("{q}.attn.{ds}"));
@@ -292,7 +295,8 @@ fn source(_: &HfConfig, cfg: &ModelConfig, id: TensorId) -> Source {
                 L::QANorm => a("q_a_norm.weight", "q_norm.weight"),
                 L::WqB => a("q_b_proj.weight", "wq_b.weight"),
                 L::Wkv => a("kv_proj.weight", "wkv.weight"),
-                L::KvNorm => a("kv_norm.weight", "kv_norm.weight"),
+                // (the Hub's `kv_norm`; transformers saves it as `norm`, undoing its `.norm.` rename)
+                L::KvNorm => Source::tensor(format!("{p}.attn.norm.weight")).or(a("kv_norm.weight", "kv_norm.weight")),
                 L::WoA => a("o_a_proj.weight", "wo_a.weight"),
                 L::Wo => a("o_b_proj.weight", "wo_b.weight"),
                 L::Sinks => a("sinks", "attn_sink"),
@@ -317,11 +321,14 @@ fn source(_: &HfConfig, cfg: &ModelConfig, id: TensorId) -> Source {
         }
         TensorId::Expert(l, e, t) => {
             let fused = |n: &str| Source::expert(format!("model.layers.{l}.mlp.experts.{n}"), e);
-            let own = |w: &str| Source::tensor(format!("layers.{l}.ffn.experts.{e}.{w}.weight"));
+            let own = |w: &str, alt: Source| {
+                let name = format!("layers.{l}.ffn.experts.{e}.{w}.weight");
+                Source::tensor(format!("model.{name}")).or(Source::tensor(name).or(alt))
+            };
             match t {
-                X::Gate => fused("gate_up_proj").rows(2 * f, 0, f).or(own("w1")),
-                X::Up => fused("gate_up_proj").rows(2 * f, f, f).or(own("w3")),
-                X::Down => fused("down_proj").or(own("w2")),
+                X::Gate => own("w1", fused("gate_up_proj").rows(2 * f, 0, f)),
+                X::Up => own("w3", fused("gate_up_proj").rows(2 * f, f, f)),
+                X::Down => own("w2", fused("down_proj")),
                 other => Source::tensor(format!("<{other:?} of expert {e} has no DeepSeek-V4 name>")),
             }
         }

@@ -60,10 +60,13 @@ pub enum Encoding {
     Plain(DType),
     /// E4M3 codes times a float32 scale per `[b0, b1]` block.
     Fp8 {
-        /// The `_scale_inv` tensor's bytes: `[ceil(rows/b0), ceil(cols/b1)]` f32.
+        /// The `_scale_inv` tensor's bytes: `[ceil(rows/b0), ceil(cols/b1)]` f32
+        /// (or one E8M0 exponent byte each, `ue8m0`).
         scales: Span,
         /// Block size (rows, cols).
         block: [usize; 2],
+        /// The scales are E8M0 bytes (`2^(b − 127)`, DeepSeek-V4's `scale_fmt: ue8m0`).
+        ue8m0: bool,
     },
     /// E2M1 pairs with one E8M0 exponent per 32 values.
     Mxfp4 {
@@ -110,6 +113,23 @@ pub struct Checkpoint {
     dir: PathBuf,
     files: Vec<(PathBuf, Mmap)>,
     tensors: BTreeMap<String, SrcTensor>,
+}
+
+/// An E8M0 exponent byte as the f32 `2^(b − 127)` (255 is NaN).
+fn e8m0(b: u8) -> f32 {
+    match b {
+        0 => f32::from_bits(0x0040_0000), // 2^-127, a subnormal
+        255 => f32::NAN,
+        _ => f32::from_bits(u32::from(b) << 23),
+    }
+}
+
+/// The scale tensor beside the quantised tensor `name` (`X.weight`):
+/// `X.weight_scale_inv` (transformers) or `X.scale` (DeepSeek's own files),
+/// taken out of `raw`.
+fn take_scale(raw: &mut BTreeMap<String, RawTensor>, name: &str) -> Option<(String, RawTensor)> {
+    let own = name.strip_suffix(".weight").map(|b| format!("{b}.scale"));
+    [Some(format!("{name}_scale_inv")), own].into_iter().flatten().find_map(|n| raw.remove(&n).map(|t| (n, t)))
 }
 
 fn st_dtype(s: &str) -> Option<DType> {
@@ -238,21 +258,51 @@ impl Checkpoint {
                         )));
                     };
                     let t = raw.remove(&name).expect("present");
-                    let sname = format!("{name}_scale_inv");
-                    let s = raw.remove(&sname).ok_or_else(|| bad(format!("FP8 tensor {name} has no {sname}")))?;
+                    let (sname, s) = take_scale(&mut raw, &name)
+                        .ok_or_else(|| bad(format!("FP8 tensor {name} has no {name}_scale_inv")))?;
                     let [rows, cols] = t.shape[..] else {
                         return Err(bad(format!("FP8 tensor {name} has shape {:?}; expected 2 dimensions", t.shape)));
                     };
                     let want = vec![rows.div_ceil(block[0]), cols.div_ceil(block[1])];
-                    if s.dtype != "F32" || s.shape != want {
+                    let ue8m0 = matches!(s.dtype.as_str(), "F8_E8M0" | "U8");
+                    if !(s.dtype == "F32" || ue8m0) || s.shape != want {
                         return Err(bad(format!(
-                            "{sname} is {} {:?}; FP8 tensor {name} [{rows}, {cols}] with blocks {block:?} needs F32 {want:?}",
+                            "{sname} is {} {:?}; FP8 tensor {name} [{rows}, {cols}] with blocks {block:?} needs F32 \
+                             (or E8M0) {want:?}",
                             s.dtype, s.shape
                         )));
                     }
                     self.insert(
                         &name,
-                        SrcTensor { enc: Encoding::Fp8 { scales: s.at, block }, shape: t.shape, at: t.at },
+                        SrcTensor { enc: Encoding::Fp8 { scales: s.at, block, ue8m0 }, shape: t.shape, at: t.at },
+                    )?;
+                }
+                // DeepSeek-V4's FP4 experts: E2M1 pairs in int8 bytes (low nibble
+                // first) with one E8M0 exponent per 32 values along each row — the
+                // MXFP4 layout, read as such.
+                "I8" if method == Some("fp8") => {
+                    let t = raw.remove(&name).expect("present");
+                    let (sname, s) = take_scale(&mut raw, &name)
+                        .ok_or_else(|| bad(format!("FP4 tensor {name} has no {name}_scale_inv")))?;
+                    let [rows, half] = t.shape[..] else {
+                        return Err(bad(format!("FP4 tensor {name} has shape {:?}; expected 2 dimensions", t.shape)));
+                    };
+                    let cols = 2 * half;
+                    if !matches!(s.dtype.as_str(), "F8_E8M0" | "U8")
+                        || s.shape != [rows, cols.div_ceil(32)]
+                        || cols % 32 != 0
+                    {
+                        return Err(bad(format!(
+                            "{sname} is {} {:?}; FP4 tensor {name} [{rows}, {cols}] needs E8M0 scales [{rows}, {}] \
+                             (one per 32 values)",
+                            s.dtype,
+                            s.shape,
+                            cols / 32
+                        )));
+                    }
+                    self.insert(
+                        &name,
+                        SrcTensor { enc: Encoding::Mxfp4 { scales: s.at }, shape: vec![rows, cols], at: t.at },
                     )?;
                 }
                 "U8" if name.ends_with("_blocks") => {
@@ -409,7 +459,7 @@ impl Checkpoint {
             let elem = match dt {
                 "F32" | "I32" | "U32" => Some(4),
                 "BF16" | "F16" | "I16" | "U16" => Some(2),
-                "F8_E4M3" | "F8_E5M2" | "U8" | "I8" | "BOOL" => Some(1),
+                "F8_E4M3" | "F8_E5M2" | "F8_E8M0" | "U8" | "I8" | "BOOL" => Some(1),
                 "F64" | "I64" | "U64" => Some(8),
                 _ => None,
             };
@@ -485,11 +535,14 @@ impl Checkpoint {
                 let cols = *shape.last().unwrap_or(&1);
                 crate::quant::decode(*d, &bytes[outer * per..(outer + 1) * per], cols.max(1), &mut out);
             }
-            Encoding::Fp8 { scales, block } => {
+            Encoding::Fp8 { scales, block, ue8m0 } => {
                 // FP8 tensors are 2-D (checked when resolved), so never sliced.
                 let (rows, cols) = (shape[0], shape[1]);
-                let sc: Vec<f32> =
-                    self.span(*scales).chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4"))).collect();
+                let sc: Vec<f32> = if *ue8m0 {
+                    self.span(*scales).iter().map(|&b| e8m0(b)).collect()
+                } else {
+                    self.span(*scales).chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4"))).collect()
+                };
                 super::dequant::dequant_fp8_block(bytes, rows, cols, &sc, *block, &mut out);
             }
             Encoding::PackedInt4 { scales, scale_dtype } => {

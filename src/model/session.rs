@@ -244,34 +244,21 @@ impl Sequence {
                 self.pos
             )));
         }
-        let pooled = self.layers.iter().any(|l| matches!(l, LayerCache::Pooled(_)));
-        if pooled && pos != 0 && pos != self.pos {
-            return Err(Error::InvalidInput(format!(
-                "cannot truncate a sequence of {} tokens to {pos}: its pooled-attention layers keep running \
-                 pools, which go back only to 0",
-                self.pos
-            )));
-        }
-        if pooled && pos == 0 {
-            for layer in &mut self.layers {
-                if let LayerCache::Pooled(state) = layer {
-                    state.reset();
-                }
-            }
-        }
-        let recurrent = self.layers.iter().any(|l| matches!(l, LayerCache::Delta(_)));
+        let recurrent = self.layers.iter().any(|l| matches!(l, LayerCache::Delta(_) | LayerCache::Pooled(_)));
         if recurrent && pos != 0 && pos != self.pos {
             if self.checkpoint != Some(pos) {
                 let saved = self.checkpoint.map_or("none".to_string(), |p| p.to_string());
                 return Err(Error::InvalidInput(format!(
-                    "cannot truncate a sequence of {} tokens to {pos}: its linear-attention layers keep a \
+                    "cannot truncate a sequence of {} tokens to {pos}: its linear-attention or pooled layers keep a \
                      running state, which goes back only to 0 or to a checkpoint (saved at: {saved})",
                     self.pos
                 )));
             }
             for layer in &mut self.layers {
-                if let LayerCache::Delta(state) = layer {
-                    state.restore();
+                match layer {
+                    LayerCache::Delta(state) => state.restore(),
+                    LayerCache::Pooled(state) => state.restore(),
+                    _ => {}
                 }
             }
         }
@@ -297,8 +284,10 @@ impl Sequence {
     /// [`StateLayout::bytes_per_sequence`]: crate::canonical::state::StateLayout
     pub fn checkpoint(&mut self) {
         for layer in &mut self.layers {
-            if let LayerCache::Delta(state) = layer {
-                state.save();
+            match layer {
+                LayerCache::Delta(state) => state.save(),
+                LayerCache::Pooled(state) => state.save(),
+                _ => {}
             }
         }
         self.checkpoint = Some(self.pos);

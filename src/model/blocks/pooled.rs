@@ -283,6 +283,8 @@ pub struct PooledState {
     pub pool: Option<Pooler>,
     /// The indexer's keys (light layers).
     pub index: Option<Pooler>,
+    /// The state at the sequence's checkpoint ([`PooledState::save`]).
+    saved: Vec<f32>,
 }
 
 impl PooledState {
@@ -301,6 +303,7 @@ impl PooledState {
             ring: vec![0.0; spec.window * head_dim],
             pool: p,
             index: ix,
+            saved: Vec::new(),
         }
     }
 
@@ -309,6 +312,21 @@ impl PooledState {
         for p in self.pool.iter_mut().chain(self.index.iter_mut()) {
             p.reset();
         }
+    }
+
+    /// Keeps a copy of the state, for [`PooledState::restore`].
+    pub fn save(&mut self) {
+        let mut saved = std::mem::take(&mut self.saved);
+        saved.clear();
+        self.copy_to(&mut saved);
+        self.saved = saved;
+    }
+
+    /// Goes back to the state [`PooledState::save`] kept.
+    pub fn restore(&mut self) {
+        let saved = std::mem::take(&mut self.saved);
+        self.copy_from(&saved);
+        self.saved = saved;
     }
 
     /// Values [`PooledState::copy_to`] writes.
@@ -509,6 +527,9 @@ impl Pooled<'_> {
     ) {
         let (dh, h, rd, eps) = (self.dh, self.h, self.spec.rope_dim, self.eps);
         let pr = self.pool_rope;
+        if pos0 == 0 {
+            st.reset(); // a sequence (re)starting
+        }
         // The poolers first: a block ending inside the chunk is visible to
         // the chunk's later queries.
         if let (Some(pw), Some(p)) = (&self.pooler, st.pool.as_mut()) {
