@@ -148,6 +148,37 @@ def _weights_line(engine: Engine) -> str:
     return f"{engine.recipe} (recipe), {bpw}" if engine.recipe else f"{engine.dtype}, {bpw}"
 
 
+def _pooled_pieces(cfg: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """DeepSeek-V4's pooled-attention state by piece, over all layers: (bytes per token, bytes per
+    sequence), float32 (as `LayerState::pooled_pieces` counts them)."""
+    kind = cfg["attention"].get("kind", {})
+    if kind.get("type") != "pooled":
+        return {}
+    dh, di, w = cfg["head_dim"], kind["indexer"]["head_dim"], kind["window"]
+    out = {
+        "window": [0, 0],
+        "pool_block": [0, 0],
+        "pool_entries": [0, 0],
+        "index_block": [0, 0],
+        "index_keys": [0, 0],
+    }
+    for layer in cfg["layers"]:
+        pool = layer.get("pool")
+        if layer.get("mixer") != "pooled":
+            continue
+        out["window"][1] += 4 * w * dh
+        if pool in ("heavy", "light"):
+            rate = kind["heavy_rate"] if pool == "heavy" else kind["light_rate"]
+            m = 2 if pool == "light" else 1
+            out["pool_block"][1] += 4 * (2 * rate * m * dh + (2 * rate * dh if pool == "light" else 0))
+            out["pool_entries"][0] += -(-4 * dh // rate)
+        if pool == "light":
+            rate = kind["light_rate"]
+            out["index_block"][1] += 4 * 6 * rate * di
+            out["index_keys"][0] += -(-4 * di // rate)
+    return {k: (v[0], v[1]) for k, v in out.items() if v != [0, 0]}
+
+
 def _attention(cfg: dict[str, Any]) -> str:
     """One line on the attention: kind, heads, widths, windows, sinks."""
     att = cfg["attention"]
@@ -159,6 +190,16 @@ def _attention(cfg: dict[str, Any]) -> str:
         )
         if kind.get("q_lora_rank"):
             text += f", q rank {kind['q_lora_rank']}"
+    elif kind.get("type") == "pooled":
+        pools = [layer.get("pool", "window") for layer in cfg["layers"] if layer.get("mixer") == "pooled"]
+        ix = kind["indexer"]
+        text = (
+            f"pooled, {cfg['num_heads']} heads x {cfg['head_dim']} over one K=V head, "
+            f"rope {kind['rope_dim']}, window {kind['window']}; {pools.count('heavy')} heavy layers "
+            f"(1 entry per {kind['heavy_rate']} tokens), {pools.count('light')} light "
+            f"(1 per {kind['light_rate']}, indexer {ix['heads']} heads x {ix['head_dim']}, "
+            f"top {ix['top_k']}), {pools.count('window')} window-only"
+        )
     else:
         text = f"GQA, heads {cfg['num_heads']}/{cfg['num_kv_heads']} x {cfg['head_dim']}"
     windows = sorted({layer["sliding_window"] for layer in cfg["layers"] if layer.get("sliding_window")})
@@ -220,6 +261,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     kv_dtype = engine.kv_cache_dtype
     state = engine.state_bytes()
     kv_bytes = state["per_token"]
+    pieces = _pooled_pieces(cfg)
     if args.json:
         out: dict[str, Any] = {
             "architecture": engine.architecture,
@@ -232,6 +274,15 @@ def _cmd_info(args: argparse.Namespace) -> int:
                 "dtype": kv_dtype,
                 "bytes_per_token": kv_bytes,
                 "bytes_per_sequence": state["per_sequence"],
+                **(
+                    {
+                        "pooled_pieces": {
+                            k: {"per_token": t, "per_sequence": q} for k, (t, q) in pieces.items()
+                        }
+                    }
+                    if pieces
+                    else {}
+                ),
             },
             "source_format": _source_format(engine),
             "not_converted": engine.skipped_parts,
@@ -270,6 +321,16 @@ def _cmd_info(args: argparse.Namespace) -> int:
             "KV cache",
             f"{kv_dtype}, {_human(kv_bytes)} per token + {_human(state['per_sequence'])} per sequence "
             f"({_human(state['per_sequence'] + kv_bytes * 4096)} at 4k context)",
+        ),
+        *(
+            [
+                (
+                    "pooled state",
+                    ", ".join(f"{k} {_human(t)}/token + {_human(q)}" for k, (t, q) in pieces.items()),
+                )
+            ]
+            if pieces
+            else []
         ),
         ("source", _source_format(engine)),
         *([("not converted", ", ".join(engine.skipped_parts))] if engine.skipped_parts else []),
