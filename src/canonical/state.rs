@@ -381,6 +381,30 @@ mod tests {
         }
     }
 
+    /// DeepSeek-V4's pooled layers: the window, the unfinished blocks and
+    /// the overlap are fixed per sequence; the entries and index keys come
+    /// one per `rate` tokens, float32 whatever the cache's type.
+    #[test]
+    fn pooled_layers_count_their_pieces() {
+        let cfg = crate::synth::pooled_config();
+        cfg.validate().unwrap();
+        // Layers: heavy (8), light (4, index keys of 10), window only, light.
+        let heavy = cfg.layer_state(0);
+        assert_eq!(heavy, LayerState::Pooled { window: 6, width: 16, rate: 8, overlap: false, index_width: 0 });
+        assert_eq!(heavy.bytes_per_token(2), 16 * 4 / 8);
+        let light = cfg.layer_state(1);
+        // Entries 16 · 4 / 4 plus index keys 10 · 4 / 4.
+        assert_eq!(light.bytes_per_token(2), 16 + 10);
+        let pieces: Vec<_> = light.pooled_pieces().iter().map(|p| p.0).collect();
+        assert_eq!(pieces, ["window", "pool_block", "pool_entries", "index_block", "index_keys"]);
+        // window 6·16, blocks 2·4·32 + overlap 2·4·16, index 6·4·10; f32.
+        assert_eq!(light.bytes_per_sequence(2, 512), (6 * 16 + 2 * 4 * 32 + 2 * 4 * 16 + 6 * 4 * 10) * 4);
+        let window = cfg.layer_state(2);
+        assert_eq!((window.bytes_per_token(4), window.bytes_per_sequence(4, 512)), (0, 6 * 16 * 4));
+        let layout = StateLayout::new(&cfg, 2, 512);
+        assert_eq!(layout.bytes_per_token, 8 + 2 * 26);
+    }
+
     /// A sliding-window layer keeps a fixed buffer: its window, the rollback
     /// reach and a pass, twice; it counts per sequence, not per token.
     #[test]

@@ -433,7 +433,8 @@ fn a_batch_of_sequences_gives_each_the_bits_it_gets_alone() {
         .chain(DType::ALL.map(|dt| (dt, hybrid.clone())))
         .chain(DType::ALL.map(|dt| (dt, kda.clone())))
         .chain(DType::ALL.map(|dt| (dt, crate::synth::gemma4_config())))
-        .chain(DType::ALL.map(|dt| (dt, crate::synth::sparse_config())));
+        .chain(DType::ALL.map(|dt| (dt, crate::synth::sparse_config())))
+        .chain([DType::F32, DType::Bf16].map(|dt| (dt, crate::synth::pooled_config())));
     for (dt, cfg) in cases {
         let (_d, e) = engine_with(&cfg, dt, 2);
         let m = e.model();
