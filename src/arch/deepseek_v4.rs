@@ -196,7 +196,7 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
         }
     };
     let limit = c.opt_f64("swiglu_limit")?.unwrap_or(10.0) as f32;
-    if !(limit > 0.0) {
+    if limit.is_nan() || limit <= 0.0 {
         return Err(bad(format!("`swiglu_limit` {limit} must be > 0")));
     }
     let moe_ffn = c.usize(&["moe_intermediate_size"])?;

@@ -102,9 +102,9 @@ pub struct ModelConfig {
 
 /// Manifold-constrained hyper-connections: the residual is `N` streams of
 /// width D. Before each block a small projection of the RMS-normed streams
-/// gives per token `pre` [N] (how the streams collapse into the block's
-/// input), `post` [N] (how the block's output spreads back over them) and
-/// `comb` [N, N] (how the streams mix), `comb` brought near a
+/// gives per token `pre` `[N]` (how the streams collapse into the block's
+/// input), `post` `[N]` (how the block's output spreads back over them) and
+/// `comb` `[N, N]` (how the streams mix), `comb` brought near a
 /// doubly-stochastic matrix by Sinkhorn iterations:
 ///
 /// ```text

@@ -154,7 +154,8 @@ impl Pooler {
     /// gates, weighing the rows; then the RMSNorm and the rotation at the
     /// block's first position. With overlap the softmax runs over the
     /// previous block's first series and this block's second one.
-    fn push(&mut self, pos: usize, kv: &[f32], gate: &[f32], w: &PoolW, eps: f32, rope: &Rope, rd: usize) {
+    fn push(&mut self, pos: usize, kv: &[f32], gate: &[f32], w: &PoolW, fin: Finish) {
+        let Finish { eps, rope, rd } = fin;
         let (width, rate) = (self.width, self.rate);
         let m = if self.overlap { 2 } else { 1 };
         let j = pos % rate;
@@ -169,7 +170,7 @@ impl Pooler {
         let entry = &mut self.entries[at..at + width];
         // Each channel: the softmax over the slots that take part.
         let (cur, prev) = (if self.overlap { width } else { 0 }, self.overlap && self.has_prev);
-        for c in 0..width {
+        for (c, out) in entry.iter_mut().enumerate() {
             let mut mx = f32::NEG_INFINITY;
             for s in 0..rate {
                 mx = mx.max(self.block_gate[s * row + cur + c]);
@@ -190,7 +191,7 @@ impl Pooler {
                 z += e;
                 acc += e * self.block_kv[s * row + cur + c];
             }
-            entry[c] = acc / z;
+            *out = acc / z;
         }
         let raw: &mut [f32] = entry;
         rms_in_place(raw, w.norm, eps);
@@ -246,6 +247,15 @@ impl Pooler {
         self.entries[..n].copy_from_slice(&s[at..at + n]);
         &s[at + n..]
     }
+}
+
+/// How a finished block becomes an entry: the norm's epsilon, the RoPE and
+/// how many values it rotates.
+#[derive(Clone, Copy)]
+struct Finish<'a> {
+    eps: f32,
+    rope: &'a Rope,
+    rd: usize,
 }
 
 /// RMSNorm of `x` with scale `w`, in place.
@@ -481,12 +491,12 @@ impl Pooled<'_> {
                 }
             }
         }
-        for t in 0..n {
+        for (t, &p) in pos.iter().enumerate() {
             let row = &mut s.q_lat[t * rq..(t + 1) * rq];
             rms_in_place(row, self.q_a_norm, self.eps);
             let kv = &mut s.kv[t * dh..(t + 1) * dh];
             rms_in_place(kv, self.kv_norm, self.eps);
-            rotate_tail(kv, self.rope, pos[t], rd, false);
+            rotate_tail(kv, self.rope, p, rd, false);
         }
         let lat = xq.prepare(&s.q_lat[..n * rq], rq);
         matmul(&self.wq_b, &lat, &mut q[..n * self.h * dh]); // [T, H·Dh]
@@ -530,20 +540,21 @@ impl Pooled<'_> {
         if pos0 == 0 {
             st.reset(); // a sequence (re)starting
         }
+        let fin = Finish { eps, rope: pr, rd };
         // The poolers first: a block ending inside the chunk is visible to
         // the chunk's later queries.
         if let (Some(pw), Some(p)) = (&self.pooler, st.pool.as_mut()) {
             let w = pw.kv.rows;
             for i in 0..m {
                 let t = r0 + i;
-                p.push(pos0 + i, &s.pool_kv[t * w..(t + 1) * w], &s.pool_gate[t * w..(t + 1) * w], pw, eps, pr, rd);
+                p.push(pos0 + i, &s.pool_kv[t * w..(t + 1) * w], &s.pool_gate[t * w..(t + 1) * w], pw, fin);
             }
         }
         if let (Some((iw, _, _)), Some(p)) = (&self.index, st.index.as_mut()) {
             let w = iw.kv.rows;
             for i in 0..m {
                 let t = r0 + i;
-                p.push(pos0 + i, &s.idx_kv[t * w..(t + 1) * w], &s.idx_gate[t * w..(t + 1) * w], iw, eps, pr, rd);
+                p.push(pos0 + i, &s.idx_kv[t * w..(t + 1) * w], &s.idx_gate[t * w..(t + 1) * w], iw, fin);
             }
         }
         let win = st.window;
