@@ -245,6 +245,11 @@ impl Checkpoint {
                 // Names sort before their `_scale_inv` / `_scales` companions, so
                 // a companion seen here has no tensor and is left to the
                 // converter's unused-tensor check.
+                // DeepSeek's `X.scale` sorts before its `X.weight`, which takes it.
+                "F8_E8M0" | "U8" | "F32"
+                    if name.strip_suffix(".scale").is_some_and(|b| {
+                        raw.get(&format!("{b}.weight")).is_some_and(|w| matches!(w.dtype.as_str(), "F8_E4M3" | "I8"))
+                    }) => {}
                 "F32" | "BF16" | "F16" => self.plain(&name, raw.remove(&name).expect("present"))?,
                 "I64" | "I32" if !name.ends_with("_packed") && !name.ends_with("_shape") => {
                     let t = raw.remove(&name).expect("present");
@@ -777,6 +782,49 @@ mod tests {
                 [rows as i32, cols as i32].iter().flat_map(|v| v.to_le_bytes()).collect(),
             ),
         ]
+    }
+
+    /// DeepSeek-V4's Hub formats: FP4 experts (E2M1 pairs in I8 bytes, an
+    /// E8M0 exponent per 32 values, `.scale` beside `.weight`) read as
+    /// MXFP4; FP8 with E8M0 block scales; an I64 token → experts table read
+    /// as whole f32 values.
+    #[test]
+    fn deepseek_v4_fp4_fp8_and_index_tables_read_exactly() {
+        let dir = tempfile::tempdir().unwrap();
+        let (rows, cols) = (2usize, 64usize);
+        let codes: Vec<u8> = (0..rows * cols / 2).map(|i| (i * 29 % 256) as u8).collect();
+        let scales: Vec<u8> = vec![126, 127, 128, 130]; // 2^-1, 1, 2, 8 per 32 values
+        let fp8: Vec<u8> = (0..4 * 4).map(|i| [0x38u8, 0xb8, 0x40, 0x00][i % 4]).collect(); // 1, -1, 2, 0
+        let table: Vec<u8> = [3i64, 0, 5, 1].iter().flat_map(|v| v.to_le_bytes()).collect();
+        write(
+            &dir.path().join("model.safetensors"),
+            &[
+                ("e.w1.weight", "I8", vec![rows, cols / 2], codes.clone()),
+                ("e.w1.scale", "F8_E8M0", vec![rows, cols / 32], scales.clone()),
+                ("d.weight", "F8_E4M3", vec![4, 4], fp8),
+                ("d.weight_scale_inv", "F8_E8M0", vec![2, 2], vec![127, 128, 126, 129]),
+                ("g.tid2eid", "I64", vec![2, 2], table),
+            ],
+        );
+        let q = serde_json::json!({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [2, 2],
+            "scale_fmt": "ue8m0", "expert_dtype": "fp4"});
+        let ck = Checkpoint::open(dir.path(), Some(&q)).unwrap();
+        assert_eq!(ck.names().collect::<Vec<_>>(), ["d.weight", "e.w1.weight", "g.tid2eid"]);
+        let t = ck.get("e.w1.weight").unwrap();
+        assert!(matches!(t.enc, Encoding::Mxfp4 { .. }) && t.shape == [rows, cols]);
+        let (_, got) = ck.decode_f32("e.w1.weight", t, None).unwrap();
+        let lut = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
+        for (i, &v) in got.iter().enumerate() {
+            let nib = if i % 2 == 0 { codes[i / 2] & 15 } else { codes[i / 2] >> 4 };
+            let scale = 2f32.powi(scales[i / 32] as i32 - 127);
+            assert_eq!(v, lut[nib as usize] * scale, "value {i}");
+        }
+        let (_, d) = ck.decode_f32("d.weight", ck.get("d.weight").unwrap(), None).unwrap();
+        // Row 0: blocks scaled 1 and 2; row 2: 0.5 and 4.
+        assert_eq!(&d[..4], &[1.0, -1.0, 4.0, 0.0]);
+        assert_eq!(&d[8..12], &[0.5, -0.5, 8.0, 0.0]);
+        let (_, tab) = ck.decode_f32("g.tid2eid", ck.get("g.tid2eid").unwrap(), None).unwrap();
+        assert_eq!(tab, [3.0, 0.0, 5.0, 1.0]);
     }
 
     #[test]
