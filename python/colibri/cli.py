@@ -148,37 +148,6 @@ def _weights_line(engine: Engine) -> str:
     return f"{engine.recipe} (recipe), {bpw}" if engine.recipe else f"{engine.dtype}, {bpw}"
 
 
-def _pooled_pieces(cfg: dict[str, Any]) -> dict[str, tuple[int, int]]:
-    """DeepSeek-V4's pooled-attention state by piece, over all layers: (bytes per token, bytes per
-    sequence), float32 (as `LayerState::pooled_pieces` counts them)."""
-    kind = cfg["attention"].get("kind", {})
-    if kind.get("type") != "pooled":
-        return {}
-    dh, di, w = cfg["head_dim"], kind["indexer"]["head_dim"], kind["window"]
-    out = {
-        "window": [0, 0],
-        "pool_block": [0, 0],
-        "pool_entries": [0, 0],
-        "index_block": [0, 0],
-        "index_keys": [0, 0],
-    }
-    for layer in cfg["layers"]:
-        pool = layer.get("pool")
-        if layer.get("mixer") != "pooled":
-            continue
-        out["window"][1] += 4 * w * dh
-        if pool in ("heavy", "light"):
-            rate = kind["heavy_rate"] if pool == "heavy" else kind["light_rate"]
-            m = 2 if pool == "light" else 1
-            out["pool_block"][1] += 4 * (2 * rate * m * dh + (2 * rate * dh if pool == "light" else 0))
-            out["pool_entries"][0] += -(-4 * dh // rate)
-        if pool == "light":
-            rate = kind["light_rate"]
-            out["index_block"][1] += 4 * 6 * rate * di
-            out["index_keys"][0] += -(-4 * di // rate)
-    return {k: (v[0], v[1]) for k, v in out.items() if v != [0, 0]}
-
-
 def _attention(cfg: dict[str, Any]) -> str:
     """One line on the attention: kind, heads, widths, windows, sinks."""
     att = cfg["attention"]
@@ -261,7 +230,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     kv_dtype = engine.kv_cache_dtype
     state = engine.state_bytes()
     kv_bytes = state["per_token"]
-    pieces = _pooled_pieces(cfg)
+    pieces = engine.state_pieces()
     if args.json:
         out: dict[str, Any] = {
             "architecture": engine.architecture,

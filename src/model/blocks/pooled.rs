@@ -575,7 +575,9 @@ impl Pooled<'_> {
                     let wi = &s.idx_w[t * hi..(t + 1) * hi];
                     let iscale = 1.0 / (di as f32).sqrt();
                     let scores = &mut s.idx_scores[..n_vis];
-                    for (e, sc) in scores.iter_mut().enumerate() {
+                    // Each entry's score on its own (split across threads by entry, so
+                    // the bits do not depend on the thread count).
+                    scores.par_iter_mut().with_min_len(64).enumerate().for_each(|(e, sc)| {
                         let key = &ix.entries[e * di..(e + 1) * di];
                         let mut acc = 0.0f32;
                         for hh in 0..hi {
@@ -583,7 +585,7 @@ impl Pooled<'_> {
                             acc += dot.max(0.0) * iscale * wi[hh];
                         }
                         *sc = acc;
-                    }
+                    });
                     let keep = k.min(n_vis);
                     top_k(scores, keep, &mut s.chosen[..keep]); // [K]
                     &s.chosen[..keep]
