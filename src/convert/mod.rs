@@ -484,6 +484,17 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
                         ),
                     ));
                 }
+                // Whole numbers only where the model reads an index table.
+                let table = matches!(p.id, TensorId::Layer(_, crate::canonical::tensors::LayerTensor::HashTable));
+                if let (safetensors::Encoding::Int { bytes }, false) = (&t.enc, table) {
+                    return Err(Error::Unsupported(format!(
+                        "{}: tensor {} has dtype I{}; integer tensors are read only as index tables (supported: \
+                         F32, BF16, F16, and F8_E4M3 / MXFP4 / packed int4 with their scales)",
+                        ck.file_of(t).display(),
+                        s.name,
+                        bytes * 8
+                    )));
+                }
                 sources.push((p, s, t));
             }
         }
