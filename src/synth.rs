@@ -172,6 +172,66 @@ pub fn block_sparse_config() -> ModelConfig {
     c
 }
 
+/// DeepSeek-V4's switches in small widths: pooled attention with a heavy
+/// pool (8 tokens an entry), light pools (4 tokens, overlapping, an indexer
+/// keeping 3 entries), a window-only layer and a window of 6; 3
+/// hyper-connection streams; sqrt-softplus routing with a correction bias,
+/// the first layer hash-routed; the clamped SwiGLU; a grouped output
+/// projection. Prompts past a few dozen tokens exercise every piece.
+pub fn pooled_config() -> ModelConfig {
+    let yarn = RopeScaling::Yarn {
+        factor: 4.0,
+        original_max_position_embeddings: 16,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        attention_factor: 1.0,
+        truncate: true,
+    };
+    let rope = |theta, scaling| RopeSpec { theta, rotary_dim: 8, scaling, interleaved: true };
+    let pooled = PooledSpec {
+        q_lora_rank: 12,
+        rope_dim: 8,
+        window: 6,
+        o_groups: 2,
+        o_lora_rank: 10,
+        heavy_rate: 8,
+        light_rate: 4,
+        indexer: PoolIndexerSpec { heads: 3, head_dim: 10, top_k: 3 },
+        pool_rope: rope(160000.0, yarn),
+    };
+    let pools = [Pool::Heavy, Pool::Light, Pool::Window, Pool::Light];
+    ModelConfig {
+        vocab_size: 57,
+        hidden_size: 32,
+        num_heads: 4,
+        num_kv_heads: 1,
+        head_dim: 16,
+        max_seq_len: 400,
+        norm: NormSpec::rms(1e-6),
+        rope: rope(10000.0, RopeScaling::None),
+        attention: AttentionSpec { sinks: true, kind: AttentionKind::Pooled(pooled), ..Default::default() },
+        moe: Some(MoeSpec {
+            num_experts: 6,
+            expert_ffn_dim: 20,
+            router: RouterSpec {
+                top_k: 2,
+                score: RouterScore::SqrtSoftplus,
+                renormalize: true,
+                scale: 1.5,
+                correction_bias: true,
+                ..Default::default()
+            },
+            activation: Activation::ClampedSilu { limit: 0.8 },
+            shared_expert: Some(SharedExpertSpec { ffn_dim: 20, sigmoid_gate: false }),
+            hash_layers: 1,
+            ..Default::default()
+        }),
+        layers: pools.iter().map(|&pool| LayerSpec { mixer: MixerSpec::Pooled { pool }, ffn: FfnSpec::Moe }).collect(),
+        hyper: Some(HyperSpec { streams: 3, sinkhorn_iters: 5, eps: 1e-6 }),
+        ..Default::default()
+    }
+}
+
 /// A hybrid of linear-attention and gated full-attention layers in widths
 /// whole blocks fit (Qwen3-Next's switches): Gated DeltaNet layers with two
 /// value heads per key head and key and value heads of different widths,
@@ -358,7 +418,13 @@ pub fn write_random_model(path: &Path, cfg: &ModelConfig, dtype: DType, seed: u6
         let fan_in = *p.shape.last().unwrap() as f32;
         let is_norm = p.shape.len() == 1 && !e.name.contains(".b");
         vals.clear();
-        vals.extend((0..n).map(|_| {
+        if let TensorId::Layer(_, crate::canonical::tensors::LayerTensor::HashTable) = p.id {
+            // Each token's experts: distinct ids.
+            let (k, experts) = (p.shape[1], cfg.moe.as_ref().map_or(1, |m| m.num_experts));
+            vals.extend((0..n).map(|i| ((i / k * 5 + i % k) % experts) as f32));
+        }
+        let fill = vals.is_empty();
+        vals.extend((0..if fill { n } else { 0 }).map(|_| {
             s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
             let u = ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
             if is_norm {

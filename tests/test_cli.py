@@ -286,6 +286,26 @@ def test_info_tells_the_mamba2_state_per_sequence(tmp_path):
     assert info["kv_cache"]["bytes_per_token"] == 2 * 2 * 24 * 4
 
 
+def test_info_tells_deepseek_v4s_pooled_state_by_piece(tmp_path):
+    out = tmp_path / "v4.colibri"
+    assert run("convert", str(GOLDEN / "deepseek_v4"), "-o", str(out)).returncode == 0
+    r = run_in(["info", str(out), "--json"])
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["attention"].startswith("pooled") and "1 heavy layers" in info["attention"]
+    kv = info["kv_cache"]
+    pieces = kv["pooled_pieces"]
+    # Fixture: head_dim 16, index_head_dim 10, window 6; layers heavy (8), light (4), window, light (4).
+    assert pieces["window"] == {"per_token": 0, "per_sequence": 4 * 4 * 6 * 16}
+    assert pieces["pool_entries"]["per_token"] == 16 * 4 // 8 + 2 * (16 * 4 // 4)
+    assert pieces["index_keys"]["per_token"] == 2 * (10 * 4 // 4)
+    # The pieces are the whole state: the engine's own totals.
+    assert kv["bytes_per_token"] == sum(p["per_token"] for p in pieces.values())
+    assert kv["bytes_per_sequence"] == sum(p["per_sequence"] for p in pieces.values())
+    r = run_in(["info", str(out)])
+    assert r.returncode == 0 and "pooled state" in r.stdout and "index_keys" in r.stdout
+
+
 def test_mmap_flag_sets_where_the_weights_live():
     base = ["stats", "--demo", "Emma was", "--max-new-tokens", "2"]
     r = run(*base, "--mmap", "off")

@@ -41,10 +41,11 @@ def test_a_cached_prefix_gives_the_bits_of_a_fresh_prefill(case, converted, gold
         assert got_ids == want_ids and got_lps == want_lps, f"{case} turn {k}"
         stats = cached.batch_stats()["prefix_cache"]
         assert stats is not None
-        # A linear-attention model keeps its states at each prompt's last
-        # block end only: the diverging prompt finds none at 16.
+        # A linear-attention or pooled-attention (DeepSeek-V4) model keeps
+        # its states at each prompt's last block end only: the diverging
+        # prompt finds none at 16.
         recurrent = case.startswith(
-            ("qwen3_next", "qwen3_5_moe", "kimi_linear", "nemotron_h", "granitemoehybrid")
+            ("qwen3_next", "qwen3_5_moe", "kimi_linear", "nemotron_h", "granitemoehybrid", "deepseek_v4")
         )
         assert hit == (0 if recurrent and k == 3 else served), f"{case} turn {k}: {stats}"
     stats = cached.batch_stats()["prefix_cache"]

@@ -20,6 +20,11 @@ value is positive gets a negative scale; a few groups have a bf16 scale that is
 not an f16 value, which the reader quantises again from its exact values, as
 the twin's conversion does.) With ordinary positive scales, whose groups end
 at code 7 as often as at -8, the q4_0 file read back in f32 must equal the twin.
+
+DeepSeek-V4 comes from its fixture renamed to DeepSeek's root-level names (which
+must give the fixture's logits bit for bit) and with its gate and up experts as
+FP4 (int8 bytes of two E2M1 codes, an E8M0 `.scale` per 32 values): read as
+MXFP4, and in bf16 (which holds every such value) the same model as its twin.
 """
 
 from __future__ import annotations
@@ -581,3 +586,74 @@ def test_kimi_k25_skips_the_vision_tower_and_reads_transformers_names_too(tmp_pa
     assert not np.array_equal(
         colibri.Engine(tmp_path / "headless.colibri").logits(golden("kimi_k25")["ids_33"]), want
     )
+
+
+# ---------------------------------------------------------------------------
+# DeepSeek-V4 as DeepSeek ships it: root-level names (no `model.` prefix) and
+# FP4 experts (E2M1 pairs in int8 bytes, one E8M0 exponent per 32 values along
+# each row, `.scale` beside `.weight`).
+
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def to_fp4(w: np.ndarray) -> tuple[bytes, bytes, np.ndarray]:
+    """[R, C] float32 -> (codes, E8M0 scales, the values they hold)."""
+    r, c = w.shape
+    g = w.astype(np.float64).reshape(r, c // 32, 32)
+    amax = np.abs(g).max(-1)
+    exp = np.ceil(np.log2(np.maximum(amax, 1e-30) / 6.0)).astype(np.int64)
+    x = g / np.ldexp(1.0, exp)[..., None]
+    code = np.abs(np.abs(x)[..., None] - E2M1[:8]).argmin(-1) | np.where(x < 0, 8, 0)
+    code = code.reshape(r, c).astype(np.uint8)
+    held = (E2M1[code].reshape(r, c // 32, 32) * np.ldexp(1.0, exp)[..., None]).reshape(r, c)
+    packed = (code[:, 0::2] | (code[:, 1::2] << 4)).astype(np.uint8)
+    return packed.tobytes(), (exp + 127).astype(np.uint8).tobytes(), held.astype(np.float32)
+
+
+def test_deepseek_v4_root_names_and_fp4_experts(tmp_path):
+    src = GOLDEN / "deepseek_v4"
+    tensors = load_tensors(src)
+    cfg = json.loads((src / "config.json").read_text())
+    # DeepSeek's own spelling: root-level names.
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps(cfg))
+    renamed = {re.sub(r"^model\.", "", k): v for k, v in tensors.items()}
+    renamed["embed.weight"] = renamed.pop("embed_tokens.weight")
+    for part in ("fn", "base", "scale"):
+        renamed[f"hc_head_{part}"] = renamed.pop(f"hc_head.hc_{part}")
+    renamed = {re.sub(r"\.attn\.norm\.weight$", ".attn.kv_norm.weight", k): v for k, v in renamed.items()}
+    write_safetensors(root / "model.safetensors", renamed)
+    plain = colibri.Engine(colibri.convert(src, tmp_path / "plain.colibri", progress=False)["path"])
+    ids = np.arange(33) * 7 % cfg["vocab_size"]
+    want = plain.logits(ids)
+    got = colibri.Engine(colibri.convert(root, tmp_path / "root.colibri", progress=False)["path"]).logits(ids)
+    assert np.array_equal(got, want)
+    # FP4 experts beside their float32 twin holding the same values.
+    fp4, twin = tmp_path / "fp4", tmp_path / "twin"
+    for d in (fp4, twin):
+        d.mkdir()
+    quantised, exact = dict(renamed), dict(renamed)
+    # (gate and up: rows of 32 values, one E8M0 exponent each; the fixture's down rows are 20 wide)
+    experts = [k for k in renamed if re.search(r"\.experts\.\d+\.w[13]\.weight$", k)]
+    for k in experts:
+        dtype, shape, data = renamed[k]
+        w = np.frombuffer(data, dtype=np.float32).reshape(shape)
+        codes, scales, held = to_fp4(w)
+        quantised[k] = ("I8", [shape[0], shape[1] // 2], codes)
+        quantised[k.replace(".weight", ".scale")] = ("F8_E8M0", [shape[0], shape[1] // 32], scales)
+        exact[k] = ("F32", shape, held.tobytes())
+    q = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}
+    (fp4 / "config.json").write_text(json.dumps({**cfg, "quantization_config": {**q, "expert_dtype": "fp4"}}))
+    (twin / "config.json").write_text(json.dumps(cfg))
+    write_safetensors(fp4 / "model.safetensors", quantised)
+    write_safetensors(twin / "model.safetensors", exact)
+    # Read natively, the experts stay MXFP4, the same format (their matmuls then take q8
+    # activations, as every block type's do, so those logits are not the twin's bits).
+    engine = colibri.Engine(colibri.convert(fp4, tmp_path / "fp4.colibri", progress=False)["path"])
+    experts_row = next(r for r in engine.weight_types() if r["class"] == "experts")
+    assert experts_row["dtypes"] == ["mxfp4"], experts_row
+    # In bf16, which holds every FP4 value exactly, both give the same model bit for bit.
+    a = colibri.convert(fp4, tmp_path / "fp4_bf16.colibri", dtype="bf16", progress=False)["path"]
+    b = colibri.convert(twin, tmp_path / "twin_bf16.colibri", dtype="bf16", progress=False)["path"]
+    assert np.array_equal(colibri.Engine(a).logits(ids), colibri.Engine(b).logits(ids))

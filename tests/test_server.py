@@ -451,3 +451,13 @@ def test_colibri_serve_on_the_command_line(tmp_path):
     assert f"serving on http://127.0.0.1:{port}/v1" in err
     bad = subprocess.run([*cmd[:4], "--port", "0", "--demo"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--port" in bad.stderr
+
+
+def test_metrics_give_pooled_state_by_piece(converted):
+    """DeepSeek-V4's pooled attention: one gauge per piece of its state."""
+    engine = colibri.Engine(converted("deepseek_v4"), threads=1)
+    with live(create_app(engine)) as u:
+        text = httpx.get(u + "/metrics", timeout=30).text
+    for piece in engine.state_pieces():
+        assert f'colibri_state_piece_bytes{{piece="{piece}"}}' in text, piece
+    assert set(engine.state_pieces()) >= {"window", "pool_entries", "index_keys"}

@@ -409,6 +409,35 @@ class Engine:
         compressed latent and the rotated key."""
         return self._native.kv_bytes_per_token()
 
+    def state_pieces(self) -> dict[str, tuple[int, int]]:
+        """The state by piece, over all layers, for models whose layers keep
+        more than one kind (DeepSeek-V4's pooled attention: ``window``,
+        ``pool_block``, ``pool_entries``, ``index_block``, ``index_keys``):
+        ``{piece: (bytes per token, bytes per sequence)}``, float32, summing to
+        :meth:`state_bytes`. Empty for other models."""
+        cfg = self.config
+        kind = cfg["attention"].get("kind", {})
+        if kind.get("type") != "pooled":
+            return {}
+        dh, di, w = cfg["head_dim"], kind["indexer"]["head_dim"], kind["window"]
+        names = ("window", "pool_block", "pool_entries", "index_block", "index_keys")
+        out = {k: [0, 0] for k in names}
+        for layer in cfg["layers"][: self.num_layers]:
+            pool = layer.get("pool")
+            if layer.get("mixer") != "pooled":
+                continue
+            out["window"][1] += 4 * w * dh
+            if pool in ("heavy", "light"):
+                rate = kind["heavy_rate"] if pool == "heavy" else kind["light_rate"]
+                m = 2 if pool == "light" else 1
+                out["pool_block"][1] += 4 * (2 * rate * m * dh + (2 * rate * dh if pool == "light" else 0))
+                out["pool_entries"][0] += -(-4 * dh // rate)
+            if pool == "light":
+                rate = kind["light_rate"]
+                out["index_block"][1] += 4 * 6 * rate * di
+                out["index_keys"][0] += -(-4 * di // rate)
+        return {k: (v[0], v[1]) for k, v in out.items() if v != [0, 0]}
+
     def state_bytes(self) -> dict[str, int]:
         """State memory of one sequence over all layers, in two parts:
         ``per_token`` grows with every token (the KV caches, the same number as

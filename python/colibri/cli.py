@@ -200,6 +200,16 @@ def _attention(cfg: dict[str, Any]) -> str:
         )
         if kind.get("q_lora_rank"):
             text += f", q rank {kind['q_lora_rank']}"
+    elif kind.get("type") == "pooled":
+        pools = [layer.get("pool", "window") for layer in cfg["layers"] if layer.get("mixer") == "pooled"]
+        ix = kind["indexer"]
+        text = (
+            f"pooled, {cfg['num_heads']} heads x {cfg['head_dim']} over one K=V head, "
+            f"rope {kind['rope_dim']}, window {kind['window']}; {pools.count('heavy')} heavy layers "
+            f"(1 entry per {kind['heavy_rate']} tokens), {pools.count('light')} light "
+            f"(1 per {kind['light_rate']}, indexer {ix['heads']} heads x {ix['head_dim']}, "
+            f"top {ix['top_k']}), {pools.count('window')} window-only"
+        )
     else:
         text = f"GQA, heads {cfg['num_heads']}/{cfg['num_kv_heads']} x {cfg['head_dim']}"
     windows = sorted({layer["sliding_window"] for layer in cfg["layers"] if layer.get("sliding_window")})
@@ -284,6 +294,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     kv_dtype = engine.kv_cache_dtype
     state = engine.state_bytes()
     kv_bytes = state["per_token"]
+    pieces = engine.state_pieces()
     if args.json:
         out: dict[str, Any] = {
             "architecture": engine.architecture,
@@ -296,6 +307,15 @@ def _cmd_info(args: argparse.Namespace) -> int:
                 "dtype": kv_dtype,
                 "bytes_per_token": kv_bytes,
                 "bytes_per_sequence": state["per_sequence"],
+                **(
+                    {
+                        "pooled_pieces": {
+                            k: {"per_token": t, "per_sequence": q} for k, (t, q) in pieces.items()
+                        }
+                    }
+                    if pieces
+                    else {}
+                ),
             },
             "source_format": _source_format(engine),
             "not_converted": engine.skipped_parts,
@@ -334,6 +354,16 @@ def _cmd_info(args: argparse.Namespace) -> int:
             "KV cache",
             f"{kv_dtype}, {_human(kv_bytes)} per token + {_human(state['per_sequence'])} per sequence "
             f"({_human(state['per_sequence'] + kv_bytes * 4096)} at 4k context)",
+        ),
+        *(
+            [
+                (
+                    "pooled state",
+                    ", ".join(f"{k} {_human(t)}/token + {_human(q)}" for k, (t, q) in pieces.items()),
+                )
+            ]
+            if pieces
+            else []
         ),
         ("source", _source_format(engine)),
         *([("not converted", ", ".join(engine.skipped_parts))] if engine.skipped_parts else []),

@@ -848,6 +848,14 @@ class _EngineCollector:
             "Bytes of KV cache those positions fill.",
             b["kv_tokens"] * state["per_token"] + b["running"] * state["per_sequence"],
         )
+        # Pooled attention's pieces (DeepSeek-V4), each as its share of those bytes.
+        pieces = engine.state_pieces()
+        if pieces:
+            doc = "Bytes of running generations' state, by piece."
+            g = GaugeMetricFamily("colibri_state_piece_bytes", doc, labels=["piece"])
+            for name, (per_token, per_sequence) in pieces.items():
+                g.add_metric([name], b["kv_tokens"] * per_token + b["running"] * per_sequence)
+            yield g
         # Tokens per step as a histogram (the scheduler keeps the buckets).
         bounds, counts = b["step_token_buckets"], b["step_tokens"]
         acc, buckets = 0, []

@@ -119,7 +119,9 @@ pub(crate) fn dsa_config(c: &HfConfig, defaults: &DsaDefaults, shared: &[bool]) 
     let n = cfg.num_layers();
     let mla = match &mut cfg.attention.kind {
         AttentionKind::Mla(m) => m,
-        AttentionKind::Gqa => return Err(Error::Internal("DeepSeek's config is latent attention".into())),
+        AttentionKind::Gqa | AttentionKind::Pooled(_) => {
+            return Err(Error::Internal("DeepSeek's config is latent attention".into()));
+        }
     };
     if mla.q_lora_rank.is_none() {
         return Err(bad("`q_lora_rank` is null, but the indexer reads the query latent: it needs a rank".into()));

@@ -10,6 +10,7 @@
 
 mod deepseek;
 mod deepseek_v32;
+mod deepseek_v4;
 mod dots1;
 mod ernie4_5_moe;
 mod gemma4;
@@ -186,6 +187,7 @@ pub static REGISTRY: &[&Arch] = &[
     &gemma4::GEMMA4_TEXT,
     &kimi_k25::ARCH,
     &deepseek_v32::ARCH,
+    &deepseek_v4::ARCH,
     &glm_moe_dsa::ARCH,
     &nemotron_h::ARCH,
     &granitemoehybrid::ARCH,
@@ -545,7 +547,7 @@ pub(crate) fn llama_name(id: TensorId) -> Option<String> {
         TensorId::LmHead => "lm_head.weight".into(),
         TensorId::LmHeadBias => "lm_head.bias".into(),
         // The converter names them by the checkpoint's MTP layout.
-        TensorId::Mtp(_) => return None,
+        TensorId::Mtp(_) | TensorId::HcHeadFn | TensorId::HcHeadBase | TensorId::HcHeadScale => return None,
         TensorId::Layer(l, t) => {
             let p = format!("model.layers.{l}");
             match t {

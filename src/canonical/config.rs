@@ -98,6 +98,36 @@ pub struct ModelConfig {
     /// the experts' clamped SwiGLU for MiniMax-M3, relu² for Nemotron-H.
     #[serde(default, skip_serializing_if = "is_default")]
     pub dense_activation: Activation,
+    /// Several residual streams mixed around every block (DeepSeek-V4's
+    /// manifold-constrained hyper-connections); `None`: one residual stream.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub hyper: Option<HyperSpec>,
+}
+
+/// Manifold-constrained hyper-connections: the residual is `N` streams of
+/// width D. Before each block a small projection of the RMS-normed streams
+/// gives per token `pre` `[N]` (how the streams collapse into the block's
+/// input), `post` `[N]` (how the block's output spreads back over them) and
+/// `comb` `[N, N]` (how the streams mix), `comb` brought near a
+/// doubly-stochastic matrix by Sinkhorn iterations:
+///
+/// ```text
+/// m = fn · rmsnorm(x_1..x_N)                          [(2 + N)·N]
+/// pre = sigmoid(m_pre·s0 + b) + eps; post = 2·sigmoid(m_post·s1 + b)
+/// comb = sinkhorn(softmax_rows(m_comb·s2 + b) + eps)
+/// y = block(Σ_j pre_j x_j);  x'_k = post_k·y + Σ_j comb_jk x_j
+/// ```
+///
+/// At the end a head of its own (`pre` only) collapses the streams before
+/// the final norm.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HyperSpec {
+    /// N: residual streams.
+    pub streams: usize,
+    /// Sinkhorn iterations (the first column normalisation counts as one).
+    pub sinkhorn_iters: usize,
+    /// Added to `pre` and `comb` and to each Sinkhorn divisor.
+    pub eps: f32,
 }
 
 /// A multi-token-prediction (MTP) layer: from the hidden state the model
@@ -385,6 +415,75 @@ pub enum AttentionKind {
     Gqa,
     /// Multi-head latent attention (DeepSeek-V2/V3).
     Mla(MlaSpec),
+    /// DeepSeek-V4's attention: one key/value head (keys are values) over a
+    /// sliding window plus a pool of compressed past entries.
+    Pooled(PooledSpec),
+}
+
+/// DeepSeek-V4's attention. Queries come through a low-rank path
+/// (`q_a` → RMSNorm → `q_b`, then an unweighted RMSNorm per head); one
+/// shared row of Dh values per token (`kv` → RMSNorm) is both key and value.
+/// The last `rope_dim` values of queries and keys rotate in adjacent pairs
+/// (the config's `rope` on window-only layers, `pool_rope` on pooled ones),
+/// and the output's last `rope_dim` values are rotated back by the query's
+/// angle. Each query attends to the `window` last positions and to the
+/// layer's pooled entries, beside a learned sink per head; the heads'
+/// outputs go through a grouped low-rank projection (`o_groups` blocks of
+/// `H·Dh / G` → `o_lora_rank` each, then `Wo`).
+///
+/// A pooled layer turns each block of `rate` tokens into one entry: a
+/// softmax over the block's positions, per channel, of learned gates plus a
+/// position bias weighs the block's projected rows, then RMSNorm and the
+/// rotation at the block's first position. Light layers pool overlapping
+/// windows (each entry also reads the previous block through a second
+/// projection) and keep only the `top_k` entries a lightning indexer picks
+/// for each query; heavy layers attend to every finished entry.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PooledSpec {
+    /// Rq: rank of the query path.
+    pub q_lora_rank: usize,
+    /// Values of each query and key head that rotate (their last ones).
+    pub rope_dim: usize,
+    /// Positions a query sees directly, itself included.
+    pub window: usize,
+    /// G: groups of the output projection.
+    pub o_groups: usize,
+    /// Ro: output width of each group.
+    pub o_lora_rank: usize,
+    /// Tokens per entry of the heavy layers.
+    pub heavy_rate: usize,
+    /// Tokens per entry of the light layers.
+    pub light_rate: usize,
+    /// The light layers' lightning indexer.
+    pub indexer: PoolIndexerSpec,
+    /// The RoPE of pooled layers (their queries, keys, entries and index).
+    pub pool_rope: RopeSpec,
+}
+
+/// The lightning indexer of DeepSeek-V4's light layers: its own pool of
+/// index keys (as the layer's, at width `head_dim`), and per query `heads`
+/// index heads from the query latent with one weight each; entry s scores
+/// `Σ_h w_h · relu(q_h · k_s) / √head_dim`, `w = weights · x / √heads`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolIndexerSpec {
+    /// Hi: index heads.
+    pub heads: usize,
+    /// Di: width of an index head and key.
+    pub head_dim: usize,
+    /// Entries each query keeps.
+    pub top_k: usize,
+}
+
+/// Which pool a DeepSeek-V4 layer keeps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Pool {
+    /// Only the sliding window.
+    Window,
+    /// Entries of `heavy_rate` tokens, all attended.
+    Heavy,
+    /// Overlapping entries of `light_rate` tokens, chosen by the indexer.
+    Light,
 }
 
 /// Multi-head latent attention. Each head's q/k width is `nope + rope`
@@ -448,6 +547,8 @@ pub enum RouterScore {
     SoftmaxSelected,
     /// Sigmoid of each logit, then top-k (DeepSeek-V3, GLM-4.5).
     Sigmoid,
+    /// `sqrt(softplus(logit))`, then top-k (DeepSeek-V4).
+    SqrtSoftplus,
     /// Phi-MoE's sparsemixer as transformers runs it in eval mode: top-2 by
     /// logit, each weight a softmax over the experts whose logit lies within
     /// a relative `2·jitter_eps` of that choice's (the first choice left out
@@ -544,6 +645,11 @@ pub enum Activation {
         /// Clamp bound.
         limit: f32,
     },
+    /// DeepSeek-V4: `silu(min(gate, limit)) · clamp(up, −limit, limit)`.
+    ClampedSilu {
+        /// Clamp bound.
+        limit: f32,
+    },
 }
 
 /// An always-on expert beside the routed ones.
@@ -583,6 +689,11 @@ pub struct MoeSpec {
     /// expert read `x` itself. `None`: the experts read `x` (width D).
     #[serde(default, skip_serializing_if = "is_default")]
     pub latent_dim: Option<usize>,
+    /// The first this many layers choose their experts by the token's id
+    /// (a `[V, K]` table, `HashTable`), not by score; the weights are the
+    /// chosen experts' scores as usual (DeepSeek-V4).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub hash_layers: usize,
 }
 
 /// The feed-forward part of one layer.
@@ -621,6 +732,12 @@ pub enum MixerSpec {
         /// The layer has no indexer: it reuses the selection of the layer
         /// before it (GLM-5's IndexShare).
         shared: bool,
+    },
+    /// DeepSeek-V4's attention ([`PooledSpec`]): a sliding window and the
+    /// layer's pool.
+    Pooled {
+        /// Which pool.
+        pool: Pool,
     },
 }
 
@@ -707,7 +824,7 @@ impl MixerSpec {
     pub fn window(&self) -> Option<usize> {
         match *self {
             MixerSpec::Attention { window } => window,
-            MixerSpec::Linear | MixerSpec::Sparse { .. } => None,
+            MixerSpec::Linear | MixerSpec::Sparse { .. } | MixerSpec::Pooled { .. } => None,
         }
     }
 
@@ -740,6 +857,9 @@ struct LayerRepr {
     /// A sparse layer reuses the selection of the layer before it.
     #[serde(default, skip_serializing_if = "is_default")]
     shares_selection: bool,
+    /// A pooled layer's pool.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pool: Option<Pool>,
     ffn: FfnSpec,
 }
 
@@ -751,6 +871,7 @@ enum MixerKind {
     Attention,
     Linear,
     Sparse,
+    Pooled,
 }
 
 impl From<LayerRepr> for LayerSpec {
@@ -759,6 +880,7 @@ impl From<LayerRepr> for LayerSpec {
             MixerKind::Attention => MixerSpec::Attention { window: r.sliding_window },
             MixerKind::Linear => MixerSpec::Linear,
             MixerKind::Sparse => MixerSpec::Sparse { shared: r.shares_selection },
+            MixerKind::Pooled => MixerSpec::Pooled { pool: r.pool.unwrap_or(Pool::Window) },
         };
         LayerSpec { mixer, ffn: r.ffn }
     }
@@ -767,15 +889,34 @@ impl From<LayerRepr> for LayerSpec {
 impl From<LayerSpec> for LayerRepr {
     fn from(l: LayerSpec) -> Self {
         match l.mixer {
-            MixerSpec::Attention { window } => {
-                LayerRepr { mixer: MixerKind::Attention, sliding_window: window, shares_selection: false, ffn: l.ffn }
-            }
-            MixerSpec::Linear => {
-                LayerRepr { mixer: MixerKind::Linear, sliding_window: None, shares_selection: false, ffn: l.ffn }
-            }
-            MixerSpec::Sparse { shared } => {
-                LayerRepr { mixer: MixerKind::Sparse, sliding_window: None, shares_selection: shared, ffn: l.ffn }
-            }
+            MixerSpec::Attention { window } => LayerRepr {
+                mixer: MixerKind::Attention,
+                sliding_window: window,
+                shares_selection: false,
+                pool: None,
+                ffn: l.ffn,
+            },
+            MixerSpec::Linear => LayerRepr {
+                mixer: MixerKind::Linear,
+                sliding_window: None,
+                shares_selection: false,
+                pool: None,
+                ffn: l.ffn,
+            },
+            MixerSpec::Sparse { shared } => LayerRepr {
+                mixer: MixerKind::Sparse,
+                sliding_window: None,
+                shares_selection: shared,
+                pool: None,
+                ffn: l.ffn,
+            },
+            MixerSpec::Pooled { pool } => LayerRepr {
+                mixer: MixerKind::Pooled,
+                sliding_window: None,
+                shares_selection: false,
+                pool: Some(pool),
+                ffn: l.ffn,
+            },
         }
     }
 }
@@ -809,6 +950,7 @@ impl Default for ModelConfig {
             post_norms: false,
             layer_scale: false,
             dense_activation: Activation::Silu,
+            hyper: None,
         }
     }
 }
@@ -834,6 +976,7 @@ impl Default for MoeSpec {
             shared_expert: None,
             branch_norms: false,
             latent_dim: None,
+            hash_layers: 0,
         }
     }
 }
@@ -994,8 +1137,21 @@ impl ModelConfig {
     pub fn mla(&self) -> Option<&MlaSpec> {
         match &self.attention.kind {
             AttentionKind::Mla(m) => Some(m),
-            AttentionKind::Gqa => None,
+            AttentionKind::Gqa | AttentionKind::Pooled(_) => None,
         }
+    }
+
+    /// The DeepSeek-V4 attention spec, when attention is pooled.
+    pub fn pooled(&self) -> Option<&PooledSpec> {
+        match &self.attention.kind {
+            AttentionKind::Pooled(p) => Some(p),
+            _ => None,
+        }
+    }
+
+    /// Width of one token's residual stream: D, or N·D with hyper-connections.
+    pub fn residual_width(&self) -> usize {
+        self.hidden_size * self.hyper.map_or(1, |h| h.streams)
     }
 
     /// Width of one head's attention output (Dh, or MLA's value width).
@@ -1187,12 +1343,54 @@ impl ModelConfig {
                 ));
             }
         }
+        if let Some(p) = self.pooled() {
+            let dims = [p.q_lora_rank, p.rope_dim, p.window, p.o_groups, p.o_lora_rank, p.heavy_rate, p.light_rate];
+            let ix = p.indexer;
+            if dims.iter().chain(&[ix.heads, ix.head_dim, ix.top_k]).any(|&x| x == 0 || x > SIZE_LIMIT)
+                || ix.top_k > MAX_INDEX_TOP_K
+            {
+                return bad(format!("pooled attention dimensions {p:?} out of range (each must be >= 1)"));
+            }
+            if self.num_kv_heads != 1 || !p.rope_dim.is_multiple_of(2) || p.rope_dim > self.head_dim {
+                return bad(format!(
+                    "pooled attention needs one kv head and an even rope_dim within head_dim {}, got {} kv heads \
+                     and rope_dim {}",
+                    self.head_dim, self.num_kv_heads, p.rope_dim
+                ));
+            }
+            if ix.head_dim < p.rope_dim || !self.q_dim().is_multiple_of(p.o_groups) {
+                return bad(format!(
+                    "pooled attention: index head_dim {} must fit rope_dim {}, and o_groups {} divide H·Dh {}",
+                    ix.head_dim,
+                    p.rope_dim,
+                    p.o_groups,
+                    self.q_dim()
+                ));
+            }
+            if self.rope.rotary_dim != p.rope_dim || p.pool_rope.rotary_dim != p.rope_dim {
+                return bad(format!("pooled attention: both RoPEs rotate rope_dim {} values", p.rope_dim));
+            }
+            check_rope(&p.pool_rope, self.head_dim)?;
+        }
+        if let Some(h) = self.hyper
+            && (h.streams == 0 || h.streams > 64 || h.sinkhorn_iters == 0 || !(h.eps.is_finite() && h.eps >= 0.0))
+        {
+            return bad(format!("hyper-connections {h:?}: 1..=64 streams, at least one iteration, eps >= 0"));
+        }
+        if let Some(m) = &self.moe
+            && m.hash_layers > self.layers.len()
+        {
+            return bad(format!("{} hash-routed layers, more than the {} layers", m.hash_layers, self.layers.len()));
+        }
         for (i, l) in self.layers.iter().enumerate() {
             if l.mixer.window() == Some(0) {
                 return bad(format!("layer {i}: sliding window of 0"));
             }
             if l.mixer == MixerSpec::Linear && self.linear.is_none() {
                 return bad(format!("layer {i} is a linear-attention layer but the config has no linear spec"));
+            }
+            if matches!(l.mixer, MixerSpec::Pooled { .. }) != self.pooled().is_some() {
+                return bad(format!("layer {i}: pooled layers and pooled attention come together"));
             }
             if let (MixerSpec::Sparse { shared }, Some(_)) = (l.mixer, self.attention.block_index) {
                 if shared {

@@ -2,7 +2,7 @@
 //! config: the shape of each layer's state and the bytes it takes, split into
 //! the part that grows with every token and the part fixed per sequence.
 
-use crate::canonical::config::{MixerSpec, ModelConfig};
+use crate::canonical::config::{MixerSpec, ModelConfig, Pool};
 
 /// Which positions a KV layer keeps rows for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -79,6 +79,26 @@ pub enum LayerState {
         /// Index key values per position (the index head width).
         key_width: usize,
     },
+    /// DeepSeek-V4's pooled attention, four pieces, all float32: the
+    /// sliding window's `window` key/value rows of `width` values (fixed);
+    /// the pooler's unfinished block, `rate` rows of projected values and
+    /// gates, plus on light layers the previous block's overlap half
+    /// (fixed); the pooled entries, one of `width` values per `rate`
+    /// tokens; on light layers the indexer's own unfinished block, overlap
+    /// and pooled keys of `index_width` values.
+    Pooled {
+        /// Rows of the sliding window.
+        window: usize,
+        /// Dh: values per key/value row and per pooled entry.
+        width: usize,
+        /// Tokens per entry (0: a window-only layer, which pools nothing).
+        rate: usize,
+        /// Overlapping entries (a light layer): each block's projection is
+        /// two rows wide, and the previous block's half is kept.
+        overlap: bool,
+        /// Di: values per index key (0 without an indexer).
+        index_width: usize,
+    },
     /// Linear attention: a fixed float32 state whatever the sequence's
     /// length, the last `kernel − 1` inputs of the causal convolution and
     /// one `[Dk, Dv]` matrix per value head.
@@ -102,8 +122,41 @@ impl LayerState {
             LayerState::Latent { width, .. } => width,
             LayerState::Indexed { width, key_width } => width + key_width,
             LayerState::BlockIndexed { heads, head_dim, key_width } => 2 * heads * head_dim + key_width,
-            LayerState::Recurrent { .. } => 0,
+            LayerState::Recurrent { .. } | LayerState::Pooled { .. } => 0,
         }
+    }
+
+    /// Bytes each new position adds with `elem_bytes` per cached KV value
+    /// (a pooled layer's entries are float32 and come one per `rate`
+    /// tokens: their share per token, rounded up).
+    pub fn bytes_per_token(&self, elem_bytes: usize) -> usize {
+        match *self {
+            LayerState::Pooled { width, rate, index_width, .. } if rate > 0 => {
+                ((width + index_width) * RECURRENT_VALUE_BYTES).div_ceil(rate)
+            }
+            _ => self.values_per_token() * elem_bytes,
+        }
+    }
+
+    /// A pooled layer's pieces with their bytes per sequence (fixed) and
+    /// per token, for `colibri info` and the stats: the window, the
+    /// unfinished block (with the overlap), the entries, the index keys'
+    /// block and the index keys.
+    pub fn pooled_pieces(&self) -> Vec<(&'static str, usize, usize)> {
+        let LayerState::Pooled { window, width, rate, overlap, index_width } = *self else { return Vec::new() };
+        let b = RECURRENT_VALUE_BYTES;
+        let m = if overlap { 2 } else { 1 };
+        let mut out = vec![("window", window * width * b, 0)];
+        if rate > 0 {
+            let block = 2 * rate * m * width + if overlap { 2 * rate * width } else { 0 };
+            out.push(("pool_block", block * b, 0));
+            out.push(("pool_entries", 0, (width * b).div_ceil(rate)));
+        }
+        if index_width > 0 {
+            out.push(("index_block", (4 * rate * index_width + 2 * rate * index_width) * b, 0));
+            out.push(("index_keys", 0, (index_width * b).div_ceil(rate)));
+        }
+        out
     }
 
     /// Cached values each new position adds (0 for a sliding window's
@@ -131,6 +184,7 @@ impl LayerState {
             | LayerState::Indexed { .. }
             | LayerState::BlockIndexed { .. } => 0,
             LayerState::Recurrent { conv, matrix } => (conv + matrix) * RECURRENT_VALUE_BYTES,
+            LayerState::Pooled { .. } => self.pooled_pieces().iter().map(|p| p.1).sum(),
         }
     }
 }
@@ -151,7 +205,7 @@ impl StateLayout {
     pub fn new(cfg: &ModelConfig, elem_bytes: usize, chunk: usize) -> StateLayout {
         let states = cfg.layer_states();
         StateLayout {
-            bytes_per_token: states.iter().map(|s| s.values_per_token()).sum::<usize>() * elem_bytes,
+            bytes_per_token: states.iter().map(|s| s.bytes_per_token(elem_bytes)).sum::<usize>(),
             bytes_per_sequence: states.iter().map(|s| s.bytes_per_sequence(elem_bytes, chunk)).sum::<usize>(),
         }
     }
@@ -187,6 +241,21 @@ impl ModelConfig {
                 match m.indexer {
                     Some(ix) if !shared => LayerState::Indexed { width, key_width: ix.head_dim },
                     _ => LayerState::Latent { width, rows: Rows::Full },
+                }
+            }
+            MixerSpec::Pooled { pool } => {
+                let p = self.pooled().expect("validated: a pooled layer has a pooled spec");
+                let (rate, index_width) = match pool {
+                    Pool::Window => (0, 0),
+                    Pool::Heavy => (p.heavy_rate, 0),
+                    Pool::Light => (p.light_rate, p.indexer.head_dim),
+                };
+                LayerState::Pooled {
+                    window: p.window,
+                    width: self.head_dim,
+                    rate,
+                    overlap: pool == Pool::Light,
+                    index_width,
                 }
             }
             MixerSpec::Linear => {
@@ -387,6 +456,30 @@ mod tests {
         assert_eq!(cfg.layer_state(0), LayerState::Recurrent { conv: 336, matrix: 768 });
         let want = StateLayout { bytes_per_token: 2 * 2 * 16 * 2, bytes_per_sequence: (336 + 768) * 4 };
         assert_eq!(StateLayout::new(&cfg, 2, 512), want);
+    }
+
+    /// DeepSeek-V4's pooled layers: the window, the unfinished blocks and
+    /// the overlap are fixed per sequence; the entries and index keys come
+    /// one per `rate` tokens, float32 whatever the cache's type.
+    #[test]
+    fn pooled_layers_count_their_pieces() {
+        let cfg = crate::synth::pooled_config();
+        cfg.validate().unwrap();
+        // Layers: heavy (8), light (4, index keys of 10), window only, light.
+        let heavy = cfg.layer_state(0);
+        assert_eq!(heavy, LayerState::Pooled { window: 6, width: 16, rate: 8, overlap: false, index_width: 0 });
+        assert_eq!(heavy.bytes_per_token(2), 16 * 4 / 8);
+        let light = cfg.layer_state(1);
+        // Entries 16 · 4 / 4 plus index keys 10 · 4 / 4.
+        assert_eq!(light.bytes_per_token(2), 16 + 10);
+        let pieces: Vec<_> = light.pooled_pieces().iter().map(|p| p.0).collect();
+        assert_eq!(pieces, ["window", "pool_block", "pool_entries", "index_block", "index_keys"]);
+        // window 6·16, blocks 2·4·32 + overlap 2·4·16, index 6·4·10; f32.
+        assert_eq!(light.bytes_per_sequence(2, 512), (6 * 16 + 2 * 4 * 32 + 2 * 4 * 16 + 6 * 4 * 10) * 4);
+        let window = cfg.layer_state(2);
+        assert_eq!((window.bytes_per_token(4), window.bytes_per_sequence(4, 512)), (0, 6 * 16 * 4));
+        let layout = StateLayout::new(&cfg, 2, 512);
+        assert_eq!(layout.bytes_per_token, 8 + 2 * 26);
     }
 
     /// A sliding-window layer keeps a fixed buffer: its window, the rollback

@@ -6,7 +6,7 @@
 //!
 //! Matrices are `[out, in]`, row-major, one output per row (as `nn.Linear`).
 
-use super::config::{FfnSpec, LinearKind, MixerSpec, ModelConfig, NormKind, QkNorm};
+use super::config::{FfnSpec, LinearKind, MixerSpec, ModelConfig, NormKind, Pool, QkNorm};
 
 /// Which tensor of a layer's attention or FFN.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -158,6 +158,43 @@ pub enum LayerTensor {
     SharedPostNorm,
     /// `[1]` multiplier of the layer's output (`layer_scale`).
     LayerScale,
+    /// Pooled attention [Dh, D]: the one key/value row.
+    Wkv,
+    /// Pooled attention `[Dh]`: its RMSNorm scale.
+    KvNorm,
+    /// Pooled attention [G·Ro, H·Dh/G]: the grouped output projection,
+    /// group g's rows `g·Ro..(g + 1)·Ro` (`Wo` then mixes the groups).
+    WoA,
+    /// Pool [m·Dh, D] (m = 2 on light layers): the rows to pool.
+    PoolKv,
+    /// Pool [m·Dh, D]: their gates.
+    PoolGate,
+    /// Pool [rate, m·Dh]: the gates' bias per position in the block.
+    PoolBias,
+    /// Pool `[Dh]`: RMSNorm scale of an entry.
+    PoolNorm,
+    /// Index pool [2·Di, D]: the rows to pool.
+    IdxPoolKv,
+    /// Index pool [2·Di, D]: their gates.
+    IdxPoolGate,
+    /// Index pool [rate, 2·Di]: the gates' bias per position.
+    IdxPoolBias,
+    /// Index pool `[Di]`: RMSNorm scale of an index key.
+    IdxPoolNorm,
+    /// Hyper-connections before attention [(2 + N)·N, N·D].
+    AttnHcFn,
+    /// `[(2 + N)·N]` their bias.
+    AttnHcBase,
+    /// `[3]` their scales (pre, post, comb).
+    AttnHcScale,
+    /// Hyper-connections before the FFN [(2 + N)·N, N·D].
+    FfnHcFn,
+    /// `[(2 + N)·N]` their bias.
+    FfnHcBase,
+    /// `[3]` their scales.
+    FfnHcScale,
+    /// Hash routing [V, K]: each token's experts (whole numbers, f32).
+    HashTable,
 }
 
 /// Which matrix of a routed expert.
@@ -204,6 +241,12 @@ pub enum TensorId {
     /// The multi-token-prediction layer's glue (its decoder layer is an
     /// ordinary [`TensorId::Layer`], the last).
     Mtp(MtpTensor),
+    /// Hyper-connections' final collapse [N, N·D].
+    HcHeadFn,
+    /// `[N]` its bias.
+    HcHeadBase,
+    /// `[1]` its scale.
+    HcHeadScale,
 }
 
 /// The tensors around a multi-token-prediction layer (see
@@ -242,6 +285,9 @@ impl std::fmt::Display for TensorId {
             TensorId::LmHead => f.write_str("lm_head"),
             TensorId::LmHeadBias => f.write_str("lm_head.bias"),
             TensorId::Mtp(t) => write!(f, "mtp.{}", t.name()),
+            TensorId::HcHeadFn => f.write_str("hc_head.fn"),
+            TensorId::HcHeadBase => f.write_str("hc_head.base"),
+            TensorId::HcHeadScale => f.write_str("hc_head.scale"),
             TensorId::Layer(l, t) => {
                 let n = match t {
                     L::AttnNorm => "attn_norm",
@@ -314,6 +360,24 @@ impl std::fmt::Display for TensorId {
                     L::MoePostNorm => "moe.post_norm",
                     L::SharedPostNorm => "moe.shared.post_norm",
                     L::LayerScale => "layer_scale",
+                    L::Wkv => "attn.wkv",
+                    L::KvNorm => "attn.kv_norm",
+                    L::WoA => "attn.wo_a",
+                    L::PoolKv => "attn.pool.kv",
+                    L::PoolGate => "attn.pool.gate",
+                    L::PoolBias => "attn.pool.bias",
+                    L::PoolNorm => "attn.pool.norm",
+                    L::IdxPoolKv => "attn.indexer.pool.kv",
+                    L::IdxPoolGate => "attn.indexer.pool.gate",
+                    L::IdxPoolBias => "attn.indexer.pool.bias",
+                    L::IdxPoolNorm => "attn.indexer.pool.norm",
+                    L::AttnHcFn => "attn_hc.fn",
+                    L::AttnHcBase => "attn_hc.base",
+                    L::AttnHcScale => "attn_hc.scale",
+                    L::FfnHcFn => "ffn_hc.fn",
+                    L::FfnHcBase => "ffn_hc.base",
+                    L::FfnHcScale => "ffn_hc.scale",
+                    L::HashTable => "moe.hash_table",
                 };
                 write!(f, "layers.{l}.{n}")
             }
@@ -413,8 +477,9 @@ impl TensorId {
             TensorId::LmHead => Some(TensorClass::LmHead),
             TensorId::Mtp(MtpTensor::Proj) => Some(TensorClass::Attention),
             TensorId::Layer(_, t) => match t {
-                L::Wq | L::Wo | L::WqA | L::WqB | L::Wg | L::IdxWq => Some(TensorClass::Attention),
+                L::Wq | L::Wo | L::WqA | L::WqB | L::Wg | L::IdxWq | L::WoA => Some(TensorClass::Attention),
                 L::Wk | L::Wv | L::WkvA | L::WkB | L::WvB | L::IdxWk => Some(TensorClass::AttentionKv),
+                L::Wkv | L::PoolKv | L::PoolGate | L::IdxPoolKv | L::IdxPoolGate => Some(TensorClass::AttentionKv),
                 L::LinQ | L::LinK | L::LinV | L::LinZ | L::LinB | L::LinA => Some(TensorClass::Attention),
                 L::LinFa | L::LinFb | L::LinGa | L::LinGb => Some(TensorClass::Attention),
                 L::Gate | L::Up | L::Down => Some(TensorClass::Ffn),
@@ -553,6 +618,37 @@ pub fn tensor_plan(cfg: &ModelConfig) -> Vec<PlannedTensor> {
                     push(t(L::AttnPostNorm), vec![d], Role::Small);
                 }
             }
+            MixerSpec::Pooled { pool } => {
+                let p = cfg.pooled().expect("validated: a pooled layer has a pooled spec");
+                let (dh, rq, ix) = (cfg.head_dim, p.q_lora_rank, p.indexer);
+                push(t(L::WqA), vec![rq, d], Role::Matrix);
+                push(t(L::QANorm), vec![rq], Role::Small);
+                push(t(L::WqB), vec![h * dh, rq], Role::Matrix);
+                push(t(L::Wkv), vec![dh, d], Role::Matrix);
+                push(t(L::KvNorm), vec![dh], Role::Small);
+                push(t(L::Sinks), vec![h], Role::Small);
+                let (m, rate) = match pool {
+                    Pool::Window => (0, 0),
+                    Pool::Heavy => (1, p.heavy_rate),
+                    Pool::Light => (2, p.light_rate),
+                };
+                if m > 0 {
+                    push(t(L::PoolKv), vec![m * dh, d], Role::Matrix);
+                    push(t(L::PoolGate), vec![m * dh, d], Role::Matrix);
+                    push(t(L::PoolBias), vec![rate, m * dh], Role::Small);
+                    push(t(L::PoolNorm), vec![dh], Role::Small);
+                }
+                if pool == Pool::Light {
+                    push(t(L::IdxPoolKv), vec![2 * ix.head_dim, d], Role::Matrix);
+                    push(t(L::IdxPoolGate), vec![2 * ix.head_dim, d], Role::Matrix);
+                    push(t(L::IdxPoolBias), vec![rate, 2 * ix.head_dim], Role::Small);
+                    push(t(L::IdxPoolNorm), vec![ix.head_dim], Role::Small);
+                    push(t(L::IdxWq), vec![ix.heads * ix.head_dim, rq], Role::Matrix);
+                    push(t(L::IdxWeights), vec![ix.heads, d], Role::Small);
+                }
+                push(t(L::WoA), vec![p.o_groups * p.o_lora_rank, h * dh / p.o_groups], Role::Matrix);
+                push(t(L::Wo), vec![d, p.o_groups * p.o_lora_rank], Role::Matrix);
+            }
             MixerSpec::Linear => {
                 let lin = cfg.linear.expect("validated: a linear layer has a linear spec");
                 let (hv, kd, vd) = (lin.v_heads, lin.key_dim(), lin.value_dim());
@@ -617,11 +713,14 @@ pub fn tensor_plan(cfg: &ModelConfig) -> Vec<PlannedTensor> {
                 if moe.router.bias {
                     push(t(L::RouterBias), vec![e], Role::Small);
                 }
-                if moe.router.correction_bias {
+                if moe.router.correction_bias && l >= moe.hash_layers {
                     push(t(L::RouterCorrection), vec![e], Role::Small);
                 }
                 if moe.router.own_norm.is_some() {
                     push(t(L::RouterNorm), vec![d], Role::Small);
+                }
+                if l < moe.hash_layers {
+                    push(t(L::HashTable), vec![v, moe.router.top_k], Role::Small);
                 }
                 if moe.router.expert_scale {
                     push(t(L::RouterExpertScale), vec![e], Role::Small);
@@ -658,6 +757,20 @@ pub fn tensor_plan(cfg: &ModelConfig) -> Vec<PlannedTensor> {
         if cfg.layer_scale {
             push(t(L::LayerScale), vec![1], Role::Small);
         }
+        if let Some(hc) = cfg.hyper {
+            let (n, mix) = (hc.streams, (2 + hc.streams) * hc.streams);
+            push(t(L::AttnHcFn), vec![mix, n * d], Role::Small);
+            push(t(L::AttnHcBase), vec![mix], Role::Small);
+            push(t(L::AttnHcScale), vec![3], Role::Small);
+            push(t(L::FfnHcFn), vec![mix, n * d], Role::Small);
+            push(t(L::FfnHcBase), vec![mix], Role::Small);
+            push(t(L::FfnHcScale), vec![3], Role::Small);
+        }
+    }
+    if let Some(hc) = cfg.hyper {
+        push(TensorId::HcHeadFn, vec![hc.streams, hc.streams * d], Role::Small);
+        push(TensorId::HcHeadBase, vec![hc.streams], Role::Small);
+        push(TensorId::HcHeadScale, vec![1], Role::Small);
     }
     push(TensorId::FinalNorm, vec![d], Role::Small);
     if layer_norm {

@@ -485,6 +485,17 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
                         ),
                     ));
                 }
+                // Whole numbers only where the model reads an index table.
+                let table = matches!(p.id, TensorId::Layer(_, crate::canonical::tensors::LayerTensor::HashTable));
+                if let (safetensors::Encoding::Int { bytes }, false) = (&t.enc, table) {
+                    return Err(Error::Unsupported(format!(
+                        "{}: tensor {} has dtype I{}; integer tensors are read only as index tables (supported: \
+                         F32, BF16, F16, and F8_E4M3 / MXFP4 / packed int4 with their scales)",
+                        ck.file_of(t).display(),
+                        s.name,
+                        bytes * 8
+                    )));
+                }
                 sources.push((p, s, t));
             }
         }
@@ -539,7 +550,7 @@ pub fn convert(src: &Path, dst: &Path, opts: &ConvertOptions, interrupted: &dyn 
     // Packed int4 becomes q4_0 (the same values where the scale is an f16),
     // or f32 for a tensor with a scale beyond f16's range.
     let own = |name: &str, t: &SrcTensor| match t.enc {
-        safetensors::Encoding::Plain(_) => plain_default,
+        safetensors::Encoding::Plain(_) | safetensors::Encoding::Int { .. } => plain_default,
         safetensors::Encoding::Fp8 { .. } => DType::Q8_0,
         safetensors::Encoding::Mxfp4 { .. } => DType::Mxfp4,
         safetensors::Encoding::PackedInt4 { .. } if int4_scales.get(name).is_some_and(|c| c.overflow > 0) => DType::F32,

@@ -60,10 +60,13 @@ pub enum Encoding {
     Plain(DType),
     /// E4M3 codes times a float32 scale per `[b0, b1]` block.
     Fp8 {
-        /// The `_scale_inv` tensor's bytes: `[ceil(rows/b0), ceil(cols/b1)]` f32.
+        /// The `_scale_inv` tensor's bytes: `[ceil(rows/b0), ceil(cols/b1)]` f32
+        /// (or one E8M0 exponent byte each, `ue8m0`).
         scales: Span,
         /// Block size (rows, cols).
         block: [usize; 2],
+        /// The scales are E8M0 bytes (`2^(b − 127)`, DeepSeek-V4's `scale_fmt: ue8m0`).
+        ue8m0: bool,
     },
     /// E2M1 pairs with one E8M0 exponent per 32 values.
     Mxfp4 {
@@ -77,6 +80,13 @@ pub enum Encoding {
         scales: Span,
         /// Their type (BF16 on the Hub; F16 and F32 are read too).
         scale_dtype: DType,
+    },
+    /// Whole numbers (`I64` or `I32`, little-endian), read as f32: index
+    /// tables such as DeepSeek-V4's token → experts map. A value beyond
+    /// f32's exact integers (2^24) is an error.
+    Int {
+        /// Bytes per value (8 or 4).
+        bytes: usize,
     },
 }
 
@@ -103,6 +113,23 @@ pub struct Checkpoint {
     dir: PathBuf,
     files: Vec<(PathBuf, Mmap)>,
     tensors: BTreeMap<String, SrcTensor>,
+}
+
+/// An E8M0 exponent byte as the f32 `2^(b − 127)` (255 is NaN).
+fn e8m0(b: u8) -> f32 {
+    match b {
+        0 => f32::from_bits(0x0040_0000), // 2^-127, a subnormal
+        255 => f32::NAN,
+        _ => f32::from_bits(u32::from(b) << 23),
+    }
+}
+
+/// The scale tensor beside the quantised tensor `name` (`X.weight`):
+/// `X.weight_scale_inv` (transformers) or `X.scale` (DeepSeek's own files),
+/// taken out of `raw`.
+fn take_scale(raw: &mut BTreeMap<String, RawTensor>, name: &str) -> Option<(String, RawTensor)> {
+    let own = name.strip_suffix(".weight").map(|b| format!("{b}.scale"));
+    [Some(format!("{name}_scale_inv")), own].into_iter().flatten().find_map(|n| raw.remove(&n).map(|t| (n, t)))
 }
 
 fn st_dtype(s: &str) -> Option<DType> {
@@ -218,7 +245,17 @@ impl Checkpoint {
                 // Names sort before their `_scale_inv` / `_scales` companions, so
                 // a companion seen here has no tensor and is left to the
                 // converter's unused-tensor check.
+                // DeepSeek's `X.scale` sorts before its `X.weight`, which takes it.
+                "F8_E8M0" | "U8" | "F32"
+                    if name.strip_suffix(".scale").is_some_and(|b| {
+                        raw.get(&format!("{b}.weight")).is_some_and(|w| matches!(w.dtype.as_str(), "F8_E4M3" | "I8"))
+                    }) => {}
                 "F32" | "BF16" | "F16" => self.plain(&name, raw.remove(&name).expect("present"))?,
+                "I64" | "I32" if !name.ends_with("_packed") && !name.ends_with("_shape") => {
+                    let t = raw.remove(&name).expect("present");
+                    let bytes = if t.dtype == "I64" { 8 } else { 4 };
+                    self.insert(&name, SrcTensor { enc: Encoding::Int { bytes }, shape: t.shape, at: t.at })?;
+                }
                 "F8_E4M3" => {
                     let Some(block) = fp8_block else {
                         return Err(bad(format!(
@@ -226,21 +263,51 @@ impl Checkpoint {
                         )));
                     };
                     let t = raw.remove(&name).expect("present");
-                    let sname = format!("{name}_scale_inv");
-                    let s = raw.remove(&sname).ok_or_else(|| bad(format!("FP8 tensor {name} has no {sname}")))?;
+                    let (sname, s) = take_scale(&mut raw, &name)
+                        .ok_or_else(|| bad(format!("FP8 tensor {name} has no {name}_scale_inv")))?;
                     let [rows, cols] = t.shape[..] else {
                         return Err(bad(format!("FP8 tensor {name} has shape {:?}; expected 2 dimensions", t.shape)));
                     };
                     let want = vec![rows.div_ceil(block[0]), cols.div_ceil(block[1])];
-                    if s.dtype != "F32" || s.shape != want {
+                    let ue8m0 = matches!(s.dtype.as_str(), "F8_E8M0" | "U8");
+                    if !(s.dtype == "F32" || ue8m0) || s.shape != want {
                         return Err(bad(format!(
-                            "{sname} is {} {:?}; FP8 tensor {name} [{rows}, {cols}] with blocks {block:?} needs F32 {want:?}",
+                            "{sname} is {} {:?}; FP8 tensor {name} [{rows}, {cols}] with blocks {block:?} needs F32 \
+                             (or E8M0) {want:?}",
                             s.dtype, s.shape
                         )));
                     }
                     self.insert(
                         &name,
-                        SrcTensor { enc: Encoding::Fp8 { scales: s.at, block }, shape: t.shape, at: t.at },
+                        SrcTensor { enc: Encoding::Fp8 { scales: s.at, block, ue8m0 }, shape: t.shape, at: t.at },
+                    )?;
+                }
+                // DeepSeek-V4's FP4 experts: E2M1 pairs in int8 bytes (low nibble
+                // first) with one E8M0 exponent per 32 values along each row — the
+                // MXFP4 layout, read as such.
+                "I8" if method == Some("fp8") => {
+                    let t = raw.remove(&name).expect("present");
+                    let (sname, s) = take_scale(&mut raw, &name)
+                        .ok_or_else(|| bad(format!("FP4 tensor {name} has no {name}_scale_inv")))?;
+                    let [rows, half] = t.shape[..] else {
+                        return Err(bad(format!("FP4 tensor {name} has shape {:?}; expected 2 dimensions", t.shape)));
+                    };
+                    let cols = 2 * half;
+                    if !matches!(s.dtype.as_str(), "F8_E8M0" | "U8")
+                        || s.shape != [rows, cols.div_ceil(32)]
+                        || cols % 32 != 0
+                    {
+                        return Err(bad(format!(
+                            "{sname} is {} {:?}; FP4 tensor {name} [{rows}, {cols}] needs E8M0 scales [{rows}, {}] \
+                             (one per 32 values)",
+                            s.dtype,
+                            s.shape,
+                            cols / 32
+                        )));
+                    }
+                    self.insert(
+                        &name,
+                        SrcTensor { enc: Encoding::Mxfp4 { scales: s.at }, shape: vec![rows, cols], at: t.at },
                     )?;
                 }
                 "U8" if name.ends_with("_blocks") => {
@@ -397,7 +464,7 @@ impl Checkpoint {
             let elem = match dt {
                 "F32" | "I32" | "U32" => Some(4),
                 "BF16" | "F16" | "I16" | "U16" => Some(2),
-                "F8_E4M3" | "F8_E5M2" | "U8" | "I8" | "BOOL" => Some(1),
+                "F8_E4M3" | "F8_E5M2" | "F8_E8M0" | "U8" | "I8" | "BOOL" => Some(1),
                 "F64" | "I64" | "U64" => Some(8),
                 _ => None,
             };
@@ -473,11 +540,14 @@ impl Checkpoint {
                 let cols = *shape.last().unwrap_or(&1);
                 crate::quant::decode(*d, &bytes[outer * per..(outer + 1) * per], cols.max(1), &mut out);
             }
-            Encoding::Fp8 { scales, block } => {
+            Encoding::Fp8 { scales, block, ue8m0 } => {
                 // FP8 tensors are 2-D (checked when resolved), so never sliced.
                 let (rows, cols) = (shape[0], shape[1]);
-                let sc: Vec<f32> =
-                    self.span(*scales).chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4"))).collect();
+                let sc: Vec<f32> = if *ue8m0 {
+                    self.span(*scales).iter().map(|&b| e8m0(b)).collect()
+                } else {
+                    self.span(*scales).chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4"))).collect()
+                };
                 super::dequant::dequant_fp8_block(bytes, rows, cols, &sc, *block, &mut out);
             }
             Encoding::PackedInt4 { scales, scale_dtype } => {
@@ -485,6 +555,23 @@ impl Checkpoint {
                 let sc = self.int4_scale_values(*scales, *scale_dtype, outer * groups, groups);
                 let codes = &bytes[outer * groups * 16..(outer + 1) * groups * 16];
                 dequant::dequant_int4(codes, &sc, &mut out);
+            }
+            Encoding::Int { bytes: w } => {
+                let vals = &bytes[outer * n * w..(outer + 1) * n * w];
+                for (o, c) in out.iter_mut().zip(vals.chunks_exact(*w)) {
+                    let v = if *w == 8 {
+                        i64::from_le_bytes(c.try_into().expect("8 bytes"))
+                    } else {
+                        i64::from(i32::from_le_bytes(c.try_into().expect("4 bytes")))
+                    };
+                    if v.unsigned_abs() > 1 << 24 {
+                        return Err(Error::checkpoint(
+                            self.file_of(t),
+                            format!("integer tensor {name}: value {v} is beyond what f32 holds exactly"),
+                        ));
+                    }
+                    *o = v as f32;
+                }
             }
             Encoding::Mxfp4 { scales } => {
                 let groups = n / 32;
@@ -695,6 +782,49 @@ mod tests {
                 [rows as i32, cols as i32].iter().flat_map(|v| v.to_le_bytes()).collect(),
             ),
         ]
+    }
+
+    /// DeepSeek-V4's Hub formats: FP4 experts (E2M1 pairs in I8 bytes, an
+    /// E8M0 exponent per 32 values, `.scale` beside `.weight`) read as
+    /// MXFP4; FP8 with E8M0 block scales; an I64 token → experts table read
+    /// as whole f32 values.
+    #[test]
+    fn deepseek_v4_fp4_fp8_and_index_tables_read_exactly() {
+        let dir = tempfile::tempdir().unwrap();
+        let (rows, cols) = (2usize, 64usize);
+        let codes: Vec<u8> = (0..rows * cols / 2).map(|i| (i * 29 % 256) as u8).collect();
+        let scales: Vec<u8> = vec![126, 127, 128, 130]; // 2^-1, 1, 2, 8 per 32 values
+        let fp8: Vec<u8> = (0..4 * 4).map(|i| [0x38u8, 0xb8, 0x40, 0x00][i % 4]).collect(); // 1, -1, 2, 0
+        let table: Vec<u8> = [3i64, 0, 5, 1].iter().flat_map(|v| v.to_le_bytes()).collect();
+        write(
+            &dir.path().join("model.safetensors"),
+            &[
+                ("e.w1.weight", "I8", vec![rows, cols / 2], codes.clone()),
+                ("e.w1.scale", "F8_E8M0", vec![rows, cols / 32], scales.clone()),
+                ("d.weight", "F8_E4M3", vec![4, 4], fp8),
+                ("d.weight_scale_inv", "F8_E8M0", vec![2, 2], vec![127, 128, 126, 129]),
+                ("g.tid2eid", "I64", vec![2, 2], table),
+            ],
+        );
+        let q = serde_json::json!({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [2, 2],
+            "scale_fmt": "ue8m0", "expert_dtype": "fp4"});
+        let ck = Checkpoint::open(dir.path(), Some(&q)).unwrap();
+        assert_eq!(ck.names().collect::<Vec<_>>(), ["d.weight", "e.w1.weight", "g.tid2eid"]);
+        let t = ck.get("e.w1.weight").unwrap();
+        assert!(matches!(t.enc, Encoding::Mxfp4 { .. }) && t.shape == [rows, cols]);
+        let (_, got) = ck.decode_f32("e.w1.weight", t, None).unwrap();
+        let lut = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
+        for (i, &v) in got.iter().enumerate() {
+            let nib = if i % 2 == 0 { codes[i / 2] & 15 } else { codes[i / 2] >> 4 };
+            let scale = 2f32.powi(scales[i / 32] as i32 - 127);
+            assert_eq!(v, lut[nib as usize] * scale, "value {i}");
+        }
+        let (_, d) = ck.decode_f32("d.weight", ck.get("d.weight").unwrap(), None).unwrap();
+        // Row 0: blocks scaled 1 and 2; row 2: 0.5 and 4.
+        assert_eq!(&d[..4], &[1.0, -1.0, 4.0, 0.0]);
+        assert_eq!(&d[8..12], &[0.5, -0.5, 8.0, 0.0]);
+        let (_, tab) = ck.decode_f32("g.tid2eid", ck.get("g.tid2eid").unwrap(), None).unwrap();
+        assert_eq!(tab, [3.0, 0.0, 5.0, 1.0]);
     }
 
     #[test]

@@ -41,7 +41,8 @@ fn prefill_then_decode_equals_one_full_forward() {
         .chain(DType::ALL.map(|dt| (dt, crate::synth::mamba_hybrid_config())))
         .chain(DType::ALL.map(|dt| (dt, crate::synth::gemma4_config())))
         .chain(DType::ALL.map(|dt| (dt, crate::synth::sparse_config())))
-        .chain(DType::ALL.map(|dt| (dt, crate::synth::block_sparse_config())));
+        .chain(DType::ALL.map(|dt| (dt, crate::synth::block_sparse_config())))
+        .chain([DType::F32, DType::Bf16].map(|dt| (dt, crate::synth::pooled_config())));
     for (dt, cfg) in cases {
         let (_d, e) = engine_with(&cfg, dt, 2);
         let toks = ids(29);
@@ -121,6 +122,7 @@ fn chunked_prefill_equals_single_pass() {
         (crate::synth::sparse_config(), DType::Q8_0),
         (crate::synth::block_sparse_config(), DType::F32),
         (crate::synth::block_sparse_config(), DType::Q8_0),
+        (crate::synth::pooled_config(), DType::F32),
     ];
     for (cfg, dt) in cases {
         let (_d, e) = engine_with(&cfg, dt, 2);
@@ -143,7 +145,13 @@ fn chunked_prefill_equals_single_pass() {
 /// plain prefill, whatever was fed (and dropped) in between.
 #[test]
 fn a_hybrid_sequence_goes_back_to_its_start_or_its_checkpoint() {
-    for cfg in [crate::synth::hybrid_config(), crate::synth::kda_hybrid_config(), crate::synth::mamba_hybrid_config()] {
+    let configs = [
+        crate::synth::hybrid_config(),
+        crate::synth::kda_hybrid_config(),
+        crate::synth::mamba_hybrid_config(),
+        crate::synth::pooled_config(),
+    ];
+    for cfg in configs {
         let (_d, e) = engine_with(&cfg, DType::F32, 2);
         let v = e.model().config.vocab_size;
         let toks = ids(12);
@@ -194,6 +202,7 @@ fn thread_count_does_not_change_a_single_bit() {
         (crate::synth::gemma4_config(), DType::Q8_0),
         (crate::synth::sparse_config(), DType::F32),
         (crate::synth::block_sparse_config(), DType::Q8_0),
+        (crate::synth::pooled_config(), DType::F32),
     ];
     for (cfg, dt) in cases {
         let (_a, one) = engine_with(&cfg, dt, 1);
@@ -439,7 +448,8 @@ fn a_batch_of_sequences_gives_each_the_bits_it_gets_alone() {
         .chain(DType::ALL.map(|dt| (dt, kda.clone())))
         .chain(DType::ALL.map(|dt| (dt, crate::synth::mamba_hybrid_config())))
         .chain(DType::ALL.map(|dt| (dt, crate::synth::gemma4_config())))
-        .chain(DType::ALL.map(|dt| (dt, crate::synth::sparse_config())));
+        .chain(DType::ALL.map(|dt| (dt, crate::synth::sparse_config())))
+        .chain([DType::F32, DType::Bf16].map(|dt| (dt, crate::synth::pooled_config())));
     for (dt, cfg) in cases {
         let (_d, e) = engine_with(&cfg, dt, 2);
         let m = e.model();
@@ -763,6 +773,7 @@ fn every_state_kind() -> Vec<crate::canonical::config::ModelConfig> {
         crate::synth::mamba_hybrid_config(),
         crate::synth::gemma4_config(),
         crate::synth::block_sparse_config(),
+        crate::synth::pooled_config(),
     ];
     configs.iter_mut().for_each(|c| c.max_seq_len = 400);
     configs
@@ -810,7 +821,7 @@ fn a_prefix_cache_is_exact_for_every_state_kind() {
                 let want = run(&plain, p);
                 let got = run(&cached, p);
                 assert_eq!((&got.0, &got.1), (&want.0, &want.1), "{arch}, budget {budget}: turn {k}");
-                let hybrid = cfg.linear.is_some();
+                let hybrid = cfg.linear.is_some() || cfg.pooled().is_some();
                 if budget > 1 << 20 {
                     // A hybrid resumes only where its recurrent states were
                     // saved: the prompt's and the generation's last block
@@ -916,7 +927,8 @@ fn mtp_rows_survive_rollbacks_for_every_state_kind() {
     use crate::model::forward::mtp_draft;
     use crate::model::session::Session;
     for (case, mut cfg) in every_state_kind().into_iter().enumerate() {
-        if cfg.layers.iter().any(|l| matches!(l.mixer, MixerSpec::Sparse { .. })) {
+        // (DeepSeek's sparse and pooled models have no MTP layer colibri keeps.)
+        if cfg.layers.iter().any(|l| matches!(l.mixer, MixerSpec::Sparse { .. } | MixerSpec::Pooled { .. })) {
             continue;
         }
         let ffn = if cfg.moe.is_some() { FfnSpec::Moe } else { cfg.layers[0].ffn.clone() };
@@ -990,7 +1002,8 @@ fn pipeline_stages_equal_the_whole_model_for_every_state_kind() {
         write_random_model(&p, &cfg, DType::F32, 9);
         let open = |stage| Engine::open(&p, &EngineOptions { threads: Some(2), stage, ..Default::default() }).unwrap();
         let whole = open(None);
-        let (v, d) = (cfg.vocab_size, cfg.hidden_size);
+        // A stage hands on the whole residual: every hyper-connection stream.
+        let (v, d) = (cfg.vocab_size, cfg.residual_width());
         let toks: Vec<u32> = (0..40).map(|i| ((i * 13 + 5) % v) as u32).collect();
         let feeds = [&toks[..21], &toks[21..22], &toks[22..23], &toks[23..27], &toks[27..28]];
         let mut want = Vec::new();

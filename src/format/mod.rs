@@ -113,7 +113,13 @@ impl Part {
         let (first, last) = (self.layers[0] == 0, self.layers[1] == cfg.main_layers());
         match id {
             TensorId::Embed => first || (last && cfg.tie_embeddings),
-            TensorId::FinalNorm | TensorId::FinalNormBias | TensorId::LmHead | TensorId::LmHeadBias => last,
+            TensorId::FinalNorm
+            | TensorId::FinalNormBias
+            | TensorId::LmHead
+            | TensorId::LmHeadBias
+            | TensorId::HcHeadFn
+            | TensorId::HcHeadBase
+            | TensorId::HcHeadScale => last,
             TensorId::Layer(l, _) | TensorId::Expert(l, _, _) => self.range().contains(l),
             // The multi-token-prediction layer runs after the whole model; no stage runs it.
             TensorId::Mtp(_) => false,

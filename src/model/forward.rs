@@ -19,15 +19,17 @@ use super::blocks::block_index::{BlockIndexRefs, BlockIndexer};
 use super::blocks::delta::{Delta, DeltaRefs};
 use super::blocks::ffn::{MlpScratch, add_bias, gated_mlp, sigmoid};
 use super::blocks::gqa::Gqa;
+use super::blocks::hyper::Hyper;
 use super::blocks::indexer::{IndexRefs, Indexer, attend_rows};
 use super::blocks::mla::{Mla, MlaQ};
 use super::blocks::moe::{MoeBlock, MoeLayer, moe_block, moe_forward, predict};
 use super::blocks::norm::{norm_rows, rmsnorm_rows_inplace};
+use super::blocks::pooled::{PoolRefs, PoolW, Pooled, PooledRefs};
 use super::blocks::rope::Rope;
 use super::session::{Sequence, Session, Workspace};
 use super::weights::{Mlp, TensorRef};
 use super::{FfnRefs, LayerRefs, MlaQuery, MlpRefs, Model, NormRefs, QkvRefs};
-use crate::canonical::config::{Activation, QkNorm};
+use crate::canonical::config::{Activation, MixerSpec, Pool, QkNorm};
 use crate::error::{Error, Result};
 use crate::kernels::matmul;
 
@@ -54,7 +56,7 @@ pub struct Capture<'a> {
 /// (and only when) it computes no logits; captures of the whole model's
 /// outputs only from the whole model.
 fn check_stage_io(model: &Model, n: usize, input: Option<&[f32]>, cap: &Capture) -> Result<()> {
-    let (st, d) = (&model.stage, model.config.hidden_size);
+    let (st, d) = (&model.stage, model.config.residual_width());
     let bad = |what: String| Err(Error::InvalidInput(format!("pipeline stage of layers {:?}: {what}", st.layers)));
     match input {
         None if !st.embeds() => {
@@ -245,19 +247,35 @@ fn forward_chunk(
     cap: &mut Capture,
 ) -> Result<()> {
     let c = &model.config;
-    let d = c.hidden_size;
+    let (d, wres) = (c.hidden_size, c.residual_width());
     let n: usize = segs.iter().map(|g| g.tokens.len()).sum();
     debug_assert!(segs.len() == 1 || (cap.logits.is_none() && cap.hidden.is_none() && cap.mtp_logits.is_none()));
+    // A hidden state is D wide: with hyper-connections, the first stream.
     let snap = |hidden: &mut Option<&mut [f32]>, slot: usize, x: &[f32]| {
         if let Some(h) = hidden.as_deref_mut() {
             let at = (slot * total + off) * d;
-            h[at..at + n * d].copy_from_slice(&x[..n * d]);
+            for t in 0..n {
+                h[at + t * d..at + (t + 1) * d].copy_from_slice(&x[t * wres..t * wres + d]);
+            }
         }
     };
+    for (t, &tok) in segs.iter().flat_map(|g| g.tokens).enumerate() {
+        s.tokens[t] = tok;
+    }
 
     match input {
-        None => embed(model, s, segs), // x: [T, D]
-        Some(h) => s.x[..n * d].copy_from_slice(&h[off * d..(off + n) * d]),
+        None => {
+            embed(model, s, segs); // x: [T, D]
+            if let Some(hc) = c.hyper {
+                // Every stream starts as the embedding: [T, N·D].
+                for t in (0..n).rev() {
+                    for k in (0..hc.streams).rev() {
+                        s.x.copy_within(t * d..(t + 1) * d, t * wres + k * d);
+                    }
+                }
+            }
+        }
+        Some(h) => s.x[..n * wres].copy_from_slice(&h[off * wres..(off + n) * wres]),
     }
     snap(&mut cap.hidden, 0, &s.x);
     rope_angles(model, s, segs);
@@ -270,15 +288,25 @@ fn forward_chunk(
     }
     if let Some(out) = cap.residual.as_deref_mut() {
         // A stage before the last: its rows go on to the next stage.
-        out[off * d..(off + n) * d].copy_from_slice(&s.x[..n * d]);
+        out[off * wres..(off + n) * wres].copy_from_slice(&s.x[..n * wres]);
         for g in segs.iter_mut() {
             g.seq.pos += g.tokens.len();
         }
         model.telemetry.tokens.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
         return Ok(());
     }
-    norm(model, model.head().0, &s.x[..n * d], &mut s.xn[..n * d]);
-    snap(&mut cap.hidden, layers, &s.xn);
+    let (final_norm, _) = model.head();
+    match model.hc_head {
+        Some(head) => {
+            hyper(model, head).head(&s.x[..n * wres], &mut s.hc_col[..n * d]); // [T, D]
+            norm(model, final_norm, &s.hc_col[..n * d], &mut s.xn[..n * d]);
+        }
+        None => norm(model, final_norm, &s.x[..n * d], &mut s.xn[..n * d]),
+    }
+    if let Some(h) = cap.hidden.as_deref_mut() {
+        let at = (layers * total + off) * d;
+        h[at..at + n * d].copy_from_slice(&s.xn[..n * d]);
+    }
     lm_head(model, s, segs, n, off, cap);
     let mut r0 = 0;
     for g in segs.iter_mut() {
@@ -298,9 +326,50 @@ fn forward_chunk(
     Ok(())
 }
 
+/// A hyper-connection's weights.
+fn hyper(model: &Model, [f, b, sc]: [TensorRef; 3]) -> Hyper<'_> {
+    let spec = model.config.hyper.expect("hyper-connection weights imply the spec");
+    Hyper { spec, norm_eps: model.config.norm.eps, fn_: model.vec(f), base: model.vec(b), scale: model.vec(sc) }
+}
+
+/// One decoder layer with hyper-connections: the streams `x` ([T, N·D])
+/// collapse into each block's input and take its output back.
+fn hyper_layer(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n: usize) -> Result<()> {
+    let (c, lw) = (&model.config, model.layer(l));
+    let (d, w, nh) = (c.hidden_size, c.residual_width(), c.hyper.map_or(1, |h| h.streams));
+    let [attn_hc, ffn_hc] = lw.hyper.expect("a hyper layer has its weights");
+    let (post, comb) = (&mut s.hc_post[..n * nh], &mut s.hc_comb[..n * nh * nh]);
+    hyper(model, attn_hc).before(&s.x[..n * w], &mut s.hc_col[..n * d], post, comb); // [T, D]
+    norm(model, lw.attn_norm, &s.hc_col[..n * d], &mut s.xn[..n * d]);
+    attention(model, l, s, segs, n); // proj: [T, D]
+    hyper(model, attn_hc).after(
+        &mut s.x[..n * w],
+        &s.proj[..n * d],
+        &s.hc_post[..n * nh],
+        &s.hc_comb[..n * nh * nh],
+        &mut s.hc_tmp,
+    );
+    let (post, comb) = (&mut s.hc_post[..n * nh], &mut s.hc_comb[..n * nh * nh]);
+    hyper(model, ffn_hc).before(&s.x[..n * w], &mut s.hc_col[..n * d], post, comb); // [T, D]
+    let ffn_norm = lw.ffn_norm.expect("a layer with hyper-connections has an FFN");
+    norm(model, ffn_norm, &s.hc_col[..n * d], &mut s.xn[..n * d]);
+    ffn_or_moe(model, l, s, n)?; // proj: [T, D]
+    hyper(model, ffn_hc).after(
+        &mut s.x[..n * w],
+        &s.proj[..n * d],
+        &s.hc_post[..n * nh],
+        &s.hc_comb[..n * nh * nh],
+        &mut s.hc_tmp,
+    );
+    Ok(())
+}
+
 /// One decoder layer over the chunk's `n` rows of `x`, in place.
 fn layer(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n: usize) -> Result<()> {
     let (c, lw) = (&model.config, model.layer(l));
+    if lw.hyper.is_some() {
+        return hyper_layer(model, l, s, segs, n);
+    }
     let d = c.hidden_size;
     norm(model, lw.attn_norm, &s.x[..n * d], &mut s.xn[..n * d]);
     attention(model, l, s, segs, n); // proj: [T, D]
@@ -461,6 +530,10 @@ fn attention(model: &Model, l: usize, s: &mut Workspace, segs: &mut [Segment], n
             linear_attention(model, l, refs, s, segs, n);
             return;
         }
+        QkvRefs::Pooled(refs) => {
+            pooled_attention(model, l, refs, s, segs, n);
+            return;
+        }
         QkvRefs::Mla { q, wkv_a, kv_a_norm, wk_b, wv_b, index } => {
             let block = mla(model, q, wkv_a, kv_a_norm, wk_b, wv_b);
             let (r, dr) = (block.spec.kv_lora_rank, block.spec.qk_rope_dim);
@@ -594,6 +667,57 @@ fn block_sparse_attention(
     }
 }
 
+/// `proj = W_o · grouped(attend(q, window + pool))`: DeepSeek-V4's pooled
+/// attention over each sequence's window and pools.
+fn pooled_attention(model: &Model, l: usize, refs: PooledRefs, s: &mut Workspace, segs: &mut [Segment], n: usize) {
+    let c = &model.config;
+    let d = c.hidden_size;
+    let spec = c.pooled().expect("validated: a pooled layer has a pooled spec");
+    let pool = match c.layers[l].mixer {
+        MixerSpec::Pooled { pool } => pool,
+        _ => Pool::Window,
+    };
+    let pool_rope = model.pool_rope.as_ref().expect("pooled attention has its RoPE");
+    let pw = |r: &PoolRefs| PoolW::new(r, |t| model.mat(t), |t| model.vec(t));
+    let block = Pooled {
+        spec,
+        pool,
+        h: c.num_heads,
+        dh: c.head_dim,
+        eps: c.norm.eps,
+        rope: if pool == Pool::Window { &model.rope } else { pool_rope },
+        pool_rope,
+        wq_a: model.mat(refs.wq_a),
+        q_a_norm: model.vec(refs.q_a_norm),
+        wq_b: model.mat(refs.wq_b),
+        wkv: model.mat(refs.wkv),
+        kv_norm: model.vec(refs.kv_norm),
+        sinks: model.vec(refs.sinks),
+        wo_a: model.mat(refs.wo_a),
+        pooler: refs.pool.as_ref().map(pw),
+        index: refs.index.as_ref().map(|ix| (pw(&ix.pool), model.mat(ix.wq), model.vec(ix.weights))),
+    };
+    let hd = c.num_heads * c.head_dim;
+    for ((r0, m), g) in rows(segs).zip(segs.iter()) {
+        for i in 0..m {
+            s.positions[r0 + i] = g.seq.pos + i;
+        }
+    }
+    let (xn, q) = (&s.xn[..n * d], &mut s.q[..n * hd]);
+    block.project(xn, &s.positions[..n], &mut s.xq, q, &mut s.pooled); // q: [T, H·Dh]
+    let mut r0 = 0;
+    for g in segs.iter_mut() {
+        let m = g.tokens.len();
+        let pos0 = g.seq.pos;
+        let att = &mut s.att[r0 * hd..(r0 + m) * hd];
+        block.attend(g.seq.pooled(l), &s.q[..n * hd], r0, m, pos0, &mut s.pooled, att); // [m, H·Dh]
+        r0 += m;
+    }
+    let grouped = block.group_out(&s.att[..n * hd], n, &mut s.xq, &mut s.pooled); // [T, G·Ro]
+    let go = spec.o_groups * spec.o_lora_rank;
+    matmul(&model.mat(model.layer(l).wo), &s.xq.prepare(grouped, go), &mut s.proj[..n * d]); // [T, D]
+}
+
 /// `proj = W_o · delta_rule(xn)`: a linear-attention layer over each
 /// sequence's recurrent state.
 fn linear_attention(model: &Model, l: usize, refs: DeltaRefs, s: &mut Workspace, segs: &mut [Segment], n: usize) {
@@ -680,14 +804,14 @@ fn mla<'a>(
 /// experts it picks for background reads while this layer's FFN and the next
 /// attention compute. Only the store's reads change; no number does.
 fn prefetch_next_layer(model: &Model, l: usize, s: &mut Workspace, n: usize) {
-    if !model.experts.wants_prefetch() {
-        return;
+    if !model.experts.wants_prefetch() || model.config.hyper.is_some() {
+        return; // (with hyper-connections the router's input is not a norm of one stream)
     }
     if l + 1 >= model.config.main_layers() || !model.stage.runs(l + 1) {
         return; // the multi-token-prediction layer runs in a pass of its own; another stage's layers are not ours
     }
     let next = model.layer(l + 1);
-    let Some(layer) = moe_layer(model, l + 1, next) else { return };
+    let Some(layer) = moe_layer(model, l + 1, next, &s.tokens[..n]) else { return };
     let d = model.config.hidden_size;
     router_input(model, next, &s.x[..n * d], &mut s.moe.pred_x[..n * d]);
     let experts = predict(&layer, n, &mut s.moe);
@@ -708,8 +832,10 @@ fn router_input(model: &Model, lw: &LayerRefs, x: &[f32], out: &mut [f32]) {
 }
 
 /// The routed half of layer `l`'s MoE block, if it has one.
-fn moe_layer<'a>(model: &'a Model, l: usize, lw: &LayerRefs) -> Option<MoeLayer<'a>> {
-    let FfnRefs::Moe { router, router_bias, correction, expert_scale, .. } = lw.ffn else { return None };
+fn moe_layer<'a>(model: &'a Model, l: usize, lw: &LayerRefs, tokens: &'a [u32]) -> Option<MoeLayer<'a>> {
+    let FfnRefs::Moe { router, router_bias, correction, expert_scale, hash_table, .. } = lw.ffn else {
+        return None;
+    };
     let moe = model.config.moe.as_ref().expect("validated: MoE layer has a spec");
     Some(MoeLayer {
         layer: l,
@@ -722,6 +848,11 @@ fn moe_layer<'a>(model: &'a Model, l: usize, lw: &LayerRefs) -> Option<MoeLayer<
         act: moe.activation,
         store: model.experts.as_ref(),
         telemetry: model.telemetry.layers.get(l),
+        hash: None,
+    })
+    .map(|mut m| {
+        m.hash = hash_table.map(|t| (model.vec(t), tokens));
+        m
     })
 }
 
@@ -740,7 +871,7 @@ fn ffn_or_moe(model: &Model, l: usize, s: &mut Workspace, n: usize) -> Result<()
             Ok(())
         }
         FfnRefs::Moe { shared, shared_gate, router_norm, branch_norms, latent, .. } => {
-            let mut routed = moe_layer(model, l, lw).expect("a MoE layer");
+            let mut routed = moe_layer(model, l, lw, &s.tokens[..n]).expect("a MoE layer");
             if let Some([w_in, w_out]) = latent {
                 // Latent MoE: the shared expert and the router read xn, the
                 // routed experts its projection into the latent width L.

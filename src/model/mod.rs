@@ -69,6 +69,8 @@ pub enum FfnRefs {
         /// [L, D], [D, L]: the projections into and out of the experts'
         /// latent width (latent MoE).
         latent: Option<[TensorRef; 2]>,
+        /// [V, K] the token → experts table of a hash-routed layer.
+        hash_table: Option<TensorRef>,
     },
 }
 
@@ -112,6 +114,8 @@ pub enum QkvRefs {
     },
     /// Linear attention by the gated delta rule (its output projection is `wo`).
     Delta(DeltaRefs),
+    /// DeepSeek-V4's pooled attention (its second output projection is `wo`).
+    Pooled(blocks::pooled::PooledRefs),
 }
 
 /// The query path of MLA.
@@ -152,6 +156,9 @@ pub struct LayerRefs {
     pub post_norms: Option<[TensorRef; 2]>,
     /// `[1]` multiplier of the layer's output.
     pub layer_scale: Option<TensorRef>,
+    /// Hyper-connections around attention and around the FFN: `fn`, bias
+    /// and scales of each.
+    pub hyper: Option<[[TensorRef; 3]; 2]>,
 }
 
 /// The glue around the multi-token-prediction layer (the last of
@@ -198,6 +205,10 @@ pub struct Model {
     pub rope: blocks::rope::Rope,
     /// The global attention layers' RoPE, when they have their own.
     pub global_rope: Option<blocks::rope::Rope>,
+    /// The pooled layers' RoPE (DeepSeek-V4), when attention is pooled.
+    pub pool_rope: Option<blocks::rope::Rope>,
+    /// The hyper-connections' final collapse: `fn`, bias, scale.
+    pub hc_head: Option<[TensorRef; 3]>,
     /// The dense weights copied out of the file (only when experts stream).
     dense: Option<DenseCopy>,
     /// Routing counters.
@@ -264,7 +275,10 @@ impl Model {
                 FfnSpec::Moe => FfnRefs::Moe {
                     router: t(L::Router)?,
                     router_bias: opt(moe.is_some_and(|m| m.router.bias), L::RouterBias)?,
-                    correction: opt(moe.is_some_and(|m| m.router.correction_bias), L::RouterCorrection)?,
+                    correction: opt(
+                        moe.is_some_and(|m| m.router.correction_bias && l >= m.hash_layers),
+                        L::RouterCorrection,
+                    )?,
                     shared: has_shared.map(|_| mlp(L::SharedGate, L::SharedUp, L::SharedDown)).transpose()?,
                     shared_gate: has_shared.filter(|s| s.sigmoid_gate).map(|_| t(L::SharedExpertGate)).transpose()?,
                     router_norm: opt(moe.is_some_and(|m| m.router.own_norm.is_some()), L::RouterNorm)?,
@@ -277,10 +291,43 @@ impl Model {
                         true => Some([t(L::MoeLatentIn)?, t(L::MoeLatentOut)?]),
                         false => None,
                     },
+                    hash_table: opt(moe.is_some_and(|m| l < m.hash_layers), L::HashTable)?,
                 },
             };
-            let attends = spec.mixer != MixerSpec::Linear;
+            let pooled = matches!(spec.mixer, MixerSpec::Pooled { .. });
+            let attends = spec.mixer != MixerSpec::Linear && !pooled;
             let qkv = match cfg.mla() {
+                _ if pooled => {
+                    use blocks::pooled::{PoolIndexRefs, PoolRefs, PooledRefs};
+                    let pool = |kv, gate, bias, norm| -> Result<PoolRefs> {
+                        Ok(PoolRefs { kv: t(kv)?, gate: t(gate)?, bias: t(bias)?, norm: t(norm)? })
+                    };
+                    let which = match spec.mixer {
+                        MixerSpec::Pooled { pool } => pool,
+                        _ => config::Pool::Window,
+                    };
+                    QkvRefs::Pooled(PooledRefs {
+                        wq_a: t(L::WqA)?,
+                        q_a_norm: t(L::QANorm)?,
+                        wq_b: t(L::WqB)?,
+                        wkv: t(L::Wkv)?,
+                        kv_norm: t(L::KvNorm)?,
+                        sinks: t(L::Sinks)?,
+                        wo_a: t(L::WoA)?,
+                        pool: match which {
+                            config::Pool::Window => None,
+                            _ => Some(pool(L::PoolKv, L::PoolGate, L::PoolBias, L::PoolNorm)?),
+                        },
+                        index: match which {
+                            config::Pool::Light => Some(PoolIndexRefs {
+                                pool: pool(L::IdxPoolKv, L::IdxPoolGate, L::IdxPoolBias, L::IdxPoolNorm)?,
+                                wq: t(L::IdxWq)?,
+                                weights: t(L::IdxWeights)?,
+                            }),
+                            _ => None,
+                        },
+                    })
+                }
                 _ if !attends => QkvRefs::Delta(DeltaRefs::load(cfg.linear.as_ref(), t)?),
                 None => QkvRefs::Gqa {
                     wq: t(L::Wq)?,
@@ -332,6 +379,13 @@ impl Model {
                     false => None,
                 },
                 layer_scale: opt(cfg.layer_scale, L::LayerScale)?,
+                hyper: match cfg.hyper {
+                    Some(_) => Some([
+                        [t(L::AttnHcFn)?, t(L::AttnHcBase)?, t(L::AttnHcScale)?],
+                        [t(L::FfnHcFn)?, t(L::FfnHcBase)?, t(L::FfnHcScale)?],
+                    ]),
+                    None => None,
+                },
             });
         }
         let mtp = match cfg.mtp {
@@ -355,6 +409,11 @@ impl Model {
         };
         let rope = blocks::rope::Rope::new(&cfg.rope);
         let global_rope = cfg.global_attention.as_ref().map(|g| blocks::rope::Rope::new(&g.rope));
+        let pool_rope = cfg.pooled().map(|p| blocks::rope::Rope::new(&p.pool_rope));
+        let hc_head = match cfg.hyper {
+            Some(_) if heads => Some([r(TensorId::HcHeadFn)?, r(TensorId::HcHeadBase)?, r(TensorId::HcHeadScale)?]),
+            _ => None,
+        };
         let placed = store::place(&file, opts)?;
         let experts_per_layer = cfg.layers.iter().map(|l| match (&l.ffn, &cfg.moe) {
             (FfnSpec::Moe, Some(m)) => m.num_experts,
@@ -401,6 +460,8 @@ impl Model {
             },
             rope,
             global_rope,
+            pool_rope,
+            hc_head,
             config: cfg,
             file,
         })

@@ -2,7 +2,7 @@
 //! once at creation so the forward pass never allocates. It lives beside the
 //! model (the engine wraps it) because the forward pass is its only user.
 
-use crate::canonical::config::{FfnSpec, ModelConfig};
+use crate::canonical::config::{FfnSpec, MixerSpec, ModelConfig};
 use crate::canonical::state::{LayerState, ROLLBACK, Rows, window_rows};
 use crate::error::{Error, Result};
 use crate::model::Model;
@@ -12,6 +12,7 @@ use crate::model::blocks::indexer::{IndexKeys, IndexerScratch};
 use crate::model::blocks::kv_cache::KvCache;
 use crate::model::blocks::mla::MlaScratch;
 use crate::model::blocks::moe::MoeScratch;
+use crate::model::blocks::pooled::{PooledScratch, PooledState};
 use crate::model::blocks::{Inputs, q8_blocks};
 use crate::quant::DType;
 use crate::quant::act::BlockQ8;
@@ -144,7 +145,7 @@ impl Sequence {
         // other stages run (they are never read).
         let rows = |l: usize| if model.stage.is_whole() || model.stage.runs(l) { max_seq } else { 1 };
         let layers = (c.layer_states().into_iter().enumerate())
-            .map(|(l, st)| LayerCache::new(c, st, kv_dtype, rows(l), chunk.max(1)))
+            .map(|(l, st)| LayerCache::new(c, l, st, kv_dtype, rows(l), chunk.max(1)))
             .collect();
         let logits = vec![0.0; c.vocab_size];
         let main_layers = c.main_layers();
@@ -181,6 +182,7 @@ impl Sequence {
         match &mut self.layers[l] {
             LayerCache::Kv(cache) | LayerCache::Indexed(cache, _) => cache,
             LayerCache::Delta(_) => panic!("layer {l} is a linear-attention layer: it keeps no KV cache"),
+            LayerCache::Pooled(_) => panic!("layer {l} is a pooled-attention layer: it keeps no KV cache"),
         }
     }
 
@@ -205,9 +207,17 @@ impl Sequence {
     pub fn delta(&mut self, l: usize) -> &mut DeltaState {
         match &mut self.layers[l] {
             LayerCache::Delta(state) => state,
-            LayerCache::Kv(_) | LayerCache::Indexed(..) => {
+            LayerCache::Kv(_) | LayerCache::Indexed(..) | LayerCache::Pooled(_) => {
                 panic!("layer {l} is an attention layer: it keeps no recurrent state")
             }
+        }
+    }
+
+    /// Layer `l`'s pooled-attention state.
+    pub fn pooled(&mut self, l: usize) -> &mut PooledState {
+        match &mut self.layers[l] {
+            LayerCache::Pooled(state) => state,
+            _ => panic!("layer {l} is not a pooled-attention layer"),
         }
     }
 }
@@ -244,19 +254,21 @@ impl Sequence {
                 self.pos
             )));
         }
-        let recurrent = self.layers.iter().any(|l| matches!(l, LayerCache::Delta(_)));
+        let recurrent = self.layers.iter().any(|l| matches!(l, LayerCache::Delta(_) | LayerCache::Pooled(_)));
         if recurrent && pos != 0 && pos != self.pos {
             if self.checkpoint != Some(pos) {
                 let saved = self.checkpoint.map_or("none".to_string(), |p| p.to_string());
                 return Err(Error::InvalidInput(format!(
-                    "cannot truncate a sequence of {} tokens to {pos}: its linear-attention layers keep a \
+                    "cannot truncate a sequence of {} tokens to {pos}: its linear-attention or pooled layers keep a \
                      running state, which goes back only to 0 or to a checkpoint (saved at: {saved})",
                     self.pos
                 )));
             }
             for layer in &mut self.layers {
-                if let LayerCache::Delta(state) = layer {
-                    state.restore();
+                match layer {
+                    LayerCache::Delta(state) => state.restore(),
+                    LayerCache::Pooled(state) => state.restore(),
+                    _ => {}
                 }
             }
         }
@@ -282,8 +294,10 @@ impl Sequence {
     /// [`StateLayout::bytes_per_sequence`]: crate::canonical::state::StateLayout
     pub fn checkpoint(&mut self) {
         for layer in &mut self.layers {
-            if let LayerCache::Delta(state) = layer {
-                state.save();
+            match layer {
+                LayerCache::Delta(state) => state.save(),
+                LayerCache::Pooled(state) => state.save(),
+                _ => {}
             }
         }
         self.checkpoint = Some(self.pos);
@@ -322,7 +336,7 @@ impl Sequence {
         let keeps = |l: &LayerCache| match l {
             LayerCache::Kv(c) => Keeps::Rows { window: c.window() },
             LayerCache::Indexed(..) => Keeps::Rows { window: None },
-            LayerCache::Delta(_) => Keeps::State,
+            LayerCache::Delta(_) | LayerCache::Pooled(_) => Keeps::State,
         };
         self.layers[..self.main_layers].iter().map(keeps).collect()
     }
@@ -344,19 +358,24 @@ impl Sequence {
                 c.copy_rows(pos0, n, &mut out);
                 keys.rows().copy_rows(pos0, n, &mut out);
             }
-            LayerCache::Kv(_) | LayerCache::Delta(_) => return None,
+            LayerCache::Kv(_) | LayerCache::Delta(_) | LayerCache::Pooled(_) => return None,
         }
         Some(out.into_boxed_slice())
     }
 
     /// Whether any layer keeps a recurrent state.
     pub fn is_recurrent(&self) -> bool {
-        self.layers.iter().any(|l| matches!(l, LayerCache::Delta(_)))
+        self.layers.iter().any(|l| matches!(l, LayerCache::Delta(_) | LayerCache::Pooled(_)))
     }
 
     /// Values of every recurrent state, all layers (0 without any).
     pub fn recurrent_len(&self) -> usize {
-        self.layers.iter().map(|l| if let LayerCache::Delta(d) = l { d.len() } else { 0 }).sum()
+        let len = |l: &LayerCache| match l {
+            LayerCache::Delta(d) => d.len(),
+            LayerCache::Pooled(p) => p.len(),
+            _ => 0,
+        };
+        self.layers.iter().map(len).sum()
     }
 
     /// Every layer's recurrent state at the current position, layer after
@@ -364,8 +383,10 @@ impl Sequence {
     pub fn copy_recurrent(&self, out: &mut Vec<f32>) {
         out.clear();
         for layer in &self.layers {
-            if let LayerCache::Delta(d) = layer {
-                d.copy_to(out);
+            match layer {
+                LayerCache::Delta(d) => d.copy_to(out),
+                LayerCache::Pooled(p) => p.copy_to(out),
+                _ => {}
             }
         }
     }
@@ -386,6 +407,10 @@ impl Sequence {
                 LayerCache::Indexed(c, keys) => (c, Some(keys)),
                 LayerCache::Delta(d) => {
                     state = d.copy_from(state);
+                    continue;
+                }
+                LayerCache::Pooled(p) => {
+                    state = p.copy_from(state);
                     continue;
                 }
             };
@@ -418,12 +443,18 @@ enum LayerCache {
     /// A sparse layer's latent of every position and its indexer's keys;
     /// both go back with the sequence's position, as a KV cache does.
     Indexed(KvCache, IndexKeys),
+    /// A pooled-attention layer's window, unfinished blocks and pools.
+    Pooled(PooledState),
 }
 
 impl LayerCache {
     /// The empty state of `state`'s kind for up to `max_seq` positions fed
     /// at most `chunk` at a time.
-    fn new(c: &ModelConfig, state: LayerState, kv_dtype: DType, max_seq: usize, chunk: usize) -> LayerCache {
+    fn new(c: &ModelConfig, l: usize, state: LayerState, kv_dtype: DType, max_seq: usize, chunk: usize) -> LayerCache {
+        if let (LayerState::Pooled { .. }, Some(p), MixerSpec::Pooled { pool }) = (state, c.pooled(), c.layers[l].mixer)
+        {
+            return LayerCache::Pooled(PooledState::new(p, c.head_dim, pool, max_seq));
+        }
         match state {
             LayerState::Indexed { width, key_width } => {
                 let latent = KvCache::new(kv_dtype, max_seq, 1, width, 0, None);
@@ -437,7 +468,10 @@ impl LayerCache {
         }
         let window = match state {
             LayerState::Kv { rows, .. } | LayerState::Latent { rows, .. } => rows,
-            LayerState::Recurrent { .. } | LayerState::Indexed { .. } | LayerState::BlockIndexed { .. } => Rows::Full,
+            LayerState::Recurrent { .. }
+            | LayerState::Indexed { .. }
+            | LayerState::BlockIndexed { .. }
+            | LayerState::Pooled { .. } => Rows::Full,
         };
         match (cache_shape(state), window) {
             (Some((heads, k_width, v_width)), Rows::Full) => {
@@ -463,7 +497,7 @@ fn cache_shape(state: LayerState) -> Option<(usize, usize, usize)> {
         LayerState::Kv { heads, k_width, v_width, .. } => Some((heads, heads * k_width, heads * v_width)),
         LayerState::Latent { width, .. } | LayerState::Indexed { width, .. } => Some((1, width, 0)),
         LayerState::BlockIndexed { heads, head_dim, .. } => Some((heads, heads * head_dim, heads * head_dim)),
-        LayerState::Recurrent { .. } => None,
+        LayerState::Recurrent { .. } | LayerState::Pooled { .. } => None,
     }
 }
 
@@ -536,6 +570,21 @@ pub struct Workspace {
     pub mtp_in: Vec<f32>,
     /// [C, D] the hidden states it reads.
     pub mtp_h: Vec<f32>,
+    /// The pooled layers' buffers (empty without them).
+    pub pooled: PooledScratch,
+    /// `[C]` the pass's token ids (hash routing reads them).
+    pub tokens: Vec<u32>,
+    /// `[C]` each row's position (pooled attention reads them).
+    pub positions: Vec<usize>,
+    /// Hyper-connections (empty without them): [C, D] a block's input, [C, N]
+    /// `post`, [C, N·N] `comb`, [C, N·D] the streams before the block.
+    pub hc_col: Vec<f32>,
+    /// [C, N]
+    pub hc_post: Vec<f32>,
+    /// [C, N·N]
+    pub hc_comb: Vec<f32>,
+    /// [C, N·D]
+    pub hc_tmp: Vec<f32>,
 }
 
 impl Workspace {
@@ -547,6 +596,8 @@ impl Workspace {
         let logit_rows = logit_rows.clamp(1, chunk);
         let quantize = model.has_block_weights();
         let (d, kv, qd) = (c.hidden_size, c.max_kv_dim(), c.max_q_dim());
+        let (nhc, wres) = (c.hyper.map_or(0, |h| h.streams), c.residual_width());
+        let pooled_in = c.pooled().map_or(0, |p| p.q_lora_rank.max(qd / p.o_groups));
         let ad = c.att_dim().max(qd);
         let k_width = c.layer_states().into_iter().filter_map(|st| cache_shape(st).map(|s| s.1)).max().unwrap_or(0);
         let linear_out = c.linear.as_ref().map_or(0, |l| l.value_dim());
@@ -574,7 +625,7 @@ impl Workspace {
         Workspace {
             chunk,
             logit_rows,
-            x: vec![0.0; chunk * d],
+            x: vec![0.0; chunk * wres],
             xn: vec![0.0; chunk * d],
             q: vec![0.0; chunk * qd],
             k: vec![0.0; chunk * k_width],
@@ -590,7 +641,7 @@ impl Workspace {
             shared: vec![0.0; chunk * d],
             g: vec![0.0; chunk * fmax],
             u: vec![0.0; chunk * fmax],
-            xq: Inputs::new(quantize, chunk * d.max(qd).max(ad).max(linear_out).max(mtp_in)),
+            xq: Inputs::new(quantize, chunk * d.max(qd).max(ad).max(linear_out).max(mtp_in).max(pooled_in)),
             hq: vec![BlockQ8::default(); q8_blocks(chunk * fmax)],
             cos: vec![0.0; chunk * half],
             sin: vec![0.0; chunk * half],
@@ -603,6 +654,13 @@ impl Workspace {
             head_y: vec![0.0; logit_rows * c.vocab_size],
             mtp_in: vec![0.0; if c.mtp.is_some() { chunk * 2 * d } else { 0 }],
             mtp_h: vec![0.0; if c.mtp.is_some() { chunk * d } else { 0 }],
+            pooled: PooledScratch::new(c.pooled(), c.num_heads, c.head_dim, chunk, c.max_seq_len),
+            tokens: vec![0; chunk],
+            positions: vec![0; chunk],
+            hc_col: vec![0.0; if nhc > 0 { chunk * d } else { 0 }],
+            hc_post: vec![0.0; chunk * nhc],
+            hc_comb: vec![0.0; chunk * nhc * nhc],
+            hc_tmp: vec![0.0; if nhc > 0 { chunk * wres } else { 0 }],
         }
     }
 }

@@ -44,6 +44,9 @@ fn activate(act: Activation, g: &mut [f32], u: &[f32]) {
             let y = b.clamp(-limit, limit);
             *a = (y + 1.0) * (x * (1.0 / (1.0 + crate::math::expf_poly(-(alpha * x)))));
         }),
+        Activation::ClampedSilu { limit } => {
+            g.iter_mut().zip(u).for_each(|(a, &b)| *a = silu(a.min(limit)) * b.clamp(-limit, limit))
+        }
     }
 }
 

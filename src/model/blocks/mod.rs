@@ -7,11 +7,13 @@ pub mod block_index;
 pub mod delta;
 pub mod ffn;
 pub mod gqa;
+pub mod hyper;
 pub mod indexer;
 pub mod kv_cache;
 pub mod mla;
 pub mod moe;
 pub mod norm;
+pub mod pooled;
 pub mod rope;
 
 use crate::kernels::Input;

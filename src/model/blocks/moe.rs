@@ -77,6 +77,7 @@ pub fn route(
             softmax(probs);
         }
         RouterScore::Sigmoid => probs.iter_mut().zip(logits).for_each(|(p, &l)| *p = sigmoid(l)),
+        RouterScore::SqrtSoftplus => probs.iter_mut().zip(logits).for_each(|(p, &l)| *p = sqrt_softplus(l)),
         RouterScore::SoftmaxSelected => probs.copy_from_slice(logits),
         RouterScore::SparseMixer { jitter_eps } => {
             sparse_mixer(logits, jitter_eps, ids, w);
@@ -105,6 +106,29 @@ pub fn route(
         w.iter_mut().for_each(|x| *x /= s);
     }
     if spec.scale != 1.0 && !spec.scale_output {
+        w.iter_mut().for_each(|x| *x *= spec.scale);
+    }
+}
+
+/// `sqrt(softplus(x))`, softplus as torch computes it (`x` itself past 20).
+pub fn sqrt_softplus(x: f32) -> f32 {
+    let sp = if x > 20.0 { x } else { crate::math::ln_1pf(crate::math::expf(x)) };
+    sp.sqrt()
+}
+
+/// Hash routing: the experts `table` gives the token (`ids`, K of them, as
+/// f32 whole numbers) with the weights `route` would give them: their
+/// scores in `probs`, renormalised and scaled as `spec` says.
+pub fn route_fixed(table_row: &[f32], spec: &RouterSpec, probs: &[f32], ids: &mut [u32], w: &mut [f32]) {
+    for ((id, wi), &e) in ids.iter_mut().zip(w.iter_mut()).zip(table_row) {
+        *id = e as u32;
+        *wi = probs[*id as usize];
+    }
+    if spec.renormalize {
+        let s = w.iter().sum::<f32>().max(spec.renormalize_floor);
+        w.iter_mut().for_each(|x| *x /= s);
+    }
+    if spec.scale != 1.0 {
         w.iter_mut().for_each(|x| *x *= spec.scale);
     }
 }
@@ -302,6 +326,9 @@ pub struct MoeLayer<'a> {
     pub store: &'a dyn ExpertStore,
     /// Where routing decisions are counted, if anywhere.
     pub(crate) telemetry: Option<&'a LayerTelemetry>,
+    /// A hash-routed layer: its `[V, K]` token → experts table and the
+    /// pass's token ids `[T]`.
+    pub hash: Option<(&'a [f32], &'a [u32])>,
 }
 
 /// The leases of the wave being run.
@@ -444,6 +471,10 @@ fn route_rows(m: &MoeLayer, x: &Input, r: &mut Routes, telemetry: Option<&LayerT
         let ids = &mut r.ids[t * k..(t + 1) * k]; // [K]
         let w = &mut r.weights[t * k..(t + 1) * k]; // [K]
         route(&logits[t * e_n..(t + 1) * e_n], m.spec, m.correction, &mut r.probs, &mut r.sel, ids, w);
+        if let Some((table, tokens)) = m.hash {
+            let tok = tokens[t] as usize;
+            route_fixed(&table[tok * k..(tok + 1) * k], m.spec, &r.probs, ids, w);
+        }
         if let Some(scale) = m.expert_scale {
             // After renormalisation: the weights need not sum to 1 any more.
             w.iter_mut().zip(ids.iter()).for_each(|(wi, &e)| *wi *= scale[e as usize]);
