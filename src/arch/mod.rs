@@ -348,7 +348,7 @@ impl HfConfig {
     }
 
     /// An optional number (Python's bare `Infinity`, `-Infinity` and `NaN`
-    /// included, as [`quote_python_constants`] kept them).
+    /// included, as the reader kept them).
     pub fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
         match self.get(key) {
             None => Ok(None),
