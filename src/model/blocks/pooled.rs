@@ -210,6 +210,33 @@ impl Pooler {
         self.count += 1;
     }
 
+    /// Entries finished.
+    pub fn count(&self) -> usize {
+        self.count
+    }
+
+    /// Tokens per entry.
+    pub fn rate(&self) -> usize {
+        self.rate
+    }
+
+    /// Brings the pool to `count` entries by repeating its finished ones in
+    /// order (at most what the state was sized for): the work of a long
+    /// context without prefilling it, for decode benchmarks. Does nothing
+    /// without an entry to repeat.
+    pub fn repeat_to(&mut self, count: usize) {
+        let (w, have) = (self.width, self.count);
+        let count = count.min(self.entries.len() / w);
+        if have == 0 || count <= have {
+            return;
+        }
+        for e in have..count {
+            let src = (e % have) * w;
+            self.entries.copy_within(src..src + w, e * w);
+        }
+        self.count = count;
+    }
+
     /// Forgets everything (a sequence going back to its start).
     fn reset(&mut self) {
         self.count = 0;
