@@ -45,6 +45,7 @@ Examples::
     python benches/bench.py --models deepseek_v2_lite,gpt_oss_20b --pairs q8_0:Q8_0,q4_0:Q4_0 --threads 2
     python benches/bench.py --models deepseek_v2_lite --kv   # KV-cache bytes per token at 4k, both engines
     python benches/bench.py --models qwen3moe --pairs q4k-mix:Q4_K_M --threads 2  # llama.cpp quantises Q4_K_M
+    python benches/bench.py --models nemotron3_nano --layers 7 --pairs q8_0:Q8_0 --threads 2 --prompts 64,512
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ Usage::
     python benches/make_models.py --shapes deepseek_v2_lite,gpt_oss_20b   # the MLA and GPT-OSS shapes
     python benches/make_models.py --shapes gpt_oss_20b --gguf-types MXFP4  # experts MXFP4, rest Q4_0
     python benches/make_models.py --shapes qwen3moe --mtp --base benches/.cache/qwen3moe-l4/hf
+    python benches/make_models.py --shapes nemotron3_nano --layers 7 --gguf-types Q8_0  # blocks MEMEM*E
 
 ``--mtp`` adds one multi-token-prediction layer in Qwen3-Next's layout (``mtp.*``
 tensors, ``mtp_num_hidden_layers: 1``) and writes ``<shape>-l<layers>-mtp/hf/`` as
@@ -1412,6 +1413,12 @@ def _nemotron_h_plan(s: Shape, layers: int) -> list[Entry]:
       ``ffn_up_exps`` / ``ffn_down_exps``, the correction bias as
       ``exp_probs_b.bias``, the shared expert ``ffn_up_shexp`` /
       ``ffn_down_shexp``.
+
+    One difference is left: colibri floors Mamba2's time step at
+    `time_step_min` (0.001) in every step, llama.cpp never does. With these
+    draws some time steps fall below it, which moves the logits by about 2e-3
+    of their range over 32 tokens (F32 at small widths; 4e-5 with the floor
+    set to 1e-9 in config.json).
     """
     i, g, h = s.mamba_heads * s.mamba_head_dim, s.mamba_groups, s.mamba_heads
     c = i + 2 * g * s.ssm_state
