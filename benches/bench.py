@@ -45,6 +45,7 @@ Examples::
     python benches/bench.py --models deepseek_v2_lite,gpt_oss_20b --pairs q8_0:Q8_0,q4_0:Q4_0 --threads 2
     python benches/bench.py --models deepseek_v2_lite --kv   # KV-cache bytes per token at 4k, both engines
     python benches/bench.py --models qwen3moe --pairs q4k-mix:Q4_K_M --threads 2  # llama.cpp quantises Q4_K_M
+    python benches/bench.py --models nemotron3_nano --layers 7 --pairs q8_0:Q8_0 --threads 2 --prompts 64,512
 """
 
 from __future__ import annotations
@@ -467,7 +468,9 @@ def bytes_per_token(tensors: list[dict], shape: mm.Shape, fmt: str) -> dict:
     per layer: attention (q, k, v, o and their norms) + router + the two
     norms + top_k / num_experts of the layer's expert bytes; plus one
     embedding row (embedding bytes / vocab) + the whole lm_head + final norm.
-    KV-cache reads (small at these lengths) and activations are left out.
+    A linear-attention or Mamba2 mixer's tensors and shared experts are read
+    whole, so they count with "attention+norms". KV-cache and recurrent-state
+    reads (small at these lengths) and activations are left out.
     """
     k, e, v = shape.top_k, shape.experts, shape.vocab
     parts = {"attention+norms": 0.0, "router": 0.0, "experts": 0.0, "embedding row": 0.0, "lm_head": 0.0}
@@ -679,12 +682,13 @@ def bench(args, log) -> dict:
 def state_memory(shape: mm.Shape, layers: int, state: dict, context: int = 32768) -> dict:
     """One sequence's state at `context` tokens (colibri's Engine.state_bytes():
     per_sequence + context · per_token) against a model of the same widths whose
-    every layer is full attention, whose bytes per token are this model's per
-    full-attention layer times the layer count. The same at the released depth
-    (``hub_layers``, in the same three-to-one pattern) when the shape has one."""
-    kinds = shape.layer_types(layers) if shape.full_every else ["full_attention"] * layers
+    every mixer layer is full attention, whose bytes per token are this model's
+    per full-attention layer times the mixer count (Nemotron-H's MoE blocks hold
+    no state, so "layers" counts its Mamba2 and attention blocks). The same at the
+    released depth (``hub_layers``, in the released pattern) when the shape has one."""
+    kinds = shape.mixers(layers)
     full = kinds.count("full_attention")
-    linear = layers - full
+    linear = len(kinds) - full
     per_full = state["per_token"] / full if full else 0.0
     per_linear = state["per_sequence"] / linear if linear else 0.0
     mib = 2.0**20
@@ -707,9 +711,10 @@ def state_memory(shape: mm.Shape, layers: int, state: dict, context: int = 32768
         "per_linear_layer": per_linear,
         "bench": at(full, linear),
     }
-    if shape.hub_layers and shape.full_every:
-        hub_full = shape.hub_layers // shape.full_every
-        out["hub"] = at(hub_full, shape.hub_layers - hub_full)
+    if shape.hub_layers and (shape.full_every or shape.pattern):
+        hub = shape.mixers(shape.hub_layers)
+        hub_full = hub.count("full_attention")
+        out["hub"] = at(hub_full, len(hub) - hub_full)
     return out
 
 
@@ -726,6 +731,7 @@ TARGETS = {
     },
     "glm4_7_flash": SPEED_TARGETS,
     "minimax_m2": SPEED_TARGETS,
+    "nemotron3_nano": {**SPEED_TARGETS, "prefill_kept": 0.5},
 }
 
 
