@@ -10,6 +10,11 @@
 //!   `attention_multiplier` (not 1/√Dh);
 //! - attention rotates only with `position_embedding_type: "rope"`; anything
 //!   else (the released models say `"nope"`) means no positions at all;
+//! - the family's own plain RoPE turns the whole head (explicit `head_dim`
+//!   or hidden / heads) whatever `partial_rotary_factor` says; the scaled
+//!   kinds (`linear`, `yarn`, ...) would shorten the frequencies by it, but
+//!   the rotation multiplies whole heads, so transformers cannot run such a
+//!   config: colibri refuses it;
 //! - Mamba2 as Nemotron-H's (in_proj rows `[z, x, B, C, dt]`, conv over
 //!   `[x, B, C]` with a bias, the gated norm per group of `I / n_groups`) with
 //!   I = `mamba_expand · hidden_size` and `mamba_d_head: "auto"` = I /
@@ -56,6 +61,21 @@ fn mamba_layers(c: &HfConfig, n: usize) -> Result<Vec<bool>> {
             _ => Err(bad(format!("`layer_types[{i}]` is {t}; Granite 4.0-H has linear_attention and full_attention"))),
         })
         .collect()
+}
+
+/// RoPE as the family reads it: always over the whole head. Plain RoPE
+/// ignores a `partial_rotary_factor`; a scaled kind with one below 1 is
+/// refused (transformers' rotation fails on it).
+fn granite_rope(c: &HfConfig, head_dim: usize) -> Result<RopeSpec> {
+    let mut rope = c.rope(head_dim, 10000.0)?;
+    if rope.scaling != RopeScaling::None && rope.rotary_dim != head_dim & !1 {
+        return Err(Error::Unsupported(format!(
+            "{}: `partial_rotary_factor` with scaled RoPE (transformers rotates Granite 4.0-H's whole heads)",
+            c.path.display()
+        )));
+    }
+    rope.rotary_dim = head_dim & !1;
+    Ok(rope)
 }
 
 fn config(c: &HfConfig) -> Result<ModelConfig> {
@@ -116,7 +136,7 @@ fn config(c: &HfConfig) -> Result<ModelConfig> {
         head_dim,
         max_seq_len: c.opt_usize("max_position_embeddings")?.unwrap_or(2048),
         norm: NormSpec::rms(c.opt_f64("rms_norm_eps")?.unwrap_or(1e-6)),
-        rope: c.rope(head_dim, 10000.0)?,
+        rope: granite_rope(c, head_dim)?,
         attention: AttentionSpec {
             qkv_bias: bias,
             o_bias: bias,
@@ -246,5 +266,21 @@ mod tests {
         let floor = cfg(r#", "time_step_limit": [0.5, Infinity]"#).unwrap();
         assert_eq!(floor.linear.unwrap().kind, LinearKind::Mamba2 { dt_min: 0.5 });
         assert!(cfg(r#", "mamba_d_head": 7"#).unwrap_err().to_string().contains("mamba_d_head"));
+    }
+
+    /// Plain RoPE turns the whole (explicit) head and ignores
+    /// `partial_rotary_factor`; a scaled kind with one is refused.
+    #[test]
+    fn granite_hybrid_plain_rope_ignores_the_partial_factor() {
+        let rope = |p: &str| {
+            let extra = format!(r#", "head_dim": 16, "position_embedding_type": "rope", "rope_parameters": {{{p}}}"#);
+            cfg(&extra).map(|c| c.rope)
+        };
+        let plain = rope(r#""rope_type": "default", "rope_theta": 300.0, "partial_rotary_factor": 0.5"#).unwrap();
+        assert_eq!((plain.rotary_dim, plain.theta), (16, 300.0));
+        let linear = rope(r#""rope_type": "linear", "factor": 2.0"#).unwrap();
+        assert_eq!((linear.rotary_dim, linear.scaling), (16, RopeScaling::Linear { factor: 2.0 }));
+        let partial = rope(r#""rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5"#);
+        assert!(matches!(partial, Err(Error::Unsupported(m)) if m.contains("partial_rotary_factor")));
     }
 }

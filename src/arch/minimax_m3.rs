@@ -3,6 +3,9 @@
 //! `models/minimax_m3_vl/modeling_minimax_m3_vl.py` and
 //! `configuration_minimax_m3_vl.py`: the language model (`text_config`)
 //! beside a vision tower; colibri converts the language model and runs text.
+//! Also the same language model saved alone (`MiniMaxM3VLForCausalLM`,
+//! model_type `minimax_m3_vl_text`): a flat config, read the same way, and
+//! the tensors under transformers' own module names (see `text_source`).
 //!
 //! Quirks:
 //! - MiniMax Sparse Attention on the layers `layer_types` marks
@@ -48,14 +51,23 @@
 //!   (`vision_tower.*`, `multi_modal_projector.*`, `patch_merge_mlp.*`) and
 //!   the multi-token-prediction modules (`mtp.*`, which transformers drops)
 //!   are skipped and listed in the file as not converted;
+//! - the text-only class has no Hub-name conversion in transformers, so
+//!   what it saves (and all it loads) is `model.layers.N.mlp.*`: the experts
+//!   stacked (`experts.gate_up_proj` [E, 2F, D], gate rows first;
+//!   `experts.down_proj` [E, D, F]), `mlp.gate.weight` and
+//!   `mlp.gate.e_score_correction_bias`, the shared expert and the dense
+//!   MLP with a fused `gate_up_proj` [2F, D] (gate first), and the indexer
+//!   under `self_attn.indexer.{q,k}_{proj,norm}`;
 //! - the head is tied to the embedding when the top level or `text_config`
-//!   says so (transformers' config takes either).
+//!   says so (transformers' config takes either); the text-only class is
+//!   untied unless its config says `tie_word_embeddings: true` (its
+//!   `_tied_weights_keys` only name the pair).
 
 use serde_json::Value;
 
 use super::{Arch, HfConfig, Source, expert_part};
 use crate::canonical::config::*;
-use crate::canonical::tensors::{LayerTensor as L, TensorId};
+use crate::canonical::tensors::{ExpertTensor as X, LayerTensor as L, TensorId};
 use crate::error::{Error, Result};
 
 /// MiniMax-M3 as the Hub ships it, with a vision tower.
@@ -64,6 +76,15 @@ pub static ARCH: Arch = Arch {
     model_type: "minimax_m3_vl",
     config,
     source,
+    ignored: not_the_language_model,
+};
+
+/// The language model alone: a flat config, `model.*` and `lm_head.weight`.
+pub static TEXT: Arch = Arch {
+    hf_class: "MiniMaxM3VLForCausalLM",
+    model_type: "minimax_m3_vl_text",
+    config,
+    source: text_source,
     ignored: not_the_language_model,
 };
 
@@ -223,13 +244,55 @@ fn config(hf: &HfConfig) -> Result<ModelConfig> {
 }
 
 fn source(_: &HfConfig, cfg: &ModelConfig, id: TensorId) -> Source {
-    let m = "language_model.model";
+    named(cfg, id, "language_model.model", "language_model.lm_head.weight")
+}
+
+/// The text-only class as transformers saves it: no key conversion is
+/// registered for `minimax_m3_vl_text`, so its files keep the module names
+/// (`mlp.*` rather than `block_sparse_moe.*`, fused `gate_up_proj` halves,
+/// stacked experts, `self_attn.indexer.*`).
+fn text_source(_: &HfConfig, cfg: &ModelConfig, id: TensorId) -> Source {
+    let mlp = |l: usize, n: &str| format!("model.layers.{l}.mlp.{n}");
+    let half = |name: String, w: usize, second: bool| Source::tensor(name).rows(2 * w, if second { w } else { 0 }, w);
+    let f = cfg.moe.as_ref().map_or(0, |m| m.expert_ffn_dim);
+    let fs = cfg.moe.as_ref().and_then(|m| m.shared_expert.as_ref()).map_or(0, |s| s.ffn_dim);
+    let dense = |l: usize| match cfg.layers.get(l).map(|x| &x.ffn) {
+        Some(FfnSpec::Dense { ffn_dim }) => *ffn_dim,
+        _ => 0,
+    };
+    let indexer = |l: usize, n: &str| Source::tensor(format!("model.layers.{l}.self_attn.indexer.{n}.weight"));
+    match id {
+        TensorId::Layer(l, t) => match t {
+            L::IdxQNorm => indexer(l, "q_norm").plus_one(),
+            L::IdxKNorm => indexer(l, "k_norm").plus_one(),
+            L::IdxWq => indexer(l, "q_proj"),
+            L::IdxWk => indexer(l, "k_proj"),
+            L::Gate => half(mlp(l, "gate_up_proj.weight"), dense(l), false),
+            L::Up => half(mlp(l, "gate_up_proj.weight"), dense(l), true),
+            L::Down => Source::tensor(mlp(l, "down_proj.weight")),
+            L::Router => Source::tensor(mlp(l, "gate.weight")),
+            L::RouterCorrection => Source::tensor(mlp(l, "gate.e_score_correction_bias")),
+            L::SharedGate => half(mlp(l, "shared_experts.gate_up_proj.weight"), fs, false),
+            L::SharedUp => half(mlp(l, "shared_experts.gate_up_proj.weight"), fs, true),
+            L::SharedDown => Source::tensor(mlp(l, "shared_experts.down_proj.weight")),
+            _ => named(cfg, id, "model", "lm_head.weight"),
+        },
+        TensorId::Expert(l, e, X::Gate) => Source::expert(mlp(l, "experts.gate_up_proj"), e).rows(2 * f, 0, f),
+        TensorId::Expert(l, e, X::Up) => Source::expert(mlp(l, "experts.gate_up_proj"), e).rows(2 * f, f, f),
+        TensorId::Expert(l, e, X::Down) => Source::expert(mlp(l, "experts.down_proj"), e),
+        TensorId::Expert(l, e, t) => Source::tensor(format!("<{t:?} of expert {e}, layer {l} has no MiniMax-M3 name>")),
+        _ => named(cfg, id, "model", "lm_head.weight"),
+    }
+}
+
+/// A tensor's name under the language model's prefix `m` and head name.
+fn named(cfg: &ModelConfig, id: TensorId, m: &str, head: &str) -> Source {
     let p = |l: usize| format!("{m}.layers.{l}");
     let moe = |l: usize| format!("{m}.layers.{l}.block_sparse_moe");
     let name = match id {
         TensorId::Embed => format!("{m}.embed_tokens.weight"),
         TensorId::FinalNorm => return Source::tensor(format!("{m}.norm.weight")).plus_one(),
-        TensorId::LmHead => return Source::tensor("language_model.lm_head.weight"),
+        TensorId::LmHead => return Source::tensor(head),
         TensorId::Layer(l, t) => match t {
             L::AttnNorm => return Source::tensor(format!("{}.input_layernorm.weight", p(l))).plus_one(),
             L::FfnNorm => return Source::tensor(format!("{}.post_attention_layernorm.weight", p(l))).plus_one(),
@@ -327,6 +390,47 @@ mod tests {
         }
         let err = config(&hf(r#", "layer_types": ["full_attention", "sliding_attention", "full_attention"]"#, ""));
         assert!(err.unwrap_err().to_string().contains("layer_types[1]"));
+    }
+
+    /// The language model alone: a flat config, untied by default, and
+    /// transformers' module names (fused and stacked, the indexer apart).
+    #[test]
+    fn the_text_only_class_reads_a_flat_config_and_the_module_names() {
+        let raw = r#"{"architectures": ["MiniMaxM3VLForCausalLM"], "model_type": "minimax_m3_vl_text",
+            "vocab_size": 50, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 8, "num_hidden_layers": 2, "intermediate_size": 12, "num_local_experts": 6,
+            "num_experts_per_tok": 2, "shared_intermediate_size": 10, "dense_intermediate_size": 20,
+            "mlp_layer_types": ["dense", "sparse"], "index_head_dim": 8,
+            "layer_types": ["full_attention", "minimax_m3_sparse"]}"#;
+        let c = HfConfig::parse(Path::new("config.json"), raw).unwrap();
+        assert!(std::ptr::eq(super::super::lookup(&c).unwrap(), &TEXT));
+        let m = (TEXT.config)(&c).unwrap();
+        m.validate().unwrap();
+        assert!(!m.tie_embeddings && m.attention.block_index.is_some());
+        let src = |id| (TEXT.source)(&c, &m, id);
+        assert_eq!(src(TensorId::LmHead), Source::tensor("lm_head.weight"));
+        assert_eq!(src(TensorId::Embed), Source::tensor("model.embed_tokens.weight"));
+        assert_eq!(
+            src(TensorId::Layer(0, L::Up)),
+            Source::tensor("model.layers.0.mlp.gate_up_proj.weight").rows(40, 20, 20)
+        );
+        assert_eq!(
+            src(TensorId::Layer(1, L::SharedGate)),
+            Source::tensor("model.layers.1.mlp.shared_experts.gate_up_proj.weight").rows(20, 0, 10)
+        );
+        assert_eq!(
+            src(TensorId::Expert(1, 4, X::Up)),
+            Source::expert("model.layers.1.mlp.experts.gate_up_proj", 4).rows(24, 12, 12)
+        );
+        assert_eq!(
+            src(TensorId::Layer(1, L::RouterCorrection)).name,
+            "model.layers.1.mlp.gate.e_score_correction_bias"
+        );
+        assert_eq!(
+            src(TensorId::Layer(1, L::IdxKNorm)),
+            Source::tensor("model.layers.1.self_attn.indexer.k_norm.weight").plus_one()
+        );
+        assert_eq!(src(TensorId::Layer(1, L::Wq)).name, "model.layers.1.self_attn.q_proj.weight");
     }
 
     #[test]

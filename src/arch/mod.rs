@@ -192,6 +192,7 @@ pub static REGISTRY: &[&Arch] = &[
     &nemotron_h::ARCH,
     &granitemoehybrid::ARCH,
     &minimax_m3::ARCH,
+    &minimax_m3::TEXT,
 ];
 
 /// Comma-separated class names, for error messages and docs.
