@@ -216,8 +216,14 @@ class Llama:
 def open_engine(spec: dict):
     if spec["engine"] == "colibri":
         return Colibri(spec["path"], spec["threads"])
-    # Room for the longest prompt (and the decode after the 64-token one).
-    n_ctx = max(1024, max(spec.get("prompts") or [0]) + 16)
+    # Room for the longest prompt (and the decode after the 64-token one), or
+    # for the ids whose logits are asked for.
+    n_ctx = max(
+        1024,
+        max(spec.get("prompts") or [0]) + 16,
+        len(spec.get("ids") or []) + 16,
+        spec.get("context", 64) + spec.get("decode_tokens", 0) + 16,
+    )
     return Llama(spec["path"], spec["threads"], n_ctx=n_ctx, logits_all=spec.get("logits_all", False))
 
 
@@ -266,9 +272,14 @@ def worker(spec: dict) -> dict:
             t = time.perf_counter()
             eng.first_token(p)
             res[f"prefill{n}_s"] = time.perf_counter() - t
-    c0 = cpu_s()
-    sec, got = eng.decode(prompt_ids(64, vocab, 2), spec["decode_tokens"] + 1)
+    # Decode after a real prefill of `context` tokens (64 unless --context).
+    context = spec.get("context", 64)
+    c0, t0 = cpu_s(), time.perf_counter()
+    sec, got = eng.decode(prompt_ids(context, vocab, 2), spec["decode_tokens"] + 1)
     res["decode_cpu_s"] = cpu_s() - c0
+    # The prompt's prefill and first token (colibri times its decode itself;
+    # for llama.cpp it is the call less the timed loop).
+    res["context"], res["context_prefill_s"] = context, time.perf_counter() - t0 - sec
     res["decode_s"], res["decode_n"] = sec, got - 1
     if spec.get("batch") and spec["engine"] == "colibri":
         prompts = [prompt_ids(64, vocab, 300 + i) for i in range(spec["batch"])]
@@ -467,7 +478,9 @@ def bytes_per_token(tensors: list[dict], shape: mm.Shape, fmt: str) -> dict:
     per layer: attention (q, k, v, o and their norms) + router + the two
     norms + top_k / num_experts of the layer's expert bytes; plus one
     embedding row (embedding bytes / vocab) + the whole lm_head + final norm.
-    KV-cache reads (small at these lengths) and activations are left out.
+    A hash-routed layer's token -> experts table (DeepSeek-V4) counts one row
+    (table bytes / vocab) under the router. KV-cache reads (small at these
+    lengths) and activations are left out.
     """
     k, e, v = shape.top_k, shape.experts, shape.vocab
     parts = {"attention+norms": 0.0, "router": 0.0, "experts": 0.0, "embedding row": 0.0, "lm_head": 0.0}
@@ -476,13 +489,17 @@ def bytes_per_token(tensors: list[dict], shape: mm.Shape, fmt: str) -> dict:
         if fmt == "colibri":
             is_expert = ".moe.experts." in n
             is_router = n.endswith(".moe.router")
+            is_table = n.endswith(".moe.hash_table")
             is_embed, is_head = n == "embed", n == "lm_head"
         else:
             is_expert = "_exps" in n
             is_router = n.endswith("ffn_gate_inp.weight")
+            is_table = n.endswith("ffn_gate_tid2eid.weight")
             is_embed, is_head = n == "token_embd.weight", n == "output.weight"
         if is_expert:
             parts["experts"] += b * k / e
+        elif is_table:
+            parts["router"] += b / v
         elif is_router:
             parts["router"] += b
         elif is_embed:
@@ -646,6 +663,7 @@ def bench(args, log) -> dict:
                             "mode": "full",
                             "prompts": prompts,
                             "decode_tokens": args.decode_tokens,
+                            "context": args.context,
                             "batch": args.batch,
                         }
                         r = run_worker(spec)
@@ -1540,6 +1558,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", default="64,512", help="prefill prompt lengths")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument(
+        "--context",
+        type=int,
+        default=64,
+        help="decode after a real prefill of this many prompt tokens (e.g. 32768; default 64)",
+    )
+    ap.add_argument(
         "--batch",
         type=int,
         default=0,
@@ -1633,7 +1657,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         res = bench(args, log)
         res["command"] = command_line("bench.py", sys.argv[1:] if argv is None else argv)
-        res["args"] = {"reps": args.reps, "decode_tokens": args.decode_tokens, "prompts": args.prompts}
+        res["args"] = {
+            "reps": args.reps,
+            "decode_tokens": args.decode_tokens,
+            "prompts": args.prompts,
+            "context": args.context,
+        }
         res["machine_info"] = machine_info()
         res["machine"] = machine_facts(res["machine_info"])
         path = args.json or mm.CACHE / f"results-{res['started'].replace(':', '')}.json"
