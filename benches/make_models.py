@@ -1231,6 +1231,20 @@ class SafetensorsFile:
         return self.raw[self.base + a : self.base + b].view(dt).reshape(h["shape"])
 
 
+class DrawnCheckpoint:
+    """The checkpoint's tensors drawn again instead of read (``SafetensorsFile``'s
+    interface): the same values, bit for bit, without the file on disk."""
+
+    def __init__(self, s: Shape, layers: int):
+        self.shape_name = s.name
+        self.tensors = {t.name: t for t in hf_tensors(s, layers)}
+        self.header = {t.name: {"dtype": t.dtype, "shape": list(t.shape)} for t in self.tensors.values()}
+
+    def get(self, name: str) -> np.ndarray:
+        t = self.tensors[name]
+        return draw(self.shape_name, t).astype(ST_DTYPES[t.dtype])
+
+
 # ---------------------------------------------------------------- GGUF
 
 
@@ -2011,12 +2025,16 @@ def make_mtp(s: Shape, layers: int, root: Path, force: bool, log, base: Path | N
     index_path.write_text(json.dumps(index, indent=2) + "\n")
 
 
-def make(s: Shape, layers: int, gguf_types: list[str], root: Path, force: bool, log) -> None:
+def make(
+    s: Shape, layers: int, gguf_types: list[str], root: Path, force: bool, log, no_checkpoint: bool = False
+) -> None:
+    """The checkpoint (unless `no_checkpoint`) and the GGUF files of `gguf_types`
+    (from the checkpoint when it exists, else from the drawn values: the same bits)."""
     hdir = hf_dir(s, layers, root)
     st_path = hdir / "model.safetensors"
-    if force and hdir.exists():
+    if force and hdir.exists() and not no_checkpoint:
         shutil.rmtree(hdir)
-    if not st_path.exists():
+    if not st_path.exists() and not no_checkpoint:
         hdir.mkdir(parents=True, exist_ok=True)
         cfg = s.hf_config(layers)
         (hdir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
@@ -2026,7 +2044,7 @@ def make(s: Shape, layers: int, gguf_types: list[str], root: Path, force: bool, 
         t0 = time.time()
         write_safetensors(s, layers, st_path, log)
         log(f"{s.name} l{layers}: safetensors done in {time.time() - t0:.0f}s")
-    st = SafetensorsFile(st_path)
+    st = SafetensorsFile(st_path) if st_path.exists() else DrawnCheckpoint(s, layers)
     for gtype in gguf_types:
         path = gguf_path(s, layers, gtype, root)
         if path.exists() and not force:
@@ -2076,6 +2094,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true", help="rewrite files that exist")
     ap.add_argument("--sizes", action="store_true", help="print the sizes and exit")
     ap.add_argument(
+        "--no-checkpoint",
+        action="store_true",
+        help="write the GGUF files from the drawn values when the safetensors checkpoint is absent, "
+        "without writing it (the same bits; for a disk too small for both: colibri convert needs "
+        "the checkpoint, so convert first, delete it, then write the GGUF)",
+    )
+    ap.add_argument(
         "--mtp",
         action="store_true",
         help="add a multi-token-prediction layer (Qwen3-Next's mtp.* layout; shapes "
@@ -2114,7 +2139,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.mtp:
             make_mtp(s, args.layers, args.cache, args.force, log, args.base)
         else:
-            make(s, args.layers, types, args.cache, args.force, log)
+            make(s, args.layers, types, args.cache, args.force, log, args.no_checkpoint)
     print(sizes(shapes, args.layers, types, args.mtp))
     return 0
 
