@@ -11,7 +11,8 @@ Per model x weight type x thread count:
 
 - prefill tok/s for a 64- and a 512-token prompt (prompt in, first token out,
   weights already in memory);
-- decode tok/s over N greedy tokens after a 64-token prompt;
+- decode tok/s over N greedy tokens after a 64-token prompt (``--context``:
+  after a real prefill of that many tokens, e.g. 32768);
 - TTFT: the 64-token prefill's wall time; load: open-to-first-token in a
   fresh process for a 1-token prompt (page cache warm, nothing else
   loaded), i.e. the cost of opening and first touching the weights;
@@ -45,6 +46,8 @@ Examples::
     python benches/bench.py --models deepseek_v2_lite,gpt_oss_20b --pairs q8_0:Q8_0,q4_0:Q4_0 --threads 2
     python benches/bench.py --models deepseek_v2_lite --kv   # KV-cache bytes per token at 4k, both engines
     python benches/bench.py --models qwen3moe --pairs q4k-mix:Q4_K_M --threads 2  # llama.cpp quantises Q4_K_M
+    python benches/bench.py --models deepseek_v4_flash --pairs q8_0:Q8_0 --threads 2 --prompts 64 \
+        --context 32768 --decode-tokens 16 --reps 3   # decode after a real 32k-token prefill, both engines
 """
 
 from __future__ import annotations
@@ -1373,6 +1376,7 @@ def bench_results(runs: list[dict]) -> dict:
     n_runs = sorted({n for r in rows for n in r["runs"].values() if n})
     reps = "?" if not n_runs else f"{n_runs[0]}" if n_runs[0] == n_runs[-1] else f"{n_runs[0]}-{n_runs[-1]}"
     decode = sorted({str(r.get("args", {}).get("decode_tokens", "the")) for r in runs})
+    context = "/".join(sorted({str(r.get("args", {}).get("context", 64)) for r in runs}))
     first = infos[0]
     probe = [
         (f"{min(v):.1f}-{max(v):.1f}" if min(v) != max(v) else f"{v[0]:.1f}")
@@ -1395,8 +1399,8 @@ def bench_results(runs: list[dict]) -> dict:
             f"bench.py: {', '.join(sorted({str(r['layers']) for r in rows}))}-layer random-weight models of "
             "real widths, identical weights in both engines, engines alternating run by run in fresh "
             f"processes, medians of {reps} runs per engine and cell; prefill N is an N-token prompt in "
-            f"and the first token out, decode {'/'.join(decode)} greedy tokens after a 64-token prompt; "
-            f"kernel table {', '.join(tables)}; the roofline is the read "
+            f"and the first token out, decode {'/'.join(decode)} greedy tokens after a {context}-token "
+            f"prompt; kernel table {', '.join(tables)}; the roofline is the read "
             "probe's best pass over CPU time over the weight bytes one decoded token reads"
         ),
         "bandwidth_gbs": bandwidth,
