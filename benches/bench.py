@@ -669,7 +669,8 @@ def bench(args, log) -> dict:
                             "context": args.context,
                             "batch": args.batch,
                         }
-                        r = run_worker(spec)
+                        # (a long --context prefill runs at a few tokens a second)
+                        r = run_worker(spec, timeout=3600 + 0.25 * args.context)
                         runs[eng].append(r)
                         if "extension" in r:
                             result.setdefault("extensions", [])
