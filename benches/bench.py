@@ -46,6 +46,7 @@ Examples::
     python benches/bench.py --models deepseek_v2_lite,gpt_oss_20b --pairs q8_0:Q8_0,q4_0:Q4_0 --threads 2
     python benches/bench.py --models deepseek_v2_lite --kv   # KV-cache bytes per token at 4k, both engines
     python benches/bench.py --models qwen3moe --pairs q4k-mix:Q4_K_M --threads 2  # llama.cpp quantises Q4_K_M
+    python benches/bench.py --models nemotron3_nano --layers 7 --pairs q8_0:Q8_0 --threads 2 --prompts 64,512
     python benches/bench.py --models deepseek_v4_flash --pairs q8_0:Q8_0 --threads 2 --prompts 64 \
         --context 32768 --decode-tokens 16 --reps 3   # decode after a real 32k-token prefill, both engines
 """
@@ -481,9 +482,11 @@ def bytes_per_token(tensors: list[dict], shape: mm.Shape, fmt: str) -> dict:
     per layer: attention (q, k, v, o and their norms) + router + the two
     norms + top_k / num_experts of the layer's expert bytes; plus one
     embedding row (embedding bytes / vocab) + the whole lm_head + final norm.
-    A hash-routed layer's token -> experts table (DeepSeek-V4) counts one row
-    (table bytes / vocab) under the router. KV-cache reads (small at these
-    lengths) and activations are left out.
+    A linear-attention or Mamba2 mixer's tensors and shared experts are read
+    whole, so they count with "attention+norms"; a hash-routed layer's token ->
+    experts table (DeepSeek-V4) counts one row (table bytes / vocab) under the
+    router. KV-cache and recurrent-state reads (small at these lengths) and
+    activations are left out.
     """
     k, e, v = shape.top_k, shape.experts, shape.vocab
     parts = {"attention+norms": 0.0, "router": 0.0, "experts": 0.0, "embedding row": 0.0, "lm_head": 0.0}
@@ -664,9 +667,9 @@ def bench(args, log) -> dict:
                             "threads": th,
                             "vocab": shape.vocab,
                             "mode": "full",
+                            "context": args.context,
                             "prompts": prompts,
                             "decode_tokens": args.decode_tokens,
-                            "context": args.context,
                             "batch": args.batch,
                         }
                         # (a long --context prefill runs at a few tokens a second)
@@ -701,12 +704,13 @@ def bench(args, log) -> dict:
 def state_memory(shape: mm.Shape, layers: int, state: dict, context: int = 32768) -> dict:
     """One sequence's state at `context` tokens (colibri's Engine.state_bytes():
     per_sequence + context · per_token) against a model of the same widths whose
-    every layer is full attention, whose bytes per token are this model's per
-    full-attention layer times the layer count. The same at the released depth
-    (``hub_layers``, in the same three-to-one pattern) when the shape has one."""
-    kinds = shape.layer_types(layers) if shape.full_every else ["full_attention"] * layers
+    every mixer layer is full attention, whose bytes per token are this model's
+    per full-attention layer times the mixer count (Nemotron-H's MoE blocks hold
+    no state, so "layers" counts its Mamba2 and attention blocks). The same at the
+    released depth (``hub_layers``, in the released pattern) when the shape has one."""
+    kinds = shape.mixers(layers)
     full = kinds.count("full_attention")
-    linear = layers - full
+    linear = len(kinds) - full
     per_full = state["per_token"] / full if full else 0.0
     per_linear = state["per_sequence"] / linear if linear else 0.0
     mib = 2.0**20
@@ -729,9 +733,10 @@ def state_memory(shape: mm.Shape, layers: int, state: dict, context: int = 32768
         "per_linear_layer": per_linear,
         "bench": at(full, linear),
     }
-    if shape.hub_layers and shape.full_every:
-        hub_full = shape.hub_layers // shape.full_every
-        out["hub"] = at(hub_full, shape.hub_layers - hub_full)
+    if shape.hub_layers and (shape.full_every or shape.pattern):
+        hub = shape.mixers(shape.hub_layers)
+        hub_full = hub.count("full_attention")
+        out["hub"] = at(hub_full, len(hub) - hub_full)
     return out
 
 
@@ -748,6 +753,7 @@ TARGETS = {
     },
     "glm4_7_flash": SPEED_TARGETS,
     "minimax_m2": SPEED_TARGETS,
+    "nemotron3_nano": {**SPEED_TARGETS, "prefill_kept": 0.5},
 }
 
 
@@ -1374,10 +1380,10 @@ def bench_results(runs: list[dict]) -> dict:
     reached = {e: [r["roofline"][e] for r in rows if e in r["roofline"]] for e in ("colibri", "llama")}
     versions = [v for i in infos for v in i.get("versions", []) if v.startswith("llama-cpp-python")]
     tables = sorted({r["table"] for r in rows})
+    context = "/".join(sorted({str(r.get("args", {}).get("context", 64)) for r in runs}))
     n_runs = sorted({n for r in rows for n in r["runs"].values() if n})
     reps = "?" if not n_runs else f"{n_runs[0]}" if n_runs[0] == n_runs[-1] else f"{n_runs[0]}-{n_runs[-1]}"
     decode = sorted({str(r.get("args", {}).get("decode_tokens", "the")) for r in runs})
-    context = "/".join(sorted({str(r.get("args", {}).get("context", 64)) for r in runs}))
     first = infos[0]
     probe = [
         (f"{min(v):.1f}-{max(v):.1f}" if min(v) != max(v) else f"{v[0]:.1f}")

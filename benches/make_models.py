@@ -28,6 +28,7 @@ Usage::
     python benches/make_models.py --shapes deepseek_v2_lite,gpt_oss_20b   # the MLA and GPT-OSS shapes
     python benches/make_models.py --shapes gpt_oss_20b --gguf-types MXFP4  # experts MXFP4, rest Q4_0
     python benches/make_models.py --shapes qwen3moe --mtp --base benches/.cache/qwen3moe-l4/hf
+    python benches/make_models.py --shapes nemotron3_nano --layers 7 --gguf-types Q8_0  # blocks MEMEM*E
 
 ``--mtp`` adds one multi-token-prediction layer in Qwen3-Next's layout (``mtp.*``
 tensors, ``mtp_num_hidden_layers: 1``) and writes ``<shape>-l<layers>-mtp/hf/`` as
@@ -85,7 +86,8 @@ class Shape:
     v_head_dim: int = 0
     # GPT-OSS: sliding window of the even layers; 0 elsewhere.
     sliding_window: int = 0
-    # Qwen1.5-MoE and Qwen3.5/3.6-MoE: the shared expert's width (gated by sigmoid(w·x)); 0 elsewhere.
+    # Qwen1.5-MoE and Qwen3.5/3.6-MoE: the shared expert's width (gated by sigmoid(w·x));
+    # Nemotron-H: the ungated shared expert's; 0 elsewhere.
     shared_ffn: int = 0
     # Qwen3.5/3.6-MoE (Gated DeltaNet hybrids); 0 elsewhere. Every
     # `full_every`-th layer is full attention, the others linear attention.
@@ -109,6 +111,18 @@ class Shape:
     index_heads: int = 0
     index_dim: int = 0
     index_topk: int = 0
+    # Nemotron-H / Nemotron 3 (`nemotron_h`): one block per Hub layer, as the
+    # Hub's `hybrid_override_pattern` at full depth spells them (M Mamba2,
+    # * attention without RoPE, E MoE of ungated relu2 experts plus one shared
+    # expert of `shared_ffn`); a model of N layers is the first N blocks.
+    # Mamba2: `mamba_heads` heads of `mamba_head_dim`, B and C in
+    # `mamba_groups` groups of `ssm_state`, the convolution `conv_kernel`
+    # wide. "" / 0 elsewhere.
+    pattern: str = ""
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_groups: int = 0
+    ssm_state: int = 0
 
     def layer_types(self, layers: int) -> list[str]:
         """Qwen3.5's `layer_types`: three linear-attention layers to one full."""
@@ -116,8 +130,28 @@ class Shape:
             "full_attention" if (i + 1) % self.full_every == 0 else "linear_attention" for i in range(layers)
         ]
 
+    def blocks(self, layers: int) -> str:
+        """Nemotron-H's first `layers` blocks, one character each (M, *, E)."""
+        if layers > len(self.pattern):
+            raise ValueError(f"{self.name} has {len(self.pattern)} blocks, not {layers}")
+        return self.pattern[:layers]
+
+    def mixers(self, layers: int) -> list[str]:
+        """The kind of each token mixer in order, "full_attention" or
+        "linear_attention": the layers that hold a sequence's state
+        (Nemotron-H's MoE blocks hold none)."""
+        if self.pattern:
+            return [
+                "full_attention" if c == "*" else "linear_attention" for c in self.blocks(layers) if c in "M*"
+            ]
+        if self.full_every:
+            return self.layer_types(layers)
+        return ["full_attention"] * layers
+
     def hf_config(self, layers: int) -> dict:
         """config.json as the Hub's checkpoint spells it, with `layers` layers."""
+        if self.model_type == "nemotron_h":
+            return self._nemotron_h_config(layers)
         if self.model_type == "deepseek_v2":
             return self._deepseek_v2_config(layers)
         if self.model_type in ("glm4_moe_lite", "deepseek_v32"):
@@ -333,6 +367,69 @@ class Shape:
             "use_cache": True,
             "use_qk_norm": True,
             "use_routing_bias": True,
+            "vocab_size": self.vocab,
+        }
+
+    def _nemotron_h_config(self, layers: int) -> dict:
+        # nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16's config.json, less the
+        # auto_map, with the pattern cut to `layers` blocks. The Mamba2 width is
+        # mamba_num_heads x mamba_head_dim (not expand x hidden_size).
+        return {
+            "architectures": [self.hf_class],
+            "model_type": self.model_type,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "bos_token_id": 1,
+            "chunk_size": 128,
+            "conv_kernel": self.conv_kernel,
+            "eos_token_id": 2,
+            "expand": 2,
+            "head_dim": self.head_dim,
+            "hidden_dropout": 0.0,
+            "hidden_size": self.hidden,
+            "hybrid_override_pattern": self.blocks(layers),
+            "initializer_range": 0.02,
+            "intermediate_size": self.expert_ffn,
+            "layer_norm_epsilon": self.rms_eps,
+            "mamba_head_dim": self.mamba_head_dim,
+            "mamba_hidden_act": "silu",
+            "mamba_num_heads": self.mamba_heads,
+            "mamba_proj_bias": False,
+            "mamba_ssm_cache_dtype": "float32",
+            "max_position_embeddings": self.max_pos,
+            "mlp_bias": False,
+            "mlp_hidden_act": "relu2",
+            "moe_intermediate_size": self.expert_ffn,
+            "moe_shared_expert_intermediate_size": self.shared_ffn,
+            "n_group": 1,
+            "n_groups": self.mamba_groups,
+            "n_routed_experts": self.experts,
+            "n_shared_experts": 1,
+            "norm_eps": self.rms_eps,
+            "norm_topk_prob": self.norm_topk_prob,
+            "num_attention_heads": self.heads,
+            "num_experts_per_tok": self.top_k,
+            "num_hidden_layers": layers,
+            "num_key_value_heads": self.kv_heads,
+            "num_logits_to_keep": 1,
+            "pad_token_id": 0,
+            "partial_rotary_factor": 1.0,
+            "rescale_prenorm_residual": True,
+            "residual_in_fp32": False,
+            "rope_theta": self.rope_theta,
+            "routed_scaling_factor": self.routed_scale,
+            "sliding_window": None,
+            "ssm_state_size": self.ssm_state,
+            "tie_word_embeddings": False,
+            "time_step_floor": 0.0001,
+            "time_step_max": 0.1,
+            "time_step_min": 0.001,
+            "topk_group": 1,
+            "torch_dtype": "float16",
+            "use_bias": False,
+            "use_cache": True,
+            "use_conv_bias": True,
+            "use_mamba_kernels": True,
             "vocab_size": self.vocab,
         }
 
@@ -728,6 +825,41 @@ SHAPES = {
         sigmoid_router=True,
         hub_layers=62,
     ),
+    # nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B (`nemotron_h`): 52 blocks on the
+    # Hub, 23 Mamba2 (64 heads of 64, 8 groups, state 128), 23 MoE (128
+    # relu2 experts of 1856, top-6, sigmoid routing with a correction bias,
+    # x2.5, one shared expert of 3712) and 6 GQA attention (32 / 2 heads of
+    # 128, no RoPE). `--layers 7` is "MEMEM*E": every kind of block, and a
+    # MoE block after the attention one.
+    "nemotron3_nano": Shape(
+        name="nemotron3_nano",
+        hf_class="NemotronHForCausalLM",
+        model_type="nemotron_h",
+        gguf_arch="nemotron_h_moe",
+        hidden=2688,
+        experts=128,
+        top_k=6,
+        expert_ffn=1856,
+        heads=32,
+        kv_heads=2,
+        head_dim=128,
+        vocab=131072,
+        qk_norm="none",
+        norm_topk_prob=True,
+        rope_theta=10000.0,
+        rms_eps=1e-5,
+        max_pos=262144,
+        shared_ffn=3712,
+        conv_kernel=4,
+        hub_layers=52,
+        sigmoid_router=True,
+        routed_scale=2.5,
+        pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+        mamba_heads=64,
+        mamba_head_dim=64,
+        mamba_groups=8,
+        ssm_state=128,
+    ),
     # deepseek-ai/DeepSeek-V4-Flash (`deepseek_v4`): one shared key = value
     # head of 512 under 64 query heads (query latent 1024, rope on the last
     # 64), grouped output projection 8 x 1024, a 128-token window plus, per
@@ -804,6 +936,8 @@ def hf_tensors(s: Shape, layers: int) -> list[Tensor]:
         return _gpt_oss_tensors(s, layers)
     if s.model_type == "qwen3_5_moe_text":
         return _qwen3_5_moe_tensors(s, layers)
+    if s.model_type == "nemotron_h":
+        return _nemotron_h_tensors(s, layers)
     d, q, kv = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
     qn, kn = (q, kv) if s.qk_norm == "full" else (s.head_dim, s.head_dim)
     out = [Tensor("model.embed_tokens.weight", (s.vocab, d), "embed")]
@@ -934,6 +1068,57 @@ def _minimax_m2_tensors(s: Shape, layers: int) -> list[Tensor]:
                 Tensor(f"{m}.experts.{e}.w2.weight", (d, f), "matrix"),
             ]
     out += [Tensor("model.norm.weight", (d,), "norm"), Tensor("lm_head.weight", (s.vocab, d), "matrix")]
+    return out
+
+
+def _nemotron_h_tensors(s: Shape, layers: int) -> list[Tensor]:
+    """NemotronHForCausalLM's tensors in the Hub's layout (`backbone.*`, one
+    block per layer, each with its own `norm` and `mixer`, experts one by one).
+
+    Mamba2's ``in_proj`` rows are z (I), x (I), B (G·N), C (G·N), dt (H), the
+    convolution runs over x, B, C; drawn as a fresh Mamba2 is initialised:
+    A ~ U(1, 16), dt = softplus(. + dt_bias) log-uniform in [1e-3, 0.1] at a
+    zero input, D around 1, the convolution at 1/sqrt(kernel)."""
+    d, f, g = s.hidden, s.expert_ffn, s.shared_ffn
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    i, gn, h = s.mamba_heads * s.mamba_head_dim, s.mamba_groups * s.ssm_state, s.mamba_heads
+    out = [Tensor("backbone.embeddings.weight", (s.vocab, d), "embed")]
+    for layer, kind in enumerate(s.blocks(layers)):
+        p, m = f"backbone.layers.{layer}", f"backbone.layers.{layer}.mixer"
+        out.append(Tensor(f"{p}.norm.weight", (d,), "norm"))
+        if kind == "M":
+            out += [
+                Tensor(f"{m}.A_log", (h,), "a_log"),
+                Tensor(f"{m}.D", (h,), "norm"),
+                Tensor(f"{m}.conv1d.weight", (i + 2 * gn, 1, s.conv_kernel), "matrix"),
+                Tensor(f"{m}.conv1d.bias", (i + 2 * gn,), "bias"),
+                Tensor(f"{m}.dt_bias", (h,), "dt_bias"),
+                Tensor(f"{m}.in_proj.weight", (2 * i + 2 * gn + h, d), "matrix"),
+                Tensor(f"{m}.norm.weight", (i,), "norm"),
+                Tensor(f"{m}.out_proj.weight", (d, i), "matrix"),
+            ]
+        elif kind == "*":
+            out += [
+                Tensor(f"{m}.q_proj.weight", (q, d), "matrix"),
+                Tensor(f"{m}.k_proj.weight", (kv, d), "matrix"),
+                Tensor(f"{m}.v_proj.weight", (kv, d), "matrix"),
+                Tensor(f"{m}.o_proj.weight", (d, q), "matrix"),
+            ]
+        else:
+            out += [
+                Tensor(f"{m}.gate.weight", (s.experts, d), "router"),
+                Tensor(f"{m}.gate.e_score_correction_bias", (s.experts,), "bias"),
+            ]
+            for e in range(s.experts):
+                out += [
+                    Tensor(f"{m}.experts.{e}.up_proj.weight", (f, d), "matrix"),
+                    Tensor(f"{m}.experts.{e}.down_proj.weight", (d, f), "matrix"),
+                ]
+            out += [
+                Tensor(f"{m}.shared_experts.up_proj.weight", (g, d), "matrix"),
+                Tensor(f"{m}.shared_experts.down_proj.weight", (d, g), "matrix"),
+            ]
+    out += [Tensor("backbone.norm_f.weight", (d,), "norm"), Tensor("lm_head.weight", (s.vocab, d), "matrix")]
     return out
 
 
@@ -1285,6 +1470,8 @@ def gguf_plan(s: Shape, layers: int) -> list[Entry]:
         raise ValueError(f"{s.name}: no GGUF layout here (the DSA shape is timed in colibri only)")
     if s.model_type == "qwen3_5_moe_text":
         return _qwen35moe_plan(s, layers)
+    if s.model_type == "nemotron_h":
+        return _nemotron_h_plan(s, layers)
 
     def e(name, hf, kind):
         return Entry(name, tuple(hf), kind)
@@ -1430,6 +1617,95 @@ def _minimax_m2_plan(s: Shape, layers: int) -> list[Entry]:
             plan.append(e(f"{b}.ffn_{gg}_exps.weight", names, "matrix"))
     plan += [
         e("output_norm.weight", ["model.norm.weight"], "norm"),
+        e("output.weight", ["lm_head.weight"], "matrix"),
+    ]
+    return plan
+
+
+def _nemotron_h_plan(s: Shape, layers: int) -> list[Entry]:
+    """llama.cpp's `nemotron_h_moe` layout (its converter's NemotronHModel).
+
+    - every block's one norm is ``attn_norm``; the block's kind is told by
+      the per-layer `feed_forward_length` and `head_count_kv` (see
+      `_add_metadata`), not by its tensors' names;
+    - Mamba2: ``in_proj`` is ``ssm_in`` as it is (z | xBC | dt), the
+      convolution ``[C, 1, K]`` ``ssm_conv1d`` ``[C, K]`` (f32, as ggml's
+      convolution wants it), ``A_log`` ``ssm_a`` = ``-exp(A_log)`` and ``D``
+      ``ssm_d``, both ``[H, 1]``, the gated norm's ``[I]`` ``ssm_norm``
+      ``[G, I / G]`` (one row per group);
+    - attention keeps q and k as they are: without RoPE the converter's
+      q/k row permutation (within each head, the same for both) leaves q·k
+      unchanged, so it is left out;
+    - MoE: the ungated experts' ``up_proj`` / ``down_proj`` stacked into
+      ``ffn_up_exps`` / ``ffn_down_exps``, the correction bias as
+      ``exp_probs_b.bias``, the shared expert ``ffn_up_shexp`` /
+      ``ffn_down_shexp``.
+
+    One difference is left: colibri floors Mamba2's time step at
+    `time_step_min` (0.001) in every step, llama.cpp never does. With these
+    draws some time steps fall below it, which moves the logits by about 2e-3
+    of their range over 32 tokens (F32 at small widths; 4e-5 with the floor
+    set to 1e-9 in config.json).
+    """
+    i, g, h = s.mamba_heads * s.mamba_head_dim, s.mamba_groups, s.mamba_heads
+    c = i + 2 * g * s.ssm_state
+
+    def e(name, hf, kind, parts=None, shape=None):
+        return Entry(name, tuple(hf), kind, parts, shape)
+
+    def f32(st, n):
+        return st.get(n).astype(np.float32)
+
+    plan = [e("token_embd.weight", ["backbone.embeddings.weight"], "matrix")]
+    for layer, kind in enumerate(s.blocks(layers)):
+        p, b, m = f"backbone.layers.{layer}", f"blk.{layer}", f"backbone.layers.{layer}.mixer"
+        plan.append(e(f"{b}.attn_norm.weight", [f"{p}.norm.weight"], "norm"))
+        if kind == "M":
+            cn, an, dn, nn = f"{m}.conv1d.weight", f"{m}.A_log", f"{m}.D", f"{m}.norm.weight"
+            plan += [
+                e(f"{b}.ssm_in.weight", [f"{m}.in_proj.weight"], "matrix"),
+                e(
+                    f"{b}.ssm_conv1d.weight",
+                    [cn],
+                    "norm",
+                    lambda st, n=cn: f32(st, n)[:, 0, :],
+                    (c, s.conv_kernel),
+                ),
+                e(f"{b}.ssm_conv1d.bias", [f"{m}.conv1d.bias"], "norm"),
+                e(f"{b}.ssm_dt.bias", [f"{m}.dt_bias"], "norm"),
+                e(f"{b}.ssm_a", [an], "norm", lambda st, n=an: -np.exp(f32(st, n)).reshape(h, 1), (h, 1)),
+                e(f"{b}.ssm_d", [dn], "norm", lambda st, n=dn: f32(st, n).reshape(h, 1), (h, 1)),
+                e(
+                    f"{b}.ssm_norm.weight",
+                    [nn],
+                    "norm",
+                    lambda st, n=nn: f32(st, n).reshape(g, i // g),
+                    (g, i // g),
+                ),
+                e(f"{b}.ssm_out.weight", [f"{m}.out_proj.weight"], "matrix"),
+            ]
+        elif kind == "*":
+            for gg, hf in (
+                ("attn_q", "q_proj"),
+                ("attn_k", "k_proj"),
+                ("attn_v", "v_proj"),
+                ("attn_output", "o_proj"),
+            ):
+                plan.append(e(f"{b}.{gg}.weight", [f"{m}.{hf}.weight"], "matrix"))
+        else:
+            plan += [
+                e(f"{b}.ffn_gate_inp.weight", [f"{m}.gate.weight"], "norm"),
+                e(f"{b}.exp_probs_b.bias", [f"{m}.gate.e_score_correction_bias"], "norm"),
+            ]
+            for gg in ("up", "down"):
+                names = [f"{m}.experts.{x}.{gg}_proj.weight" for x in range(s.experts)]
+                plan.append(e(f"{b}.ffn_{gg}_exps.weight", names, "matrix"))
+            for gg in ("up", "down"):
+                plan.append(
+                    e(f"{b}.ffn_{gg}_shexp.weight", [f"{m}.shared_experts.{gg}_proj.weight"], "matrix")
+                )
+    plan += [
+        e("output_norm.weight", ["backbone.norm_f.weight"], "norm"),
         e("output.weight", ["lm_head.weight"], "matrix"),
     ]
     return plan
@@ -1805,6 +2081,9 @@ def _add_metadata(w, s: Shape, layers: int, cfg: dict) -> None:
         w.add_rope_dimension_count(cfg["rotary_dim"])
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         return
+    if s.model_type == "nemotron_h":
+        _nemotron_h_metadata(w, s, layers, cfg)
+        return
     if s.model_type == "qwen3_5_moe_text":
         # As llama.cpp's converter (Qwen3_5MoeTextModel) writes them; the
         # layer pattern comes from full_attention_interval.
@@ -1846,6 +2125,32 @@ def _add_metadata(w, s: Shape, layers: int, cfg: dict) -> None:
     if s.model_type == "qwen2_moe":
         w.add_expert_feed_forward_length(s.expert_ffn)
         w.add_expert_shared_feed_forward_length(s.shared_ffn)
+
+
+def _nemotron_h_metadata(w, s: Shape, layers: int, cfg: dict) -> None:
+    """`nemotron_h_moe`'s keys, as llama.cpp's converter (NemotronHModel)
+    writes them. llama.cpp reads each block's kind from two per-layer arrays:
+    a block with `feed_forward_length` > 0 is MoE, else one with
+    `head_count_kv` > 0 is attention, else Mamba2. `layer_norm_epsilon` is
+    required by the loader (its multi-token-prediction head's LayerNorm)."""
+    blocks = s.blocks(layers)
+    w.add_feed_forward_length([s.expert_ffn if k == "E" else 0 for k in blocks])
+    w.add_head_count_kv([s.kv_heads if k == "*" else 0 for k in blocks])
+    w.add_key_length(s.head_dim)
+    w.add_value_length(s.head_dim)
+    w.add_layer_norm_eps(cfg["layer_norm_epsilon"])
+    w.add_ssm_conv_kernel(s.conv_kernel)
+    w.add_ssm_inner_size(s.mamba_heads * s.mamba_head_dim)
+    w.add_ssm_state_size(s.ssm_state)
+    w.add_ssm_time_step_rank(s.mamba_heads)
+    w.add_ssm_group_count(s.mamba_groups)
+    w.add_expert_feed_forward_length(s.expert_ffn)
+    w.add_expert_shared_feed_forward_length(s.shared_ffn)
+    w.add_expert_shared_count(cfg["n_shared_experts"])
+    w.add_expert_weights_norm(s.norm_topk_prob)
+    w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    w.add_expert_group_count(cfg["n_group"])
+    w.add_expert_group_used_count(cfg["topk_group"])
 
 
 def _add_deepseek4_metadata(w, s: Shape, layers: int, cfg: dict) -> None:

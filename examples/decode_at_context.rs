@@ -4,9 +4,12 @@
 //! (defaults 16 new tokens, 2 threads, a real prefill of FILL = 256 tokens).
 //!
 //! The sequence is prefilled with FILL real tokens; then every layer's cache
-//! rows (MLA latents and a DSA layer's index keys: latent-attention models
-//! only) of those positions are copied, in order and over and over, into positions
-//! FILL..CTX, and the sequence's position is set to CTX. The next TOKENS
+//! rows (MLA latents and a DSA layer's index keys: latent-attention models;
+//! a pooled layer's entries and index keys: DeepSeek-V4) of those positions
+//! are copied, in order and over and over, into positions FILL..CTX, and the
+//! sequence's position is set to CTX (FILL and CTX whole multiples of the
+//! largest pool rate, 128, for pooled layers, so the window and the
+//! unfinished blocks are where they would be). The next TOKENS
 //! greedy tokens are timed one by one. A decode step then does exactly the
 //! work of one at CTX: it reads CTX cache rows per layer (a DSA layer scores
 //! CTX index keys and attends to its `index_topk` picks), whatever the rows
@@ -55,6 +58,16 @@ fn main() {
     let prefill_s = t.elapsed().as_secs_f64();
     if fill < ctx {
         for (l, layer) in cfg.layers.iter().enumerate() {
+            if matches!(layer.mixer, MixerSpec::Pooled { .. }) {
+                // The window ring is the same at CTX as at FILL (both whole
+                // blocks); the pooled entries and index keys repeat.
+                let st = s.seq.pooled(l);
+                for p in st.pool.iter_mut().chain(st.index.iter_mut()) {
+                    let n = ctx / p.rate();
+                    p.repeat_to(n);
+                }
+                continue;
+            }
             let own_keys = matches!(layer.mixer, MixerSpec::Sparse { shared: false });
             let sources: Vec<bool> = if own_keys { vec![false, true] } else { vec![false] };
             for index in sources {

@@ -27,11 +27,14 @@
 use rayon::prelude::*;
 
 use super::Inputs;
+use super::attention::KvView;
+use super::indexer::score;
 use super::moe::top_k;
 use super::rope::{Rope, apply_pairs};
 use crate::canonical::config::{Pool, PooledSpec};
-use crate::kernels::{Matrix, matmul};
+use crate::kernels::{KV_QUERIES, Matrix, matmul};
 use crate::model::weights::TensorRef;
+use crate::quant::DType;
 
 /// One pooler's weights: the projections of the rows it pools and of their
 /// gates (`[m·W, D]`, m = 2 with overlapping blocks), the gates' bias per
@@ -205,6 +208,33 @@ impl Pooler {
             self.has_prev = true;
         }
         self.count += 1;
+    }
+
+    /// Entries finished.
+    pub fn count(&self) -> usize {
+        self.count
+    }
+
+    /// Tokens per entry.
+    pub fn rate(&self) -> usize {
+        self.rate
+    }
+
+    /// Brings the pool to `count` entries by repeating its finished ones in
+    /// order (at most what the state was sized for): the work of a long
+    /// context without prefilling it, for decode benchmarks. Does nothing
+    /// without an entry to repeat.
+    pub fn repeat_to(&mut self, count: usize) {
+        let (w, have) = (self.width, self.count);
+        let count = count.min(self.entries.len() / w);
+        if have == 0 || count <= have {
+            return;
+        }
+        for e in have..count {
+            let src = (e % have) * w;
+            self.entries.copy_within(src..src + w, e * w);
+        }
+        self.count = count;
     }
 
     /// Forgets everything (a sequence going back to its start).
@@ -391,6 +421,8 @@ pub struct PooledScratch {
     chosen: Vec<u32>,
     /// [H, W + K + 1] each head's attention weights for one query.
     probs: Vec<f32>,
+    /// [W + K, Dh] the rows one query reads, gathered.
+    rows: Vec<f32>,
     /// [C, H·Dh / G] one group's inputs, [C, Ro] its outputs, [C, G·Ro] all groups' outputs.
     group_in: Vec<f32>,
     group_tmp: Vec<f32>,
@@ -418,6 +450,7 @@ impl PooledScratch {
             idx_scores: vec![0.0; light_entries.max(1)],
             chosen: vec![0; ix.top_k.min(light_entries).max(1)],
             probs: vec![0.0; h * seen],
+            rows: vec![0.0; seen * dh],
             group_in: vec![0.0; chunk * h * dh / p.o_groups],
             group_tmp: vec![0.0; chunk * p.o_lora_rank],
             group_out: vec![0.0; chunk * p.o_groups * p.o_lora_rank],
@@ -560,6 +593,7 @@ impl Pooled<'_> {
         let win = st.window;
         let scale = 1.0 / (dh as f32).sqrt();
         let seen = s.probs.len() / h;
+        let kk = crate::kernels::kv_fns(DType::F32).expect("f32 attention kernels");
         for i in 0..m {
             let (t, p) = (r0 + i, pos0 + i);
             // The entries this query reads: all finished ones (heavy), the
@@ -573,19 +607,18 @@ impl Pooled<'_> {
                     let n_vis = ix.count.min((p + 1) / ix.rate);
                     let qi = &s.idx_q[t * hi * di..(t + 1) * hi * di];
                     let wi = &s.idx_w[t * hi..(t + 1) * hi];
-                    let iscale = 1.0 / (di as f32).sqrt();
                     let scores = &mut s.idx_scores[..n_vis];
-                    // Each entry's score on its own (split across threads by entry, so
-                    // the bits do not depend on the thread count).
-                    scores.par_iter_mut().with_min_len(64).enumerate().for_each(|(e, sc)| {
-                        let key = &ix.entries[e * di..(e + 1) * di];
-                        let mut acc = 0.0f32;
-                        for hh in 0..hi {
-                            let dot: f32 = qi[hh * di..(hh + 1) * di].iter().zip(key).map(|(a, b)| a * b).sum();
-                            acc += dot.max(0.0) * iscale * wi[hh];
-                        }
-                        *sc = acc;
-                    });
+                    let keys = KvView {
+                        dtype: DType::F32,
+                        k: bytemuck::cast_slice(&ix.entries[..n_vis * di]),
+                        v: &[],
+                        k_row: di,
+                        v_row: di,
+                        k_head: n_vis * di,
+                        v_head: 0,
+                        base: 0,
+                    };
+                    score(qi, wi, di, keys, scores); // [E], each entry on its own
                     let keep = k.min(n_vis);
                     top_k(scores, keep, &mut s.chosen[..keep]); // [K]
                     &s.chosen[..keep]
@@ -595,51 +628,56 @@ impl Pooled<'_> {
             let light = self.index.is_some();
             let entries = st.pool.as_ref().map_or(&[][..], |pl| pl.entries());
             let first = (p + 1).saturating_sub(win);
-            let (ring, kv_chunk) = (&st.ring, &s.kv);
-            let key = |q_pos: usize| -> &[f32] {
-                if q_pos >= pos0 {
+            let n_ent = if light { chosen.len() } else { visible };
+            let nw = p + 1 - first;
+            let nk = nw + n_ent;
+            // The rows this query reads, gathered in order (window, then
+            // entries) so the kernels see one contiguous run of keys.
+            let rows = &mut s.rows[..nk * dh];
+            for (j, row) in rows[..nw * dh].chunks_exact_mut(dh).enumerate() {
+                let q_pos = first + j;
+                row.copy_from_slice(if q_pos >= pos0 {
                     let r = r0 + q_pos - pos0;
-                    &kv_chunk[r * dh..(r + 1) * dh]
+                    &s.kv[r * dh..(r + 1) * dh]
                 } else {
                     let r = q_pos % win;
-                    &ring[r * dh..(r + 1) * dh]
-                }
-            };
-            let n_ent = if light { chosen.len() } else { visible };
-            let entry = |j: usize| -> &[f32] {
+                    &st.ring[r * dh..(r + 1) * dh]
+                });
+            }
+            for (j, row) in rows[nw * dh..].chunks_exact_mut(dh).enumerate() {
                 let e = if light { chosen[j] as usize } else { j };
-                &entries[e * dh..(e + 1) * dh]
-            };
+                row.copy_from_slice(&entries[e * dh..(e + 1) * dh]);
+            }
+            let rows: &[u8] = bytemuck::cast_slice(&*rows);
             let qrow = &q[t * h * dh..(t + 1) * h * dh];
             let out = &mut att[i * h * dh..(i + 1) * h * dh];
-            let nw = p + 1 - first;
-            out.par_chunks_exact_mut(dh).zip(s.probs.par_chunks_exact_mut(seen)).enumerate().for_each(
-                |(hh, (o, pb))| {
-                    let qh = &qrow[hh * dh..(hh + 1) * dh];
-                    let dot = |k: &[f32]| qh.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale;
-                    let pb = &mut pb[..nw + n_ent];
-                    for (j, v) in pb[..nw].iter_mut().enumerate() {
-                        *v = dot(key(first + j));
-                    }
-                    for (j, v) in pb[nw..].iter_mut().enumerate() {
-                        *v = dot(entry(j));
-                    }
-                    let sink = self.sinks[hh];
-                    let mx = pb.iter().cloned().fold(sink, f32::max);
+            // Up to KV_QUERIES heads per task read each row once; every
+            // (head, row) product has the same bits whatever the grouping.
+            let groups = out.par_chunks_mut(KV_QUERIES * dh).zip(s.probs.par_chunks_mut(KV_QUERIES * seen));
+            groups.enumerate().for_each(|(g, (o, pb))| {
+                let h0 = g * KV_QUERIES;
+                let nq = o.len() / dh;
+                let qs: [&[f32]; KV_QUERIES] = std::array::from_fn(|j| &qrow[(h0 + j.min(nq - 1)) * dh..][..dh]);
+                (kk.dots)(rows, dh, nk, &qs[..nq], pb, seen); // [nq, nk] at stride `seen`
+                for (j, pr) in pb.chunks_mut(seen).take(nq).enumerate() {
+                    let pr = &mut pr[..nk];
+                    pr.iter_mut().for_each(|v| *v *= scale);
+                    let sink = self.sinks[h0 + j];
+                    let mx = pr.iter().cloned().fold(sink, f32::max);
                     let mut z = crate::math::expf(sink - mx);
-                    for v in pb.iter_mut() {
+                    for v in pr.iter_mut() {
                         *v = crate::math::expf(*v - mx);
                         z += *v;
                     }
-                    o.fill(0.0);
-                    for (j, &w) in pb.iter().enumerate() {
-                        let row = if j < nw { key(first + j) } else { entry(j - nw) };
-                        let w = w / z;
-                        o.iter_mut().zip(row).for_each(|(a, &b)| *a += w * b);
-                    }
-                    rotate_tail(o, self.rope, p, rd, true);
-                },
-            );
+                    let inv = 1.0 / z;
+                    pr.iter_mut().for_each(|v| *v *= inv);
+                }
+                o.fill(0.0);
+                (kk.pv)(o, &pb[..(nq - 1) * seen + nk], seen, rows, dh, nk); // [nq, Dh]
+                for oh in o.chunks_exact_mut(dh) {
+                    rotate_tail(oh, self.rope, p, rd, true);
+                }
+            });
         }
         // The window keeps the chunk's last rows.
         for i in m.saturating_sub(win)..m {
