@@ -11,7 +11,8 @@ Per model x weight type x thread count:
 
 - prefill tok/s for a 64- and a 512-token prompt (prompt in, first token out,
   weights already in memory);
-- decode tok/s over N greedy tokens after a 64-token prompt;
+- decode tok/s over N greedy tokens after a 64-token prompt (``--context``:
+  after a real prefill of that many tokens, e.g. 32768);
 - TTFT: the 64-token prefill's wall time; load: open-to-first-token in a
   fresh process for a 1-token prompt (page cache warm, nothing else
   loaded), i.e. the cost of opening and first touching the weights;
@@ -46,6 +47,8 @@ Examples::
     python benches/bench.py --models deepseek_v2_lite --kv   # KV-cache bytes per token at 4k, both engines
     python benches/bench.py --models qwen3moe --pairs q4k-mix:Q4_K_M --threads 2  # llama.cpp quantises Q4_K_M
     python benches/bench.py --models nemotron3_nano --layers 7 --pairs q8_0:Q8_0 --threads 2 --prompts 64,512
+    python benches/bench.py --models deepseek_v4_flash --pairs q8_0:Q8_0 --threads 2 --prompts 64 \
+        --context 32768 --decode-tokens 16 --reps 3   # decode after a real 32k-token prefill, both engines
 """
 
 from __future__ import annotations
@@ -217,8 +220,14 @@ class Llama:
 def open_engine(spec: dict):
     if spec["engine"] == "colibri":
         return Colibri(spec["path"], spec["threads"])
-    # Room for the longest prompt (and the decode after the 64-token one).
-    n_ctx = max(1024, max(spec.get("prompts") or [0]) + 16)
+    # Room for the longest prompt (and the decode after the 64-token one), or
+    # for the ids whose logits are asked for.
+    n_ctx = max(
+        1024,
+        max(spec.get("prompts") or [0]) + 16,
+        len(spec.get("ids") or []) + 16,
+        spec.get("context", 64) + spec.get("decode_tokens", 0) + 16,
+    )
     return Llama(spec["path"], spec["threads"], n_ctx=n_ctx, logits_all=spec.get("logits_all", False))
 
 
@@ -267,9 +276,14 @@ def worker(spec: dict) -> dict:
             t = time.perf_counter()
             eng.first_token(p)
             res[f"prefill{n}_s"] = time.perf_counter() - t
-    c0 = cpu_s()
-    sec, got = eng.decode(prompt_ids(64, vocab, 2), spec["decode_tokens"] + 1)
+    # Decode after a real prefill of `context` tokens (64 unless --context).
+    context = spec.get("context", 64)
+    c0, t0 = cpu_s(), time.perf_counter()
+    sec, got = eng.decode(prompt_ids(context, vocab, 2), spec["decode_tokens"] + 1)
     res["decode_cpu_s"] = cpu_s() - c0
+    # The prompt's prefill and first token (colibri times its decode itself;
+    # for llama.cpp it is the call less the timed loop).
+    res["context"], res["context_prefill_s"] = context, time.perf_counter() - t0 - sec
     res["decode_s"], res["decode_n"] = sec, got - 1
     if spec.get("batch") and spec["engine"] == "colibri":
         prompts = [prompt_ids(64, vocab, 300 + i) for i in range(spec["batch"])]
@@ -469,8 +483,10 @@ def bytes_per_token(tensors: list[dict], shape: mm.Shape, fmt: str) -> dict:
     norms + top_k / num_experts of the layer's expert bytes; plus one
     embedding row (embedding bytes / vocab) + the whole lm_head + final norm.
     A linear-attention or Mamba2 mixer's tensors and shared experts are read
-    whole, so they count with "attention+norms". KV-cache and recurrent-state
-    reads (small at these lengths) and activations are left out.
+    whole, so they count with "attention+norms"; a hash-routed layer's token ->
+    experts table (DeepSeek-V4) counts one row (table bytes / vocab) under the
+    router. KV-cache and recurrent-state reads (small at these lengths) and
+    activations are left out.
     """
     k, e, v = shape.top_k, shape.experts, shape.vocab
     parts = {"attention+norms": 0.0, "router": 0.0, "experts": 0.0, "embedding row": 0.0, "lm_head": 0.0}
@@ -479,13 +495,17 @@ def bytes_per_token(tensors: list[dict], shape: mm.Shape, fmt: str) -> dict:
         if fmt == "colibri":
             is_expert = ".moe.experts." in n
             is_router = n.endswith(".moe.router")
+            is_table = n.endswith(".moe.hash_table")
             is_embed, is_head = n == "embed", n == "lm_head"
         else:
             is_expert = "_exps" in n
             is_router = n.endswith("ffn_gate_inp.weight")
+            is_table = n.endswith("ffn_gate_tid2eid.weight")
             is_embed, is_head = n == "token_embd.weight", n == "output.weight"
         if is_expert:
             parts["experts"] += b * k / e
+        elif is_table:
+            parts["router"] += b / v
         elif is_router:
             parts["router"] += b
         elif is_embed:
@@ -647,11 +667,13 @@ def bench(args, log) -> dict:
                             "threads": th,
                             "vocab": shape.vocab,
                             "mode": "full",
+                            "context": args.context,
                             "prompts": prompts,
                             "decode_tokens": args.decode_tokens,
                             "batch": args.batch,
                         }
-                        r = run_worker(spec)
+                        # (a long --context prefill runs at a few tokens a second)
+                        r = run_worker(spec, timeout=3600 + 0.25 * args.context)
                         runs[eng].append(r)
                         if "extension" in r:
                             result.setdefault("extensions", [])
@@ -1358,6 +1380,7 @@ def bench_results(runs: list[dict]) -> dict:
     reached = {e: [r["roofline"][e] for r in rows if e in r["roofline"]] for e in ("colibri", "llama")}
     versions = [v for i in infos for v in i.get("versions", []) if v.startswith("llama-cpp-python")]
     tables = sorted({r["table"] for r in rows})
+    context = "/".join(sorted({str(r.get("args", {}).get("context", 64)) for r in runs}))
     n_runs = sorted({n for r in rows for n in r["runs"].values() if n})
     reps = "?" if not n_runs else f"{n_runs[0]}" if n_runs[0] == n_runs[-1] else f"{n_runs[0]}-{n_runs[-1]}"
     decode = sorted({str(r.get("args", {}).get("decode_tokens", "the")) for r in runs})
@@ -1383,8 +1406,8 @@ def bench_results(runs: list[dict]) -> dict:
             f"bench.py: {', '.join(sorted({str(r['layers']) for r in rows}))}-layer random-weight models of "
             "real widths, identical weights in both engines, engines alternating run by run in fresh "
             f"processes, medians of {reps} runs per engine and cell; prefill N is an N-token prompt in "
-            f"and the first token out, decode {'/'.join(decode)} greedy tokens after a 64-token prompt; "
-            f"kernel table {', '.join(tables)}; the roofline is the read "
+            f"and the first token out, decode {'/'.join(decode)} greedy tokens after a {context}-token "
+            f"prompt; kernel table {', '.join(tables)}; the roofline is the read "
             "probe's best pass over CPU time over the weight bytes one decoded token reads"
         ),
         "bandwidth_gbs": bandwidth,
@@ -1546,6 +1569,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", default="64,512", help="prefill prompt lengths")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument(
+        "--context",
+        type=int,
+        default=64,
+        help="decode after a real prefill of this many prompt tokens (e.g. 32768; default 64)",
+    )
+    ap.add_argument(
         "--batch",
         type=int,
         default=0,
@@ -1639,7 +1668,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         res = bench(args, log)
         res["command"] = command_line("bench.py", sys.argv[1:] if argv is None else argv)
-        res["args"] = {"reps": args.reps, "decode_tokens": args.decode_tokens, "prompts": args.prompts}
+        res["args"] = {
+            "reps": args.reps,
+            "decode_tokens": args.decode_tokens,
+            "prompts": args.prompts,
+            "context": args.context,
+        }
         res["machine_info"] = machine_info()
         res["machine"] = machine_facts(res["machine_info"])
         path = args.json or mm.CACHE / f"results-{res['started'].replace(':', '')}.json"

@@ -158,6 +158,8 @@ class Shape:
             return self._deepseek_v3_config(layers)
         if self.model_type == "minimax_m2":
             return self._minimax_m2_config(layers)
+        if self.model_type == "deepseek_v4":
+            return self._deepseek_v4_config(layers)
         if self.model_type == "gpt_oss":
             return self._gpt_oss_config(layers)
         if self.model_type == "qwen3_5_moe_text":
@@ -428,6 +430,67 @@ class Shape:
             "use_cache": True,
             "use_conv_bias": True,
             "use_mamba_kernels": True,
+            "vocab_size": self.vocab,
+        }
+
+    def _deepseek_v4_config(self, layers: int) -> dict:
+        # deepseek-ai/DeepSeek-V4-Flash's config.json (DeepSeek's own flat
+        # spelling: compress_ratios, num_hash_layers, rope_scaling), less its
+        # FP8 / FP4 quantization_config (the checkpoint here is f16) and the
+        # multi-token-prediction layer.
+        return {
+            "architectures": [self.hf_class],
+            "model_type": self.model_type,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            # Per layer 0 (window only), 4 (pooled by 4 with the indexer) or
+            # 128 (pooled by 128); the Hub list has one more entry, for the MTP layer.
+            "compress_ratios": DSV4_COMPRESS_RATIOS[:layers],
+            "compress_rope_theta": 160000.0,
+            "hc_eps": 1e-6,
+            "hc_mult": 4,
+            "hc_sinkhorn_iters": 20,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "hidden_size": self.hidden,
+            "index_head_dim": self.index_dim,
+            "index_n_heads": self.index_heads,
+            "index_topk": self.index_topk,
+            "initializer_range": 0.02,
+            "max_position_embeddings": self.max_pos,
+            "moe_intermediate_size": self.expert_ffn,
+            "n_routed_experts": self.experts,
+            "n_shared_experts": self.shared_experts,
+            "norm_topk_prob": self.norm_topk_prob,
+            "num_attention_heads": self.heads,
+            "num_experts_per_tok": self.top_k,
+            "num_hash_layers": 3,
+            "num_hidden_layers": layers,
+            "num_key_value_heads": self.kv_heads,
+            "num_nextn_predict_layers": 0,
+            "o_groups": 8,
+            "o_lora_rank": 1024,
+            "q_lora_rank": self.q_lora_rank,
+            "qk_rope_head_dim": self.qk_rope_dim,
+            "rms_norm_eps": self.rms_eps,
+            "rope_scaling": {
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "factor": 16,
+                "original_max_position_embeddings": 65536,
+                "type": "yarn",
+            },
+            "rope_theta": self.rope_theta,
+            "routed_scaling_factor": self.routed_scale,
+            "scoring_func": "sqrtsoftplus",
+            "sliding_window": self.sliding_window,
+            "swiglu_limit": 10.0,
+            "tie_word_embeddings": False,
+            "topk_method": "noaux_tc",
+            "torch_dtype": "float16",
+            "use_cache": True,
             "vocab_size": self.vocab,
         }
 
@@ -797,7 +860,48 @@ SHAPES = {
         mamba_groups=8,
         ssm_state=128,
     ),
+    # deepseek-ai/DeepSeek-V4-Flash (`deepseek_v4`): one shared key = value
+    # head of 512 under 64 query heads (query latent 1024, rope on the last
+    # 64), grouped output projection 8 x 1024, a 128-token window plus, per
+    # layer, nothing / a pool by 4 read through a lightning indexer (64 heads
+    # of 128, 512 kept) / a pool by 128; four hyper-connection streams;
+    # sqrt(softplus) routing with a correction bias (hash-routed by token id
+    # in the first three layers), experts of 2048, top-6, one shared, 43
+    # layers on the Hub. 64 of the released 256 experts per layer: 4 layers
+    # of 256 are a 52 GB f16 checkpoint; a decoded token reads the same bytes
+    # either way (6 experts a layer), prefill gives each expert 4x the rows.
+    "deepseek_v4_flash": Shape(
+        name="deepseek_v4_flash",
+        hf_class="DeepseekV4ForCausalLM",
+        model_type="deepseek_v4",
+        gguf_arch="deepseek4",
+        hidden=4096,
+        experts=64,
+        top_k=6,
+        expert_ffn=2048,
+        heads=64,
+        kv_heads=1,
+        head_dim=512,
+        vocab=129280,
+        qk_norm="none",
+        norm_topk_prob=True,
+        rope_theta=10000.0,
+        rms_eps=1e-6,
+        max_pos=1048576,
+        shared_experts=1,
+        qk_rope_dim=64,
+        sliding_window=128,
+        hub_layers=43,
+        q_lora_rank=1024,
+        routed_scale=1.5,
+        index_heads=64,
+        index_dim=128,
+        index_topk=512,
+    ),
 }
+
+# DeepSeek-V4-Flash's compress_ratios for its 43 layers and MTP layer.
+DSV4_COMPRESS_RATIOS = [0, 0] + [4, 128] * 20 + [4, 0]
 
 # The shapes written when --shapes is not given (the first two of the suite).
 DEFAULT_SHAPES = "olmoe,qwen3moe"
@@ -813,8 +917,11 @@ class Tensor:
     name: str
     shape: tuple[int, ...]
     # "matrix" ([out, in]), "matrix_t" (stacked [.., in, out], used as x @ W),
-    # "embed", "router", "norm", "bias" or "sink"
+    # "embed", "router", "norm", "bias" or "sink"; DeepSeek-V4 adds "hc_fn",
+    # "hc_base", "hc_scale", "ape" and "tid2eid"
     kind: str
+    # The safetensors dtype: "F16", or as the Hub stores it ("F32", "I64").
+    dtype: str = "F16"
 
 
 def hf_tensors(s: Shape, layers: int) -> list[Tensor]:
@@ -823,6 +930,8 @@ def hf_tensors(s: Shape, layers: int) -> list[Tensor]:
         return _deepseek_v2_tensors(s, layers)
     if s.model_type == "minimax_m2":
         return _minimax_m2_tensors(s, layers)
+    if s.model_type == "deepseek_v4":
+        return _deepseek_v4_tensors(s, layers)
     if s.model_type == "gpt_oss":
         return _gpt_oss_tensors(s, layers)
     if s.model_type == "qwen3_5_moe_text":
@@ -1013,6 +1122,92 @@ def _nemotron_h_tensors(s: Shape, layers: int) -> list[Tensor]:
     return out
 
 
+def _deepseek_v4_tensors(s: Shape, layers: int) -> list[Tensor]:
+    """DeepSeek-V4's tensors under DeepSeek's own root-level names (``embed``,
+    ``layers.N.attn.wq_a``, ``layers.N.ffn.experts.E.w1``, ...), as the Hub
+    checkpoint and llama.cpp's converter spell them. The hyper-connection
+    tensors, attention sinks, pool position biases (``ape``) and the
+    router's correction bias are f32 and ``tid2eid`` int64, as on the Hub."""
+    cfg = s.hf_config(layers)
+    d, h, hd, q, f = s.hidden, s.heads, s.head_dim, s.q_lora_rank, s.expert_ffn
+    hc, og, ol = cfg["hc_mult"], cfg["o_groups"], cfg["o_lora_rank"]
+    mix = (2 + hc) * hc  # pre (hc) + post (hc) + comb (hc x hc) weights
+    ih, idim = s.index_heads, s.index_dim
+
+    def f32(name, shape, kind):
+        return Tensor(name, shape, kind, "F32")
+
+    out = [Tensor("embed.weight", (s.vocab, d), "embed")]
+    for layer in range(layers):
+        p, a, m = f"layers.{layer}", f"layers.{layer}.attn", f"layers.{layer}.ffn"
+        ratio = cfg["compress_ratios"][layer]
+        out += [
+            Tensor(f"{p}.attn_norm.weight", (d,), "norm"),
+            f32(f"{p}.hc_attn_fn", (mix, hc * d), "hc_fn"),
+            f32(f"{p}.hc_attn_base", (mix,), "hc_base"),
+            f32(f"{p}.hc_attn_scale", (3,), "hc_scale"),
+            Tensor(f"{a}.wq_a.weight", (q, d), "matrix"),
+            Tensor(f"{a}.q_norm.weight", (q,), "norm"),
+            Tensor(f"{a}.wq_b.weight", (h * hd, q), "matrix"),
+            Tensor(f"{a}.wkv.weight", (hd, d), "matrix"),
+            Tensor(f"{a}.kv_norm.weight", (hd,), "norm"),
+            # og groups of h/og heads, each group projected to ol.
+            Tensor(f"{a}.wo_a.weight", (og * ol, h * hd // og), "matrix"),
+            Tensor(f"{a}.wo_b.weight", (d, og * ol), "matrix"),
+            f32(f"{a}.attn_sink", (h,), "sink"),
+        ]
+        if ratio:
+            # A pool by 4 reads its block and the previous one: two entries wide.
+            c = 2 if ratio == 4 else 1
+            out += [
+                Tensor(f"{a}.compressor.wkv.weight", (c * hd, d), "matrix"),
+                Tensor(f"{a}.compressor.wgate.weight", (c * hd, d), "matrix"),
+                f32(f"{a}.compressor.ape", (ratio, c * hd), "ape"),
+                Tensor(f"{a}.compressor.norm.weight", (hd,), "norm"),
+            ]
+        if ratio == 4:
+            x = f"{a}.indexer"
+            out += [
+                Tensor(f"{x}.wq_b.weight", (ih * idim, q), "matrix"),
+                Tensor(f"{x}.weights_proj.weight", (ih, d), "matrix"),
+                Tensor(f"{x}.compressor.wkv.weight", (2 * idim, d), "matrix"),
+                Tensor(f"{x}.compressor.wgate.weight", (2 * idim, d), "matrix"),
+                f32(f"{x}.compressor.ape", (4, 2 * idim), "ape"),
+                Tensor(f"{x}.compressor.norm.weight", (idim,), "norm"),
+            ]
+        out += [
+            Tensor(f"{p}.ffn_norm.weight", (d,), "norm"),
+            f32(f"{p}.hc_ffn_fn", (mix, hc * d), "hc_fn"),
+            f32(f"{p}.hc_ffn_base", (mix,), "hc_base"),
+            f32(f"{p}.hc_ffn_scale", (3,), "hc_scale"),
+            Tensor(f"{m}.gate.weight", (s.experts, d), "router"),
+        ]
+        if layer < cfg["num_hash_layers"]:
+            out.append(Tensor(f"{m}.gate.tid2eid", (s.vocab, s.top_k), "tid2eid", "I64"))
+        else:
+            out.append(f32(f"{m}.gate.bias", (s.experts,), "bias"))
+        for e in range(s.experts):
+            out += [
+                Tensor(f"{m}.experts.{e}.w1.weight", (f, d), "matrix"),
+                Tensor(f"{m}.experts.{e}.w3.weight", (f, d), "matrix"),
+                Tensor(f"{m}.experts.{e}.w2.weight", (d, f), "matrix"),
+            ]
+        fs = f * s.shared_experts
+        out += [
+            Tensor(f"{m}.shared_experts.w1.weight", (fs, d), "matrix"),
+            Tensor(f"{m}.shared_experts.w3.weight", (fs, d), "matrix"),
+            Tensor(f"{m}.shared_experts.w2.weight", (d, fs), "matrix"),
+        ]
+    out += [
+        f32("hc_head_fn", (hc, hc * d), "hc_fn"),
+        f32("hc_head_base", (hc,), "hc_base"),
+        f32("hc_head_scale", (1,), "hc_scale"),
+        Tensor("norm.weight", (d,), "norm"),
+        Tensor("head.weight", (s.vocab, d), "matrix"),
+    ]
+    return out
+
+
 def _qwen3_5_moe_tensors(s: Shape, layers: int) -> list[Tensor]:
     """Qwen3_5MoeForCausalLM's tensors: the flat linear-attention projections
     (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a), experts one by one."""
@@ -1115,12 +1310,24 @@ def draw(shape_name: str, t: Tensor) -> np.ndarray:
         u = rng.random(t.shape, dtype=np.float32)
         dt = np.exp(np.log(1e-3) + u * (np.log(0.1) - np.log(1e-3)))
         return (dt + np.log(-np.expm1(-dt))).astype(np.float32)
-    if t.kind in ("embed", "sink"):
+    if t.kind in ("embed", "sink", "ape"):
         return x
+    if t.kind == "tid2eid":
+        # Each token's experts: top_k distinct ids of [0, experts) in random order.
+        experts = SHAPES[shape_name].experts
+        keys = rng.random((t.shape[0], experts), dtype=np.float32)
+        return np.argsort(keys, axis=1)[:, : t.shape[1]].astype(np.int64)
+    if t.kind == "hc_base":
+        return np.float32(0.5) * x
+    if t.kind == "hc_scale":
+        # Positive, around 1: the mixing logits are (normed x . fn) * scale + base.
+        return (0.5 + rng.random(t.shape, dtype=np.float32)).astype(np.float32)
     if t.kind == "bias":
         return np.float32(0.1) * x
     scale = 1.0 / np.sqrt(t.shape[-2] if t.kind == "matrix_t" else t.shape[-1])
-    if t.kind == "router":
+    if t.kind in ("router", "hc_fn"):
+        # (hc_fn: mixing logits of spread ~2, so the streams' weights and the
+        # Sinkhorn matrix are neither uniform nor one-hot)
         scale *= 2.0
     x *= np.float32(scale)
     return x
@@ -1168,8 +1375,8 @@ def write_safetensors(s: Shape, layers: int, path: Path, log, tensors: list[Tens
     header: dict = {"__metadata__": {"format": "pt"}}
     off = 0
     for t in tensors:
-        n = int(np.prod(t.shape)) * 2
-        header[t.name] = {"dtype": "F16", "shape": list(t.shape), "data_offsets": [off, off + n]}
+        n = int(np.prod(t.shape)) * np.dtype(ST_DTYPES[t.dtype]).itemsize
+        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [off, off + n]}
         off += n
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
@@ -1179,13 +1386,17 @@ def write_safetensors(s: Shape, layers: int, path: Path, log, tensors: list[Tens
         f.write(len(blob).to_bytes(8, "little"))
         f.write(blob)
         for i, t in enumerate(tensors):
-            f.write(draw(s.name, t).astype(np.float16).tobytes())
+            f.write(draw(s.name, t).astype(ST_DTYPES[t.dtype]).tobytes())
             if i % 200 == 0:
                 log(
                     f"  safetensors {i}/{len(tensors)} tensors, {f.tell() / 1e9:.2f} GB, "
                     f"{time.time() - t0:.0f}s"
                 )
     os.replace(tmp, path)
+
+
+# safetensors dtype names -> NumPy (BF16 is read as its raw 16 bits).
+ST_DTYPES = {"F16": np.float16, "F32": np.float32, "BF16": np.uint16, "I64": np.int64, "I32": np.int32}
 
 
 class SafetensorsFile:
@@ -1200,9 +1411,23 @@ class SafetensorsFile:
 
     def get(self, name: str) -> np.ndarray:
         h = self.header[name]
-        dt = {"F16": np.float16, "F32": np.float32, "BF16": np.uint16}[h["dtype"]]
+        dt = ST_DTYPES[h["dtype"]]
         a, b = h["data_offsets"]
         return self.raw[self.base + a : self.base + b].view(dt).reshape(h["shape"])
+
+
+class DrawnCheckpoint:
+    """The checkpoint's tensors drawn again instead of read (``SafetensorsFile``'s
+    interface): the same values, bit for bit, without the file on disk."""
+
+    def __init__(self, s: Shape, layers: int):
+        self.shape_name = s.name
+        self.tensors = {t.name: t for t in hf_tensors(s, layers)}
+        self.header = {t.name: {"dtype": t.dtype, "shape": list(t.shape)} for t in self.tensors.values()}
+
+    def get(self, name: str) -> np.ndarray:
+        t = self.tensors[name]
+        return draw(self.shape_name, t).astype(ST_DTYPES[t.dtype])
 
 
 # ---------------------------------------------------------------- GGUF
@@ -1221,7 +1446,7 @@ class Entry:
 
     name: str
     hf: tuple[str, ...]
-    kind: str  # "matrix" (takes the file's type) or "norm" (f32)
+    kind: str  # "matrix" (takes the file's type), "norm" (f32) or "int32"
     parts: Callable | None = None
     shape: tuple[int, ...] | None = None
 
@@ -1237,6 +1462,8 @@ def gguf_plan(s: Shape, layers: int) -> list[Entry]:
         return _deepseek_v2_plan(s, layers)
     if s.model_type == "minimax_m2":
         return _minimax_m2_plan(s, layers)
+    if s.model_type == "deepseek_v4":
+        return _deepseek_v4_plan(s, layers)
     if s.model_type == "gpt_oss":
         return _gpt_oss_plan(s, layers)
     if s.model_type == "deepseek_v32":
@@ -1553,6 +1780,87 @@ def _gpt_oss_plan(s: Shape, layers: int) -> list[Entry]:
     return plan
 
 
+def _deepseek_v4_plan(s: Shape, layers: int) -> list[Entry]:
+    """llama.cpp's `deepseek4` layout (its converter's DeepseekV4Model): every
+    tensor renamed only, none reshaped or permuted.
+
+    - ``wo_a`` stays 2-D ``[og·ol, H·hd/og]``; llama.cpp views it as
+      ``{H·hd/og, ol, og}`` itself (group-major rows, as DeepSeek stores it);
+    - ``ape`` stays ``[ratio, c·hd]`` (llama.cpp's ``{c·hd, ratio}``);
+    - rope needs no permutation: DeepSeek-V4 rotates adjacent pairs of the
+      last ``qk_rope_head_dim`` values and llama.cpp's deepseek4 rope is
+      the NORM (adjacent pairs) type;
+    - ``tid2eid`` becomes int32 ``ffn_gate_tid2eid`` (hash layers), the
+      correction bias ``exp_probs_b.bias`` (the other layers);
+    - the hyper-connection tensors, sinks, ``ape``, the router and the
+      indexer's ``weights_proj`` stay f32, as colibri's converter keeps them.
+    """
+    cfg = s.hf_config(layers)
+
+    def e(name, hf, kind):
+        return Entry(name, (hf,) if isinstance(hf, str) else tuple(hf), kind)
+
+    plan = [
+        e("token_embd.weight", "embed.weight", "matrix"),
+        e("output_hc_fn.weight", "hc_head_fn", "norm"),
+        e("output_hc_base.weight", "hc_head_base", "norm"),
+        e("output_hc_scale.weight", "hc_head_scale", "norm"),
+    ]
+    for layer in range(layers):
+        p, a, m, b = f"layers.{layer}", f"layers.{layer}.attn", f"layers.{layer}.ffn", f"blk.{layer}"
+        ratio = cfg["compress_ratios"][layer]
+        plan += [
+            e(f"{b}.attn_norm.weight", f"{p}.attn_norm.weight", "norm"),
+            e(f"{b}.attn_sinks.weight", f"{a}.attn_sink", "norm"),
+            e(f"{b}.attn_q_a.weight", f"{a}.wq_a.weight", "matrix"),
+            e(f"{b}.attn_q_a_norm.weight", f"{a}.q_norm.weight", "norm"),
+            e(f"{b}.attn_q_b.weight", f"{a}.wq_b.weight", "matrix"),
+            e(f"{b}.attn_kv.weight", f"{a}.wkv.weight", "matrix"),
+            e(f"{b}.attn_kv_a_norm.weight", f"{a}.kv_norm.weight", "norm"),
+            e(f"{b}.attn_output_a.weight", f"{a}.wo_a.weight", "matrix"),
+            e(f"{b}.attn_output_b.weight", f"{a}.wo_b.weight", "matrix"),
+        ]
+        for hc in ("attn", "ffn"):
+            for x in ("fn", "base", "scale"):
+                plan.append(e(f"{b}.hc_{hc}_{x}.weight", f"{p}.hc_{hc}_{x}", "norm"))
+        if ratio:
+            c = f"{a}.compressor"
+            plan += [
+                e(f"{b}.attn_compressor_kv.weight", f"{c}.wkv.weight", "matrix"),
+                e(f"{b}.attn_compressor_gate.weight", f"{c}.wgate.weight", "matrix"),
+                e(f"{b}.attn_compressor_ape.weight", f"{c}.ape", "norm"),
+                e(f"{b}.attn_compressor_norm.weight", f"{c}.norm.weight", "norm"),
+            ]
+        if ratio == 4:
+            x = f"{a}.indexer"
+            plan += [
+                e(f"{b}.indexer.proj.weight", f"{x}.weights_proj.weight", "norm"),
+                e(f"{b}.indexer.attn_q_b.weight", f"{x}.wq_b.weight", "matrix"),
+                e(f"{b}.indexer_compressor_kv.weight", f"{x}.compressor.wkv.weight", "matrix"),
+                e(f"{b}.indexer_compressor_gate.weight", f"{x}.compressor.wgate.weight", "matrix"),
+                e(f"{b}.indexer_compressor_ape.weight", f"{x}.compressor.ape", "norm"),
+                e(f"{b}.indexer_compressor_norm.weight", f"{x}.compressor.norm.weight", "norm"),
+            ]
+        plan += [
+            e(f"{b}.ffn_norm.weight", f"{p}.ffn_norm.weight", "norm"),
+            e(f"{b}.ffn_gate_inp.weight", f"{m}.gate.weight", "norm"),
+        ]
+        if layer < cfg["num_hash_layers"]:
+            plan.append(e(f"{b}.ffn_gate_tid2eid.weight", f"{m}.gate.tid2eid", "int32"))
+        else:
+            plan.append(e(f"{b}.exp_probs_b.bias", f"{m}.gate.bias", "norm"))
+        for gg, w in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+            names = [f"{m}.experts.{x}.{w}.weight" for x in range(s.experts)]
+            plan.append(e(f"{b}.ffn_{gg}_exps.weight", names, "matrix"))
+        for gg, w in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+            plan.append(e(f"{b}.ffn_{gg}_shexp.weight", f"{m}.shared_experts.{w}.weight", "matrix"))
+    plan += [
+        e("output_norm.weight", "norm.weight", "norm"),
+        e("output.weight", "head.weight", "matrix"),
+    ]
+    return plan
+
+
 def tiled(x: np.ndarray, groups: int, per_group: int, width: int, axis: int = 0) -> np.ndarray:
     """Value heads from grouped order (the ``per_group`` value heads of key
     head 0, then of key head 1, ...) to tiled order (value head 0 of every key
@@ -1793,6 +2101,9 @@ def _add_metadata(w, s: Shape, layers: int, cfg: dict) -> None:
         w.add_rope_dimension_count(int(s.head_dim * s.partial_rotary))
         w.add_rope_dimension_sections(cfg["rope_parameters"]["mrope_section"] + [0])
         return
+    if s.model_type == "deepseek_v4":
+        _add_deepseek4_metadata(w, s, layers, cfg)
+        return
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count_kv(s.kv_heads)
     if s.model_type == "gpt_oss":
@@ -1842,6 +2153,50 @@ def _nemotron_h_metadata(w, s: Shape, layers: int, cfg: dict) -> None:
     w.add_expert_group_used_count(cfg["topk_group"])
 
 
+def _add_deepseek4_metadata(w, s: Shape, layers: int, cfg: dict) -> None:
+    """llama.cpp's `deepseek4` keys, as its converter's DeepseekV4Model writes
+    them. The installed gguf package predates the arch, so its own keys are
+    written by their full names."""
+    import gguf
+
+    arch = s.gguf_arch
+    rs = cfg["rope_scaling"]
+    w.add_head_count_kv(s.kv_heads)
+    w.add_key_length(s.head_dim)
+    w.add_value_length(s.head_dim)
+    w.add_rope_dimension_count(s.qk_rope_dim)
+    # YaRN applies on the pooled layers only (llama.cpp and transformers alike).
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rs["factor"])
+    w.add_rope_scaling_orig_ctx_len(rs["original_max_position_embeddings"])
+    w.add_rope_scaling_yarn_beta_fast(rs["beta_fast"])
+    w.add_rope_scaling_yarn_beta_slow(rs["beta_slow"])
+    w.add_q_lora_rank(s.q_lora_rank)
+    w.add_sliding_window(s.sliding_window)
+    w.add_expert_feed_forward_length(s.expert_ffn)
+    w.add_expert_shared_count(s.shared_experts)
+    w.add_expert_weights_scale(s.routed_scale)
+    w.add_expert_weights_norm(s.norm_topk_prob)
+    w.add_swiglu_clamp_exp([cfg["swiglu_limit"]] * layers)
+    w.add_swiglu_clamp_shexp([cfg["swiglu_limit"]] * layers)
+    w.add_indexer_head_count(s.index_heads)
+    w.add_indexer_key_length(s.index_dim)
+    w.add_indexer_top_k(s.index_topk)
+    w.add_uint32(f"{arch}.attention.output_group_count", cfg["o_groups"])
+    w.add_uint32(f"{arch}.attention.output_lora_rank", cfg["o_lora_rank"])
+    # Python ints: an INT32 array, as the converter writes it.
+    w.add_array(f"{arch}.attention.compress_ratios", list(cfg["compress_ratios"]))
+    w.add_float32(f"{arch}.attention.compress_rope_freq_base", cfg["compress_rope_theta"])
+    w.add_uint32(f"{arch}.hyper_connection.count", cfg["hc_mult"])
+    w.add_uint32(f"{arch}.hyper_connection.sinkhorn_iterations", cfg["hc_sinkhorn_iters"])
+    w.add_float32(f"{arch}.hyper_connection.epsilon", cfg["hc_eps"])
+    w.add_uint32(f"{arch}.hash_layer_count", cfg["num_hash_layers"])
+    w.add_uint32(f"{arch}.embedding_length_out", s.hidden * cfg["hc_mult"])
+    # 4: sqrt(softplus), which the deepseek4 loader insists on (the installed
+    # package's ExpertGatingFuncType has no member for it).
+    w.add_uint32(f"{arch}.expert_gating_func", 4)
+
+
 def write_gguf(s: Shape, layers: int, st: SafetensorsFile, gtype: str, path: Path, log) -> None:
     import gguf
 
@@ -1885,6 +2240,8 @@ def write_gguf(s: Shape, layers: int, st: SafetensorsFile, gtype: str, path: Pat
             shape = ([len(ent.hf)] if len(ent.hf) > 1 else []) + list(first)
         if ent.kind == "norm":
             w.add_tensor_info(ent.name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
+        elif ent.kind == "int32":
+            w.add_tensor_info(ent.name, shape, np.dtype(np.int32), int(np.prod(shape)) * 4)
         else:
             tt = tensor_type(gtype, ent.name)
             nbytes = int(np.prod(shape[:-1])) * _row_bytes(shape[-1], tt)
@@ -1896,9 +2253,10 @@ def write_gguf(s: Shape, layers: int, st: SafetensorsFile, gtype: str, path: Pat
     t0 = time.time()
     chunk_rows = 4096
     for i, ent in enumerate(plan):
-        if ent.kind == "norm":
+        if ent.kind in ("norm", "int32"):
             x = ent.parts(st) if ent.parts else st.get(ent.hf[0])
-            w.write_tensor_data(np.ascontiguousarray(x, dtype=np.float32))
+            dtype = np.float32 if ent.kind == "norm" else np.int32
+            w.write_tensor_data(np.ascontiguousarray(x, dtype=dtype))
             continue
         tt = tensor_type(gtype, ent.name)
         parts = ent.parts(st) if ent.parts else [st.get(n) for n in ent.hf]
@@ -1972,12 +2330,16 @@ def make_mtp(s: Shape, layers: int, root: Path, force: bool, log, base: Path | N
     index_path.write_text(json.dumps(index, indent=2) + "\n")
 
 
-def make(s: Shape, layers: int, gguf_types: list[str], root: Path, force: bool, log) -> None:
+def make(
+    s: Shape, layers: int, gguf_types: list[str], root: Path, force: bool, log, no_checkpoint: bool = False
+) -> None:
+    """The checkpoint (unless `no_checkpoint`) and the GGUF files of `gguf_types`
+    (from the checkpoint when it exists, else from the drawn values: the same bits)."""
     hdir = hf_dir(s, layers, root)
     st_path = hdir / "model.safetensors"
-    if force and hdir.exists():
+    if force and hdir.exists() and not no_checkpoint:
         shutil.rmtree(hdir)
-    if not st_path.exists():
+    if not st_path.exists() and not no_checkpoint:
         hdir.mkdir(parents=True, exist_ok=True)
         cfg = s.hf_config(layers)
         (hdir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
@@ -1987,7 +2349,7 @@ def make(s: Shape, layers: int, gguf_types: list[str], root: Path, force: bool, 
         t0 = time.time()
         write_safetensors(s, layers, st_path, log)
         log(f"{s.name} l{layers}: safetensors done in {time.time() - t0:.0f}s")
-    st = SafetensorsFile(st_path)
+    st = SafetensorsFile(st_path) if st_path.exists() else DrawnCheckpoint(s, layers)
     for gtype in gguf_types:
         path = gguf_path(s, layers, gtype, root)
         if path.exists() and not force:
@@ -2037,6 +2399,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true", help="rewrite files that exist")
     ap.add_argument("--sizes", action="store_true", help="print the sizes and exit")
     ap.add_argument(
+        "--no-checkpoint",
+        action="store_true",
+        help="write the GGUF files from the drawn values when the safetensors checkpoint is absent, "
+        "without writing it (the same bits; for a disk too small for both: colibri convert needs "
+        "the checkpoint, so convert first, delete it, then write the GGUF)",
+    )
+    ap.add_argument(
         "--mtp",
         action="store_true",
         help="add a multi-token-prediction layer (Qwen3-Next's mtp.* layout; shapes "
@@ -2075,7 +2444,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.mtp:
             make_mtp(s, args.layers, args.cache, args.force, log, args.base)
         else:
-            make(s, args.layers, types, args.cache, args.force, log)
+            make(s, args.layers, types, args.cache, args.force, log, args.no_checkpoint)
     print(sizes(shapes, args.layers, types, args.mtp))
     return 0
 
