@@ -754,6 +754,7 @@ TARGETS = {
     "glm4_7_flash": SPEED_TARGETS,
     "minimax_m2": SPEED_TARGETS,
     "nemotron3_nano": {**SPEED_TARGETS, "prefill_kept": 0.5},
+    "deepseek_v4_flash": SPEED_TARGETS,
 }
 
 
