@@ -201,3 +201,106 @@ unsafe fn lanes_load<V: Lanes>(p: *const f32, n: usize) -> V {
 unsafe fn lanes_store<V: Lanes>(x: V, p: *mut f32, n: usize) {
     if n < V::LANES { x.store_part(p, n) } else { x.store(p) }
 }
+
+/// `(N, P)` of a Mamba2 step's operands, after checking that they agree:
+/// `b` and `c` are `N` long, `x` and `out` `P`, `s` `N · P`.
+pub(super) fn ssm_check(s: &[f32], b: &[f32], x: &[f32], c: &[f32], out: &[f32]) -> (usize, usize) {
+    let (n, p) = (b.len(), x.len());
+    assert!(c.len() == n && out.len() == p, "ssm step: c is {} for b {}, out {} for x {}", c.len(), n, out.len(), p);
+    assert_eq!(s.len(), n * p, "ssm step: state is not [N, P] = [{n}, {p}]");
+    (n, p)
+}
+
+/// One token of Mamba2's scan for one head ([`super::SsmFn`]) over every
+/// column, in strips of `U` registers, then single registers, then one
+/// partial register: per state row `i`, `S[i] = fma(dt·b_i, x, S[i]·decay)`
+/// and `o = fma(S[i], c_i, o)`, rows in order; `out = fma(x, d, o)`.
+///
+/// # Safety
+/// The CPU must have the features of `V`.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn ssm<V: Lanes, const U: usize>(
+    s: &mut [f32],
+    decay: f32,
+    dt: f32,
+    b: &[f32],
+    x: &[f32],
+    c: &[f32],
+    d: f32,
+    out: &mut [f32],
+) {
+    let (n, p) = ssm_check(s, b, x, c, out);
+    let op = SsmOperands {
+        s: s.as_mut_ptr(),
+        decay,
+        dt,
+        b: b.as_ptr(),
+        x: x.as_ptr(),
+        c: c.as_ptr(),
+        d,
+        out: out.as_mut_ptr(),
+        n,
+        p,
+    };
+    let w = V::LANES;
+    let mut j = 0;
+    // SAFETY (all three loops): `ssm_check` gave `s` `n · p` values and `x`,
+    // `out` `p`; each strip touches columns `j..j + width` with
+    // `j + width <= p` (the last one `p - j` lanes), of rows below `n`.
+    while j + U * w <= p {
+        ssm_strip::<V, U>(op, j, w);
+        j += U * w;
+    }
+    while j + w <= p {
+        ssm_strip::<V, 1>(op, j, w);
+        j += w;
+    }
+    if j < p {
+        ssm_strip::<V, 1>(op, j, p - j);
+    }
+}
+
+/// A Mamba2 step's operands as raw pointers.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[derive(Clone, Copy)]
+struct SsmOperands {
+    s: *mut f32,
+    decay: f32,
+    dt: f32,
+    b: *const f32,
+    x: *const f32,
+    c: *const f32,
+    d: f32,
+    out: *mut f32,
+    n: usize,
+    p: usize,
+}
+
+/// Columns `j..j + (U − 1)·LANES + last` of a Mamba2 step: each state row
+/// read and written once, the output's sums in registers.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[inline(always)]
+unsafe fn ssm_strip<V: Lanes, const U: usize>(op: SsmOperands, j: usize, last: usize) {
+    let w = V::LANES;
+    let n = |u: usize| if u == U - 1 { last } else { w };
+    let xs: [V; U] = std::array::from_fn(|u| lanes_load::<V>(op.x.add(j + u * w), n(u)));
+    let decay = V::splat(op.decay);
+    let mut o = [V::zero(); U];
+    for i in 0..op.n {
+        let db = V::splat(op.dt * *op.b.add(i));
+        let ci = V::splat(*op.c.add(i));
+        let row = op.s.add(i * op.p + j);
+        for (u, o) in o.iter_mut().enumerate() {
+            let at = row.add(u * w);
+            let sn = V::fma(db, xs[u], V::mul(lanes_load::<V>(at, n(u)), decay));
+            lanes_store(sn, at, n(u));
+            *o = V::fma(sn, ci, *o);
+        }
+    }
+    let d = V::splat(op.d);
+    for (u, o) in o.iter().enumerate() {
+        lanes_store(V::fma(xs[u], d, *o), op.out.add(j + u * w), n(u));
+    }
+}

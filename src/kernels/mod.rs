@@ -96,6 +96,14 @@ pub struct KvKernels {
 /// on the inputs only (the caller runs heads in parallel).
 pub type DeltaFn = fn(s: &mut [f32], decay: &[f32], k: &[f32], v: &[f32], beta: f32, q: &[f32], out: &mut [f32]);
 
+/// One token of Mamba2's scan for one head: with the head's f32 state `s`
+/// row-major `[N, P]` (row `i` is state channel `i`), `b` and `c` `[N]`,
+/// `x` and `out` `[P]`, `S[i] = S[i] · decay + (dt · b_i) · x` (written
+/// back into `s`) and `out = Σ_i S[i] · c_i + d · x`. The sum runs over the
+/// state channels in order, so the result depends on the inputs only (the
+/// caller runs heads in parallel).
+pub type SsmFn = fn(s: &mut [f32], decay: f32, dt: f32, b: &[f32], x: &[f32], c: &[f32], d: f32, out: &mut [f32]);
+
 /// Eight interleaved rows (one group of an interleaved type) against one
 /// activation row: the eight outputs.
 pub type Gemv8Fn = fn(group: &[u8], q: &[BlockQ8]) -> [f32; 8];
@@ -222,6 +230,11 @@ pub fn kernels(dtype: DType) -> TypeKernels {
 /// The active table's delta-rule step (see [`DeltaFn`]).
 pub fn delta_fn() -> DeltaFn {
     table().delta_fn()
+}
+
+/// The active table's Mamba2 step (see [`SsmFn`]).
+pub fn ssm_fn() -> SsmFn {
+    table().ssm_fn()
 }
 
 /// The attention kernels for a KV cache of `dtype` (f32 or f16; `None` for

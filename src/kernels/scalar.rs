@@ -395,6 +395,23 @@ pub fn delta_step(s: &mut [f32], decay: &[f32], k: &[f32], v: &[f32], beta: f32,
     }
 }
 
+/// The scalar Mamba2 step ([`super::SsmFn`]): per state row, in order,
+/// `S[i] = S[i] · decay + (dt · b_i) · x` and `o += S[i] · c_i`, by plain
+/// multiply and add (transformers' recurrent form); then `out = o + x · d`.
+#[allow(clippy::too_many_arguments)]
+pub fn ssm_step(s: &mut [f32], decay: f32, dt: f32, b: &[f32], x: &[f32], c: &[f32], d: f32, out: &mut [f32]) {
+    let (_, p) = super::delta::ssm_check(s, b, x, c, out);
+    out.fill(0.0);
+    for (i, (&bi, &ci)) in b.iter().zip(c).enumerate() {
+        let db = dt * bi;
+        for ((sv, &xv), o) in s[i * p..(i + 1) * p].iter_mut().zip(x).zip(out.iter_mut()) {
+            *sv = *sv * decay + db * xv;
+            *o += *sv * ci;
+        }
+    }
+    out.iter_mut().zip(x).for_each(|(o, &xv)| *o += xv * d);
+}
+
 // ------------------------------------------------------------------
 // The scalar table: the same functions over raw row bytes, one entry per
 // weight type. The other tables fall back to these entries by name.

@@ -186,6 +186,24 @@ impl Table {
         }
     }
 
+    /// This table's Mamba2 step (see [`super::SsmFn`]).
+    #[inline]
+    pub fn ssm_fn(self) -> super::SsmFn {
+        match self.0 {
+            Chosen::Scalar => scalar::ssm_step,
+            #[cfg(target_arch = "x86_64")]
+            Chosen::Avx2(t) => t.ssm_fn(),
+            #[cfg(target_arch = "x86_64")]
+            Chosen::AvxVnni(t) => t.ssm_fn(),
+            #[cfg(target_arch = "x86_64")]
+            Chosen::Avx512(t) => t.ssm_fn(),
+            #[cfg(target_arch = "x86_64")]
+            Chosen::Amx(t) => t.ssm_fn(),
+            #[cfg(target_arch = "aarch64")]
+            Chosen::Neon(t) => t.ssm_fn(),
+        }
+    }
+
     /// The kernels of `dtype` in this table.
     #[inline]
     pub fn kernels(self, dtype: DType) -> TypeKernels {

@@ -906,6 +906,46 @@ fn delta_steps_of_every_table_match_the_scalar_reference() {
     }
 }
 
+/// Mamba2's step of every table against the scalar reference: state sizes
+/// of ones, odd widths and Nemotron-H's 128 × 64, 32 steps on one state
+/// (state and output compared after each), with decay 1 and dt 0 among the
+/// steps. The scalar table is the reference itself; the others fuse each
+/// product-sum (about one ulp per term, as the delta rule's, which has the
+/// same tolerance).
+#[test]
+fn ssm_steps_of_every_table_match_the_scalar_reference() {
+    for table in tables() {
+        let step = table.ssm_fn();
+        let mut worst = 0f32;
+        for n in [1usize, 3, 16, 17, 128] {
+            for p in DELTA_SIZES {
+                let what = format!("{} N={n} P={p}", table.isa());
+                let mut s = 97u64 + (n * 1000 + p) as u64;
+                let s0: Vec<f32> = (0..n * p).map(|_| lcg(&mut s) * 0.5).collect();
+                let (mut got, mut want) = (s0.clone(), s0);
+                let (mut out, mut out0) = (vec![f32::NAN; p], vec![f32::NAN; p]);
+                for t in 0..DELTA_STEPS {
+                    let b = unit(&mut s, n, 1.0);
+                    let c = unit(&mut s, n, 1.0);
+                    let x: Vec<f32> = (0..p).map(|_| lcg(&mut s) * 2.0).collect();
+                    let decay = if t % 5 == 0 { 1.0 } else { crate::math::expf(-0.1 * (lcg(&mut s) + 1.0)) };
+                    let dt = if t % 4 == 1 { 0.0 } else { 0.1 * (lcg(&mut s) + 1.0) };
+                    let d = lcg(&mut s);
+                    step(&mut got, decay, dt, &b, &x, &c, d, &mut out);
+                    scalar::ssm_step(&mut want, decay, dt, &b, &x, &c, d, &mut out0);
+                    if table.isa() == Isa::Scalar {
+                        assert_eq!((&got, &out), (&want, &out0), "{what}: step {t}");
+                        continue;
+                    }
+                    worst = worst.max(delta_close(&out, &out0, &format!("{what}: step {t}: out")));
+                    worst = worst.max(delta_close(&got, &want, &format!("{what}: step {t}: state")));
+                }
+            }
+        }
+        eprintln!("{}: largest ssm-step error {worst:e} of 1 + max |value| (tolerance {DELTA_TOL:e})", table.isa());
+    }
+}
+
 /// With beta 0 and decay 1 the step leaves the state's bits as they are
 /// (`S · 1 + k · 0`, however rounded) and gives `Sᵀq`; with beta 1, one key
 /// channel and k = ±1, the new state row is `v · k` (the rule's exact write),

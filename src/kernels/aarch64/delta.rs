@@ -9,7 +9,7 @@
 
 use std::arch::aarch64::*;
 
-use super::super::delta::{Lanes, step};
+use super::super::delta::{Lanes, ssm, step};
 
 impl Lanes for float32x4_t {
     const LANES: usize = 4;
@@ -64,4 +64,14 @@ impl Lanes for float32x4_t {
 #[target_feature(enable = "neon")]
 pub unsafe fn delta_step(s: &mut [f32], decay: &[f32], k: &[f32], v: &[f32], beta: f32, q: &[f32], out: &mut [f32]) {
     step::<float32x4_t, 8>(s, decay, k, v, beta, q, out)
+}
+
+/// Mamba2's step on four lanes, strips of eight registers (32 columns).
+///
+/// # Safety
+/// The CPU must have NEON.
+#[target_feature(enable = "neon")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn ssm_step(s: &mut [f32], decay: f32, dt: f32, b: &[f32], x: &[f32], c: &[f32], d: f32, out: &mut [f32]) {
+    ssm::<float32x4_t, 8>(s, decay, dt, b, x, c, d, out)
 }

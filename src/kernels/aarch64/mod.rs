@@ -5,7 +5,7 @@
 //! [`Neon::detect`]. Types without a NEON kernel use the scalar entry, named
 //! in the table so that each choice is visible.
 
-use super::{DeltaFn, DotFn, Gemv8Fn, GroupKernels, Layout, TypeKernels, scalar};
+use super::{DeltaFn, DotFn, Gemv8Fn, GroupKernels, Layout, SsmFn, TypeKernels, scalar};
 use crate::quant::DType;
 use crate::quant::act::BlockQ8;
 
@@ -25,6 +25,11 @@ impl Neon {
     /// The NEON step of the gated delta rule.
     pub fn delta_fn(self) -> DeltaFn {
         delta_step
+    }
+
+    /// The NEON step of Mamba2's scan.
+    pub fn ssm_fn(self) -> SsmFn {
+        ssm_step
     }
 
     /// The NEON kernels of `dtype` (row dots one token at a time, group
@@ -129,4 +134,10 @@ fn q6kx8_gemv(group: &[u8], q: &[BlockQ8]) -> [f32; 8] {
 fn delta_step(s: &mut [f32], decay: &[f32], k: &[f32], v: &[f32], beta: f32, q: &[f32], out: &mut [f32]) {
     // SAFETY: NEON was detected (see above).
     unsafe { delta::delta_step(s, decay, k, v, beta, q, out) }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn ssm_step(s: &mut [f32], decay: f32, dt: f32, b: &[f32], x: &[f32], c: &[f32], d: f32, out: &mut [f32]) {
+    // SAFETY: NEON was detected (see above).
+    unsafe { delta::ssm_step(s, decay, dt, b, x, c, d, out) }
 }

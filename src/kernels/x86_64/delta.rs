@@ -9,7 +9,7 @@
 
 use std::arch::x86_64::*;
 
-use super::super::delta::{Lanes, step};
+use super::super::delta::{Lanes, ssm, step};
 
 impl Lanes for __m256 {
     const LANES: usize = 8;
@@ -133,4 +133,43 @@ pub unsafe fn zmm_delta_step(
     out: &mut [f32],
 ) {
     step::<__m512, 8>(s, decay, k, v, beta, q, out)
+}
+
+/// Mamba2's step on eight lanes, strips of eight registers (64 columns: a
+/// whole head at Nemotron-H's width).
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn ymm_ssm_step(
+    s: &mut [f32],
+    decay: f32,
+    dt: f32,
+    b: &[f32],
+    x: &[f32],
+    c: &[f32],
+    d: f32,
+    out: &mut [f32],
+) {
+    ssm::<__m256, 8>(s, decay, dt, b, x, c, d, out)
+}
+
+/// Mamba2's step on sixteen lanes, strips of four registers (64 columns).
+///
+/// # Safety
+/// The CPU must have AVX-512F, AVX2 and FMA.
+#[target_feature(enable = "avx512f,avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn zmm_ssm_step(
+    s: &mut [f32],
+    decay: f32,
+    dt: f32,
+    b: &[f32],
+    x: &[f32],
+    c: &[f32],
+    d: f32,
+    out: &mut [f32],
+) {
+    ssm::<__m512, 4>(s, decay, dt, b, x, c, d, out)
 }

@@ -17,8 +17,8 @@ mod pairs;
 mod prim;
 
 use super::{
-    DeltaFn, Dot4Fn, DotFn, DotsFn, Gemm8Fn, Gemv8Fn, GroupKernels, InputKind, KvKernels, Layout, QuantizeFn, TileFn,
-    Tiles, TypeKernels,
+    DeltaFn, Dot4Fn, DotFn, DotsFn, Gemm8Fn, Gemv8Fn, GroupKernels, InputKind, KvKernels, Layout, QuantizeFn, SsmFn,
+    TileFn, Tiles, TypeKernels,
 };
 use crate::quant::DType;
 use crate::quant::act::BlockQ8;
@@ -121,6 +121,11 @@ impl Avx2 {
         ymm_delta
     }
 
+    /// The AVX2 step of Mamba2's scan.
+    pub fn ssm_fn(self) -> SsmFn {
+        ymm_ssm
+    }
+
     /// The AVX2 kernels of `dtype`: every type has its own.
     pub fn kernels(self, dtype: DType) -> TypeKernels {
         use InputKind::{F32, Q8};
@@ -187,6 +192,11 @@ impl AvxVnni {
     /// The AVX2 step of the gated delta rule (no integer sums in it).
     pub fn delta_fn(self) -> DeltaFn {
         self.0.delta_fn()
+    }
+
+    /// The AVX2 step of Mamba2's scan.
+    pub fn ssm_fn(self) -> SsmFn {
+        self.0.ssm_fn()
     }
 
     /// The AVX2 kernels of `dtype`, with `vpdpbusd` in the group kernels
@@ -281,6 +291,11 @@ impl Avx512 {
     /// The sixteen-lane step of the gated delta rule.
     pub fn delta_fn(self) -> DeltaFn {
         zmm_delta
+    }
+
+    /// The sixteen-lane step of Mamba2's scan.
+    pub fn ssm_fn(self) -> SsmFn {
+        zmm_ssm
     }
 
     /// The base table's kernels, with sixteen-lane attention kernels for the
@@ -407,6 +422,11 @@ impl Amx {
     /// The AVX-512 table's step of the gated delta rule (no tiles in it).
     pub fn delta_fn(self) -> DeltaFn {
         self.0.delta_fn()
+    }
+
+    /// The AVX-512 table's step of Mamba2's scan.
+    pub fn ssm_fn(self) -> SsmFn {
+        self.0.ssm_fn()
     }
 
     /// The AVX-512 table's kernels, with int8 tiles for prefill in the interleaved
@@ -631,6 +651,20 @@ fn zmm_delta(s: &mut [f32], decay: &[f32], k: &[f32], v: &[f32], beta: f32, q: &
     // SAFETY: reachable only through `Avx512::delta_fn` (and `Amx`'s), which
     // needs an `Avx512`, made only once AVX-512F, AVX2, FMA and F16C were seen.
     unsafe { delta::zmm_delta_step(s, decay, k, v, beta, q, out) }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn ymm_ssm(s: &mut [f32], decay: f32, dt: f32, b: &[f32], x: &[f32], c: &[f32], d: f32, out: &mut [f32]) {
+    // SAFETY: reachable only through `Avx2::ssm_fn` (and the tables built on
+    // it), which needs an `Avx2`, made only once AVX2, FMA and F16C were seen.
+    unsafe { delta::ymm_ssm_step(s, decay, dt, b, x, c, d, out) }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn zmm_ssm(s: &mut [f32], decay: f32, dt: f32, b: &[f32], x: &[f32], c: &[f32], d: f32, out: &mut [f32]) {
+    // SAFETY: reachable only through `Avx512::ssm_fn` (and `Amx`'s), which
+    // needs an `Avx512`, made only once AVX-512F, AVX2, FMA and F16C were seen.
+    unsafe { delta::zmm_ssm_step(s, decay, dt, b, x, c, d, out) }
 }
 
 #[cfg(test)]

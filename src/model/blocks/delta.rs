@@ -23,7 +23,7 @@
 //! head the gated rule without the delta correction and without l2 norms,
 //! `S = exp(A·dt)·S + (dt·B) ⊗ x`, `o = Sᵀ·C + D·x` with
 //! `dt = max(softplus(a + dt_bias), dt_min)`, B and C shared within a group
-//! of heads (`ssm_step`), and the norm `rmsnorm(o · silu(z))` per group.
+//! of heads (`kernels::ssm_fn`), and the norm `rmsnorm(o · silu(z))` per group.
 //!
 //! Prefill and decode both run the recurrence token by token. transformers
 //! computes prefill in a chunked form instead (algebraically equal, rounded
@@ -395,20 +395,27 @@ impl Delta<'_> {
             if i < keep { st[i * c + c0 + ch] } else { raw[base + (r0 + i - keep) * w + ch] }
         };
         // Outputs depend on inputs only, never on earlier outputs: the rows
-        // run in parallel, each channel summing its taps in order.
+        // run in parallel, each channel summing its taps in order (tap by tap
+        // over the whole part, so each input row is picked once).
         let st = &state.conv;
         s.mixed[r0 * c..(r0 + m) * c].par_chunks_mut(c).enumerate().for_each(|(t, row)| {
             for (p, (c0, w, base, conv)) in parts.into_iter().enumerate() {
-                for (ch, o) in row[c0..c0 + w].iter_mut().enumerate() {
-                    let taps = &conv[ch * kc..(ch + 1) * kc];
-                    let mut acc = 0.0f32;
-                    for (j, &wj) in taps.iter().enumerate() {
-                        acc += wj * input(st, t + j, (c0, w, base), ch);
+                let out = &mut row[c0..c0 + w];
+                out.fill(0.0);
+                for j in 0..kc {
+                    let i = t + j;
+                    let inp = if i < keep {
+                        &st[i * c + c0..i * c + c0 + w]
+                    } else {
+                        &raw[base + (r0 + i - keep) * w..][..w]
+                    };
+                    for (ch, (o, &x)) in out.iter_mut().zip(inp).enumerate() {
+                        *o += conv[ch * kc + j] * x;
                     }
-                    if let Some(b) = bias {
-                        acc += b[p][ch];
-                    }
-                    *o = silu(acc);
+                }
+                match bias {
+                    Some(b) => out.iter_mut().zip(b[p]).for_each(|(o, &b)| *o = silu(*o + b)),
+                    None => out.iter_mut().for_each(|o| *o = silu(*o)),
                 }
             }
         });
@@ -492,6 +499,7 @@ impl Delta<'_> {
         let (hv, per_group) = (sp.v_heads, sp.v_heads / sp.k_heads);
         let m = out.len() / vd;
         let skip = self.skip.unwrap_or(&[]);
+        let step = crate::kernels::ssm_fn();
         let heads = state.s.par_chunks_mut(n_st * p).zip(by_head.par_chunks_mut(m * p));
         heads.enumerate().for_each(|(h, (sh, oh))| {
             let g = h / per_group;
@@ -505,7 +513,7 @@ impl Delta<'_> {
                 let xv = &row[2 * kd + h * p..2 * kd + (h + 1) * p]; // [P] x
                 let dt = softplus(x.a[r * hv + h] + self.dt_bias[h]).max(dt_min);
                 let decay = crate::math::expf(dt * rate);
-                ssm_step(sh, decay, dt, bk, xv, cq, d_skip, &mut oh[t * p..(t + 1) * p]);
+                step(sh, decay, dt, bk, xv, cq, d_skip, &mut oh[t * p..(t + 1) * p]);
             }
         });
         // out[t] = rmsnorm_groups(o[t] · silu(z[t])) · w, the rows in parallel.
@@ -547,21 +555,4 @@ fn l2norm_div(x: &[f32], out: &mut [f32]) {
 /// `ln(1 + e^x)`, and x itself above 20 (torch's threshold).
 fn softplus(x: f32) -> f32 {
     if x > 20.0 { x } else { crate::math::ln_1pf(crate::math::expf(x)) }
-}
-
-/// One token of Mamba2's scan for one head, in the order transformers'
-/// recurrent form computes it: `S = S · decay + (dt · B) ⊗ x`, then
-/// `out = Sᵀ C + D · x` (`s`: [N, P], `b`, `c`: [N], `x`, `out`: [P]).
-#[allow(clippy::too_many_arguments)]
-fn ssm_step(s: &mut [f32], decay: f32, dt: f32, b: &[f32], x: &[f32], c: &[f32], d_skip: f32, out: &mut [f32]) {
-    let p = x.len();
-    out.fill(0.0);
-    for (i, (&bi, &ci)) in b.iter().zip(c).enumerate() {
-        let db = dt * bi;
-        for ((sv, &xv), o) in s[i * p..(i + 1) * p].iter_mut().zip(x).zip(out.iter_mut()) {
-            *sv = *sv * decay + db * xv;
-            *o += *sv * ci;
-        }
-    }
-    out.iter_mut().zip(x).for_each(|(o, &xv)| *o += xv * d_skip);
 }
