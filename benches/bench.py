@@ -1313,7 +1313,12 @@ def bench_results(runs: list[dict]) -> dict:
                         quotient(sl.get(f"prefill{hi}_tps", nan), sl.get(f"prefill{lo}_tps", nan)), 2
                     ),
                 }
-            if "state" in c:
+            # The comparison with an all-attention twin is for hybrids of
+            # recurrent and attention layers only.
+            hybrid = c["model"] in mm.SHAPES and (
+                mm.SHAPES[c["model"]].full_every or mm.SHAPES[c["model"]].pattern
+            )
+            if "state" in c and hybrid:
                 row["state"] = c["state"]
             if c["model"] in TARGETS:
                 row["targets"] = target_marks(clean(row), TARGETS[c["model"]])  # type: ignore[arg-type]
