@@ -167,7 +167,9 @@ def test_a_killed_stage_fails_its_request_and_the_pipeline_restarts(cluster, con
     path = converted("deepseek_v3")
     want = list(single(path).generate(PROMPT, max_new_tokens=40, temperature=0))
     with PipelineEngine(path, stages=3, timeout=20) as e:
-        stream = e.stream(PROMPT, max_new_tokens=40, temperature=0)
+        # Long enough that the stream cannot finish before the kill lands
+        # (40 tokens of this toy model can all arrive before it does).
+        stream = e.stream(PROMPT, max_new_tokens=2000, temperature=0, ignore_eos=True)
         it = iter(stream)
         next(it)
         ray.kill(e.pipeline.actors[1])
