@@ -176,16 +176,6 @@ fn source(_: &HfConfig, cfg: &ModelConfig, id: TensorId) -> Source {
     let moe = |l: usize, n: &str| format!("model.layers.{l}.block_sparse_moe.{n}.weight");
     let shared = |l: usize, n: &str| Source::tensor(format!("model.layers.{l}.shared_mlp.{n}.weight"));
     let mamba = |l: usize, n: &str| Source::tensor(format!("model.layers.{l}.mamba.{n}"));
-    let lin = cfg.linear.unwrap_or(LinearSpec {
-        kind: LinearKind::Mamba2 { dt_min: 0.0 },
-        k_heads: 1,
-        v_heads: 1,
-        k_head_dim: 1,
-        v_head_dim: 1,
-        conv_kernel: 1,
-    });
-    let (i, gn, hv) = (lin.value_dim(), lin.key_dim(), lin.v_heads);
-    let (proj, conv) = (2 * i + 2 * gn + hv, i + 2 * gn); // in_proj rows: z, x, B, C, dt; conv: x, B, C
     match id {
         TensorId::Layer(l, L::Router) => Source::tensor(moe(l, "router.layer")),
         TensorId::Expert(l, e, X::Gate) => Source::expert(moe(l, "input_linear"), e).rows(2 * f, 0, f),
@@ -207,25 +197,10 @@ fn source(_: &HfConfig, cfg: &ModelConfig, id: TensorId) -> Source {
             shared(l, "input_linear").rows(2 * w, w, w)
         }
         TensorId::Layer(l, L::SharedDown | L::Down) => shared(l, "output_linear"),
-        TensorId::Layer(l, t) if cfg.layers[l].mixer == MixerSpec::Linear => match t {
-            L::LinZ => mamba(l, "in_proj.weight").rows(proj, 0, i),
-            L::LinV => mamba(l, "in_proj.weight").rows(proj, i, i),
-            L::LinK => mamba(l, "in_proj.weight").rows(proj, 2 * i, gn),
-            L::LinQ => mamba(l, "in_proj.weight").rows(proj, 2 * i + gn, gn),
-            L::LinA => mamba(l, "in_proj.weight").rows(proj, 2 * i + 2 * gn, hv),
-            L::LinConvV => mamba(l, "conv1d.weight").rows(conv, 0, i),
-            L::LinConvK => mamba(l, "conv1d.weight").rows(conv, i, gn),
-            L::LinConvQ => mamba(l, "conv1d.weight").rows(conv, i + gn, gn),
-            L::LinConvBiasV => mamba(l, "conv1d.bias").rows(conv, 0, i),
-            L::LinConvBiasK => mamba(l, "conv1d.bias").rows(conv, i, gn),
-            L::LinConvBiasQ => mamba(l, "conv1d.bias").rows(conv, i + gn, gn),
-            L::LinALog => mamba(l, "A_log"),
-            L::LinDtBias => mamba(l, "dt_bias"),
-            L::LinSkip => mamba(l, "D"),
-            L::LinNorm => mamba(l, "norm.weight"),
-            L::Wo => mamba(l, "out_proj.weight"),
-            other => plain(TensorId::Layer(l, other)),
-        },
+        TensorId::Layer(l, L::Wo) if cfg.layers[l].mixer == MixerSpec::Linear => mamba(l, "out_proj.weight"),
+        TensorId::Layer(l, t) if cfg.layers[l].mixer == MixerSpec::Linear => {
+            super::mamba2_source(cfg.linear, t, |name| mamba(l, name)).unwrap_or_else(|| plain(TensorId::Layer(l, t)))
+        }
         other => plain(other),
     }
 }

@@ -37,7 +37,9 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use crate::canonical::config::{FfnSpec, LayerSpec, MixerSpec, ModelConfig, RopeScaling, RopeSpec, SIZE_LIMIT};
+use crate::canonical::config::{
+    FfnSpec, LayerSpec, LinearSpec, MixerSpec, ModelConfig, RopeScaling, RopeSpec, SIZE_LIMIT,
+};
 use crate::canonical::tensors::{ExpertTensor, LayerTensor, TensorId};
 use crate::error::{Error, Result};
 
@@ -649,6 +651,35 @@ pub(crate) fn shared_experts_name(id: TensorId) -> Option<String> {
         _ => return None,
     };
     Some(format!("model.layers.{l}.mlp.shared_experts.{w}.weight"))
+}
+
+/// A Mamba2 mixer's own tensor `t` (Nemotron-H, Granite 4.0-H), cut from
+/// the Hub's tensors of its layer, which `mixer` finds by their suffix:
+/// `in_proj` rows are `[z (I), x (I), B (G·N), C (G·N), dt (H)]` and the
+/// convolution's channels `[x, B, C]`. `None` for a tensor that is not the
+/// mixer's own (its out_proj is named by the caller, as a layer's output).
+pub(crate) fn mamba2_source(lin: Option<LinearSpec>, t: LayerTensor, mixer: impl Fn(&str) -> Source) -> Option<Source> {
+    use LayerTensor as L;
+    let (i, gn, hv) = lin.map_or((1, 1, 1), |s| (s.value_dim(), s.key_dim(), s.v_heads));
+    let (proj, conv) = (2 * i + 2 * gn + hv, i + 2 * gn);
+    Some(match t {
+        L::LinZ => mixer("in_proj.weight").rows(proj, 0, i),
+        L::LinV => mixer("in_proj.weight").rows(proj, i, i),
+        L::LinK => mixer("in_proj.weight").rows(proj, 2 * i, gn),
+        L::LinQ => mixer("in_proj.weight").rows(proj, 2 * i + gn, gn),
+        L::LinA => mixer("in_proj.weight").rows(proj, 2 * i + 2 * gn, hv),
+        L::LinConvV => mixer("conv1d.weight").rows(conv, 0, i),
+        L::LinConvK => mixer("conv1d.weight").rows(conv, i, gn),
+        L::LinConvQ => mixer("conv1d.weight").rows(conv, i + gn, gn),
+        L::LinConvBiasV => mixer("conv1d.bias").rows(conv, 0, i),
+        L::LinConvBiasK => mixer("conv1d.bias").rows(conv, i, gn),
+        L::LinConvBiasQ => mixer("conv1d.bias").rows(conv, i + gn, gn),
+        L::LinALog => mixer("A_log"),
+        L::LinDtBias => mixer("dt_bias"),
+        L::LinSkip => mixer("D"),
+        L::LinNorm => mixer("norm.weight"),
+        _ => return None,
+    })
 }
 
 /// Which layers are MoE under Qwen's `mlp_only_layers` / `decoder_sparse_step` rule:

@@ -291,17 +291,9 @@ fn source(hf: &HfConfig, cfg: &ModelConfig, id: TensorId) -> Source {
             if t == X::Up { no_rows(source) } else { source }
         }
         TensorId::Layer(l, t) => {
-            let lin = cfg.linear.unwrap_or(LinearSpec {
-                kind: LinearKind::Mamba2 { dt_min: 0.0 },
-                k_heads: 1,
-                v_heads: 1,
-                k_head_dim: 1,
-                v_head_dim: 1,
-                conv_kernel: 1,
-            });
-            let (i, gn, hv) = (lin.value_dim(), lin.key_dim(), lin.v_heads);
-            let proj = 2 * i + 2 * gn + hv; // in_proj rows: z, x, B, C, dt
-            let conv = i + 2 * gn; // conv channels: x, B, C
+            if let Some(src) = super::mamba2_source(cfg.linear, t, |name| mixer(l, name)) {
+                return src;
+            }
             match t {
                 L::AttnNorm => match block(l, false) {
                     Some(b) => named(&format!("layers.{b}.norm.weight")),
@@ -311,21 +303,6 @@ fn source(hf: &HfConfig, cfg: &ModelConfig, id: TensorId) -> Source {
                     Some(b) => named(&format!("layers.{b}.norm.weight")),
                     None => missing(id.to_string()),
                 },
-                L::LinZ => mixer(l, "in_proj.weight").rows(proj, 0, i),
-                L::LinV => mixer(l, "in_proj.weight").rows(proj, i, i),
-                L::LinK => mixer(l, "in_proj.weight").rows(proj, 2 * i, gn),
-                L::LinQ => mixer(l, "in_proj.weight").rows(proj, 2 * i + gn, gn),
-                L::LinA => mixer(l, "in_proj.weight").rows(proj, 2 * i + 2 * gn, hv),
-                L::LinConvV => mixer(l, "conv1d.weight").rows(conv, 0, i),
-                L::LinConvK => mixer(l, "conv1d.weight").rows(conv, i, gn),
-                L::LinConvQ => mixer(l, "conv1d.weight").rows(conv, i + gn, gn),
-                L::LinConvBiasV => mixer(l, "conv1d.bias").rows(conv, 0, i),
-                L::LinConvBiasK => mixer(l, "conv1d.bias").rows(conv, i, gn),
-                L::LinConvBiasQ => mixer(l, "conv1d.bias").rows(conv, i + gn, gn),
-                L::LinALog => mixer(l, "A_log"),
-                L::LinDtBias => mixer(l, "dt_bias"),
-                L::LinSkip => mixer(l, "D"),
-                L::LinNorm => mixer(l, "norm.weight"),
                 L::Wo if cfg.layers[l].mixer == MixerSpec::Linear => mixer(l, "out_proj.weight"),
                 L::Wq => mixer(l, "q_proj.weight"),
                 L::Wk => mixer(l, "k_proj.weight"),
