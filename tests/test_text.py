@@ -84,6 +84,40 @@ def test_add_bos_false_read_from_a_converted_file(tmp_path):
     assert engine.bos_token_id == 1
 
 
+class _Raising:
+    """Stands in for a tokenizers.Tokenizer whose decode raises `error`."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def decode(self, ids, skip_special_tokens=False):
+        raise self.error
+
+
+class PanicException(BaseException):
+    """Named as pyo3's exception for a panic in the tokenizers package's Rust code."""
+
+
+class _Signal(BaseException):
+    """Like the CLI's SIGTERM exception: raised by a signal handler mid-call."""
+
+
+@pytest.mark.parametrize("error", [ValueError("bad id"), PanicException("index out of bounds")])
+def test_a_failing_decode_is_a_tokenizer_error(error):
+    c = codec("llama")
+    c.tokenizer = _Raising(error)
+    with pytest.raises(colibri.TokenizerError, match=f"failed to decode: {type(error).__name__}"):
+        c.decode([1, 2])
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), _Signal(), SystemExit(3)])
+def test_a_signal_landing_in_a_decode_passes_through(error):
+    c = codec("llama")
+    c.tokenizer = _Raising(error)
+    with pytest.raises(type(error)):
+        c.decode([1, 2])
+
+
 def test_streaming_detokenisation_never_splits_a_character():
     c = codec("llama")
     for text in TEXTS + [NON_ASCII * 3, f"a{NON_ASCII}b"]:

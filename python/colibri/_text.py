@@ -106,14 +106,18 @@ class TextCodec:
 def _tokenizer_errors(what: str) -> Iterator[None]:
     """Turns whatever the tokenizers package raises on a hostile tokenizer
     (plain Exception, or PanicException, a BaseException, when its Rust code
-    panics) into a TokenizerError."""
+    panics) into a TokenizerError. Any other BaseException passes through: a
+    signal handler's exception (Ctrl-C, the CLI's SIGTERM) can land while a
+    decode runs and must still stop the program."""
     try:
         yield
     except TokenizerError:
         raise
-    except (KeyboardInterrupt, SystemExit, GeneratorExit):
-        raise
+    except Exception as e:
+        raise TokenizerError(f"{what}: {type(e).__name__}: {e}") from None
     except BaseException as e:
+        if type(e).__name__ != "PanicException":
+            raise
         raise TokenizerError(f"{what}: {type(e).__name__}: {e}") from None
 
 
