@@ -6,6 +6,7 @@ import importlib
 import json
 import os
 import shutil
+import signal
 import struct
 import sys
 from pathlib import Path
@@ -20,6 +21,12 @@ import colibri
 # switch Ray reads for Windows and macOS, read once at import) Ray takes the
 # loopback address for its node, where it would take the host's own.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+# A run started in the background by a shell without job control inherits
+# SIGINT ignored, and every child would too: the Ctrl-C tests' processes
+# would never see it. With a handler here, children start with the default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 GOLDEN = Path(__file__).parent / "fixtures" / "golden"
 CASES = sorted(p.name for p in GOLDEN.iterdir() if (p / "golden.npz").exists())
