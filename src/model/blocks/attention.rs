@@ -287,6 +287,7 @@ fn block_sum(row: &[f32; KEY_BLOCK]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::blocks::test_values;
 
     /// Textbook attention with an explicit mask and a two-pass softmax.
     fn naive(q: &[f32], k: &[f32], v: &[f32], pos0: usize, hd: Heads) -> Vec<f32> {
@@ -326,11 +327,8 @@ mod tests {
 
     #[test]
     fn matches_naive_attention_with_gqa_window_and_offset() {
-        let mut s = 1u32;
-        let mut rnd = || {
-            s = s.wrapping_mul(1664525).wrapping_add(1013904223);
-            (s >> 8) as f32 / (1 << 24) as f32 * 4.0 - 2.0
-        };
+        let mut values = test_values(1);
+        let mut rnd = || 2.0 * values();
         for &(h, hkv, dh, window, pos0, t) in &[
             (4, 2, 6, None, 0, 7),
             (6, 3, 5, Some(3), 2, 9),
@@ -392,11 +390,8 @@ mod tests {
     /// window that starts inside a block, sinks, f32 and f16 caches.
     #[test]
     fn one_call_and_token_by_token_give_the_same_bits() {
-        let mut s = 9u32;
-        let mut rnd = || {
-            s = s.wrapping_mul(1664525).wrapping_add(1013904223);
-            (s >> 8) as f32 / (1 << 24) as f32 * 4.0 - 2.0
-        };
+        let mut values = test_values(9);
+        let mut rnd = || 2.0 * values();
         let sinks = [0.5f32, -0.25, 1.0, 0.0, 2.0, -1.0];
         for &(h, hkv, dh, window, pos0, t) in &[
             (6, 3, 24, Some(70), 37, 100),
@@ -435,11 +430,7 @@ mod tests {
         // One shared kv head whose values are the first dv of each key row
         // (the absorbed MLA layout), with a sink logit per query head.
         let (h, dk, dv, t) = (3, 7, 4, 9);
-        let mut s = 5u32;
-        let mut rnd = || {
-            s = s.wrapping_mul(1664525).wrapping_add(1013904223);
-            (s >> 8) as f32 / (1 << 24) as f32 * 2.0 - 1.0
-        };
+        let mut rnd = test_values(5);
         let k: Vec<f32> = (0..t * dk).map(|_| rnd()).collect();
         let q: Vec<f32> = (0..t * h * dk).map(|_| rnd()).collect();
         let sinks = [0.3f32, -1.0, 2.0];

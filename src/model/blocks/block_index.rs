@@ -314,15 +314,8 @@ fn block_scores(q: &[f32], di: usize, keys: KvView, p: usize, block: usize, out:
 mod tests {
     use super::*;
     use crate::model::blocks::kv_cache::KvCache;
+    use crate::model::blocks::test_values;
     use crate::quant::DType;
-
-    fn rnd(seed: u32) -> impl FnMut() -> f32 {
-        let mut s = seed;
-        move || {
-            s = s.wrapping_mul(1664525).wrapping_add(1013904223);
-            (s >> 8) as f32 / (1 << 24) as f32 * 2.0 - 1.0
-        }
-    }
 
     fn indexer(spec: BlockIndexSpec, rope: &Rope) -> BlockIndexer<'_> {
         let none = Matrix { dtype: DType::F32, rows: 0, cols: 0, bytes: &[] };
@@ -338,7 +331,7 @@ mod tests {
     /// index head, with sinks, f32 and f16 caches.
     #[test]
     fn selecting_every_block_gives_the_bits_of_dense_attention() {
-        let mut r = rnd(5);
+        let mut r = test_values(5);
         let (dh, block) = (8, 5);
         let sinks: Vec<f32> = (0..6).map(|_| r()).collect();
         for (h, hkv, hi) in [(4, 2, 4), (4, 2, 2), (4, 2, 1), (6, 3, 3)] {
@@ -387,7 +380,7 @@ mod tests {
     /// ascending order.
     #[test]
     fn the_selection_keeps_the_local_blocks_and_the_best_others() {
-        let mut r = rnd(9);
+        let mut r = test_values(9);
         let (hi, di, block, k, local, p) = (3, 6, 3, 5, 2, 40);
         let nb = p / block + 1;
         let spec = BlockIndexSpec { heads: hi, head_dim: di, block, top_blocks: k, local_blocks: local };
@@ -424,7 +417,7 @@ mod tests {
     /// block's keys up to the query, whatever the block width.
     #[test]
     fn block_scores_are_maxima_of_the_dots() {
-        let mut r = rnd(7);
+        let mut r = test_values(7);
         let (hi, di, n) = (3, 9, 300);
         let keys: Vec<f32> = (0..n * di).map(|_| r()).collect();
         let q: Vec<f32> = (0..hi * di).map(|_| r()).collect();

@@ -375,21 +375,14 @@ pub fn attend_rows(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn rnd(seed: u32) -> impl FnMut() -> f32 {
-        let mut s = seed;
-        move || {
-            s = s.wrapping_mul(1664525).wrapping_add(1013904223);
-            (s >> 8) as f32 / (1 << 24) as f32 * 2.0 - 1.0
-        }
-    }
+    use crate::model::blocks::test_values;
 
     /// The selection path with every key selected gives the bits of the
     /// dense path (attention over the whole latent cache), in prefill and in
     /// decode, over several key blocks, for f32 and f16 caches.
     #[test]
     fn selecting_every_key_gives_the_bits_of_dense_attention() {
-        let mut r = rnd(3);
+        let mut r = test_values(3);
         let (h, dk, dv) = (5, 13, 9);
         for dtype in [DType::F32, DType::F16] {
             for (pos0, t) in [(0, 7), (60, 9), (130, 1), (0, 150)] {
@@ -418,7 +411,7 @@ mod tests {
     /// only those rows.
     #[test]
     fn a_selection_attends_to_its_rows_only() {
-        let mut r = rnd(11);
+        let mut r = test_values(11);
         let (h, dk, dv, n) = (3, 6, 4, 90);
         let rows: Vec<f32> = (0..n * dk).map(|_| r()).collect();
         let mut cache = KvCache::new(DType::F32, n, 1, dk, 0, None);
@@ -440,7 +433,7 @@ mod tests {
     /// best, the earlier position among equal scores, ascending.
     #[test]
     fn scores_and_top_k_follow_the_rule() {
-        let mut r = rnd(5);
+        let mut r = test_values(5);
         let (hi, di, n) = (11, 7, 150);
         let keys: Vec<f32> = (0..n * di).map(|_| r()).collect();
         let q: Vec<f32> = (0..hi * di).map(|_| r()).collect();

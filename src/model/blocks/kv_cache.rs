@@ -216,6 +216,7 @@ impl KvCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::blocks::test_values;
 
     /// A window's cache resumed at a later position holds the window's rows
     /// before it once they are put back, and not the rows before those
@@ -242,11 +243,7 @@ mod tests {
     /// every layer, for grouped-query heads and for MLA's one shared head.
     #[test]
     fn the_cache_gives_attention_the_bits_of_a_position_major_layout() {
-        let mut s = 7u32;
-        let mut rnd = || {
-            s = s.wrapping_mul(1664525).wrapping_add(1013904223);
-            (s >> 8) as f32 / (1 << 24) as f32 * 2.0 - 1.0
-        };
+        let mut rnd = test_values(7);
         let (layers, max_seq, n, split) = (3, 40, 29, 11);
         for (h, hkv, dh, mla) in [(6, 3, 8, false), (4, 4, 5, false), (3, 1, 7, true)] {
             let (kw, vw) = (hkv * dh, if mla { 0 } else { hkv * dh });

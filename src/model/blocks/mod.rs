@@ -57,3 +57,14 @@ impl Inputs {
         Input::prepare(x, cols, self.quantize, &mut self.blocks)
     }
 }
+
+/// Test data for the blocks' tests: values in [-1, 1) from a 32-bit linear
+/// congruential stream, the same for a seed on every CPU.
+#[cfg(test)]
+pub(crate) fn test_values(seed: u32) -> impl FnMut() -> f32 {
+    let mut s = seed;
+    move || {
+        s = s.wrapping_mul(1664525).wrapping_add(1013904223);
+        (s >> 8) as f32 / (1 << 24) as f32 * 2.0 - 1.0
+    }
+}
