@@ -207,9 +207,12 @@ def test_ctrl_c_while_waiting_for_input_exits_cleanly(llama, command):
         stderr=subprocess.PIPE,
         text=True,
     )
-    time.sleep(1.5)  # started and blocked reading stdin
-    p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=30)
+    try:
+        time.sleep(1.5)  # started and blocked reading stdin
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=30)
+    finally:
+        p.kill()
     assert p.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err
 

@@ -372,10 +372,13 @@ def test_ctrl_c_during_generation_in_a_process(text_model):
         [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     assert p.stdout is not None
-    assert p.stdout.readline().strip() == "ready"
-    time.sleep(0.3)
-    p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=60)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        time.sleep(0.3)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()  # a child that missed the signal would loop on
     assert p.returncode == 0, err
     assert out.strip() == "usable"
 

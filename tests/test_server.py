@@ -446,7 +446,10 @@ def test_colibri_serve_on_the_command_line(tmp_path):
         assert r.usage.completion_tokens >= 1
     finally:
         p.send_signal(signal.SIGINT)
-        _, err = p.communicate(timeout=30)
+        try:
+            _, err = p.communicate(timeout=30)
+        finally:
+            p.kill()  # a server that missed the signal would serve on
     assert p.returncode == 0, err
     assert f"serving on http://127.0.0.1:{port}/v1" in err
     bad = subprocess.run([*cmd[:4], "--port", "0", "--demo"], capture_output=True, text=True)
