@@ -25,34 +25,36 @@ use crate::quant::act::BlockQ8;
 use std::arch::x86_64::__cpuid;
 
 /// The prefetch distance of the light one-token weight streams (one-token
-/// passes of the 8-row q8_0, q4_0, q4_1 and q4k kernels: decode) on AMD
-/// family 17h (Zen, Zen+, Zen 2; only Zen 2 measured). There the L2
-/// hardware streamer keeps ahead of a sequential read by itself, and a
-/// request 16 KiB ahead goes to DRAM and holds one of the core's few L1
-/// miss buffers the whole way, which capped one thread at about 15 GB/s;
-/// asked for 1 KiB ahead, the lines are already in L2. Zen 2 EPYC (session
-/// 24; kernel_speed over a streamed q4_0x8 matrix, GB/s on one | two
-/// threads): 14.8-15.4 | 28.1-29.7 at 16 KiB, 17.3-18.0 | 29.8-33.4 at 1
-/// KiB, the read probe's 17.4 | 31-35; q8_0x8 and q4_1x8 about +17% on one
-/// thread, q4kx8 +7%. Not for every kernel: 2 KiB was the worst distance
-/// for these four (13.2-14.4 GB/s on one thread), and the heavier streams
-/// (mxfp4, q5k, q6k at one token, every pass of two tokens and more) read
-/// as fast or faster at 4-16 KiB, so they keep [`prim::PREFETCH_AHEAD`]. So
-/// do other CPUs (on the host where 16 KiB was chosen, 1 and 4 KiB were
-/// slower).
-const FAMILY_17H_ONE_TOKEN_AHEAD: usize = 1024;
+/// passes of the 8-row q8_0, q4_0, q4_1 and q4k kernels: decode) on AMD Zen
+/// 2 and Zen 3 (family 17h, and 19h's Zen 3 models; see
+/// [`short_light_streams`]). There the L2 hardware streamer keeps ahead of a
+/// sequential read by itself, and a request 16 KiB ahead goes to DRAM and
+/// holds one of the core's few L1 miss buffers the whole way; asked for 1
+/// KiB ahead, the lines are already in L2. Zen 2 EPYC (kernel_speed over a
+/// streamed q4_0x8 matrix, GB/s on one | two threads): 14.8-15.4 |
+/// 28.1-29.7 at 16 KiB, 17.3-18.0 | 29.8-33.4 at 1 KiB, the read probe's
+/// 17.4 | 31-35; q8_0x8 and q4_1x8 about +17% on one thread, q4kx8 +7%; 2
+/// KiB was the worst distance there (13.2-14.4 on one thread). Zen 3 EPYC
+/// (q8_0x8, 4096 columns, medians of five): 19.6 | 31.9 at 16 KiB, 22.6 |
+/// 37.0 at 1 KiB (2 KiB the same, 4 KiB as 16); the 4-bit streams read
+/// alike at both distances, and Nemotron 3 Nano's q8_0 decode went from 41.5
+/// to 46 tok/s on two threads. The heavier streams (mxfp4, q5k, q6k at one
+/// token, every pass of two tokens and more) read as fast or faster at 4-16
+/// KiB, so they keep [`prim::PREFETCH_AHEAD`]. So do other CPUs (on the host
+/// where 16 KiB was chosen, 1 and 4 KiB were slower).
+const SHORT_ONE_TOKEN_AHEAD: usize = 1024;
 
 /// Sets the prefetch distance of the light one-token streams for this CPU,
 /// once, when the process's kernel table is chosen (before any kernel is
 /// reached through `kernels::table()`; tables made directly, as the kernel
 /// tests do, run at the default): `COLIBRI_PREFETCH` (bytes, or KiB with
 /// that suffix; 64 bytes to 1 MiB; `auto` or unset: the default) when
-/// given, else [`FAMILY_17H_ONE_TOKEN_AHEAD`] on AMD family 17h, else
-/// [`prim::PREFETCH_AHEAD`]. Returns a note for stderr when the variable
-/// could not be followed.
+/// given, else [`SHORT_ONE_TOKEN_AHEAD`] where [`short_light_streams`]
+/// says so, else [`prim::PREFETCH_AHEAD`]. Returns a note for stderr when
+/// the variable could not be followed.
 pub fn tune_streams() -> Option<String> {
-    let family_17h = amd_family() == Some(0x17);
-    let (bytes, note) = one_token_ahead_for(std::env::var("COLIBRI_PREFETCH").ok().as_deref(), family_17h);
+    let short = amd_cpu().is_some_and(|(family, model)| short_light_streams(family, model));
+    let (bytes, note) = one_token_ahead_for(std::env::var("COLIBRI_PREFETCH").ok().as_deref(), short);
     prim::set_one_token_ahead(bytes);
     note
 }
@@ -62,10 +64,20 @@ pub fn one_token_ahead() -> usize {
     prim::stream_ahead::<1>(true)
 }
 
-/// The distance for a `COLIBRI_PREFETCH` value on a CPU that is (or is not)
-/// AMD family 17h, and a note when the value could not be followed.
-fn one_token_ahead_for(request: Option<&str>, family_17h: bool) -> (usize, Option<String>) {
-    let default = if family_17h { FAMILY_17H_ONE_TOKEN_AHEAD } else { prim::PREFETCH_AHEAD };
+/// Whether the light one-token streams read fastest at
+/// [`SHORT_ONE_TOKEN_AHEAD`] on an AMD CPU of this family and model: family
+/// 17h (Zen, Zen+, Zen 2; Zen 2 measured), and in family 19h the Zen 3
+/// models (0x00-0x0F, 0x20-0x2F, 0x40-0x5F; Milan measured), not Zen 4's,
+/// which nobody has measured.
+fn short_light_streams(family: u32, model: u32) -> bool {
+    family == 0x17 || (family == 0x19 && matches!(model >> 4, 0x0 | 0x2 | 0x4 | 0x5))
+}
+
+/// The distance for a `COLIBRI_PREFETCH` value on a CPU whose light streams
+/// do (or do not) read best from close by, and a note when the value could
+/// not be followed.
+fn one_token_ahead_for(request: Option<&str>, short: bool) -> (usize, Option<String>) {
+    let default = if short { SHORT_ONE_TOKEN_AHEAD } else { prim::PREFETCH_AHEAD };
     let text = request.map(str::trim).unwrap_or_default();
     if text.is_empty() || text.eq_ignore_ascii_case("auto") {
         return (default, None);
@@ -82,14 +94,14 @@ fn one_token_ahead_for(request: Option<&str>, family_17h: bool) -> (usize, Optio
     (default, Some(format!("COLIBRI_PREFETCH={text}: {why}; using {default} bytes")))
 }
 
-/// The CPU family when the vendor is AMD (`None` otherwise).
-fn amd_family() -> Option<u32> {
+/// The CPU's family and model when the vendor is AMD (`None` otherwise).
+fn amd_cpu() -> Option<(u32, u32)> {
     #[allow(unused_unsafe)]
     // SAFETY: CPUID leaves 0 and 1 exist on every x86_64 CPU. (`__cpuid`
     // is an unsafe fn on the oldest Rust this crate builds with.)
     let (v, eax) = unsafe { (__cpuid(0), __cpuid(1).eax) };
     let vendor: Vec<u8> = [v.ebx, v.edx, v.ecx].iter().flat_map(|r| r.to_le_bytes()).collect();
-    (vendor == b"AuthenticAMD").then(|| family(eax))
+    (vendor == b"AuthenticAMD").then(|| (family(eax), model(eax)))
 }
 
 /// The family in CPUID leaf 1's EAX: the base family (bits 8-11), plus the
@@ -97,6 +109,13 @@ fn amd_family() -> Option<u32> {
 fn family(eax: u32) -> u32 {
     let base = (eax >> 8) & 0xF;
     if base == 0xF { base + ((eax >> 20) & 0xFF) } else { base }
+}
+
+/// The model in CPUID leaf 1's EAX: the base model (bits 4-7), with the
+/// extended model (bits 16-19) above it when the base family is 6 or 0xF.
+fn model(eax: u32) -> u32 {
+    let base = (eax >> 4) & 0xF;
+    if matches!((eax >> 8) & 0xF, 0x6 | 0xF) { (((eax >> 16) & 0xF) << 4) | base } else { base }
 }
 
 /// Proof that this CPU runs the AVX2 table: only [`Avx2::detect`] makes one.
@@ -675,13 +694,23 @@ mod tests {
     fn colibri_prefetch_is_followed_or_refused_with_a_note() {
         let d = prim::PREFETCH_AHEAD;
         assert_eq!(one_token_ahead_for(None, false), (d, None));
-        assert_eq!(one_token_ahead_for(None, true), (FAMILY_17H_ONE_TOKEN_AHEAD, None));
-        assert_eq!(one_token_ahead_for(Some(" auto "), true), (FAMILY_17H_ONE_TOKEN_AHEAD, None));
+        assert_eq!(one_token_ahead_for(None, true), (SHORT_ONE_TOKEN_AHEAD, None));
+        assert_eq!(one_token_ahead_for(Some(" auto "), true), (SHORT_ONE_TOKEN_AHEAD, None));
         assert_eq!(one_token_ahead_for(Some("4096"), true), (4096, None));
         assert_eq!(one_token_ahead_for(Some("2KiB"), false), (2048, None));
         assert_eq!(one_token_ahead_for(Some("4 kib"), false), (4096, None));
         assert_eq!((family(0x0087_0F10), family(0x0083_0F10), family(0x00A2_0F10)), (0x17, 0x17, 0x19));
         assert_eq!(family(0x0009_06EA), 6);
+        // CPUID leaf 1's EAX of Zen 2 Rome, Zen 3 Milan and Vermeer, Zen 4
+        // Genoa and Raphael, Zen 5 Turin, Sapphire Rapids.
+        let cpus = [0x0083_0F10, 0x00A0_0F11, 0x00A2_0F10, 0x00A1_0F11, 0x00A6_0F12, 0x00B0_0F21, 0x0008_06F8];
+        let ids = cpus.map(|eax| (family(eax), model(eax)));
+        assert_eq!(
+            ids,
+            [(0x17, 0x31), (0x19, 0x01), (0x19, 0x21), (0x19, 0x11), (0x19, 0x61), (0x1A, 0x02), (6, 0x8F)]
+        );
+        let short = ids.map(|(f, m)| short_light_streams(f, m));
+        assert_eq!(short, [true, true, true, false, false, false, false]);
         for bad in ["32", "2048KiB", "2MiB", "soon", "-1", "KiB"] {
             let (bytes, note) = one_token_ahead_for(Some(bad), false);
             assert_eq!(bytes, d, "{bad}");
